@@ -1,0 +1,1 @@
+"""draftgraph runtime: IR, scheduler, arena planner, executors, cache, weights, proposer."""

@@ -1,0 +1,120 @@
+"""validate() rejects each kind of malformed graph with a message naming the node."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.builder import GraphBuilder
+from runtime.errors import GraphError
+from runtime.graph import Node, Value, ValueKind
+from runtime.schedule import schedule
+from runtime.tensor_spec import B, TensorSpec
+from runtime.validate import validate
+
+F32 = torch.float32
+
+
+def chain(n: int = 4):
+    b = GraphBuilder("chain")
+    x = b.input("x", TensorSpec((B, 8), F32))
+    w = b.weight("w", TensorSpec((8, 8), F32))
+    for i in range(n):
+        x = b.op("linear", [x, w], name=f"l{i}")
+    b.output(x)
+    return b.build()
+
+
+def assert_short_error(graph, *fragments):
+    with pytest.raises(GraphError) as info:
+        validate(graph)
+    text = str(info.value)
+    for fragment in fragments:
+        assert fragment in text, text
+    assert len(text.splitlines()) <= 10, f"error message too long:\n{text}"
+    return text
+
+
+def test_valid_graph_passes_and_schedules_in_builder_order():
+    graph = chain()
+    validate(graph)
+    assert [n.name for n in schedule(graph)] == ["l0", "l1", "l2", "l3"]
+
+
+def test_cycle_is_named():
+    graph = chain()
+    graph.nodes["l0"].inputs = ("l2", "w")  # l0 now reads l2, which depends on l0
+    text = assert_short_error(graph, "cycle", "%l0")
+    assert "%l1" in text
+
+
+def test_undefined_value_names_node():
+    graph = chain()
+    graph.nodes["l2"].inputs = ("ghost", "w")
+    assert_short_error(graph, "%l2", "%ghost is undefined")
+
+
+def test_doubly_defined_value_names_both_nodes():
+    graph = chain()
+    graph.nodes["dup"] = Node("dup", "linear", ("x", "w"), ("l1",), {})
+    assert_short_error(graph, "%dup", "%l1 is defined twice", "%l1")
+
+
+def test_dangling_output_is_rejected():
+    b = GraphBuilder("dangle")
+    x = b.input("x", TensorSpec((B, 8), F32))
+    w = b.weight("w", TensorSpec((8, 8), F32))
+    b.op("linear", [x, w], name="unused")
+    y = b.op("linear", [x, w], name="used")
+    b.output(y)
+    with pytest.raises(GraphError, match="dangling output %unused"):
+        b.build()
+
+
+def test_discarded_output_is_allowed():
+    b = GraphBuilder("discard")
+    x = b.input("x", TensorSpec((B, 8), F32))
+    w = b.weight("w", TensorSpec((8, 8), F32))
+    b.discard(b.op("linear", [x, w], name="unused"))
+    b.output(b.op("linear", [x, w], name="used"))
+    validate(b.build())
+
+
+def test_shape_rule_violation_after_build_is_caught():
+    graph = chain()
+    graph.values["l1"].spec = TensorSpec((B, 9), F32)
+    assert_short_error(graph, "%l", "expected")
+
+
+def test_builder_rejects_bad_shapes_immediately_with_expected_and_got():
+    b = GraphBuilder("bad")
+    x = b.input("x", TensorSpec((B, 8), F32))
+    w = b.weight("w", TensorSpec((4, 6), F32))
+    with pytest.raises(GraphError) as info:
+        b.op("linear", [x, w], name="proj")
+    text = str(info.value)
+    assert "%proj" in text and "expected" in text and "f32[B,8]" in text
+
+
+def test_dtype_rule_violation():
+    b = GraphBuilder("dtype")
+    x = b.input("x", TensorSpec((B, 8), torch.bfloat16))
+    w = b.weight("w", TensorSpec((8, 8), F32))
+    with pytest.raises(GraphError, match="linear dtypes"):
+        b.op("linear", [x, w])
+
+
+def test_node_writing_a_weight_is_rejected():
+    graph = chain()
+    graph.values["w2"] = Value("w2", TensorSpec((8, 8), F32), ValueKind.WEIGHT)
+    graph.nodes["l3"].outputs = ("w2",)
+    graph.outputs = ["l2"]
+    assert_short_error(graph, "%l3", "weight")
+
+
+def test_error_window_shows_neighbours_not_whole_graph():
+    graph = chain(30)
+    graph.nodes["l15"].inputs = ("nope", "w")
+    text = assert_short_error(graph, "%l15")
+    assert "%l16" in text  # its consumer is shown
+    assert "%l3:" not in text and "%l27:" not in text  # far-away nodes are not
