@@ -1,0 +1,201 @@
+"""The MTP draft step and the K-draft chain, as one graph.
+
+One step (spec section 5; node names as in dumps)::
+
+    embed -> enorm -> e_proj -> hc_expand -+
+                        hnorm -> h_proj ---+-> combiner -> body -> hc_head -> lm_head -> argmax
+
+``streams`` mode (DeepSeek reference, default): the hidden is the target's
+pre-hc_head streams [B, C, D]; h_proj acts per stream and e_proj(e) is
+broadcast over the C streams (by hc_expand), summed by the combiner. Later
+steps take the MTP's own pre-hc_head streams. ``collapsed`` mode (the seed):
+the hidden is [B, D]; the combiner sums the two projections and hc_expand
+replicates the sum; later steps take the MTP's collapsed h_out.
+
+The chain unrolls the step K times in one graph: each draft's argmax feeds the
+next embed, each step's hidden feeds the next combiner, and positions advance
+on the device (``offset_positions``), so a whole propose is one graph run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphs.v4_block import CacheGeometry, block_interface, build_block
+from runtime.builder import GraphBuilder
+from runtime.config import V4Config
+from runtime.graph import Graph, Value
+from runtime.tensor_spec import B, TensorSpec
+
+BF16, F32, I32, I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
+MODES = ("streams", "collapsed")
+
+
+@dataclass(frozen=True)
+class ChainSpec:
+    """Everything that changes the chain graph's structure (a change means a new graph)."""
+
+    num_drafts: int = 1
+    mode: str = "streams"
+    mtp_vocab_size: int = 0  # 0 = full vocab
+    masked: bool = False  # grammar bitmask input present
+    runner: str = "builtin"  # the body: "builtin" inlines the op subgraph; else a body_runner node
+    runner_workspace_bytes: int = 0
+
+
+def hidden_spec(config: V4Config, mode: str) -> TensorSpec:
+    if mode == "streams":
+        return TensorSpec((B, config.hc_mult, config.hidden_size), BF16)
+    return TensorSpec((B, config.hidden_size), BF16)
+
+
+def vocab_rows(config: V4Config, mtp_vocab_size: int) -> int:
+    return min(mtp_vocab_size, config.vocab_size) if mtp_vocab_size > 0 else config.vocab_size
+
+
+def mask_words(config: V4Config, mtp_vocab_size: int = 0) -> int:
+    """int32 words of the grammar bitmask the graph reads: the drafted rows only."""
+    return (vocab_rows(config, mtp_vocab_size) + 31) // 32
+
+
+def chain_inputs(config: V4Config, geometry: CacheGeometry, spec: ChainSpec) -> dict[str, TensorSpec]:
+    """The chain's graph inputs, in order."""
+    if spec.mode not in MODES:
+        from runtime.errors import GraphError
+
+        raise GraphError(f"mode: expected one of {MODES}, got {spec.mode!r}")
+    inputs = {
+        "token": TensorSpec((B,), I64),
+        "hidden": hidden_spec(config, spec.mode),
+        "positions": TensorSpec((B,), I64),
+        "kv_start": TensorSpec((B,), I32),
+        "block_table": TensorSpec((B, geometry.max_blocks_per_seq), I32),
+        "vocab_limit": TensorSpec((1,), I32),
+    }
+    if spec.masked:
+        inputs["grammar_mask"] = TensorSpec((B, mask_words(config, spec.mtp_vocab_size)), I32)
+    return inputs
+
+
+def build_draft_chain(config: V4Config, geometry: CacheGeometry, spec: ChainSpec = ChainSpec()) -> Graph:
+    """The K-draft chain. Outputs: ``drafts`` i64[B, K], ``probs`` f32[B, K], ``hidden_out``."""
+    from runtime.errors import GraphError
+
+    if spec.num_drafts < 1:
+        raise GraphError(f"num_drafts: expected >= 1, got {spec.num_drafts}")
+    name = f"mtp_chain_k{spec.num_drafts}_{spec.mode}"
+    b = GraphBuilder(name)
+    ins = {k: b.input(k, s) for k, s in chain_inputs(config, geometry, spec).items()}
+    body = build_block(config, geometry, prefix="mtp.0.", name="mtp_body") if spec.runner == "builtin" else None
+    token, hidden = ins["token"], ins["hidden"]
+    tokens, probs = [], []
+    for k in range(spec.num_drafts):
+        with b.scoped(f"d{k}"):
+            positions = ins["positions"]
+            if k > 0:
+                positions = b.op("offset_positions", [ins["positions"]], name="positions", attrs={"offset": k})
+            token, prob, hidden = _step(b, config, geometry, spec, ins, token, hidden, positions, body)
+        tokens.append(token)
+        probs.append(prob)
+    drafts = b.op("stack", tokens, name="drafts")
+    confidences = b.op("stack", probs, name="probs")
+    b.output(drafts, confidences, hidden)
+    graph = b.build()
+    graph.meta.update({"num_drafts": spec.num_drafts, "mode": spec.mode, "runner": spec.runner,
+                       "mtp_vocab_size": spec.mtp_vocab_size, "masked": spec.masked})
+    return graph
+
+
+def _step(b, config, geometry, spec, ins, token, hidden, positions, body) -> tuple[Value, Value, Value]:
+    d, eps = config.hidden_size, float(config.rms_norm_eps)
+    norm_attrs = {"eps": eps}
+    embed = b.op("embed", [token, b.weight("embed.weight", TensorSpec((config.vocab_size, d), BF16))])
+    enorm = b.op("rms_norm", [embed, b.weight("mtp.0.enorm.weight", TensorSpec((d,), BF16))], name="enorm",
+                 attrs=norm_attrs)
+    hnorm = b.op("rms_norm", [hidden, b.weight("mtp.0.hnorm.weight", TensorSpec((d,), BF16))], name="hnorm",
+                 attrs=norm_attrs)
+    e_proj = b.op("linear", [enorm, b.weight("mtp.0.e_proj.weight", TensorSpec((d, d), BF16))], name="e_proj")
+    h_proj = b.op("linear", [hnorm, b.weight("mtp.0.h_proj.weight", TensorSpec((d, d), BF16))], name="h_proj")
+    expand = {"hc_mult": config.hc_mult}
+    if spec.mode == "streams":
+        e_streams = b.op("hc_expand", [e_proj], name="hc_expand", attrs=expand)
+        streams = b.op("add", [h_proj, e_streams], name="combiner")
+    else:
+        h_in = b.op("add", [e_proj, h_proj], name="combiner")
+        streams = b.op("hc_expand", [h_in], name="hc_expand", attrs=expand)
+    body_inputs = [streams, positions, ins["kv_start"], ins["block_table"]]
+    if body is not None:
+        out_streams = b.subgraph("body", body, body_inputs)
+    else:
+        out_streams = runner_node(b, config, geometry, body_inputs, spec.runner, spec.runner_workspace_bytes)
+    c = config.hc_mult
+    head_weights = [
+        b.weight("mtp.0.hc_head_fn", TensorSpec((c, c * d), F32)),
+        b.weight("mtp.0.hc_head_base", TensorSpec((c,), F32)),
+        b.weight("mtp.0.hc_head_scale", TensorSpec((1,), F32)),
+    ]
+    h_out = b.op("hc_head", [out_streams, *head_weights], name="hc_head",
+                 attrs={"eps": eps, "hc_eps": float(config.hc_eps)})
+    logits = b.op(
+        "lm_head",
+        [h_out, b.weight("mtp.0.norm.weight", TensorSpec((d,), BF16)),
+         b.weight("head.weight", TensorSpec((config.vocab_size, d), BF16))],
+        attrs={"eps": eps, "vocab_rows": vocab_rows(config, spec.mtp_vocab_size)},
+    )
+    sample_inputs = [logits, ins["vocab_limit"]] + ([ins["grammar_mask"]] if spec.masked else [])
+    token, prob = b.op("draft_argmax", sample_inputs, name="argmax")
+    next_hidden = out_streams if spec.mode == "streams" else h_out
+    return token, prob, next_hidden
+
+
+def runner_interface(config: V4Config, geometry: CacheGeometry) -> dict[str, TensorSpec]:
+    """What a body runner receives (in order) and must return: streams [B, C, D] bf16."""
+    return block_interface(config, geometry)
+
+
+def build_drafter_prefill(config: V4Config, geometry: CacheGeometry, mode: str = "streams",
+                          runner: str = "builtin", runner_workspace_bytes: int = 0) -> Graph:
+    """Write drafter KV rows for (token, hidden) pairs: embed -> combiner -> body, no LM head.
+
+    Rows of one sequence at consecutive positions may share a batch: the attention
+    writes every row's latent before any row reads, and a row reads only positions
+    <= its own, so causality holds within the batch.
+    """
+    spec = ChainSpec(num_drafts=1, mode=mode, runner=runner, runner_workspace_bytes=runner_workspace_bytes)
+    b = GraphBuilder(f"mtp_prefill_{mode}")
+    ins = {k: b.input(k, s) for k, s in chain_inputs(config, geometry, spec).items() if k != "vocab_limit"}
+    body = build_block(config, geometry, prefix="mtp.0.", name="mtp_body") if runner == "builtin" else None
+    d, eps = config.hidden_size, float(config.rms_norm_eps)
+    with b.scoped("p"):
+        embed = b.op("embed", [ins["token"], b.weight("embed.weight", TensorSpec((config.vocab_size, d), BF16))])
+        enorm = b.op("rms_norm", [embed, b.weight("mtp.0.enorm.weight", TensorSpec((d,), BF16))], name="enorm",
+                     attrs={"eps": eps})
+        hnorm = b.op("rms_norm", [ins["hidden"], b.weight("mtp.0.hnorm.weight", TensorSpec((d,), BF16))],
+                     name="hnorm", attrs={"eps": eps})
+        e_proj = b.op("linear", [enorm, b.weight("mtp.0.e_proj.weight", TensorSpec((d, d), BF16))], name="e_proj")
+        h_proj = b.op("linear", [hnorm, b.weight("mtp.0.h_proj.weight", TensorSpec((d, d), BF16))], name="h_proj")
+        if mode == "streams":
+            streams = b.op("add", [h_proj, b.op("hc_expand", [e_proj], attrs={"hc_mult": config.hc_mult})],
+                           name="combiner")
+        else:
+            streams = b.op("hc_expand", [b.op("add", [e_proj, h_proj], name="combiner")],
+                           attrs={"hc_mult": config.hc_mult})
+        body_inputs = [streams, ins["positions"], ins["kv_start"], ins["block_table"]]
+        if body is not None:
+            out = b.subgraph("body", body, body_inputs)
+        else:
+            out = runner_node(b, config, geometry, body_inputs, runner, runner_workspace_bytes)
+    b.output(out)
+    graph = b.build()
+    graph.meta.update({"mode": mode, "runner": runner, "prefill": True})
+    return graph
+
+
+def runner_node(b: GraphBuilder, config: V4Config, geometry: CacheGeometry, body_inputs, runner: str,
+                workspace_bytes: int) -> Value:
+    """The body as one ``body_runner`` node: (streams, positions, kv_start, block_table, $kv_cache)."""
+    cache = b.state("mtp.0.kv_cache", TensorSpec((geometry.num_slots, config.cache_head_dim), BF16))
+    return b.op("body_runner", [*body_inputs, cache], name="body",
+                attrs={"runner": runner, "mutates": ["mtp.0.kv_cache"], "workspace_bytes": workspace_bytes})

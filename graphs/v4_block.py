@@ -1,0 +1,140 @@
+"""The V4 block as a graph: the MTP's ``body`` and each layer of the small target.
+
+hc_pre -> attn_norm -> swa_attention -> hc_post -> hc_pre -> ffn_norm -> moe -> hc_post
+(spec section 2, "Block"). Weights are named as in the checkpoint under
+``prefix`` (``mtp.0.`` or ``layers.{i}.``); the routed experts are stacked
+once at load into ``{prefix}ffn.experts.stacked.{w1,w2,w3}`` [E, ...].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.builder import GraphBuilder
+from runtime.config import V4Config
+from runtime.graph import Graph
+from runtime.tensor_spec import B, TensorSpec
+
+BF16, F32, I32, I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """Static sizes of a paged latent cache, as the graph sees them."""
+
+    num_slots: int  # num_blocks * block_size
+    max_blocks_per_seq: int
+    block_size: int = 16
+
+
+def block_interface(config: V4Config, geometry: CacheGeometry, hash_routed: bool = False) -> dict[str, TensorSpec]:
+    """The body's inputs, in order: streams, positions, kv_start, block_table (+ token if hash-routed)."""
+    c, d = config.hc_mult, config.hidden_size
+    specs = {
+        "streams": TensorSpec((B, c, d), BF16),
+        "positions": TensorSpec((B,), I64),
+        "kv_start": TensorSpec((B,), I32),
+        "block_table": TensorSpec((B, geometry.max_blocks_per_seq), I32),
+    }
+    if hash_routed:
+        specs["token"] = TensorSpec((B,), I64)
+    return specs
+
+
+def attention_attrs(config: V4Config, geometry: CacheGeometry) -> dict:
+    return {
+        "num_heads": config.num_attention_heads,
+        "head_dim": config.head_dim,
+        "rope_dim": config.qk_rope_head_dim,
+        "o_groups": config.o_groups,
+        "o_lora_rank": config.o_lora_rank,
+        "window": config.sliding_window,
+        "rope_theta": float(config.rope_theta),
+        "eps": float(config.rms_norm_eps),
+        "block_size": geometry.block_size,
+    }
+
+
+def hc_attrs(config: V4Config) -> dict:
+    return {"eps": float(config.rms_norm_eps), "hc_eps": float(config.hc_eps), "iters": config.hc_sinkhorn_iters}
+
+
+def build_block(
+    config: V4Config,
+    geometry: CacheGeometry,
+    prefix: str = "mtp.0.",
+    cache_name: str | None = None,
+    hash_routed: bool = False,
+    name: str = "v4_block",
+) -> Graph:
+    """One V4 block as a graph whose inputs are :func:`block_interface`; output: streams [B, C, D]."""
+    b = GraphBuilder(name)
+    ins = {k: b.input(k, s) for k, s in block_interface(config, geometry, hash_routed).items()}
+    x = ins["streams"]
+    cache = b.state(cache_name or f"{prefix}kv_cache", TensorSpec((geometry.num_slots, config.cache_head_dim), BF16))
+    x = _attention_half(b, config, geometry, prefix, x, ins, cache)
+    x = _ffn_half(b, config, prefix, x, ins, hash_routed)
+    b.output(x)
+    return b.build()
+
+
+def _hc_weights(b: GraphBuilder, config: V4Config, prefix: str, which: str):
+    c, d, m = config.hc_mult, config.hidden_size, config.hc_mix_dim
+    return [
+        b.weight(f"{prefix}hc_{which}_fn", TensorSpec((m, c * d), F32)),
+        b.weight(f"{prefix}hc_{which}_base", TensorSpec((m,), F32)),
+        b.weight(f"{prefix}hc_{which}_scale", TensorSpec((3,), F32)),
+    ]
+
+
+def _attention_half(b, config, geometry, prefix, x, ins, cache):
+    d, h, hd = config.hidden_size, config.num_attention_heads, config.head_dim
+    q_lora, g, o_lora = config.q_lora_rank, config.o_groups, config.o_lora_rank
+    y, post, comb = b.op("hc_pre", [x, *_hc_weights(b, config, prefix, "attn")], name="hc_pre_attn",
+                         attrs=hc_attrs(config))
+    normed = b.op("rms_norm", [y, b.weight(f"{prefix}attn_norm.weight", TensorSpec((d,), BF16))],
+                  name="attn_norm", attrs={"eps": float(config.rms_norm_eps)})
+    a = f"{prefix}attn."
+    weights = [
+        b.weight(a + "wq_a.weight", TensorSpec((q_lora, d), BF16)),
+        b.weight(a + "q_norm.weight", TensorSpec((q_lora,), BF16)),
+        b.weight(a + "wq_b.weight", TensorSpec((h * hd, q_lora), BF16)),
+        b.weight(a + "wkv.weight", TensorSpec((hd, d), BF16)),
+        b.weight(a + "kv_norm.weight", TensorSpec((hd,), BF16)),
+        b.weight(a + "wo_a.weight", TensorSpec((g * o_lora, h * hd // g), BF16)),
+        b.weight(a + "wo_b.weight", TensorSpec((d, g * o_lora), BF16)),
+        b.weight(a + "attn_sink", TensorSpec((h,), F32)),
+    ]
+    meta = [ins["positions"], ins["kv_start"], ins["block_table"]]
+    attn = b.op("swa_attention", [normed, *weights, cache, *meta], name="attn",
+                attrs=attention_attrs(config, geometry))
+    return b.op("hc_post", [attn, x, post, comb], name="hc_post_attn")
+
+
+def _ffn_half(b, config, prefix, x, ins, hash_routed):
+    d, e, inter, k = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size, config.num_experts_per_tok
+    y, post, comb = b.op("hc_pre", [x, *_hc_weights(b, config, prefix, "ffn")], name="hc_pre_ffn",
+                         attrs=hc_attrs(config))
+    normed = b.op("rms_norm", [y, b.weight(f"{prefix}ffn_norm.weight", TensorSpec((d,), BF16))],
+                  name="ffn_norm", attrs={"eps": float(config.rms_norm_eps)})
+    f = f"{prefix}ffn."
+    gate = b.weight(f + "gate.weight", TensorSpec((e, d), BF16))
+    experts = [
+        b.weight(f + "experts.stacked.w1", TensorSpec((e, inter, d), BF16)),
+        b.weight(f + "experts.stacked.w2", TensorSpec((e, d, inter), BF16)),
+        b.weight(f + "experts.stacked.w3", TensorSpec((e, inter, d), BF16)),
+        b.weight(f + "shared_experts.w1.weight", TensorSpec((inter, d), BF16)),
+        b.weight(f + "shared_experts.w2.weight", TensorSpec((d, inter), BF16)),
+        b.weight(f + "shared_experts.w3.weight", TensorSpec((inter, d), BF16)),
+    ]
+    attrs = {"top_k": k, "routed_scaling_factor": float(config.routed_scaling_factor),
+             "swiglu_limit": float(config.swiglu_limit)}
+    if hash_routed:
+        tid2eid = b.weight(f + "gate.tid2eid", TensorSpec((config.vocab_size, k), I32))
+        out = b.op("moe_hash", [normed, ins["token"], tid2eid, gate, *experts], name="moe", attrs=attrs)
+    else:
+        bias = b.weight(f + "gate.bias", TensorSpec((e,), F32))
+        out = b.op("moe", [normed, gate, bias, *experts], name="moe", attrs=attrs)
+    return b.op("hc_post", [out, x, post, comb], name="hc_post_ffn")

@@ -1,0 +1,130 @@
+"""CapturedExecutor: one CUDA graph per (batch bucket, K) replaying the eager steps.
+
+The executor captures exactly the steps of an :class:`EagerExecutor` (same ops,
+same arena, same static input buffers), so a replay equals an eager run bit for
+bit. Capture follows the usual recipe: warm up on a side stream (module loads,
+cuBLAS handles and workspaces happen outside the capture), then capture on that
+stream into a graph that draws its temporaries from a memory pool shared by
+every capture of the proposer. Nothing host-built is frozen into the graph: the
+inputs are static device buffers written before each replay (one staging copy)
+and read by the graph at replay time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import torch
+
+from runtime.errors import CaptureError, InputError, describe
+from runtime.executor import EagerExecutor
+from runtime.graph import Graph
+
+
+class CapturedExecutor:
+    """Capture ``graph`` at ``batch`` once; ``run()`` replays it.
+
+    Parameters
+    ----------
+    static_inputs : name -> device tensor, optional
+        The buffers the graph reads its inputs from (e.g. a ChainStaging's views);
+        when given, ``run`` expects these very tensors (no copy). Otherwise the
+        executor allocates its own and ``run`` copies into them.
+    pool : a ``torch.cuda.graph_pool_handle()`` shared between captures.
+    keep_graph : keep the cudaGraph_t (for ``debug_dump`` / ``raw_cuda_graph``).
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        batch: int,
+        weights: Mapping[str, torch.Tensor],
+        state: Mapping[str, torch.Tensor] | None = None,
+        *,
+        device: torch.device | str = "cuda",
+        runners: Mapping | None = None,
+        static_inputs: Mapping[str, torch.Tensor] | None = None,
+        pool=None,
+        keep_graph: bool = False,
+        warmup_runs: int = 2,
+    ) -> None:
+        device = torch.device(device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise CaptureError(describe("CapturedExecutor device", "a CUDA device", device, "use EagerExecutor"))
+        self.eager = EagerExecutor(graph, batch, weights, state, device=device, runners=runners)
+        self.graph_ir, self.batch, self.device = self.eager.graph, batch, device
+        self.plan = self.eager.plan
+        if static_inputs is None:
+            static_inputs = {
+                n: torch.zeros(self.graph_ir.values[n].spec.concrete(batch), dtype=self.graph_ir.values[n].spec.dtype,
+                               device=device)
+                for n in self.graph_ir.inputs
+            }
+        self.static_inputs = dict(static_inputs)
+        self.eager.check_inputs(self.static_inputs)
+        self.pool, self.keep_graph, self.warmup_runs = pool, keep_graph, warmup_runs
+        self.cuda_graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: dict[str, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+        self.tracer = None
+        self.is_released = False
+
+    @property
+    def arena(self) -> torch.Tensor:
+        return self.eager.arena
+
+    def capture(self) -> None:
+        """Warm up on a side stream, then capture every step into one CUDA graph."""
+        start = time.perf_counter()
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup_runs):
+                self.eager.run(self.static_inputs, check=False)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph(keep_graph=self.keep_graph) if self.keep_graph else torch.cuda.CUDAGraph()
+        tracer, self.eager.tracer = self.eager.tracer, None  # host hooks must not run inside a capture
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=side):
+                self.outputs = self.eager.run(self.static_inputs, check=False)
+        except Exception as exc:
+            raise CaptureError(f"capturing {self.graph_ir.name} at B={self.batch} failed: {exc}") from exc
+        finally:
+            self.eager.tracer = tracer
+        if self.keep_graph:
+            graph.instantiate()
+        torch.cuda.synchronize(self.device)
+        self.cuda_graph = graph
+        self.capture_seconds = time.perf_counter() - start
+
+    def run(self, inputs: Mapping[str, torch.Tensor], check: bool = True) -> dict[str, torch.Tensor]:
+        """Copy inputs into the static buffers (unless they are those buffers), replay, return outputs."""
+        if self.is_released:
+            raise CaptureError(f"{self.graph_ir.name} B={self.batch}: this captured graph was dropped (stale)")
+        if check:
+            self.eager.check_inputs(inputs)
+        for name in self.graph_ir.inputs:
+            given, static = inputs[name], self.static_inputs[name]
+            if given is not static and given.data_ptr() != static.data_ptr():
+                if given.shape != static.shape:
+                    raise InputError(describe(f"input %{name}", list(static.shape), list(given.shape)))
+                static.copy_(given, non_blocking=True)
+        if self.cuda_graph is None:
+            self.capture()
+        start = time.perf_counter_ns()
+        self.cuda_graph.replay()
+        if self.tracer is not None:
+            self.tracer.slice(f"replay {self.graph_ir.name} B={self.batch}", start, time.perf_counter_ns() - start)
+        return self.outputs
+
+    def poison(self, byte: int = 0xFF) -> None:
+        self.eager.poison(byte)
+
+    def release(self) -> None:
+        """Drop the CUDA graph; any later run raises CaptureError (a stale graph is never replayed)."""
+        if self.cuda_graph is not None:
+            self.cuda_graph.reset()
+        self.cuda_graph = None
+        self.outputs = {}
+        self.is_released = True

@@ -1,0 +1,545 @@
+"""DeepseekV4MtpProposer: the seed's DraftProposer over the graph executor.
+
+A propose is ONE run of the K-draft chain graph: the K drafts chain on the
+device (each argmax feeds the next embed, positions advance inside the graph)
+and the host reads the K tokens back once, at the end (the seed reads after
+every draft). Executors are made per (batch bucket, K, masked) and kept; the
+captured executor (CUDA) and the eager one run the same graph on the same kind
+of arena, behind the same API.
+
+Drafter rows are position-indexed (see proposer_state.py). Pair semantics, as
+in the seed: the row at position p is computed from the pair (token t_{p+1},
+hidden of position p); ``propose(t, h, p, K)`` writes rows p .. p+K-1 (row p
+from the target's hidden, later rows from the MTP's own hidden).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from graphs.draft_chain import ChainSpec, build_draft_chain, build_drafter_prefill, hidden_spec, mask_words
+from graphs.v4_block import CacheGeometry, block_interface
+from runtime.config import V4Config
+from runtime.draft_binding import DraftBinding, prepare_weights
+from runtime.errors import InputError, describe
+from runtime.executor import EagerExecutor
+from runtime.kv_cache import BlockTable, PagedLatentCache
+from runtime.proposer_checks import (
+    check_batch,
+    check_bitmask,
+    check_hidden,
+    check_num_drafts,
+    check_position,
+    check_state,
+    check_token,
+)
+from runtime.proposer_state import MtpProposerState
+from runtime.runners.base import RunnerNode, load_runner, runner_name
+from runtime.staging import ChainStaging
+from runtime.tensor_spec import TensorSpec
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+_ids = iter(range(1, 1 << 62))
+
+
+class CarriedKv(tuple):
+    """(blocks, rows, last_pair_key) as the seed's take_drafter_kv returns, plus ``kv_start``."""
+
+    def __new__(cls, blocks, rows, last_pair_key, kv_start=0, taken=None):
+        obj = super().__new__(cls, (blocks, rows, last_pair_key))
+        obj.kv_start, obj.taken = kv_start, taken
+        return obj
+
+
+@dataclass
+class ProposerOptions:
+    mode: str = "streams"
+    mtp_vocab_size: int = 0
+    max_seq_len: int | None = None  # default: config.max_position_embeddings
+    num_cache_blocks: int | None = None  # default: enough for max batch x window x max drafts
+    buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    max_num_drafts: int = 8
+    draft_conf_tau: float = 0.0
+    executor: str = "auto"  # "auto" (captured on CUDA), "eager", "captured"
+    debug: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class DeepseekV4MtpProposer:
+    """The DeepSeek-V4 MTP draft proposer.
+
+    Example
+    -------
+    >>> prop = DeepseekV4MtpProposer.from_checkpoint("ckpt/")            # doctest: +SKIP
+    >>> state = prop.alloc_state()                                        # doctest: +SKIP
+    >>> drafts = prop.propose(token, hidden, position, 3, state)          # doctest: +SKIP
+    >>> prop.after_verify(num_accepted=2, state=state)                    # doctest: +SKIP
+    >>> prop.free_state(state)                                            # doctest: +SKIP
+    """
+
+    def __init__(self, config: V4Config, tensors, *, device=None, options: ProposerOptions | None = None, **kw):
+        self.options = options or ProposerOptions(**kw)
+        opts = self.options
+        if opts.mode not in ("streams", "collapsed"):
+            raise InputError(describe("mode", "'streams' or 'collapsed'", repr(opts.mode)))
+        self.config = config
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.id = next(_ids)
+        self.max_seq_len = opts.max_seq_len or config.max_position_embeddings
+        self.buckets = tuple(sorted(set(opts.buckets)))
+        blocks = opts.num_cache_blocks or self.buckets[-1] * (
+            math.ceil((config.sliding_window + opts.max_num_drafts) / 16) + 2
+        )
+        self.cache = PagedLatentCache(config, blocks, max_seq_len=self.max_seq_len, device=self.device)
+        self.geometry = CacheGeometry(self.cache.kv.shape[0], self.cache.max_blocks_per_seq, self.cache.block_size)
+        self.weights = prepare_weights(config, tensors, self.device)
+        self.state_tensors = {"mtp.0.kv_cache": self.cache.kv}
+        self.runner = None
+        self._executors: dict[tuple, object] = {}
+        self._staging: dict[int, ChainStaging] = {}
+        self._last_confidence: float | None = None
+        self._deferred_token: torch.Tensor | None = None
+        self.last_propose_seconds = 0.0
+        self.last_outputs: dict[str, torch.Tensor] = {}
+        self.tracer = None  # tools.trace.Tracer, set by attach(); handed to every executor
+        self.generation = 0  # bumped whenever executors are dropped; a stale executor never runs
+        self._pool = None  # one CUDA graph memory pool shared by every capture
+        self.use_captured = opts.executor == "captured" or (opts.executor == "auto" and self.device.type == "cuda")
+
+    @staticmethod
+    def from_checkpoint(path: str | Path, device=None, **kw) -> DeepseekV4MtpProposer:
+        from runtime.weights import load_checkpoint
+
+        ckpt = load_checkpoint(path, device="cpu")
+        return DeepseekV4MtpProposer(ckpt.config, ckpt.tensors, device=device, **kw)
+
+    # ---- state -------------------------------------------------------------------------------
+    def alloc_state(self) -> MtpProposerState:
+        return self.alloc_state_for(None)
+
+    def alloc_state_for(self, budget_tokens: int | None) -> MtpProposerState:
+        """A fresh state; ``budget_tokens`` (prompt + max tokens) bounds its positions (None = max)."""
+        if budget_tokens is not None and (not isinstance(budget_tokens, int) or budget_tokens < 1):
+            raise InputError(describe("budget_tokens", "an int >= 1 or None", repr(budget_tokens)))
+        limit = self.max_seq_len if budget_tokens is None else min(budget_tokens, self.max_seq_len)
+        return MtpProposerState(table=BlockTable(block_size=self.cache.block_size), max_positions=limit, owner=self.id)
+
+    def free_state(self, state: MtpProposerState) -> None:
+        """Return every block the state holds; the state cannot be used again."""
+        check_state(state, self.id)
+        self.cache.free(state.table)
+        state.reset()
+        state.is_freed = True
+
+    # ---- propose -----------------------------------------------------------------------------
+    def propose(self, last_token, target_hidden, position, num_drafts, state, grammar_bitmask=None,
+                draft_embed_target: torch.Tensor | None = None) -> list[int]:
+        """Draft ``num_drafts`` tokens after ``last_token`` (t_{p+1}) given the target's hidden at ``position`` (p).
+
+        The hidden is [C, D] (streams mode: the target's pre-hc_head streams) or [D]
+        (collapsed). One run of the K-draft chain; the K tokens are read back once.
+        A grammar bitmask (int32 words, bit t of word t // 32) is applied on the
+        device to every draft; one that allows nothing gives draft 0 and a warning.
+        With ``draft_embed_target`` the last draft's embedding row is left there (on
+        the device) and ``read_deferred_draft_token()`` returns its id.
+        """
+        out = self._propose([last_token], [target_hidden], [position], num_drafts, [state], grammar_bitmask)
+        if draft_embed_target is not None:
+            self._leave_embedding(out[1][:1, -1], draft_embed_target)
+        return out[0][0]
+
+    def propose_batch(self, last_tokens, target_hiddens, positions, num_drafts, states, out_conf=None):
+        """B sequences in one chain run (weights read once per draft position); equals B ``propose`` calls.
+
+        ``out_conf``, a list, receives each sequence's per-draft top-1 probabilities.
+        """
+        n = len(last_tokens)
+        for name, items in (("target_hiddens", target_hiddens), ("positions", positions), ("states", states)):
+            check_batch(name, items, n)
+        if not 1 <= n <= self.propose_batch_max():
+            raise InputError(describe("batch size", f"1..{self.propose_batch_max()} (propose_batch_max)", n))
+        drafts, _, probs = self._propose(last_tokens, target_hiddens, positions, num_drafts, states, None)
+        if out_conf is not None:
+            out_conf.clear()
+            out_conf.extend(probs[i].tolist() for i in range(n))
+        return drafts
+
+    def propose_batch_max(self) -> int:
+        return self.buckets[-1]
+
+    def _propose(self, tokens, hiddens, positions, num_drafts, states, bitmask):
+        cfg, n = self.config, len(tokens)
+        k = check_num_drafts(num_drafts, self.options.max_num_drafts)
+        states = [check_state(s, self.id) for s in states]
+        if len({id(s) for s in states}) != n:
+            raise InputError(describe("states", "distinct states", "the same state twice"))
+        tokens = [check_token(t, cfg.vocab_size) for t in tokens]
+        positions = [check_position(p, k, s) for p, s in zip(positions, states)]
+        shape = hidden_spec(cfg, self.options.mode).shape[1:]
+        hiddens = [check_hidden(h, shape, self.device) for h in hiddens]
+        words = mask_words(cfg, self.options.mtp_vocab_size)
+        full_words = (cfg.vocab_size + 31) // 32
+        mask = check_bitmask(bitmask, full_words)
+        if mask is not None:
+            mask = mask[:words]
+            if not bool(mask.ne(0).any()):
+                warnings.warn("grammar mask allows no token: the drafts are 0 (pad drafts, rejected at verify)",
+                              stacklevel=3)
+        bucket = self._bucket(n)
+        # All checks passed: allocate blocks for every sequence, all or nothing.
+        snapshots = [s.snapshot() for s in states]
+        allocated: list[tuple[MtpProposerState, list[int]]] = []
+        try:
+            for state, p in zip(states, positions):
+                before = list(state.table.blocks)
+                self.cache.ensure(state.table, p, p + k - 1)
+                allocated.append((state, before))
+            rows = []
+            for state, p in zip(states, positions):
+                kv_start = p if (p > state.seq_len or p < state.kv_start) else state.kv_start
+                rows.append((p, kv_start, state.table))
+            start = time.perf_counter()
+            executor = self._executor(bucket, k, mask is not None)
+            staging = self._staging_for(bucket)
+            inputs = staging.stage(rows, tokens, hiddens, self._vocab_limit(),
+                                   [mask] * n if mask is not None else None)
+            outputs = executor.run(self._graph_inputs(inputs, mask is not None), check=False)
+            drafts = outputs["drafts"][:n].cpu()  # the one device-to-host read of the K tokens
+            self.last_outputs = outputs
+            self.last_propose_seconds = time.perf_counter() - start
+        except BaseException:
+            for state, before in allocated:
+                self._restore_blocks(state, before)
+            for state, snap in zip(states, snapshots):
+                assert state.snapshot() == snap, f"state not restored: {state.snapshot()} != {snap}"
+            raise
+        for state, p, (_, kv_start, _) in zip(states, positions, rows):
+            state.kv_start, state.seq_len, state.last_num_drafted = kv_start, p + k, k
+            self.cache.trim_window(state.table, p)
+        probs = outputs["probs"][:n]
+        if self.options.draft_conf_tau > 0:
+            self._last_confidence = float(probs.amin())
+        else:
+            self._last_confidence = None
+        return drafts.tolist(), outputs["drafts"][:n], probs
+
+    def last_hidden(self, n: int = 1) -> torch.Tensor:
+        """A copy of the last propose's final hidden (streams or h_out) for its first ``n`` rows."""
+        return self.last_outputs[list(self.last_outputs)[2]][:n].clone()
+
+    def _restore_blocks(self, state: MtpProposerState, before: list[int]) -> None:
+        new = [j for j, b in enumerate(state.table.blocks) if b >= 0 and (j >= len(before) or before[j] < 0)]
+        self.cache._release(state.table, new)
+        del state.table.blocks[len(before):]
+
+    def _graph_inputs(self, staged: dict, masked: bool) -> dict:
+        names = ["token", "hidden", "positions", "kv_start", "block_table", "vocab_limit"]
+        inputs = {n: staged[n] for n in names}
+        if masked:
+            words = mask_words(self.config, self.options.mtp_vocab_size)
+            inputs["grammar_mask"] = staged["grammar_mask"][:, :words]
+        return inputs
+
+    def _vocab_limit(self) -> int:
+        return self.options.extra.get("vocab_limit", self.config.vocab_size)
+
+    def set_vocab_limit(self, limit: int | None) -> None:
+        """Draft only tokens below ``limit`` (a device value: no re-capture)."""
+        if limit is not None and not 1 <= limit <= self.config.vocab_size:
+            raise InputError(describe("vocab_limit", f"1..{self.config.vocab_size}", limit))
+        self.options.extra["vocab_limit"] = limit or self.config.vocab_size
+
+    def _bucket(self, n: int) -> int:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise InputError(describe("batch size", f"<= {self.buckets[-1]}", n))
+
+    def _staging_for(self, bucket: int) -> ChainStaging:
+        if bucket not in self._staging:
+            spec = hidden_spec(self.config, self.options.mode)
+            words = (self.config.vocab_size + 31) // 32
+            self._staging[bucket] = ChainStaging(bucket, spec, self.cache.max_blocks_per_seq, words, self.device)
+        return self._staging[bucket]
+
+    # ---- executors -------------------------------------------------------------------------
+    def chain_spec(self, num_drafts: int, masked: bool = False) -> ChainSpec:
+        ws = self.runner.workspace_bytes(self.buckets[-1]) if self.runner is not None else 0
+        return ChainSpec(num_drafts=num_drafts, mode=self.options.mode, mtp_vocab_size=self.options.mtp_vocab_size,
+                         masked=masked, runner=runner_name(self.runner), runner_workspace_bytes=ws)
+
+    def chain_graph(self, num_drafts: int, masked: bool = False):
+        return build_draft_chain(self.config, self.geometry, self.chain_spec(num_drafts, masked))
+
+    def _executor(self, bucket: int, num_drafts: int, masked: bool):
+        key = ("chain", bucket, num_drafts, masked, self.use_captured)
+        if key not in self._executors:
+            graph = self.chain_graph(num_drafts, masked)
+            self._executors[key] = self._make_executor(graph, bucket)
+        return self._checked(self._executors[key])
+
+    def _checked(self, executor):
+        if getattr(executor, "generation", self.generation) != self.generation:
+            from runtime.errors import CaptureError
+
+            raise CaptureError("a stale executor (from before a runner swap or reload) was asked to run")
+        executor.tracer = self.tracer
+        return executor
+
+    def _make_executor(self, graph, bucket: int):
+        runners = {runner_name(self.runner): RunnerNode(self.runner)} if self.runner is not None else {}
+        if self.use_captured:
+            from runtime.captured import CapturedExecutor
+
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            staged = self._staging_for(bucket).graph_inputs()
+            static = {n: staged[n] for n in graph.inputs}
+            if "grammar_mask" in static:
+                static["grammar_mask"] = staged["grammar_mask"][:, : graph.values["grammar_mask"].spec.shape[1]]
+            executor = CapturedExecutor(graph, bucket, self.weights, self.state_tensors, device=self.device,
+                                        runners=runners, static_inputs=static, pool=self._pool)
+        else:
+            executor = EagerExecutor(graph, bucket, self.weights, self.state_tensors, device=self.device,
+                                     runners=runners, debug=self.options.debug)
+        executor.generation = self.generation
+        return executor
+
+    def capture(self, num_drafts: Sequence[int] = (1,), masked: bool = False) -> None:
+        """Build (and on CUDA capture) the chain for every bucket, largest bucket first."""
+        for bucket in sorted(self.buckets, reverse=True):
+            for k in num_drafts:
+                executor = self._executor(bucket, k, masked)
+                if hasattr(executor, "capture") and executor.cuda_graph is None:
+                    executor.capture()
+
+    def drop_executors(self) -> None:
+        """Forget every executor and captured graph: after a runner swap, new weights, config or buckets.
+
+        The generation counter moves on, so an executor kept from before can never run again.
+        """
+        for executor in self._executors.values():
+            release = getattr(executor, "release", None)
+            if release is not None:
+                release()
+        self._executors.clear()
+        self.generation += 1
+
+    def set_buckets(self, buckets: Sequence[int]) -> None:
+        """A new bucket set: every captured graph is dropped."""
+        if not buckets or any((not isinstance(b, int)) or b < 1 for b in buckets):
+            raise InputError(describe("buckets", "ints >= 1", list(buckets)))
+        if max(buckets) * (math.ceil((self.config.sliding_window + self.options.max_num_drafts) / 16) + 1) > \
+                self.cache.num_blocks:
+            raise InputError(describe("largest bucket", f"one the cache pool ({self.cache.num_blocks} blocks) can "
+                                      "serve", max(buckets)))
+        self.buckets = tuple(sorted(set(buckets)))
+        self._staging.clear()
+        self.drop_executors()
+
+    def load_weights(self, tensors) -> None:
+        """Replace the weights (same config): every captured graph is dropped."""
+        self.weights = prepare_weights(self.config, tensors, self.device)
+        if self.runner is not None and hasattr(self.runner, "bind"):
+            self.runner.bind(self.config, self.weights, self.device)
+        self.drop_executors()
+
+    # ---- verification and catch-up ---------------------------------------------------------------
+    def after_verify(self, num_accepted: int, state: MtpProposerState) -> None:
+        """The seed's rollback: seq_len -= max(drafted, 1) - num_accepted (saturating)."""
+        check_state(state, self.id)
+        if not isinstance(num_accepted, int) or not 0 <= num_accepted <= max(state.last_num_drafted, 1):
+            raise InputError(describe("num_accepted", f"an int in [0, {max(state.last_num_drafted, 1)}]",
+                                      repr(num_accepted)))
+        trim = max(state.last_num_drafted, 1) - num_accepted
+        if trim > 0:
+            state.seq_len = max(state.seq_len - trim, state.kv_start)
+            self.cache.truncate(state.table, state.seq_len)
+
+    def prefill_drafter(self, prompt_tokens: Sequence[int], hiddens: torch.Tensor, state) -> int:
+        """Write drafter rows for the prompt: row i from (prompt_tokens[i + 1], hiddens[i]), i < P - 1.
+
+        ``hiddens`` is [P, C, D] (streams) or [P, D] (collapsed), row i the target's hidden
+        for prompt_tokens[i]. Returns the rows written (P - 1); the first propose then comes
+        at position P - 1 with the token the target sampled after the prompt.
+        """
+        tokens = list(prompt_tokens)
+        if len(tokens) < 1 or hiddens.shape[0] != len(tokens):
+            raise InputError(describe("prefill_drafter hiddens", f"[{len(tokens)}, ...] (one per prompt token)",
+                                      list(hiddens.shape)))
+        return self.catchup_drafter(tokens[1:], hiddens[:-1], 0, 0, state)
+
+    def catchup_drafter(self, tokens: Sequence[int], hiddens: torch.Tensor, row_base: int, pos_base: int,
+                        state) -> int:
+        """Write rows at positions pos_base.. from (tokens[k], hiddens[k]) pairs; returns rows written.
+
+        Rows are position-indexed here, so ``row_base`` must equal ``pos_base``.
+        """
+        if row_base != pos_base:
+            raise InputError(describe("catchup_drafter row_base", f"pos_base ({pos_base}): rows are positions",
+                                      row_base))
+        return self.catchup_batch([list(tokens)], [hiddens], [pos_base], [state])
+
+    def catchup_batch(self, tokens: Sequence[Sequence[int]], hiddens, first_pos: Sequence[int], states) -> int:
+        """Append rows for several sequences in one prefill run; ``hiddens[i]`` [n_i, ...] pairs ``tokens[i]``."""
+        n = len(tokens)
+        check_batch("hiddens", hiddens, n)
+        check_batch("first_pos", first_pos, n)
+        check_batch("states", states, n)
+        states = [check_state(s, self.id) for s in states]
+        shape = hidden_spec(self.config, self.options.mode).shape[1:]
+        flat: list[tuple[MtpProposerState, int, int, torch.Tensor]] = []
+        for toks, hs, p0, state in zip(tokens, hiddens, first_pos, states):
+            if len(toks) == 0:
+                continue
+            if not isinstance(hs, torch.Tensor) or hs.shape[0] != len(toks):
+                raise InputError(describe("catch-up hiddens", f"[{len(toks)}, *{list(shape)}]",
+                                          getattr(hs, "shape", type(hs).__name__)))
+            check_position(p0, len(toks), state, "first_pos")
+            for j, tok in enumerate(toks):
+                flat.append((state, p0 + j, check_token(tok, self.config.vocab_size, "catch-up token"),
+                             check_hidden(hs[j], shape, self.device, "catch-up hidden")))
+        if not flat:
+            return 0
+        snapshots = [(s, s.snapshot(), list(s.table.blocks)) for s in states]
+        try:
+            for toks, p0, state in zip(tokens, first_pos, states):
+                if toks:
+                    self.cache.ensure(state.table, p0, p0 + len(toks) - 1)
+            starts = {}
+            for toks, p0, state in zip(tokens, first_pos, states):
+                if toks:
+                    starts[id(state)] = p0 if (p0 > state.seq_len or p0 < state.kv_start) else state.kv_start
+            chunk = self.buckets[-1]
+            for at in range(0, len(flat), chunk):
+                part = flat[at : at + chunk]
+                bucket = self._bucket(len(part))
+                rows = [(p, starts[id(s)], s.table) for s, p, _, _ in part]
+                staged = self._staging_for(bucket).stage(rows, [t for _, _, t, _ in part], [h for *_, h in part],
+                                                         self._vocab_limit())
+                self._prefill_executor(bucket).run(
+                    {k: staged[k] for k in ("token", "hidden", "positions", "kv_start", "block_table")}, check=False)
+        except BaseException:
+            for state, _, before in snapshots:
+                self._restore_blocks(state, before)
+            raise
+        for toks, p0, state in zip(tokens, first_pos, states):
+            if toks:
+                state.kv_start, state.seq_len = starts[id(state)], p0 + len(toks)
+                self.cache.trim_window(state.table, state.seq_len)
+        return len(flat)
+
+    def _prefill_executor(self, bucket: int):
+        key = ("prefill", bucket, self.use_captured)
+        if key not in self._executors:
+            ws = self.runner.workspace_bytes(self.buckets[-1]) if self.runner is not None else 0
+            graph = build_drafter_prefill(self.config, self.geometry, self.options.mode, runner_name(self.runner), ws)
+            self._executors[key] = self._make_executor(graph, bucket)
+        return self._checked(self._executors[key])
+
+    def drafter_rows(self, state) -> int:
+        """Valid drafter rows held (seq_len - kv_start)."""
+        check_state(state, self.id)
+        return state.seq_len - state.kv_start
+
+    def last_pair_key(self, state) -> int | None:
+        """Sequence position of the newest drafter row, None when there is none."""
+        check_state(state, self.id)
+        return state.seq_len - 1 if state.seq_len > state.kv_start else None
+
+    # ---- carrying drafter KV between turns ----------------------------------------------------
+    def take_drafter_kv(self, state) -> CarriedKv | None:
+        """Move the state's blocks out: returns (blocks, rows, last_pair_key); the state is as new."""
+        check_state(state, self.id)
+        if state.table.is_empty():
+            return None
+        key = self.last_pair_key(state)
+        taken = self.cache.take(state.table)
+        carried = CarriedKv(list(taken.blocks), state.seq_len, key, state.kv_start, taken)
+        state.reset()
+        return carried
+
+    def install_drafter_kv(self, state, blocks, rows: int, last_pair_key: int | None, kv_start: int | None = None) -> bool:
+        """Install carried blocks into a fresh state (the inverse of take). False when not possible."""
+        check_state(state, self.id)
+        taken = getattr(blocks, "taken", None) if isinstance(blocks, CarriedKv) else None
+        if isinstance(blocks, CarriedKv):
+            kv_start = blocks.kv_start if kv_start is None else kv_start
+            blocks = blocks[0]
+        if not state.table.is_empty() or state.seq_len:
+            return False
+        from runtime.kv_cache import TakenBlocks
+
+        ids = tuple(b for b in blocks if b >= 0)
+        taken = taken or TakenBlocks(tuple(blocks), ids, self.cache.cache_id)
+        self.cache.install(state.table, taken)
+        first_block = next((j for j, b in enumerate(blocks) if b >= 0), 0)
+        state.seq_len = rows
+        state.kv_start = kv_start if kv_start is not None else first_block * self.cache.block_size
+        return True
+
+    def free_drafter_kv(self, blocks) -> None:
+        """Release carried blocks no state owns."""
+        if isinstance(blocks, CarriedKv):
+            blocks = blocks[0]
+        self.cache.free_blocks([b for b in blocks if b >= 0])
+
+    # ---- small queries (the seed's trait) -------------------------------------------------------
+    def last_confidence(self) -> float | None:
+        """Min top-1 probability over the last propose's drafts (when draft_conf_tau > 0), else None."""
+        return self._last_confidence
+
+    def block_gamma(self) -> None:
+        return None
+
+    def needs_comm(self) -> bool:
+        return False
+
+    def prefill_uses_shared_buffers(self) -> bool:
+        """False: the drafter prefill runs on its own arena, never the target's buffers."""
+        return False
+
+    def prefill_hidden_rows(self, max_seq_len: int) -> int:
+        return min(max_seq_len, self.max_seq_len)
+
+    def _leave_embedding(self, token: torch.Tensor, target: torch.Tensor) -> None:
+        table = self.weights["embed.weight"]
+        if target.shape[-1] != table.shape[1] or target.dtype != table.dtype:
+            raise InputError(describe("draft_embed_target", f"bf16 [..., {table.shape[1]}]",
+                                      f"{target.dtype} {list(target.shape)}"))
+        torch.index_select(table, 0, token.to(self.device), out=target.view(1, -1))
+        self._deferred_token = token
+
+    def read_deferred_draft_token(self) -> int:
+        """The draft id whose embedding the last propose left in ``draft_embed_target``; 0 if none."""
+        return int(self._deferred_token.item()) if self._deferred_token is not None else 0
+
+    # ---- the circuit-draft binding -------------------------------------------------------------
+    def circuit_draft(self, num_drafts: int = 1) -> DraftBinding:
+        from runtime.memory_plan import plan_graph
+        from runtime.schedule import flatten
+
+        graph = self.chain_graph(num_drafts)
+        ws = self.runner.workspace_bytes(self.buckets[-1]) if self.runner is not None else 0
+        plan = plan_graph(flatten(graph), self.buckets[-1])
+        spec = hidden_spec(self.config, "streams")
+        return DraftBinding(graph, self.weights, block_interface(self.config, self.geometry), TensorSpec(
+            spec.shape, spec.dtype), runner_name(self.runner), ws, plan.arena_bytes)
+
+    def set_circuit_draft(self, runner) -> None:
+        """Run ``runner`` (a DraftRunner, a shipped name or 'module:callable') as the body; None restores it.
+
+        The chain is re-planned and every executor and captured graph is dropped.
+        """
+        loaded = load_runner(runner)
+        if loaded is not None and hasattr(loaded, "bind"):
+            loaded.bind(self.config, self.weights, self.device)
+        self.runner = loaded
+        self.drop_executors()

@@ -1,0 +1,77 @@
+"""Input checks at the proposer's boundary: typed errors, expected vs got, before any change."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from runtime.errors import InputError, describe
+from runtime.proposer_state import MtpProposerState
+
+
+def check_token(token: object, vocab: int, what: str = "last_token") -> int:
+    if isinstance(token, torch.Tensor) and token.numel() == 1:
+        token = int(token.item())
+    if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+        raise InputError(describe(what, f"an int token id in [0, {vocab})", repr(token)))
+    return token
+
+
+def check_position(position: object, num_drafts: int, state: MtpProposerState, what: str = "position") -> int:
+    if not isinstance(position, int) or isinstance(position, bool) or position < 0:
+        raise InputError(describe(what, "an int >= 0", repr(position)))
+    if position + num_drafts > state.max_positions:
+        raise InputError(
+            describe(what, f"position + num_drafts <= {state.max_positions}", f"{position} + {num_drafts}",
+                     "the sequence's budget (alloc_state_for) or max_seq_len is reached")
+        )
+    return position
+
+
+def check_num_drafts(num_drafts: object, max_drafts: int) -> int:
+    if not isinstance(num_drafts, int) or isinstance(num_drafts, bool) or not 1 <= num_drafts <= max_drafts:
+        raise InputError(describe("num_drafts", f"an int in [1, {max_drafts}]", repr(num_drafts)))
+    return num_drafts
+
+
+def check_hidden(hidden: object, shape: tuple[int, ...], device: torch.device, what: str = "target_hidden"):
+    """A bf16 tensor of ``shape`` (a leading 1 is accepted) on the proposer's device."""
+    if not isinstance(hidden, torch.Tensor):
+        raise InputError(describe(what, f"a bf16 tensor {list(shape)}", type(hidden).__name__))
+    got = tuple(hidden.shape)
+    if got != shape and got != (1, *shape):
+        raise InputError(describe(f"{what} shape", list(shape), list(got),
+                                  "streams mode takes [C, D], collapsed mode [D]"))
+    if hidden.dtype != torch.bfloat16:
+        raise InputError(describe(f"{what} dtype", torch.bfloat16, hidden.dtype))
+    if hidden.device.type != device.type or (device.index is not None and hidden.device != device):
+        raise InputError(describe(f"{what} device", device, hidden.device))
+    return hidden.reshape(shape)
+
+
+def check_bitmask(mask: object, words: int) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    tensor = torch.as_tensor(mask)
+    if tensor.dim() != 1 or tensor.numel() != words:
+        raise InputError(describe("grammar_bitmask length", f"{words} int32 words (ceil(vocab / 32))",
+                                  list(tensor.shape)))
+    if tensor.dtype not in (torch.int32, torch.int64):
+        raise InputError(describe("grammar_bitmask dtype", "int32 words", tensor.dtype))
+    return tensor.to(torch.int64).bitwise_and(0xFFFFFFFF).to(torch.int32) if tensor.dtype == torch.int64 else tensor
+
+
+def check_state(state: object, owner: int) -> MtpProposerState:
+    if not isinstance(state, MtpProposerState):
+        raise InputError(describe("state", "an MtpProposerState from alloc_state()", type(state).__name__))
+    if state.owner != owner:
+        raise InputError(describe("state", "a state of this proposer", "a state of another proposer"))
+    if state.is_freed:
+        raise InputError(describe("state", "a live state", "a freed state", "alloc_state() a new one"))
+    return state
+
+
+def check_batch(name: str, items: Sequence, n: int) -> None:
+    if len(items) != n:
+        raise InputError(describe(f"{name} length", n, len(items), "one entry per sequence"))

@@ -1,0 +1,63 @@
+"""The ``draftgraph`` command line: one subcommand per tool, each with --help and examples."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module (each module has add_parser(subparsers) and run(args) -> int)
+COMMANDS = {
+    "demo": "tools.demo",
+    "draft": "tools.draft",
+    "dump": "tools.dump",
+    "draw": "tools.draw",
+    "arena": "tools.arena",
+    "plan-csv": "tools.plan_csv",
+    "capture-dump": "tools.capture_dump",
+    "decode": "tools.decode",
+    "swap": "tools.swap",
+}
+
+
+class UsageError(Exception):
+    """A bad argument: printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="draftgraph",
+        description="Graph runtime with CUDA Graph capture for the DeepSeek-V4 MTP draft step.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, module_name in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                continue  # a tool not shipped in this build
+            raise
+        module.add_parser(sub)
+        sub.choices[name].set_defaults(func=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from runtime.errors import DraftGraphError
+
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as exc:
+        print(f"draftgraph {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except DraftGraphError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"draftgraph {args.command}: {type(exc).__name__}: {first}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

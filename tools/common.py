@@ -1,0 +1,55 @@
+"""Shared pieces of the command-line tools: the embedded default checkpoint and selectors."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+from runtime.config import V4Config
+
+DEMO_SEED = 0
+DEMO_FORMAT = "mxfp4"  # the real layout: FP8 block-scaled linears, MXFP4 routed experts
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("DRAFTGRAPH_CACHE") or Path.home() / ".cache" / "draftgraph"
+    return Path(root)
+
+
+def default_checkpoint() -> Path:
+    """A small V4-shaped checkpoint in the real format, made deterministically on first use."""
+    from runtime.checkpoint_writer import make_synthetic_checkpoint
+
+    path = cache_dir() / f"demo-small-{DEMO_FORMAT}-seed{DEMO_SEED}"
+    if not (path / "config.json").exists():
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        make_synthetic_checkpoint(tmp, V4Config.small(), fmt=DEMO_FORMAT, seed=DEMO_SEED)
+        tmp.rename(path) if not path.exists() else None
+    return path
+
+
+def add_selectors(parser: argparse.ArgumentParser, batch: bool = True) -> None:
+    """--num-drafts, --batch, --mode, --checkpoint, --runner: which chain graph a tool shows."""
+    parser.add_argument("--num-drafts", "-k", type=int, default=3, help="drafts K in the chain (1 = one step)")
+    if batch:
+        parser.add_argument("--batch", "-b", type=int, default=1, help="batch size B the arena is planned for")
+    parser.add_argument("--mode", choices=("streams", "collapsed"), default="streams", help="hidden input mode")
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="folder with config.json (default: the embedded small config)")
+    parser.add_argument("--runner", default="builtin",
+                        help="body runner: builtin, identity, torch_module or package.module:callable")
+
+
+def device_arg(value: str | None) -> torch.device:
+    if value:
+        return torch.device(value)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def selected_config(args) -> V4Config:
+    if args.checkpoint is not None:
+        return V4Config.load(args.checkpoint)
+    return V4Config.small()
