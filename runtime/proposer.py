@@ -458,7 +458,7 @@ class DeepseekV4MtpProposer:
     def take_drafter_kv(self, state) -> CarriedKv | None:
         """Move the state's blocks out: returns (blocks, rows, last_pair_key); the state is as new."""
         check_state(state, self.id)
-        if state.table.is_empty():
+        if state.table.is_empty:
             return None
         key = self.last_pair_key(state)
         taken = self.cache.take(state.table)
@@ -473,7 +473,7 @@ class DeepseekV4MtpProposer:
         if isinstance(blocks, CarriedKv):
             kv_start = blocks.kv_start if kv_start is None else kv_start
             blocks = blocks[0]
-        if not state.table.is_empty() or state.seq_len:
+        if not state.table.is_empty or state.seq_len:
             return False
         from runtime.kv_cache import TakenBlocks
 

@@ -1,0 +1,66 @@
+"""lm_head: the final vanilla RMS norm, then the head GEMV over the drafting vocab, fp32 logits.
+
+``vocab_rows`` (mtp_vocab_size when > 0, else the full vocab) limits the head
+rows read: drafting only ever picks among them, so the rest are never touched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ops.basic import rms_norm_into
+from ops.registry import OpDef, expect, expect_count, expect_rank, register
+from ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
+from runtime.tensor_spec import TensorSpec
+
+CPU_ROWS_PER_CHUNK = 8192  # bounds the fp32 copy of head rows made on CPU
+
+
+def _vocab_rows(attrs, vocab: int) -> int:
+    rows = int(attrs.get("vocab_rows", 0) or 0)
+    return vocab if rows == 0 else rows
+
+
+def _lm_head_infer(specs, attrs):
+    expect_count(specs, 3, "lm_head")
+    require_attrs(attrs, ("eps",), "lm_head")
+    h, norm_w, head = specs
+    expect_rank(h, 2, "lm_head h [B, D]")
+    expect_rank(head, 2, "lm_head head [V, D]")
+    b, dim = batch_of(h, "lm_head h"), h.shape[1]
+    expect_spec(h, (b, dim), ACTIVATIONS, "lm_head h")
+    expect_spec(norm_w, (dim,), h.dtype, "lm_head norm_w")
+    expect_spec(head, (head.shape[0], dim), h.dtype, "lm_head head")
+    rows = _vocab_rows(attrs, head.shape[0])
+    expect(0 < rows <= head.shape[0], "lm_head vocab_rows", f"1..{head.shape[0]} (0 = all)", rows)
+    return [TensorSpec((b, rows), torch.float32)]
+
+
+def _lm_head_impl(inputs, outputs, attrs, workspace):
+    h, norm_w, head = inputs
+    (logits,) = outputs  # [B, Vd] fp32
+    normed = torch.empty_like(h)
+    rms_norm_into(h, norm_w, float(attrs["eps"]), normed)  # cast back to bf16, as the spec's norms
+    rows = head[: logits.shape[1]]  # [Vd, D]
+    if h.dtype == torch.float32:
+        torch.mm(normed, rows.t(), out=logits)
+    elif h.is_cuda:
+        # Half operands, fp32 accumulate and fp32 output: no fp32 copy of the head.
+        torch.mm(normed, rows.t(), out_dtype=torch.float32, out=logits)
+    else:
+        # CPU lacks mm's out_dtype: widen the head a static chunk of rows at a time.
+        wide = normed.float()
+        for start in range(0, rows.shape[0], CPU_ROWS_PER_CHUNK):
+            chunk = rows[start : start + CPU_ROWS_PER_CHUNK]
+            logits[:, start : start + chunk.shape[0]].copy_(wide @ chunk.float().t())
+
+
+LM_HEAD = register(
+    OpDef(
+        name="lm_head",
+        family="head",
+        infer=_lm_head_infer,
+        impl=_lm_head_impl,
+        doc="logits = head[:vocab_rows] @ rms_norm(h, norm_w): fp32 [B, vocab_rows].",
+    )
+)

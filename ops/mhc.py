@@ -1,0 +1,181 @@
+"""mHC (manifold-constrained hyper-connections): hc_expand, hc_pre, hc_post, hc_head.
+
+Spec section 2. The residual state X [B, C, D] holds C streams; hc_pre mixes
+them into one layer input y plus the weights hc_post uses to write the layer's
+output back. All mixing math is fp32; bf16 only at the boundaries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ops.registry import OpDef, expect, expect_count, expect_rank, register
+from ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
+from runtime.tensor_spec import TensorSpec
+
+F32 = torch.float32
+
+
+def _streams(spec: TensorSpec, what: str) -> tuple:
+    expect_rank(spec, 3, f"{what} [B, C, D]")
+    expect_spec(spec, spec.shape, ACTIVATIONS, what)
+    return spec.shape  # (B, C, D)
+
+
+def _mix_logits(X: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """m = (x @ fn^T) * rho with rho = 1 / rms over all C*D of each row; fp32."""
+    x = X.flatten(1).float()  # [B, C*D]
+    rho = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)  # [B, 1]
+    return (x @ fn.t()) * rho  # [B, M]
+
+
+def _weighted_stream_sum(X: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("bc,bcd->bd", weights, X.float())  # [B, D] fp32
+
+
+# ---- hc_expand ---------------------------------------------------------------
+
+
+def _hc_expand_infer(specs, attrs):
+    expect_count(specs, 1, "hc_expand")
+    require_attrs(attrs, ("hc_mult",), "hc_expand")
+    (h,) = specs
+    expect_rank(h, 2, "hc_expand h [B, D]")
+    expect_spec(h, h.shape, ACTIVATIONS, "hc_expand h")
+    expect(int(attrs["hc_mult"]) >= 1, "hc_expand hc_mult", ">= 1", attrs["hc_mult"])
+    return [TensorSpec((h.shape[0], int(attrs["hc_mult"]), h.shape[1]), h.dtype)]
+
+
+def _hc_expand_impl(inputs, outputs, attrs, workspace):
+    (h,) = inputs
+    (out,) = outputs
+    out.copy_(h.unsqueeze(1).expand_as(out))  # [B, C, D]: C identical streams
+
+
+HC_EXPAND = register(
+    OpDef(
+        name="hc_expand",
+        family="mhc",
+        infer=_hc_expand_infer,
+        impl=_hc_expand_impl,
+        doc="X[:, j] = h for every stream j < hc_mult.",
+    )
+)
+
+
+# ---- hc_pre ------------------------------------------------------------------
+
+
+def _hc_pre_infer(specs, attrs):
+    expect_count(specs, 4, "hc_pre")
+    require_attrs(attrs, ("eps", "hc_eps", "iters"), "hc_pre")
+    X, fn, base, scale = specs
+    b, c, d = _streams(X, "hc_pre X")
+    mix = (2 + c) * c
+    expect_spec(fn, (mix, c * d), F32, "hc_pre fn")
+    expect_spec(base, (mix,), F32, "hc_pre base")
+    expect_spec(scale, (3,), F32, "hc_pre scale")
+    expect(int(attrs["iters"]) >= 1, "hc_pre iters", ">= 1", attrs["iters"])
+    return [TensorSpec((b, d), X.dtype), TensorSpec((b, c), F32), TensorSpec((b, c, c), F32)]
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, hc_eps: float) -> torch.Tensor:
+    """Spec section 2 step 4: row softmax + eps, column norm, then (iters - 1) x (row, column)."""
+    m = torch.softmax(logits, dim=-1) + hc_eps  # [B, C, C], rows j, columns k
+    m = m / (m.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):  # a static count: unrolled identically in every capture
+        m = m / (m.sum(-1, keepdim=True) + hc_eps)
+        m = m / (m.sum(-2, keepdim=True) + hc_eps)
+    return m
+
+
+def _hc_pre_impl(inputs, outputs, attrs, workspace):
+    X, fn, base, scale = inputs
+    y, post, comb = outputs
+    c = X.shape[1]
+    hc_eps = float(attrs["hc_eps"])
+    m = _mix_logits(X, fn, float(attrs["eps"]))  # [B, (2+C)*C]
+    pre = torch.sigmoid(m[:, :c] * scale[0] + base[:c]) + hc_eps  # [B, C]
+    post.copy_(2.0 * torch.sigmoid(m[:, c : 2 * c] * scale[1] + base[c : 2 * c]))
+    logits = (m[:, 2 * c :] * scale[2] + base[2 * c :]).view(-1, c, c)  # [B, C, C]
+    comb.copy_(sinkhorn(logits, int(attrs["iters"]), hc_eps))
+    y.copy_(_weighted_stream_sum(X, pre))  # pre is not normalised (spec step 5)
+
+
+HC_PRE = register(
+    OpDef(
+        name="hc_pre",
+        family="mhc",
+        infer=_hc_pre_infer,
+        impl=_hc_pre_impl,
+        output_names=("y", "post", "comb"),
+        doc="(X, fn, base, scale) -> y = sum_j pre_j X_j, post, comb (Sinkhorn); spec section 2.",
+    )
+)
+
+
+# ---- hc_post -----------------------------------------------------------------
+
+
+def _hc_post_infer(specs, attrs):
+    expect_count(specs, 4, "hc_post")
+    y, X, post, comb = specs
+    b, c, d = _streams(X, "hc_post X")
+    expect_spec(y, (b, d), X.dtype, "hc_post y")
+    expect_spec(post, (b, c), F32, "hc_post post")
+    expect_spec(comb, (b, c, c), F32, "hc_post comb")
+    return [X]
+
+
+def _hc_post_impl(inputs, outputs, attrs, workspace):
+    y, X, post, comb = inputs
+    (out,) = outputs
+    # out may alias X: the whole fp32 result exists before the first byte of out is written.
+    # X'[:, k] = post_k y + sum_j comb[j, k] X[:, j]: the residual is mixed by comb TRANSPOSED.
+    mixed = torch.matmul(comb.transpose(1, 2), X.float())  # [B, C, D]
+    mixed += post.unsqueeze(-1) * y.float().unsqueeze(1)
+    out.copy_(mixed)
+
+
+HC_POST = register(
+    OpDef(
+        name="hc_post",
+        family="mhc",
+        infer=_hc_post_infer,
+        impl=_hc_post_impl,
+        inplace={0: 1},
+        doc="X'[:, k] = post_k * y + sum_j comb[j, k] * X[:, j]; may overwrite X.",
+    )
+)
+
+
+# ---- hc_head -----------------------------------------------------------------
+
+
+def _hc_head_infer(specs, attrs):
+    expect_count(specs, 4, "hc_head")
+    require_attrs(attrs, ("eps", "hc_eps"), "hc_head")
+    X, fn, base, scale = specs
+    b, c, d = _streams(X, "hc_head X")
+    expect_spec(fn, (c, c * d), F32, "hc_head fn")
+    expect_spec(base, (c,), F32, "hc_head base")
+    expect_spec(scale, (1,), F32, "hc_head scale")
+    return [TensorSpec((batch_of(X, "hc_head X"), d), X.dtype)]
+
+
+def _hc_head_impl(inputs, outputs, attrs, workspace):
+    X, fn, base, scale = inputs
+    m = _mix_logits(X, fn, float(attrs["eps"]))  # [B, C]
+    g = torch.sigmoid(m * scale[0] + base) + float(attrs["hc_eps"])  # [B, C]
+    outputs[0].copy_(_weighted_stream_sum(X, g))
+
+
+HC_HEAD = register(
+    OpDef(
+        name="hc_head",
+        family="mhc",
+        infer=_hc_head_infer,
+        impl=_hc_head_impl,
+        doc="h = sum_j g_j X_j, g = sigmoid(m * scale + base) + hc_eps; no Sinkhorn.",
+    )
+)

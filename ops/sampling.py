@@ -1,0 +1,127 @@
+"""Draft selection on the device: draft_argmax, offset_positions, minimum.
+
+draft_argmax is greedy drafting with the vocab limit and the optional grammar
+bitmask applied on the device; it also returns the top-1 probability over the
+allowed tokens, the chain's confidence. Nothing here syncs with the host: a
+row with no allowed token yields token 0 and prob 0, and the caller (which
+built the mask on the host) warns before staging it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ops.registry import OpDef, expect, expect_count, expect_rank, register
+from ops.v4_shapes import batch_of, expect_spec, require_attrs
+from runtime.tensor_spec import TensorSpec
+
+WORD_BITS = 32
+
+
+def _mask_words(vocab: int) -> int:
+    return -(-vocab // WORD_BITS)
+
+
+def _draft_argmax_infer(specs, attrs):
+    expect(len(specs) in (2, 3), "draft_argmax inputs", "2 (logits, vocab_limit) or 3 (+ mask)", len(specs))
+    logits, limit = specs[0], specs[1]
+    expect_rank(logits, 2, "draft_argmax logits [B, V]")
+    expect_spec(logits, logits.shape, torch.float32, "draft_argmax logits")
+    b, vocab = logits.shape
+    expect_spec(limit, (1,), torch.int32, "draft_argmax vocab_limit")
+    if len(specs) == 3:
+        expect_spec(specs[2], (b, _mask_words(vocab)), torch.int32, "draft_argmax mask")
+    return [TensorSpec((b,), torch.int64), TensorSpec((b,), torch.float32)]
+
+
+def allowed_tokens(vocab: int, limit: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """[B or 1, V] bool: t < limit, and bit t % 32 of word t // 32 when a mask is given."""
+    ids = torch.arange(vocab, device=limit.device)  # [V]
+    allowed = (ids < limit.long()).unsqueeze(0)  # [1, V]
+    if mask is None:
+        return allowed
+    words = mask.long().index_select(1, ids // WORD_BITS)  # [B, V]; sign-extended, bit 31 kept
+    return allowed & (((words >> (ids % WORD_BITS)) & 1) == 1)
+
+
+def _draft_argmax_impl(inputs, outputs, attrs, workspace):
+    logits = inputs[0]  # [B, V] fp32
+    token, prob = outputs
+    allowed = allowed_tokens(logits.shape[1], inputs[1], inputs[2] if len(inputs) > 2 else None)
+    allowed = allowed.expand_as(logits)
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    any_allowed = allowed.any(-1)  # [B]
+    best = masked.amax(-1, keepdim=True)  # [B, 1]; -inf when nothing is allowed
+    best = torch.where(any_allowed.unsqueeze(-1), best, 0.0)
+    # top-1 softmax probability = 1 / sum_t exp(l_t - max) over allowed t.
+    denom = torch.exp(masked - best).sum(-1)  # >= 1 whenever something is allowed
+    prob.copy_(torch.where(any_allowed, 1.0 / denom.clamp_min(1.0), 0.0))
+    # argmax keeps the lowest id among ties; a row with nothing allowed drafts token 0.
+    token.copy_(torch.where(any_allowed, torch.argmax(masked, dim=-1), 0))
+
+
+DRAFT_ARGMAX = register(
+    OpDef(
+        name="draft_argmax",
+        family="sample",
+        infer=_draft_argmax_infer,
+        impl=_draft_argmax_impl,
+        output_names=("token", "prob"),
+        doc="Greedy draft over tokens < vocab_limit (and set in the optional bitmask) + its top-1 prob.",
+    )
+)
+
+
+# ---- offset_positions ----------------------------------------------------------
+
+
+def _offset_infer(specs, attrs):
+    expect_count(specs, 1, "offset_positions")
+    require_attrs(attrs, ("offset",), "offset_positions")
+    (pos,) = specs
+    what = "offset_positions positions"
+    expect_spec(pos, (batch_of(pos, what),), torch.int64, what)
+    return [pos]
+
+
+def _offset_impl(inputs, outputs, attrs, workspace):
+    torch.add(inputs[0], int(attrs["offset"]), out=outputs[0])
+
+
+OFFSET_POSITIONS = register(
+    OpDef(
+        name="offset_positions",
+        family="sample",
+        infer=_offset_infer,
+        impl=_offset_impl,
+        inplace={0: 0},
+        doc="positions + offset, on the device (the K-draft chain advances positions this way).",
+    )
+)
+
+
+# ---- minimum -------------------------------------------------------------------
+
+
+def _minimum_infer(specs, attrs):
+    expect_count(specs, 2, "minimum")
+    a, b = specs
+    expect_spec(a, (batch_of(a, "minimum a"),), torch.float32, "minimum a")
+    expect_spec(b, a.shape, torch.float32, "minimum b")
+    return [a]
+
+
+def _minimum_impl(inputs, outputs, attrs, workspace):
+    torch.minimum(inputs[0], inputs[1], out=outputs[0])
+
+
+MINIMUM = register(
+    OpDef(
+        name="minimum",
+        family="elementwise",
+        infer=_minimum_infer,
+        impl=_minimum_impl,
+        inplace={0: 0},
+        doc="Elementwise min of two f32[B] (the chain's running confidence).",
+    )
+)

@@ -1,0 +1,378 @@
+"""PagedLatentCache: the MTP attention's own paged latent cache (never the target's).
+
+MLA-shaped, as in the seed: one KV head, rows of ``cache_head_dim`` (kv_lora_rank +
+qk_rope_head_dim = 512 for V4-Flash) in bf16, blocks of 16 positions. Storage is one tensor
+``kv`` [num_blocks * block_size, head_dim]; the slot of position p of a sequence is
+``table[p // 16] * 16 + p % 16``.
+
+Block ownership (design note "block states"): every physical block is in exactly one state,
+
+    FREE  --ensure-->  OWNED (by one BlockTable)  --take-->  LOOSE (carried by the caller)
+      ^                    |  trim / truncate / free            |  install --> OWNED
+      +--------------------+------------------------------------+  free_blocks --> FREE
+
+and every transition is checked, so a double free, freeing a block a table still maps, or
+installing a block twice raises :class:`CacheError`. Every operation validates first and
+mutates after, under one lock: on any error nothing changes, neither a table nor the pool.
+
+Metadata packing (the seed's row layout, one uint8 row per sequence, so one host-to-device
+copy stages a whole batch) lives in :mod:`runtime.kv_metadata`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from runtime.config import V4Config
+from runtime.errors import CacheError, InputError, describe
+from runtime.kv_metadata import MetadataView, max_blocks_for, pack_metadata
+
+__all__ = ["BlockTable", "MetadataView", "PagedLatentCache", "TakenBlocks", "pack_metadata"]
+
+FREE, OWNED, LOOSE = 0, 1, 2
+_STATE_NAMES = {FREE: "free", OWNED: "owned by a table", LOOSE: "taken (owned by no table)"}
+_cache_ids = itertools.count(1)
+
+
+@dataclass
+class BlockTable:
+    """One sequence's map from logical block ``p // block_size`` to a physical block id.
+
+    ``blocks[j]`` is -1 for a block never allocated or already given back (window, rollback).
+    The proposer state holds one; only :class:`PagedLatentCache` mutates it.
+    """
+
+    blocks: list[int] = field(default_factory=list)
+    block_size: int = 16
+    cache_id: int = 0  # the cache whose blocks it maps; 0 while it maps none
+
+    def block_of(self, pos: int) -> int:
+        """Physical block id of position ``pos``, or -1."""
+        j = pos // self.block_size
+        return self.blocks[j] if 0 <= j < len(self.blocks) else -1
+
+    def slot(self, pos: int) -> int:
+        """Row of ``kv`` that holds position ``pos``; CacheError when no block covers it."""
+        block = self.block_of(pos) if pos >= 0 else -1
+        if block < 0:
+            raise CacheError(
+                describe(
+                    f"slot of position {pos}",
+                    "a position with an allocated block",
+                    f"no block (table {self.blocks})",
+                    "call cache.ensure() first",
+                )
+            )
+        return block * self.block_size + pos % self.block_size
+
+    def held(self) -> list[int]:
+        """Physical ids this table maps, in logical order."""
+        return [b for b in self.blocks if b >= 0]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.held()
+
+
+class TakenBlocks(NamedTuple):
+    """Blocks carried out of a table by :meth:`PagedLatentCache.take`: the logical map and the ids."""
+
+    blocks: tuple[int, ...]  # logical map, -1 where the table had none
+    block_ids: tuple[int, ...]  # the physical blocks, now LOOSE
+    cache_id: int
+    serial: int = 0  # which take() made it: a stale copy cannot free or install re-taken blocks
+
+
+class PagedLatentCache:
+    """A pool of latent-cache blocks shared by the sequences of one MTP proposer.
+
+    Parameters
+    ----------
+    config_or_head_dim : a V4Config (head_dim = ``cache_head_dim``, window and max length from
+        it) or the row width as an int (then pass ``window`` and ``max_seq_len``).
+    num_blocks : pool size, chosen by the caller (e.g. batch * (ceil(window / 16) + 1 + K)).
+    block_size : positions per block (16 in the seed).
+    window : sliding-window length; blocks wholly before it are recycled by ``trim_window``.
+    max_seq_len : positions allowed are 0 .. max_seq_len - 1.
+
+    Example
+    -------
+    >>> cache = PagedLatentCache(V4Config.small(), num_blocks=8)
+    >>> table = BlockTable()
+    >>> cache.ensure(table, 0, 20)
+    [7, 6]
+    >>> table.slot(17)
+    97
+    """
+
+    def __init__(
+        self,
+        config_or_head_dim: V4Config | int,
+        num_blocks: int,
+        *,
+        block_size: int = 16,
+        window: int | None = None,
+        max_seq_len: int | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        if isinstance(config_or_head_dim, V4Config):
+            head_dim = config_or_head_dim.cache_head_dim
+            window = config_or_head_dim.sliding_window if window is None else window
+            if max_seq_len is None:
+                max_seq_len = config_or_head_dim.max_position_embeddings
+        else:
+            head_dim = int(config_or_head_dim)
+            if window is None or max_seq_len is None:
+                raise InputError(
+                    describe(
+                        "PagedLatentCache(head_dim, ...)",
+                        "window= and max_seq_len=",
+                        f"window={window}, max_seq_len={max_seq_len}",
+                        "or pass a V4Config, which has both",
+                    )
+                )
+        for what, value in (
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("window", window),
+            ("max_seq_len", max_seq_len),
+            ("head_dim", head_dim),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise InputError(describe(what, "an int >= 1", value))
+        self.head_dim, self.block_size, self.window, self.max_seq_len = (
+            head_dim,
+            block_size,
+            window,
+            max_seq_len,
+        )
+        self.cache_id = next(_cache_ids)
+        self.kv = torch.zeros(num_blocks * block_size, head_dim, dtype=dtype, device=device)  # [P*16, d]
+        self._lock = threading.Lock()
+        self._state = [FREE] * num_blocks
+        self._taken_by: dict[int, int] = {}  # LOOSE block -> serial of the take() that loosed it
+        self._serials = itertools.count(1)
+        # A stack: the most recently freed block is reused first (its rows are likely cached).
+        self._free = list(range(num_blocks))
+
+    # ---- queries -----------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self._state)
+
+    @property
+    def num_free_blocks(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Entries of a metadata block table: ceil(max_seq_len / block_size) + 1."""
+        return max_blocks_for(self.max_seq_len, self.block_size)
+
+    def blocks_held(self, table: BlockTable) -> int:
+        return len(table.held())
+
+    def max_blocks_at_rest(self) -> int:
+        """Blocks a sequence holds after ``trim_window`` + ``ensure`` of one position."""
+        return math.ceil(self.window / self.block_size) + 1
+
+    def blocks_needed(self, table: BlockTable, first_pos: int, last_pos: int) -> int:
+        """How many new blocks ``ensure(table, first_pos, last_pos)`` would take from the pool."""
+        self._check_range(first_pos, last_pos)
+        return len(self._missing(table, first_pos, last_pos))
+
+    def can_ensure(self, table: BlockTable, first_pos: int, last_pos: int) -> bool:
+        with self._lock:
+            return self.blocks_needed(table, first_pos, last_pos) <= len(self._free)
+
+    # ---- mutations (validate, then mutate, under the lock) -----------------------------------
+    def ensure(self, table: BlockTable, first_pos: int, last_pos: int) -> list[int]:
+        """Give positions ``first_pos..last_pos`` (inclusive) slots; returns the new block ids.
+
+        Raises CacheError (pool exhausted, with needed / free counts) and changes nothing when
+        the pool cannot supply every block the range needs.
+        """
+        self._check_range(first_pos, last_pos)
+        with self._lock:
+            self._check_table(table)
+            missing = self._missing(table, first_pos, last_pos)
+            if len(missing) > len(self._free):
+                raise CacheError(
+                    describe(
+                        f"MTP cache blocks for positions {first_pos}..{last_pos}",
+                        f"{len(missing)} free block(s)",
+                        f"{len(self._free)} free of {self.num_blocks}",
+                        "free finished sequences, call trim_window, or size the pool larger",
+                    )
+                )
+            new = [self._free.pop() for _ in missing]
+            if missing:
+                last = max(missing)
+                table.blocks.extend([-1] * (last + 1 - len(table.blocks)))
+            for j, block in zip(missing, new):
+                table.blocks[j] = block
+                self._state[block] = OWNED
+            if new:
+                table.cache_id, table.block_size = self.cache_id, self.block_size
+            return new
+
+    def trim_window(self, table: BlockTable, next_pos: int) -> list[int]:
+        """Return blocks wholly before the window of a write at ``next_pos`` to the pool.
+
+        A block goes when all its positions are < next_pos - window + 1, so a sequence holds at
+        most ceil(window / block_size) + 1 blocks at rest however long it runs.
+        """
+        if next_pos < 0:
+            raise InputError(describe("trim_window next_pos", ">= 0", next_pos))
+        oldest_kept = next_pos - self.window + 1
+        return self._release(table, range(0, max(oldest_kept, 0) // self.block_size))
+
+    def truncate(self, table: BlockTable, length: int) -> list[int]:
+        """Roll back to ``length`` positions: blocks wholly at positions >= length go back."""
+        if length < 0:
+            raise InputError(describe("truncate length", ">= 0", length))
+        first_dropped = -(-length // self.block_size)
+        return self._release(table, range(first_dropped, len(table.blocks)), keep=first_dropped)
+
+    def free(self, table: BlockTable) -> list[int]:
+        """Return every block of ``table``; the table is left empty and reusable."""
+        return self._release(table, range(len(table.blocks)), keep=0)
+
+    def take(self, table: BlockTable) -> TakenBlocks:
+        """Carry the table's blocks out (to install into a later state); the table is left empty."""
+        with self._lock:
+            self._check_table(table)
+            ids = tuple(table.held())
+            taken = TakenBlocks(tuple(table.blocks), ids, self.cache_id, next(self._serials))
+            for block in ids:
+                self._state[block] = LOOSE
+                self._taken_by[block] = taken.serial
+            table.blocks.clear()
+            table.cache_id = 0
+            return taken
+
+    def install(self, table: BlockTable, taken: TakenBlocks) -> None:
+        """Map carried blocks into an empty ``table`` at their original logical positions."""
+        with self._lock:
+            if table.held():
+                raise CacheError(
+                    describe(
+                        "install target table",
+                        "an empty table",
+                        f"one holding {table.held()}",
+                        "free() or take() it first",
+                    )
+                )
+            if taken.cache_id != self.cache_id:
+                raise CacheError(
+                    describe(
+                        "installed blocks",
+                        f"blocks of cache {self.cache_id}",
+                        f"blocks of cache {taken.cache_id}",
+                    )
+                )
+            self._check_states(taken.block_ids, LOOSE, "install", taken.serial)
+            for block in taken.block_ids:
+                self._state[block] = OWNED
+                del self._taken_by[block]
+            table.blocks[:] = list(taken.blocks)
+            table.cache_id, table.block_size = self.cache_id, self.block_size
+
+    def free_blocks(self, block_ids: TakenBlocks | list[int] | tuple[int, ...]) -> None:
+        """Return blocks no table owns (taken ones) to the pool; a double free raises."""
+        serial = block_ids.serial if isinstance(block_ids, TakenBlocks) else None
+        ids = block_ids.block_ids if isinstance(block_ids, TakenBlocks) else tuple(block_ids)
+        with self._lock:
+            if len(set(ids)) != len(ids):
+                raise CacheError(describe("free_blocks ids", "distinct ids", list(ids), "a double free"))
+            self._check_states(ids, LOOSE, "free_blocks", serial)
+            for block in ids:
+                self._state[block] = FREE
+                del self._taken_by[block]
+                self._free.append(block)
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _release(self, table: BlockTable, logical: range, keep: int | None = None) -> list[int]:
+        """Free the blocks at ``logical`` indices; ``keep`` also shortens the table to that length."""
+        with self._lock:
+            self._check_table(table)
+            released = []
+            for j in logical:
+                block = table.blocks[j] if j < len(table.blocks) else -1
+                if block >= 0:
+                    released.append(block)
+                    table.blocks[j] = -1
+                    self._state[block] = FREE
+                    self._free.append(block)
+            if keep is not None:
+                del table.blocks[keep:]
+            if not table.held():
+                table.cache_id = 0
+            return released
+
+    def _missing(self, table: BlockTable, first_pos: int, last_pos: int) -> list[int]:
+        bs = self.block_size
+        return [
+            j
+            for j in range(first_pos // bs, last_pos // bs + 1)
+            if j >= len(table.blocks) or table.blocks[j] < 0
+        ]
+
+    def _check_range(self, first_pos: int, last_pos: int) -> None:
+        if not (0 <= first_pos <= last_pos < self.max_seq_len):
+            raise InputError(
+                describe(
+                    "cache positions first..last",
+                    f"0 <= first <= last < {self.max_seq_len}",
+                    f"{first_pos}..{last_pos}",
+                )
+            )
+
+    def _check_table(self, table: BlockTable) -> None:
+        if table.held() and table.cache_id != self.cache_id:
+            raise CacheError(
+                describe(
+                    "block table",
+                    f"a table of cache {self.cache_id}",
+                    f"one mapping blocks of cache {table.cache_id}",
+                )
+            )
+        bad = [b for b in table.held() if b >= self.num_blocks or self._state[b] != OWNED]
+        if bad:  # a table edited by hand, or a block freed behind its back
+            raise CacheError(
+                describe("block table entries", "blocks this table owns", f"{bad} in {table.blocks}")
+            )
+
+    def _check_states(self, ids: tuple[int, ...], want: int, what: str, serial: int | None = None) -> None:
+        wrong = []
+        for block in ids:
+            if not (isinstance(block, int) and 0 <= block < self.num_blocks):
+                wrong.append(f"{block} (no such block)")
+            elif self._state[block] != want:
+                wrong.append(f"{block} ({_STATE_NAMES[self._state[block]]})")
+            elif serial is not None and self._taken_by[block] != serial:
+                wrong.append(f"{block} (freed since, and taken again by another take)")
+        if wrong:
+            stale = any("(free)" in w or "again" in w for w in wrong)
+            hint = "a double free, or a stale TakenBlocks" if stale else "blocks must come from take()"
+            raise CacheError(
+                describe(f"{what} blocks", f"blocks {_STATE_NAMES[want]}", ", ".join(wrong), hint)
+            )
+
+    def pack_metadata(self, rows) -> torch.Tensor:
+        """:func:`pack_metadata` with this cache's ``max_blocks_per_seq``."""
+        return pack_metadata(rows, self.max_blocks_per_seq)
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedLatentCache({self.num_free_blocks}/{self.num_blocks} blocks free, "
+            f"block {self.block_size}, head_dim {self.head_dim}, window {self.window}, {self.kv.dtype})"
+        )

@@ -1,0 +1,344 @@
+"""PagedLatentCache: slots, window recycling, all-or-nothing errors, carry, metadata, threads.
+
+The random test keeps its own model of which logical blocks each table holds (derived from
+the rules in the docstrings, not from the cache's code) and checks the pool's bookkeeping
+against it after every one of 10,000 operations.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import struct
+import threading
+
+import pytest
+import torch
+
+from runtime.config import V4Config
+from runtime.errors import CacheError, InputError
+from runtime.kv_cache import BlockTable, PagedLatentCache, TakenBlocks
+from runtime.kv_metadata import MetadataView, max_blocks_for, pack_metadata, row_bytes_for
+
+BS = 16
+
+
+def _cache(num_blocks=16, window=128, max_seq_len=100_000, head_dim=8):
+    return PagedLatentCache(head_dim, num_blocks, window=window, max_seq_len=max_seq_len)
+
+
+def _snapshot(cache, *tables):
+    return cache.num_free_blocks, [copy.deepcopy(t.blocks) for t in tables], list(cache._state)
+
+
+# ---- construction and slots ------------------------------------------------------------------
+
+
+def test_shapes_from_config():
+    flash = PagedLatentCache(V4Config.flash(), num_blocks=4, device="meta")
+    assert flash.kv.shape == (4 * 16, 512) and flash.kv.dtype == torch.bfloat16
+    assert flash.window == 128 and flash.max_blocks_per_seq == 65536 // 16 + 1
+    assert flash.max_blocks_at_rest() == 9
+    small = PagedLatentCache(V4Config.small(), num_blocks=3)
+    assert small.kv.shape == (48, V4Config.small().cache_head_dim) and small.window == 16
+    with pytest.raises(InputError, match="window= and max_seq_len="):
+        PagedLatentCache(512, 4)
+    with pytest.raises(InputError, match="num_blocks"):
+        PagedLatentCache(V4Config.small(), 0)
+
+
+def test_slot_arithmetic_and_distinct_rows():
+    cache = _cache()
+    a, b = BlockTable(), BlockTable()
+    new_a = cache.ensure(a, 0, 40)  # blocks 0, 1, 2
+    new_b = cache.ensure(b, 5, 20)  # blocks 0, 1
+    assert len(new_a) == 3 and len(new_b) == 2 and cache.num_free_blocks == 11
+    assert cache.ensure(a, 3, 33) == []  # already covered
+    slots = {}
+    for table, last in ((a, 40), (b, 20)):
+        for p in range(0 if table is a else 5, last + 1):
+            expected = table.blocks[p // 16] * 16 + p % 16
+            assert table.slot(p) == expected
+            slots[(id(table), p)] = expected
+    assert len(set(slots.values())) == len(slots)  # no two positions share a kv row
+    # Writing through a slot lands in exactly that row.
+    cache.kv[a.slot(17)] = 1.0
+    assert cache.kv.float().sum().item() == cache.head_dim
+    with pytest.raises(CacheError, match="slot of position 48"):
+        a.slot(48)
+    with pytest.raises(InputError):
+        cache.ensure(a, 10, 5)
+    with pytest.raises(InputError):
+        cache.ensure(a, 0, 100_000)
+
+
+def test_window_recycling_over_10000_positions():
+    cache = _cache(num_blocks=12, window=128)
+    table = BlockTable()
+    bound = math.ceil(128 / BS) + 1
+    for p in range(10_000):
+        cache.trim_window(table, p)
+        cache.ensure(table, p, p)
+        assert cache.blocks_held(table) <= bound, (p, table.held())
+        # Every key the attention reads at p still has its block.
+        for j in range(max(p - 127, 0) // BS, p // BS + 1):
+            assert table.blocks[j] >= 0, (p, j)
+    assert cache.num_free_blocks == 12 - cache.blocks_held(table)
+    cache.free(table)
+    assert cache.num_free_blocks == 12 and table.blocks == []
+
+
+def test_truncate_drops_only_blocks_wholly_past_length():
+    cache = _cache()
+    table = BlockTable()
+    cache.ensure(table, 0, 63)  # 4 blocks
+    assert len(cache.truncate(table, 33)) == 1  # block 2 (32..47) still holds position 32
+    assert cache.blocks_held(table) == 3
+    assert len(cache.truncate(table, 32)) == 1
+    assert cache.blocks_held(table) == 2 and cache.num_free_blocks == 14
+    assert cache.truncate(table, 1000) == []
+    cache.truncate(table, 0)
+    assert table.blocks == [] and cache.num_free_blocks == 16
+
+
+# ---- all-or-nothing errors --------------------------------------------------------------------
+
+
+def test_exhaustion_changes_nothing():
+    cache = _cache(num_blocks=4)
+    a, b = BlockTable(), BlockTable()
+    cache.ensure(a, 0, 31)  # 2 blocks
+    cache.ensure(b, 0, 0)  # 1 block
+    before = _snapshot(cache, a, b)
+    with pytest.raises(CacheError, match=r"expected 2 free block\(s\), got 1 free of 4"):
+        cache.ensure(b, 0, 47)  # needs b's blocks 1 and 2; only one is free
+    with pytest.raises(CacheError, match="free of 4"):
+        cache.ensure(a, 16, 80)  # needs a's blocks 2..5
+    assert _snapshot(cache, a, b) == before
+    assert not cache.can_ensure(a, 16, 80) and cache.can_ensure(a, 32, 40)
+
+
+def test_take_install_and_free_blocks():
+    cache = _cache(num_blocks=8)
+    a = BlockTable()
+    cache.ensure(a, 20, 50)  # blocks 1..3
+    cache.trim_window(a, 20 + 128 + 16)  # window from 37: block 1 (16..31) goes back
+    slots = {p: a.slot(p) for p in range(32, 51)}
+    taken = cache.take(a)
+    assert isinstance(taken, TakenBlocks) and a.blocks == [] and a.is_empty
+    assert cache.num_free_blocks == 8 - len(taken.block_ids)  # carried, not freed
+    b = BlockTable()
+    cache.install(b, taken)
+    assert {p: b.slot(p) for p in slots} == slots
+    # Installing the same blocks twice, or into a table that holds blocks, changes nothing.
+    c = BlockTable()
+    cache.ensure(c, 0, 0)
+    before = _snapshot(cache, b, c)
+    with pytest.raises(CacheError, match="owned by a table"):
+        cache.install(BlockTable(), taken)
+    with pytest.raises(CacheError, match="an empty table"):
+        cache.install(c, taken)
+    assert _snapshot(cache, b, c) == before
+    # free_blocks: only for blocks no table owns; a second free is a double free.
+    loose = cache.take(b)
+    with pytest.raises(CacheError, match="owned by a table"):
+        cache.free_blocks(c.held())
+    cache.free_blocks(loose)
+    assert cache.num_free_blocks == 7
+    before = _snapshot(cache, c)
+    with pytest.raises(CacheError, match="double free"):
+        cache.free_blocks(loose)
+    with pytest.raises(CacheError, match="double free"):
+        cache.free_blocks([c.held()[0], c.held()[0]])
+    with pytest.raises(CacheError, match="no such block"):
+        cache.free_blocks([99])
+    assert _snapshot(cache, c) == before
+    with pytest.raises(CacheError, match="cache"):
+        _cache().install(BlockTable(), TakenBlocks((0,), (0,), cache.cache_id))
+
+
+def test_table_of_another_cache_is_refused():
+    one, two = _cache(), _cache()
+    table = BlockTable()
+    one.ensure(table, 0, 0)
+    before = _snapshot(two)
+    with pytest.raises(CacheError, match="a table of cache"):
+        two.ensure(table, 16, 16)
+    assert _snapshot(two) == before
+
+
+# ---- 10,000 random operations against a model ---------------------------------------------------
+
+
+def _check_invariants(cache, tables, loose, model):
+    owners: dict[int, str] = {}
+    for i, table in enumerate(tables):
+        for block in table.held():
+            assert block not in owners, f"block {block} owned by {owners[block]} and table {i}"
+            owners[block] = f"table {i}"
+        held_logical = {j for j, b in enumerate(table.blocks) if b >= 0}
+        assert held_logical == model[i], (i, sorted(held_logical), sorted(model[i]))
+    for taken in loose:
+        for block in taken.block_ids:
+            assert block not in owners, f"loose block {block} also owned by {owners[block]}"
+            owners[block] = "loose"
+    free = cache._free
+    assert len(set(free)) == len(free) and not set(free) & set(owners)
+    assert len(free) + len(owners) == cache.num_blocks == cache.num_free_blocks + len(owners)
+
+
+def test_random_operations_keep_the_pool_exact():
+    rng = random.Random(1234)
+    window, num_blocks = 48, 40
+    cache = _cache(num_blocks=num_blocks, window=window, max_seq_len=400)
+    tables = [BlockTable() for _ in range(5)]
+    model: list[set[int]] = [set() for _ in tables]  # logical blocks each table holds
+    loose: list[tuple[TakenBlocks, set[int]]] = []
+    freed: list[TakenBlocks] = []
+    failures = 0
+    for _ in range(10_000):
+        i = rng.randrange(len(tables))
+        table, op = (
+            tables[i],
+            rng.choice(["ensure"] * 4 + ["trim", "truncate", "free", "take", "install", "drop"]),
+        )
+        before = _snapshot(cache, *tables)
+        try:
+            if op == "ensure":
+                first = rng.randrange(400)
+                last = min(399, first + rng.randrange(40))
+                cache.ensure(table, first, last)
+                model[i] |= set(range(first // BS, last // BS + 1))
+            elif op == "trim":
+                next_pos = rng.randrange(450)
+                cache.trim_window(table, next_pos)
+                oldest = next_pos - window + 1
+                model[i] = {j for j in model[i] if (j + 1) * BS - 1 >= oldest}
+            elif op == "truncate":
+                length = rng.randrange(420)
+                cache.truncate(table, length)
+                model[i] = {j for j in model[i] if j * BS < length}
+            elif op == "free":
+                cache.free(table)
+                model[i] = set()
+            elif op == "take":
+                taken = cache.take(table)
+                loose.append((taken, model[i]))
+                model[i] = set()
+            elif op == "install" and loose:
+                k = rng.randrange(len(loose))
+                cache.install(table, loose[k][0])  # raises when the table holds blocks
+                model[i] = loose.pop(k)[1]
+            elif op == "drop" and (loose or freed):
+                if freed and (not loose or rng.random() < 0.2):
+                    cache.free_blocks(rng.choice(freed))  # always a double free
+                    raise AssertionError("double free accepted")
+                taken, _ = loose.pop(rng.randrange(len(loose)))
+                cache.free_blocks(taken)
+                if taken.block_ids:  # freeing an empty carry twice frees nothing: no error due
+                    freed.append(taken)
+        except CacheError:
+            failures += 1
+            assert _snapshot(cache, *tables) == before, op
+        _check_invariants(cache, tables, [t for t, _ in loose], model)
+    assert failures > 50  # exhaustion, double frees and refused installs were all exercised
+    for table in tables:
+        cache.free(table)
+    for taken, _ in loose:
+        cache.free_blocks(taken)
+    assert cache.num_free_blocks == num_blocks
+
+
+# ---- metadata ----------------------------------------------------------------------------------
+
+
+def test_metadata_pack_round_trip_with_padding():
+    cache = _cache(num_blocks=16, max_seq_len=64)
+    mb = cache.max_blocks_per_seq
+    assert mb == max_blocks_for(64) == 5 and row_bytes_for(mb) == 320  # 256 + 20 -> 320
+    a, b = BlockTable(), BlockTable()
+    cache.ensure(a, 0, 37)
+    cache.ensure(b, 0, 5)
+    buf = cache.pack_metadata([(37, 0, a), None, (5, 3, b)])
+    assert buf.dtype == torch.uint8 and buf.shape == (3, 320)
+    # Independent reading of the bytes, by the layout in the spec.
+    raw = buf.numpy().tobytes()
+    rows = []
+    for r in range(3):
+        row = raw[r * 320 : (r + 1) * 320]
+        pos, slot = struct.unpack_from("<qq", row, 0)
+        seq_len, kv_start = struct.unpack_from("<ii", row, 16)
+        table = list(struct.unpack_from(f"<{mb}i", row, 256))
+        rows.append((pos, slot, seq_len, kv_start, table))
+        assert row[24:256] == bytes(232)
+    assert rows[0] == (37, a.slot(37), 38, 0, a.blocks + [-1] * (mb - 3))
+    assert rows[1] == (0, -1, 0, 1, [-1] * mb)  # dead row: kv_start > pos reads nothing
+    assert rows[2] == (5, b.slot(5), 6, 3, b.blocks + [-1] * (mb - 1))
+    view = MetadataView.of(buf, mb)
+    assert view.pos.tolist() == [37, 0, 5] and view.slot.tolist() == [rows[0][1], -1, rows[2][1]]
+    assert view.seq_len.tolist() == [38, 0, 6] and view.kv_start.tolist() == [0, 1, 3]
+    assert view.block_table.tolist() == [r[4] for r in rows]
+    # Views share the buffer: a device-side advance is a write through them.
+    view.pos.add_(1)
+    assert struct.unpack_from("<q", buf.numpy().tobytes(), 320 * 2)[0] == 6
+    for field in (view.pos, view.slot, view.seq_len, view.kv_start, view.block_table):
+        assert field.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+
+
+def test_metadata_into_an_existing_buffer_and_errors():
+    cache = _cache(max_seq_len=64)
+    a = BlockTable()
+    cache.ensure(a, 0, 3)
+    out = torch.full((4, 320), 0xAB, dtype=torch.uint8)
+    pack_metadata([(3, 0, a)], 5, out=out)
+    view = MetadataView.of(out, 5)
+    assert view.pos.tolist() == [3, 0, 0, 0] and view.slot.tolist()[1:] == [-1, -1, -1]
+    assert view.kv_start.tolist() == [0, 1, 1, 1]
+    with pytest.raises(CacheError, match="allocated block"):
+        pack_metadata([(20, 0, a)], 5)
+    with pytest.raises(InputError, match="kv_start"):
+        pack_metadata([(3, 4, a)], 5)
+    with pytest.raises(InputError, match="block table"):
+        pack_metadata([(3, 0, [0] * 6)], 5)
+    with pytest.raises(InputError, match="pack_metadata out"):
+        pack_metadata([(3, 0, a)], 5, out=torch.zeros(1, 256, dtype=torch.uint8))
+
+
+# ---- threads -------------------------------------------------------------------------------------
+
+
+def test_concurrent_ensure_and_free_keep_the_count_exact():
+    cache = _cache(num_blocks=64, window=64, max_seq_len=10_000)
+    errors: list[BaseException] = []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        tables = [BlockTable() for _ in range(3)]
+        try:
+            for step in range(400):
+                table = rng.choice(tables)
+                p = rng.randrange(2000)
+                try:
+                    cache.ensure(table, p, p + rng.randrange(48))
+                except CacheError:
+                    pass  # the pool is shared and small: exhaustion is expected
+                if step % 3 == 0:
+                    cache.trim_window(table, p)
+                if step % 7 == 0:
+                    cache.free_blocks(cache.take(table))
+                if step % 11 == 0:
+                    cache.free(table)
+        except BaseException as exc:  # surfaced below: a thread's failure must fail the test
+            errors.append(exc)
+        finally:
+            for table in tables:
+                cache.free(table)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert cache.num_free_blocks == 64 and sorted(cache._free) == list(range(64))

@@ -1,0 +1,125 @@
+"""mHC ops against float64 references written from spec section 2."""
+
+from __future__ import annotations
+
+import torch
+from v4_op_cases import (
+    CFG,
+    gen,
+    hc_expand_case,
+    hc_head_case,
+    hc_post_case,
+    hc_pre_case,
+    rel_err,
+    run_op,
+)
+
+from ops.registry import get_op
+
+F64 = torch.float64
+
+
+def ref_hc_pre(X, fn, base, scale, eps, hc_eps, iters):
+    X, fn, base, scale = (t.to(F64) for t in (X, fn, base, scale))
+    b, c, d = X.shape
+    x = X.reshape(b, c * d)
+    rho = 1 / torch.sqrt((x * x).mean(-1) + eps)  # [B]
+    m = (x @ fn.T) * rho[:, None]  # [B, (2+C)*C]
+    pre = torch.sigmoid(m[:, :c] * scale[0] + base[:c]) + hc_eps
+    post = 2 * torch.sigmoid(m[:, c : 2 * c] * scale[1] + base[c : 2 * c])
+    L = torch.empty(b, c, c, dtype=F64)
+    for j in range(c):
+        for k in range(c):
+            L[:, j, k] = m[:, 2 * c + c * j + k] * scale[2] + base[2 * c + c * j + k]
+    M = torch.exp(L - L.amax(-1, keepdim=True))
+    M = M / M.sum(-1, keepdim=True) + hc_eps  # row softmax over k, + eps
+    M = M / (M.sum(1, keepdim=True) + hc_eps)  # column sums: over rows j
+    for _ in range(iters - 1):
+        M = M / (M.sum(2, keepdim=True) + hc_eps)
+        M = M / (M.sum(1, keepdim=True) + hc_eps)
+    y = sum(pre[:, j, None] * X[:, j] for j in range(c))
+    return y, post, M
+
+
+def ref_hc_post(y, X, post, comb):
+    y, X, post, comb = (t.to(F64) for t in (y, X, post, comb))
+    out = torch.empty_like(X)
+    for k in range(X.shape[1]):
+        out[:, k] = post[:, k, None] * y + sum(comb[:, j, k, None] * X[:, j] for j in range(X.shape[1]))
+    return out
+
+
+def ref_hc_head(X, fn, base, scale, eps, hc_eps):
+    X, fn, base, scale = (t.to(F64) for t in (X, fn, base, scale))
+    b, c, d = X.shape
+    x = X.reshape(b, c * d)
+    rho = 1 / torch.sqrt((x * x).mean(-1) + eps)
+    g = torch.sigmoid((x @ fn.T) * rho[:, None] * scale[0] + base) + hc_eps  # [B, C]
+    return sum(g[:, j, None] * X[:, j] for j in range(c))
+
+
+def test_hc_expand_copies_h_into_every_stream():
+    inputs, attrs = hc_expand_case(gen(1))
+    (out,) = run_op("hc_expand", inputs, attrs)
+    assert out.shape == (3, CFG.hc_mult, CFG.hidden_size)
+    for j in range(CFG.hc_mult):
+        assert torch.equal(out[:, j], inputs[0])
+
+
+def test_hc_pre_matches_float64_reference():
+    inputs, attrs = hc_pre_case(gen(2))
+    y, post, comb = run_op("hc_pre", inputs, attrs)
+    ry, rpost, rcomb = ref_hc_pre(*inputs, **attrs)
+    assert y.dtype == torch.bfloat16 and post.dtype == comb.dtype == torch.float32
+    assert rel_err(y, ry) < 5e-3
+    assert rel_err(post, rpost) < 1e-5
+    assert rel_err(comb, rcomb) < 1e-5
+
+
+def test_sinkhorn_iteration_count_matters_and_converges():
+    inputs, _ = hc_pre_case(gen(3))
+    comb_1 = run_op("hc_pre", inputs, hc_pre_case(gen(3), iters=1)[1])[2]
+    comb_20 = run_op("hc_pre", inputs, hc_pre_case(gen(3), iters=20)[1])[2]
+    assert rel_err(comb_1, ref_hc_pre(*inputs, **hc_pre_case(gen(3), iters=1)[1])[2]) < 1e-5
+    assert rel_err(comb_1, comb_20) > 1e-2, "iters=1 and iters=20 should give different mixes"
+    ones = torch.ones(3, CFG.hc_mult)
+    torch.testing.assert_close(comb_20.sum(-1), ones, atol=1e-3, rtol=0)  # rows
+    torch.testing.assert_close(comb_20.sum(-2), ones, atol=1e-3, rtol=0)  # columns
+    assert (comb_1.sum(-1) - 1).abs().max() > 1e-2, "one pass leaves rows off 1 (a weak test otherwise)"
+
+
+def test_hc_pre_does_not_normalise_pre():
+    # With pre normalised, y would be a convex mix; sigmoid weights sum to anything in (0, C).
+    inputs, attrs = hc_pre_case(gen(4))
+    inputs[2] = inputs[2].clone()
+    inputs[2][: CFG.hc_mult] = 4.0  # pre ~ 0.98 each: y ~ sum of streams, far from their mean
+    y = run_op("hc_pre", inputs, attrs)[0]
+    assert rel_err(y, ref_hc_pre(*inputs, **attrs)[0]) < 5e-3
+    assert rel_err(y, inputs[0].double().mean(1)) > 0.5
+
+
+def test_hc_post_mixes_residual_by_comb_transposed():
+    inputs, attrs = hc_post_case(gen(5))
+    y, X, post, comb = inputs
+    assert not torch.allclose(comb, comb.transpose(1, 2)), "the test needs a non-symmetric comb"
+    (out,) = run_op("hc_post", inputs, attrs)
+    assert rel_err(out, ref_hc_post(*inputs)) < 5e-3
+    untransposed = ref_hc_post(y, X, post, comb.transpose(1, 2))
+    assert rel_err(out, untransposed) > 0.1
+
+
+def test_hc_post_is_correct_when_output_aliases_x():
+    inputs, attrs = hc_post_case(gen(6))
+    ref = ref_hc_post(*inputs)
+    X_alias = inputs[1].clone()
+    result = get_op("hc_post").impl([inputs[0], X_alias, inputs[2], inputs[3]], [X_alias], attrs, None)
+    assert result is None
+    assert rel_err(X_alias, ref) < 5e-3
+    assert torch.equal(X_alias, run_op("hc_post", inputs, attrs)[0])
+
+
+def test_hc_head_matches_float64_reference():
+    inputs, attrs = hc_head_case(gen(7))
+    (out,) = run_op("hc_head", inputs, attrs)
+    assert out.shape == (3, CFG.hidden_size) and out.dtype == torch.bfloat16
+    assert rel_err(out, ref_hc_head(*inputs, **attrs)) < 5e-3

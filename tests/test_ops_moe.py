@@ -1,0 +1,108 @@
+"""moe and moe_hash against float64 references written from spec section 4."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from v4_op_cases import BATCH, CFG, gen, moe_case, moe_hash_case, rel_err, run_op
+
+F64 = torch.float64
+
+
+def ref_scores(x, gate_w):
+    return torch.sqrt(F.softplus(x.to(F64) @ gate_w.to(F64).T))  # [B, E]
+
+
+def ref_swiglu(w1, w3, x, limit, clamp=True):
+    g, u = w1 @ x, w3 @ x
+    if clamp:
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    return g * torch.sigmoid(g) * u
+
+
+def ref_experts(x, idx, weights, w1, w2, w3, sw1, sw2, sw3, limit, clamp=True):
+    x, w1, w2, w3, sw1, sw2, sw3 = (t.to(F64) for t in (x, w1, w2, w3, sw1, sw2, sw3))
+    out = torch.zeros_like(x)
+    for b in range(x.shape[0]):
+        for e, w in zip(idx[b].tolist(), weights[b]):
+            out[b] += w2[e] @ (w * ref_swiglu(w1[e], w3[e], x[b], limit, clamp))
+        out[b] += sw2 @ ref_swiglu(sw1, sw3, x[b], limit, clamp)
+    return out
+
+
+def ref_moe(inputs, attrs, bias_in_weights=False, clamp=True):
+    x, gate_w, bias, w1, w2, w3, sw1, sw2, sw3 = inputs
+    s = ref_scores(x, gate_w)
+    biased = s + bias.to(F64)
+    idx = biased.topk(attrs["top_k"], dim=-1).indices
+    chosen = (biased if bias_in_weights else s).gather(1, idx)
+    weights = chosen / chosen.sum(-1, keepdim=True) * attrs["routed_scaling_factor"]
+    out = ref_experts(x, idx, weights, w1, w2, w3, sw1, sw2, sw3, attrs["swiglu_limit"], clamp)
+    return out, idx
+
+
+def ref_moe_hash(inputs, attrs):
+    x, token, tid2eid, gate_w, w1, w2, w3, sw1, sw2, sw3 = inputs
+    idx = tid2eid[token].long()
+    chosen = ref_scores(x, gate_w).gather(1, idx)
+    weights = chosen / chosen.sum(-1, keepdim=True) * attrs["routed_scaling_factor"]
+    return ref_experts(x, idx, weights, w1, w2, w3, sw1, sw2, sw3, attrs["swiglu_limit"])
+
+
+def test_moe_matches_float64_reference():
+    inputs, attrs = moe_case(gen(31))
+    (out,) = run_op("moe", inputs, attrs)
+    assert out.shape == (BATCH, CFG.hidden_size) and out.dtype == torch.bfloat16
+    assert rel_err(out, ref_moe(inputs, attrs)[0]) < 1e-2
+
+
+def test_gate_bias_steers_selection_but_not_weights():
+    inputs, attrs = moe_case(gen(32))
+    favoured = 7
+    inputs[2] = torch.zeros(CFG.n_routed_experts)
+    inputs[2][favoured] = 5.0  # wins a top-k place on every row
+    ref, idx = ref_moe(inputs, attrs)
+    assert (idx == favoured).any(-1).all()
+    _, idx_unbiased = ref_moe([*inputs[:2], torch.zeros(CFG.n_routed_experts), *inputs[3:]], attrs)
+    assert not (idx_unbiased == favoured).any(-1).all(), "the bias should change the selection"
+    (out,) = run_op("moe", inputs, attrs)
+    assert rel_err(out, ref) < 1e-2
+    unbiased_out = run_op("moe", [*inputs[:2], torch.zeros(CFG.n_routed_experts), *inputs[3:]], attrs)[0]
+    assert rel_err(out, unbiased_out) > 0.05
+    assert rel_err(out, ref_moe(inputs, attrs, bias_in_weights=True)[0]) > 0.05
+
+
+def test_swiglu_limit_clamps_large_activations():
+    inputs, attrs = moe_case(gen(33))
+    inputs[0] = (inputs[0].double() * 40).to(torch.bfloat16)  # |w1 x| ~ 40: well past the limit 10
+    x, w1, sw1 = inputs[0].double(), inputs[3].double(), inputs[6].double()
+    assert ((w1 @ x.T).abs() > CFG.swiglu_limit).double().mean() > 0.3
+    assert ((sw1 @ x.T).abs() > CFG.swiglu_limit).double().mean() > 0.3
+    (out,) = run_op("moe", inputs, attrs)
+    assert rel_err(out, ref_moe(inputs, attrs)[0]) < 1e-2
+    assert rel_err(out, ref_moe(inputs, attrs, clamp=False)[0]) > 0.3
+
+
+def test_moe_hash_matches_reference_and_reads_tid2eid():
+    inputs, attrs = moe_hash_case(gen(34))
+    (out,) = run_op("moe_hash", inputs, attrs)
+    assert rel_err(out, ref_moe_hash(inputs, attrs)) < 1e-2
+    # Reroute only the batch's tokens: the output follows the table.
+    rerouted = inputs[2].clone()
+    rerouted[inputs[1]] = (rerouted[inputs[1]] + 1) % CFG.n_routed_experts
+    moved = [inputs[0], inputs[1], rerouted, *inputs[3:]]
+    (out_moved,) = run_op("moe_hash", moved, attrs)
+    assert rel_err(out_moved, ref_moe_hash(moved, attrs)) < 1e-2
+    assert rel_err(out_moved, out) > 0.1
+
+
+def test_moe_hash_routes_by_token_not_by_score():
+    inputs, attrs = moe_hash_case(gen(35))
+    tokens = torch.tensor([4, 4, 9])  # rows 0 and 1 share a token: the same experts
+    inputs[1] = tokens
+    x, _, tid2eid, gate_w = inputs[:4]
+    score_top = ref_scores(x, gate_w).topk(CFG.num_experts_per_tok, dim=-1).indices
+    hashed = tid2eid[tokens].long()
+    assert not torch.equal(score_top.sort(-1).values, hashed.sort(-1).values), "a weak test otherwise"
+    (out,) = run_op("moe_hash", inputs, attrs)
+    assert rel_err(out, ref_moe_hash(inputs, attrs)) < 1e-2
