@@ -77,7 +77,7 @@ class EagerExecutor:
         self.graph = flatten(graph)
         validate(self.graph)
         self.batch = batch
-        self.device = torch.device(device) if device is not None else _guess_device(weights)
+        self.device = concrete_device(device) if device is not None else _guess_device(weights)
         self.debug = debug
         self.alias = alias
         self.runners = dict(runners or {})
@@ -225,6 +225,14 @@ class EagerExecutor:
                         f"while executing {format_node(self.graph, step.node)}: an output view was left "
                         "unwritten (NaN poison remains; hint: write every element of each output)"
                     )
+
+
+def concrete_device(device: torch.device | str) -> torch.device:
+    """``cuda`` -> ``cuda:N`` (the current device), so device checks compare like with like."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _guess_device(weights: Mapping[str, torch.Tensor]) -> torch.device:

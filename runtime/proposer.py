@@ -29,7 +29,7 @@ from graphs.v4_block import CacheGeometry, block_interface
 from runtime.config import V4Config
 from runtime.draft_binding import DraftBinding, prepare_weights
 from runtime.errors import InputError, describe
-from runtime.executor import EagerExecutor
+from runtime.executor import EagerExecutor, concrete_device
 from runtime.kv_cache import BlockTable, PagedLatentCache
 from runtime.proposer_checks import (
     check_batch,
@@ -90,7 +90,7 @@ class DeepseekV4MtpProposer:
         if opts.mode not in ("streams", "collapsed"):
             raise InputError(describe("mode", "'streams' or 'collapsed'", repr(opts.mode)))
         self.config = config
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = concrete_device(device) if device is not None else torch.device("cpu")
         self.id = next(_ids)
         self.max_seq_len = opts.max_seq_len or config.max_position_embeddings
         self.buckets = tuple(sorted(set(opts.buckets)))

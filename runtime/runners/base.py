@@ -68,7 +68,7 @@ def load_runner(spec: str | DraftRunner | None) -> DraftRunner | None:
     if not isinstance(spec, str):
         if not callable(spec):
             raise RunnerError(describe("runner", "a DraftRunner, a name or 'module:callable'", type(spec).__name__))
-        return spec
+        return spec if hasattr(spec, "workspace_bytes") else FunctionRunner(spec, type(spec).__name__)
     from runtime.runners import SHIPPED
 
     if spec in SHIPPED:
@@ -86,15 +86,27 @@ def load_runner(spec: str | DraftRunner | None) -> DraftRunner | None:
         factory = getattr(factory, part, None)
         if factory is None:
             raise RunnerError(f"runner {spec!r}: {module_name!r} has no attribute {attr!r}")
+    # A class is instantiated; any other callable is the runner itself.
     runner = factory() if isinstance(factory, type) else factory
     if not callable(runner):
         raise RunnerError(describe(f"runner {spec!r}", "a callable", type(runner).__name__))
-    if not hasattr(runner, "name"):
-        try:
-            runner.name = spec
-        except AttributeError:
-            pass
-    return runner
+    return runner if hasattr(runner, "workspace_bytes") else FunctionRunner(runner, spec)
+
+
+class FunctionRunner:
+    """A plain function used as a runner: no weights to bind, no workspace."""
+
+    def __init__(self, fn, name: str) -> None:
+        self.fn, self.name = fn, getattr(fn, "name", name)
+
+    def bind(self, config, weights, device) -> None:
+        pass
+
+    def workspace_bytes(self, batch: int) -> int:
+        return 0
+
+    def __call__(self, streams, positions, kv_cache, kv_start, block_table, workspace):
+        return self.fn(streams, positions, kv_cache, kv_start, block_table, workspace)
 
 
 def runner_name(runner: DraftRunner | None) -> str:

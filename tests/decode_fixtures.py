@@ -1,0 +1,123 @@
+"""Shared tiny model, builders and drafters for the decode-loop, target-model and tool tests."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from runtime.config import V4Config
+from runtime.proposer import DeepseekV4MtpProposer
+from runtime.synthetic_weights import random_mtp_weights
+from runtime.target_model import TargetModel
+
+# Two layers (layer 0 hash-routed), window 16 (one block), vocab 264 (the byte tokenizer fits).
+CFG = V4Config.small(
+    hidden_size=64,
+    num_attention_heads=2,
+    head_dim=32,
+    qk_rope_head_dim=8,
+    q_lora_rank=16,
+    o_groups=2,
+    o_lora_rank=16,
+    vocab_size=264,
+    n_routed_experts=4,
+    moe_intermediate_size=32,
+    sliding_window=16,
+    max_position_embeddings=512,
+)
+ROW_BUCKET = 16  # one bucket: every target run has the same GEMM shapes, so rows are bit-reproducible
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """Tiny ops on 2 shared cores: one intra-op thread is several times faster than oversubscription."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@functools.lru_cache(maxsize=4)
+def weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    return random_mtp_weights(CFG, seed=seed, include_target_layers=True)
+
+
+def make_target(seed: int = 0, **kw) -> TargetModel:
+    kw.setdefault("executor", "eager")
+    kw.setdefault("buckets", (ROW_BUCKET,))
+    return TargetModel(CFG, weights(seed), **kw)
+
+
+def make_proposer(seed: int = 0, cls=DeepseekV4MtpProposer, **kw) -> DeepseekV4MtpProposer:
+    kw.setdefault("executor", "eager")
+    kw.setdefault("buckets", (1, 2, 4))
+    kw.setdefault("num_cache_blocks", 48)
+    return cls(CFG, weights(seed), **kw)
+
+
+def prompts(lengths=(3, 9, 20), seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(CFG.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+def pools_full(target, proposer) -> bool:
+    return (
+        target.cache.num_free_blocks == target.cache.num_blocks
+        and proposer.cache.num_free_blocks == proposer.cache.num_blocks
+    )
+
+
+class OracleProposer(DeepseekV4MtpProposer):
+    """The real proposer (its cache and states are exercised), with drafts replaced by the known
+    greedy continuation, deliberately wrong at a rotating draft position: every acceptance count
+    0..K occurs, so rollback and catch-up run for each.
+
+    ``truths[i]`` is prompt i followed by its greedy tokens; states map to prompts in allocation order.
+    """
+
+    def __init__(self, *args, truths: list[list[int]], **kw) -> None:
+        super().__init__(*args, **kw)
+        self.truths, self._owner_of, self.calls = truths, {}, 0
+        self.accept_plan: list[int] = []
+
+    def alloc_state_for(self, budget_tokens):
+        state = super().alloc_state_for(budget_tokens)
+        self._owner_of[id(state)] = len(self._owner_of) % len(self.truths)
+        return state
+
+    def _propose(self, tokens, hiddens, positions, num_drafts, states, bitmask):
+        drafts, device_drafts, probs = super()._propose(
+            tokens, hiddens, positions, num_drafts, states, bitmask
+        )
+        self.calls += 1
+        for row, (state, p) in enumerate(zip(states, positions)):
+            seq = self._owner_of[id(state)]
+            truth = self.truths[seq][p + 2 : p + 2 + num_drafts]
+            truth = truth + [0] * (num_drafts - len(truth))
+            right = (self.calls + seq) % (num_drafts + 1)  # leading drafts that are right
+            wrong = [(t + 1) % self.config.vocab_size for t in truth]
+            drafts[row] = truth[:right] + wrong[right:]
+        return drafts, device_drafts, probs
+
+
+class FailingRunner:
+    """A body runner that raises on its ``fail_at``-th call (an injected mid-step failure)."""
+
+    name = "failing"
+
+    def __init__(self, fail_at: int) -> None:
+        self.fail_at, self.calls = fail_at, 0
+
+    def bind(self, config, weights, device) -> None:
+        pass
+
+    def workspace_bytes(self, batch: int) -> int:
+        return 0
+
+    def __call__(self, streams, positions, kv_cache, kv_start, block_table, workspace):
+        self.calls += 1
+        if self.calls >= self.fail_at:
+            raise RuntimeError(f"injected runner failure at call {self.calls}")
+        return streams

@@ -1,0 +1,206 @@
+"""The speculative decode loop: greedy equivalence whatever the drafter, every acceptance count,
+EOS, cancel and injected failures leaving both block pools exact, stats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from decode_fixtures import (  # noqa: F401
+    FailingRunner,
+    OracleProposer,
+    make_proposer,
+    make_target,
+    pools_full,
+    prompts,
+    single_thread,
+)
+
+from runtime.decode import DecodeSession, accept_greedy, greedy_decode, speculative_decode
+from runtime.decode_stats import DecodeStats
+from runtime.errors import ExecutionError, InputError
+
+K, MAX_NEW = 3, 12
+PROMPTS = prompts((3, 9, 20))  # mixed lengths; 20 > the row bucket: prefill runs are split
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
+@pytest.fixture(scope="module")
+def greedy(target):
+    return greedy_decode(target, PROMPTS, MAX_NEW).tokens
+
+
+def oracle(greedy, **kw):
+    truths = [p + g for p, g in zip(PROMPTS, greedy)]
+    return make_proposer(cls=OracleProposer, truths=truths, **kw)
+
+
+@pytest.mark.parametrize("drafter", ["builtin", "identity", "random_weights"])
+def test_speculative_equals_greedy_for_any_drafter(target, greedy, drafter):
+    proposer = make_proposer(seed=7 if drafter == "random_weights" else 0)
+    if drafter == "identity":
+        proposer.set_circuit_draft("identity")
+    result = speculative_decode(target, proposer, PROMPTS, MAX_NEW, K)
+    assert result.tokens == greedy
+    assert result.finish_reasons == ["length"] * 3
+    assert pools_full(target, proposer)
+    assert result.stats.num_generated == 3 * MAX_NEW and result.stats.num_verifies > 0
+
+
+@pytest.mark.parametrize("mode", ["streams", "collapsed"])
+def test_every_acceptance_count_rolls_back_and_catches_up(greedy, mode):
+    target = make_target(mode=mode)
+    proposer = oracle(greedy, mode=mode)
+    counts = []
+    result = speculative_decode(
+        target, proposer, PROMPTS, MAX_NEW, K, on_step=lambda s, e: counts.extend(e.accepted.values())
+    )
+    assert result.tokens == greedy
+    assert set(counts) == {0, 1, 2, 3}  # rejection at every draft position, and all accepted
+    stats = result.stats
+    assert stats.num_verifies == len(counts) and stats.num_accepted == sum(counts)
+    assert stats.mean_accepted_length == pytest.approx(1 + sum(counts) / len(counts))
+    by_pos = stats.acceptance_by_position()
+    assert by_pos == sorted(by_pos, reverse=True) and by_pos[0] > 0
+    assert stats.num_steps < MAX_NEW - 1  # fewer target forwards than greedy needs
+    assert pools_full(target, proposer)
+
+
+def test_more_rows_than_the_bucket_split_into_runs(target):
+    many = prompts((2, 5, 3, 7, 4), seed=9)  # 5 x (K + 1) = 20 verify rows > 16
+    want = greedy_decode(target, many, 6).tokens
+    proposer = make_proposer(buckets=(1, 2, 4, 8))
+    assert speculative_decode(target, proposer, many, 6, K).tokens == want
+    assert pools_full(target, proposer)
+
+
+def test_eos_ends_one_sequence(target, greedy):
+    eos = greedy[1][4]  # the fifth token of sequence 1 becomes EOS
+    want = greedy_decode(target, PROMPTS, MAX_NEW, eos_id=eos)
+    proposer = oracle(greedy)
+    result = speculative_decode(target, proposer, PROMPTS, MAX_NEW, K, eos_id=eos)
+    assert result.tokens == want.tokens and result.finish_reasons == want.finish_reasons
+    assert result.tokens[1][-1] == eos and len(result.tokens[1]) <= 5 and result.finish_reasons[1] == "eos"
+    assert pools_full(target, proposer)
+
+
+def test_cancel_midway_frees_the_sequence(target, greedy):
+    proposer = oracle(greedy)
+    with DecodeSession(target, proposer, PROMPTS, MAX_NEW, K) as session:
+        assert session.step() and session.step()  # prefill, one round
+        held = target.cache.num_free_blocks
+        assert session.cancel(1) and not session.cancel(1)
+        assert target.cache.num_free_blocks > held
+        while session.step():
+            pass
+        result = session.result()
+    assert result.finish_reasons == ["length", "cancelled", "length"]
+    assert result.tokens[0] == greedy[0] and result.tokens[2] == greedy[2]
+    assert result.tokens[1] == greedy[1][: len(result.tokens[1])] and len(result.tokens[1]) < MAX_NEW
+    assert pools_full(target, proposer)
+    with pytest.raises(InputError, match="cancel index"):
+        session.cancel(3)
+
+
+def test_cancel_every_sequence_ends_the_loop(target):
+    proposer = make_proposer()
+    session = DecodeSession(target, proposer, PROMPTS, MAX_NEW, K)
+    session.step()
+    for i in range(3):
+        session.cancel(i)
+    assert not session.step() and session.is_closed
+    assert pools_full(target, proposer)
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 7])  # drafter prefill, first propose, a later round
+def test_a_failing_runner_mid_step_leaves_the_pools_exact(target, fail_at):
+    proposer = make_proposer()
+    proposer.set_circuit_draft(FailingRunner(fail_at))
+    with pytest.raises(ExecutionError, match="injected runner failure"):
+        speculative_decode(target, proposer, PROMPTS, MAX_NEW, K)
+    assert pools_full(target, proposer)
+
+
+def test_a_failing_verify_or_callback_leaves_the_pools_exact(target, monkeypatch):
+    proposer = make_proposer()
+    session = DecodeSession(target, proposer, PROMPTS, MAX_NEW, K)
+    session.step()
+    session.step()
+    monkeypatch.setattr(target, "verify", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("verify died")))
+    with pytest.raises(RuntimeError, match="verify died"):
+        session.step()
+    assert session.result().finish_reasons == ["error"] * 3 and not session.step()
+    assert pools_full(target, proposer)
+    monkeypatch.undo()
+
+    def bad_callback(session, event):
+        if event.step == 2:
+            raise KeyError("callback")
+
+    with pytest.raises(KeyError):
+        speculative_decode(target, proposer, PROMPTS, MAX_NEW, K, on_step=bad_callback)
+    assert pools_full(target, proposer)
+
+
+def test_bad_requests_are_refused_before_any_allocation(target):
+    proposer = make_proposer()
+    with pytest.raises(InputError, match="prompt 1"):
+        speculative_decode(target, proposer, [[1], []], 4, K)
+    with pytest.raises(InputError, match="proposer mode"):
+        speculative_decode(target, make_proposer(mode="collapsed"), [[1]], 4, K)
+    with pytest.raises(InputError, match="max_seq_len"):
+        speculative_decode(target, proposer, [[1] * 500], 20, K)
+    with pytest.raises(InputError, match="num_drafts"):
+        speculative_decode(target, proposer, [[1]], 4, 0)
+    assert speculative_decode(target, proposer, [[1]], 0, K).tokens == [[]]
+    assert pools_full(target, proposer)
+
+
+def test_accept_greedy():
+    assert accept_greedy([5, 7, 9], [5, 7, 9, 4]) == (3, 4)
+    assert accept_greedy([5, 7, 9], [5, 8, 9, 4]) == (1, 8)
+    assert accept_greedy([5, 7, 9], [6, 7, 9, 4]) == (0, 6)
+    assert accept_greedy([], [3]) == (0, 3)
+
+
+def test_stats_table():
+    stats = DecodeStats(
+        num_drafts=3,
+        num_sequences=2,
+        num_generated=10,
+        num_steps=3,
+        num_proposes=3,
+        propose_seconds=0.03,
+        verify_seconds=0.05,
+        total_seconds=0.1,
+    )
+    for a in (3, 1, 0, 2):
+        stats.record_verify(a)
+    assert stats.acceptance_by_position() == [0.75, 0.5, 0.25]
+    assert stats.acceptance_rate == pytest.approx(6 / 12) and stats.mean_accepted_length == 2.5
+    assert stats.draft_ms_per_propose == pytest.approx(10.0) and stats.tokens_per_second == pytest.approx(100)
+    table = stats.format_table()
+    lines = table.splitlines()
+    assert lines[0] == "acceptance by draft position"
+    assert lines[1].split() == ["draft", "position", "1", "2", "3"]
+    assert lines[2].split() == ["accepted", "0.750", "0.500", "0.250"]
+    for name in ("acceptance rate", "mean accepted length", "tokens / s", "draft ms / propose"):
+        assert name in table
+    split = {
+        line.split()[0]: line.split()[1:]
+        for line in lines[lines.index(next(ln for ln in lines if ln.startswith("time split"))) + 1 :]
+    }
+    assert list(split) == ["prefill", "draft", "verify", "host", "total"]
+    assert split["host"] == ["0.0200", "20.0%"] and split["total"][1] == "100.0%"
+    assert stats.as_dict()["seconds"]["draft"] == pytest.approx(0.03)
+
+
+def test_progress_bar_goes_to_stderr(target, capsys):
+    proposer = make_proposer()
+    speculative_decode(target, proposer, PROMPTS[:1], 4, K, progress=True)
+    captured = capsys.readouterr()
+    assert "decode K=3" in captured.err and captured.out == ""
+    assert torch.get_num_threads() == 1

@@ -1,0 +1,135 @@
+"""Each bad input gets its typed error and leaves the state and the cache unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from proposer_fixtures import TINY, hidden, make_proposer
+from runtime.errors import CacheError, InputError
+
+WORDS = (TINY.vocab_size + 31) // 32
+
+
+@pytest.fixture()
+def setup():
+    gen = torch.Generator().manual_seed(0)
+    prop = make_proposer(TINY)
+    state = prop.alloc_state()
+    prop.prefill_drafter(list(range(6)), hidden(TINY, gen, n=6), state)
+    prop.propose(3, hidden(TINY, gen), 5, 2, state)
+    return prop, state, gen
+
+
+def frozen(prop, state):
+    return state.snapshot(), prop.cache.num_free_blocks, prop.cache.kv.clone()
+
+
+def assert_unchanged(prop, state, before):
+    snap, free, kv = before
+    assert state.snapshot() == snap
+    assert prop.cache.num_free_blocks == free
+    assert torch.equal(prop.cache.kv, kv)
+
+
+BAD_PROPOSE = {
+    "token past vocab": dict(last_token=TINY.vocab_size),
+    "negative token": dict(last_token=-1),
+    "token not an int": dict(last_token="7"),
+    "negative position": dict(position=-1),
+    "position past max": dict(position=TINY.max_position_embeddings),
+    "hidden shape": dict(target_hidden=torch.zeros(3, TINY.hidden_size, dtype=torch.bfloat16)),
+    "hidden dtype": dict(target_hidden=torch.zeros(TINY.hc_mult, TINY.hidden_size)),
+    "hidden device": dict(target_hidden=torch.zeros(TINY.hc_mult, TINY.hidden_size, dtype=torch.bfloat16,
+                                                    device="meta")),
+    "bitmask length": dict(grammar_bitmask=[1] * (WORDS + 1)),
+    "zero drafts": dict(num_drafts=0),
+    "too many drafts": dict(num_drafts=99),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PROPOSE))
+def test_bad_propose_input(setup, case):
+    prop, state, gen = setup
+    args = dict(last_token=3, target_hidden=hidden(TINY, gen), position=7, num_drafts=2, grammar_bitmask=None)
+    args.update(BAD_PROPOSE[case])
+    before = frozen(prop, state)
+    with pytest.raises(InputError) as info:
+        prop.propose(args["last_token"], args["target_hidden"], args["position"], args["num_drafts"], state,
+                     grammar_bitmask=args["grammar_bitmask"])
+    assert "expected" in str(info.value)
+    assert_unchanged(prop, state, before)
+
+
+def test_budget_from_alloc_state_for_is_enforced(setup):
+    prop, _, gen = setup
+    state = prop.alloc_state_for(10)
+    prop.propose(1, hidden(TINY, gen), 7, 3, state)  # positions 7..9 fit a budget of 10
+    before = frozen(prop, state)
+    with pytest.raises(InputError, match="budget"):
+        prop.propose(1, hidden(TINY, gen), 8, 3, state)
+    assert_unchanged(prop, state, before)
+    with pytest.raises(InputError):
+        prop.alloc_state_for(0)
+
+
+def test_bad_batch_inputs(setup):
+    prop, state, gen = setup
+    before = frozen(prop, state)
+    h = hidden(TINY, gen)
+    with pytest.raises(InputError, match="length"):
+        prop.propose_batch([1, 2], [h], [7, 7], 1, [state, prop.alloc_state()])
+    with pytest.raises(InputError, match="distinct"):
+        prop.propose_batch([1, 2], [h, h], [7, 7], 1, [state, state])
+    many = [prop.alloc_state() for _ in range(prop.propose_batch_max() + 1)]
+    with pytest.raises(InputError, match="propose_batch_max"):
+        prop.propose_batch([1] * len(many), [h] * len(many), [0] * len(many), 1, many)
+    bad_token_batch = [prop.alloc_state(), state]
+    with pytest.raises(InputError):
+        prop.propose_batch([1, TINY.vocab_size], [h, h], [0, 7], 1, bad_token_batch)
+    assert_unchanged(prop, state, before)
+
+
+def test_bad_state_and_after_verify(setup):
+    prop, state, gen = setup
+    other = make_proposer(TINY)
+    before = frozen(prop, state)
+    with pytest.raises(InputError, match="another proposer"):
+        prop.propose(1, hidden(TINY, gen), 7, 1, other.alloc_state())
+    with pytest.raises(InputError, match="num_accepted"):
+        prop.after_verify(3, state)  # only 2 were drafted
+    with pytest.raises(InputError, match="MtpProposerState"):
+        prop.after_verify(0, object())
+    assert_unchanged(prop, state, before)
+    freed = prop.alloc_state()
+    prop.free_state(freed)
+    with pytest.raises(InputError, match="freed"):
+        prop.propose(1, hidden(TINY, gen), 0, 1, freed)
+
+
+def test_bad_catchup(setup):
+    prop, state, gen = setup
+    before = frozen(prop, state)
+    with pytest.raises(InputError, match="hiddens"):
+        prop.catchup_drafter([1, 2, 3], hidden(TINY, gen, n=2), 7, 7, state)
+    with pytest.raises(InputError, match="row_base"):
+        prop.catchup_drafter([1], hidden(TINY, gen, n=1), 3, 7, state)
+    with pytest.raises(InputError):
+        prop.catchup_drafter([TINY.vocab_size], hidden(TINY, gen, n=1), 7, 7, state)
+    assert_unchanged(prop, state, before)
+
+
+def test_pool_exhaustion_is_a_cache_error_and_changes_nothing():
+    gen = torch.Generator().manual_seed(1)
+    prop = make_proposer(TINY, num_cache_blocks=3)
+    a, b = prop.alloc_state(), prop.alloc_state()
+    prop.propose(1, hidden(TINY, gen), 0, 1, a)
+    prop.propose(1, hidden(TINY, gen), 100, 1, b)  # 2 of 3 blocks used
+    before = frozen(prop, a)
+    with pytest.raises(CacheError, match="free"):
+        prop.propose_batch([1, 1], [hidden(TINY, gen)] * 2, [200, 300], 2, [a, b])  # needs 2 more
+    assert_unchanged(prop, a, before)
+    assert b.snapshot()[1] == 101
+    prop.free_state(a)
+    prop.free_state(b)
+    assert prop.cache.num_free_blocks == 3
