@@ -25,6 +25,11 @@ def prepare_weights(
     out = {name: t.to(device) for name, t in tensors.items()}
     for w in ("w1", "w2", "w3"):
         names = [f"{prefix}ffn.experts.{e}.{w}.weight" for e in range(config.n_routed_experts)]
+        stacked_name = f"{prefix}ffn.experts.stacked.{w}"
+        if stacked_name in out:  # already stacked (e.g. a benchmark made it so): keep views in step
+            for e, n in enumerate(names):
+                out[n] = out[stacked_name][e]
+            continue
         if not all(n in out for n in names):
             continue
         stacked = torch.stack([out[n] for n in names]).contiguous()  # [E, out, in]

@@ -69,6 +69,7 @@ class ProposerOptions:
     draft_conf_tau: float = 0.0
     executor: str = "auto"  # "auto" (captured on CUDA), "eager", "captured"
     debug: bool = False
+    poison_arena: bool = False  # fill the arena with NaN before every run (tests of invariant 3)
     extra: dict = field(default_factory=dict)
 
 
@@ -107,6 +108,7 @@ class DeepseekV4MtpProposer:
         self._last_confidence: float | None = None
         self._deferred_token: torch.Tensor | None = None
         self.last_propose_seconds = 0.0
+        self.last_host_seconds = 0.0
         self.last_outputs: dict[str, torch.Tensor] = {}
         self.tracer = None  # tools.trace.Tracer, set by attach(); handed to every executor
         self.generation = 0  # bumped whenever executors are dropped; a stale executor never runs
@@ -175,6 +177,7 @@ class DeepseekV4MtpProposer:
         return self.buckets[-1]
 
     def _propose(self, tokens, hiddens, positions, num_drafts, states, bitmask):
+        entered = time.perf_counter()
         cfg, n = self.config, len(tokens)
         k = check_num_drafts(num_drafts, self.options.max_num_drafts)
         states = [check_state(s, self.id) for s in states]
@@ -210,7 +213,10 @@ class DeepseekV4MtpProposer:
             staging = self._staging_for(bucket)
             inputs = staging.stage(rows, tokens, hiddens, self._vocab_limit(),
                                    [mask] * n if mask is not None else None)
+            if self.options.poison_arena:
+                executor.poison()
             outputs = executor.run(self._graph_inputs(inputs, mask is not None), check=False)
+            self.last_host_seconds = time.perf_counter() - entered  # host work up to the (async) launch
             drafts = outputs["drafts"][:n].cpu()  # the one device-to-host read of the K tokens
             self.last_outputs = outputs
             self.last_propose_seconds = time.perf_counter() - start

@@ -24,6 +24,9 @@ class TorchModuleRunner:
         block = V4Block(config, hash_routed=False)
         block.load_block(dict(weights), self.prefix)
         self.block = block.to(device).eval()
+        stacked = [weights.get(f"{self.prefix}ffn.experts.stacked.{w}") for w in ("w1", "w2", "w3")]
+        if all(t is not None for t in stacked):  # sparse, capture-safe MoE (reads k experts per row)
+            self.block.ffn.stacked = tuple(stacked)
         forward = self.block.decode
         self._forward = torch.compile(forward, mode="max-autotune-no-cudagraphs") if self.compile else forward
 

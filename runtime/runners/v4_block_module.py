@@ -174,6 +174,21 @@ class MoE(nn.Module):
             routed = routed + expert(x, self.limit, full[:, e : e + 1])
         return routed + out
 
+    def forward_gathered(self, x: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
+        """Capture-safe and sparse: copy each row's k experts out of ``stacked`` weights, then matmul.
+
+        ``self.stacked`` = (w1 [E, I, D], w2 [E, D, I], w3 [E, I, D]) views of the checkpoint's
+        experts (set by the runner). Reads k experts per row, as plain torch decode code does.
+        """
+        idx, w = self.route(x, token_ids)  # [N, k]
+        w1, w2, w3 = self.stacked
+        xf = x.float()
+        gate = torch.einsum("nd,nkid->nki", xf, w1[idx].float()).clamp(max=self.limit)
+        up = torch.einsum("nd,nkid->nki", xf, w3[idx].float()).clamp(-self.limit, self.limit)
+        hidden = w.unsqueeze(-1) * F.silu(gate) * up  # [N, k, I]
+        routed = torch.einsum("nki,nkdi->nd", hidden, w2[idx].float())
+        return routed + self.shared_experts(x, self.limit)
+
 
 class V4Block(nn.Module):
     """One DeepSeek-V4 block on residual streams ``[..., C, D]``.
@@ -225,7 +240,12 @@ class V4Block(nn.Module):
         f = self.ffn_norm(f)
         flat = f.reshape(-1, f.shape[-1])  # [N, D]
         ids = None if token_ids is None else token_ids.reshape(-1)
-        y = self.ffn.forward_dense(flat, ids) if dense else self.ffn.forward_sparse(flat, ids)
+        if not dense:
+            y = self.ffn.forward_sparse(flat, ids)
+        elif getattr(self.ffn, "stacked", None) is not None:
+            y = self.ffn.forward_gathered(flat, ids)
+        else:
+            y = self.ffn.forward_dense(flat, ids)
         return vm.hc_post(y.reshape(f.shape).to(X.dtype), X, post, comb)
 
     # ---- forwards ------------------------------------------------------------------------------

@@ -1,0 +1,132 @@
+"""``draftgraph capture-dump``: the captured CUDA graph of the K-draft chain, as DOT, plus a table
+of kernel nodes per IR op.
+
+The graph is captured with ``keep_graph=True``; cuda-python's ``cudaGraphDebugDotPrint``
+writes the DOT of ``raw_cuda_graph()`` and ``cudaGraphGetNodes`` walks its nodes. Kernels
+are attributed to IR ops by capture order: each op is also captured on its own into a
+throwaway graph (the same kernels, since no op branches on data), and the per-op counts
+are checked to add up to the whole graph's.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from tools.cli import UsageError
+
+EXAMPLES = """examples:
+  draftgraph capture-dump --out chain.dot
+  draftgraph capture-dump --out chain.dot --batch 8 --num-drafts 3
+"""
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("capture-dump", help="dump the captured CUDA graph (DOT) and kernels per IR op (GPU)",
+                       description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, type=Path, help="DOT file to write")
+    p.add_argument("--batch", "-b", type=int, default=1)
+    p.add_argument("--num-drafts", "-k", type=int, default=1)
+    p.add_argument("--mode", choices=("streams", "collapsed"), default="streams")
+    p.add_argument("--checkpoint", type=Path, default=None, help="checkpoint folder (default: the embedded one)")
+    return p
+
+
+def _cudart():
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:  # cuda-python < 12.6 layout
+        from cuda import cudart
+    return cudart
+
+
+def _check(result):
+    err, *rest = result
+    cudart = _cudart()
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"CUDA error {err}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def graph_nodes(cuda_graph: torch.cuda.CUDAGraph) -> list:
+    cudart = _cudart()
+    raw = cudart.cudaGraph_t(init_value=int(cuda_graph.raw_cuda_graph()))
+    _, count = _check(cudart.cudaGraphGetNodes(raw, 0))
+    nodes, _ = _check(cudart.cudaGraphGetNodes(raw, count))
+    return nodes
+
+
+def node_types(cuda_graph: torch.cuda.CUDAGraph) -> Counter:
+    cudart = _cudart()
+    types = Counter()
+    for node in graph_nodes(cuda_graph):
+        kind = _check(cudart.cudaGraphNodeGetType(node))
+        types[str(kind).rsplit(".", 1)[-1].replace("cudaGraphNodeType", "")] += 1
+    return types
+
+
+def recapture(executor, keep_graph: bool = True):
+    """A CapturedExecutor over the same graph, inputs and weights, keeping its cudaGraph_t."""
+    from runtime.captured import CapturedExecutor
+
+    eager = executor.eager if hasattr(executor, "eager") else executor
+    weights = {n: eager.bound[n] for n, v in eager.graph.values.items() if v.kind.value == "weight"}
+    state = {n: eager.bound[n] for n, v in eager.graph.values.items() if v.kind.value == "state"}
+    statics = getattr(executor, "static_inputs", None)
+    kept = CapturedExecutor(eager.graph, eager.batch, weights, state, device=eager.device, static_inputs=statics,
+                            keep_graph=keep_graph, runners={k: v for k, v in eager.runners.items()})
+    kept.capture()
+    return kept
+
+
+def count_kernel_nodes(executor) -> int:
+    kept = recapture(executor)
+    return node_types(kept.cuda_graph).get("Kernel", 0)
+
+
+def kernels_per_op(kept) -> list[tuple[str, str, int]]:
+    """(node, op, kernel nodes) for every step, by capturing each step on its own."""
+    eager, inputs = kept.eager, kept.static_inputs
+    rows = []
+    side = torch.cuda.Stream()
+    for step in eager.steps:
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            eager._run_step(step, inputs)  # warm (handles, workspaces) outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph, stream=side):
+            eager._run_step(step, inputs)
+        rows.append((step.node.name, step.node.op, node_types(graph).get("Kernel", 0)))
+    return rows
+
+
+def run(args) -> int:
+    if not torch.cuda.is_available():
+        raise UsageError("capture-dump needs a CUDA GPU (none is visible here)")
+    from runtime.proposer import DeepseekV4MtpProposer
+    from tools.common import default_checkpoint
+
+    path = args.checkpoint or default_checkpoint()
+    prop = DeepseekV4MtpProposer.from_checkpoint(path, device="cuda", mode=args.mode, executor="captured",
+                                                 buckets=(args.batch,))
+    executor = prop._executor(args.batch, args.num_drafts, False)
+    kept = recapture(executor)
+    cudart = _cudart()
+    raw = cudart.cudaGraph_t(init_value=int(kept.cuda_graph.raw_cuda_graph()))
+    _check((cudart.cudaGraphDebugDotPrint(raw, str(args.out).encode(), 0)[0], None))
+    types = node_types(kept.cuda_graph)
+    per_op = kernels_per_op(kept)
+    by_op: Counter = Counter()
+    for _, op, n in per_op:
+        by_op[op] += n
+    total = sum(by_op.values())
+    print(f"wrote {args.out}: {sum(types.values())} nodes ({', '.join(f'{k} {v}' for k, v in types.most_common())})")
+    print(f"{'op':<18} {'kernels':>8} {'per step':>9}")
+    for op, n in by_op.most_common():
+        print(f"{op:<18} {n:>8} {n / args.num_drafts:>9.1f}")
+    print(f"{'total':<18} {total:>8} {total / args.num_drafts:>9.1f}   (whole graph: {types.get('Kernel', 0)})")
+    return 0
