@@ -114,7 +114,8 @@ def _attention_half(b, config, geometry, prefix, x, ins, cache):
 
 
 def _ffn_half(b, config, prefix, x, ins, hash_routed):
-    d, e, inter, k = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size, config.num_experts_per_tok
+    d, e, inter = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size
+    k = config.num_experts_per_tok
     y, post, comb = b.op("hc_pre", [x, *_hc_weights(b, config, prefix, "ffn")], name="hc_pre_ffn",
                          attrs=hc_attrs(config))
     normed = b.op("rms_norm", [y, b.weight(f"{prefix}ffn_norm.weight", TensorSpec((d,), BF16))],

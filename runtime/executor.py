@@ -111,7 +111,7 @@ class EagerExecutor:
 
     def _bind_arena(self) -> None:
         plan, groups = self.plan, self.plan.groups
-        for name, root in groups.root.items():
+        for name in groups.root:
             spec = self.graph.values[name].spec
             shape = spec.concrete(self.batch)
             if groups.kind.get(name) == "view":
@@ -142,7 +142,10 @@ class EagerExecutor:
         ws = None
         if node.name in self.plan.workspace:
             offset, nbytes = self.plan.workspace[node.name]
-            ws = self.arena[offset : offset + nbytes] if self.alias else torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            if self.alias:
+                ws = self.arena[offset : offset + nbytes]
+            else:
+                ws = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         in_ptrs = {t.data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
         poisonable = [
             t

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 from ops.registry import get_op
 from runtime.arena_plan import ArenaPlan, Buffer, plan_arena
-from runtime.verify_plan import verify_plan
 from runtime.graph import Graph, ValueKind
 from runtime.lifetimes import AliasGroups, Lifetime, alias_groups, compute_lifetimes
 from runtime.schedule import schedule
+from runtime.verify_plan import verify_plan
 
 DEFAULT_ALIGNMENT = 256
 

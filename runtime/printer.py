@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from runtime.arena_plan import format_bytes_short
 from runtime.graph import Graph, Node
 
 if TYPE_CHECKING:
@@ -33,14 +34,6 @@ def format_attrs(attrs: dict) -> str:
     if not attrs:
         return ""
     return "[" + ", ".join(f"{k}={format_attr(v)}" for k, v in sorted(attrs.items())) + "]"
-
-
-def format_bytes_short(n: int) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= scale:
-            q = n / scale
-            return f"{q:.0f}{unit}" if q >= 10 or q == int(q) else f"{q:.1f}{unit}"
-    return str(n)
 
 
 def format_node(graph: Graph, node: Node, plan: GraphPlan | None = None) -> str:

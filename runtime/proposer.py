@@ -472,7 +472,9 @@ class DeepseekV4MtpProposer:
         state.reset()
         return carried
 
-    def install_drafter_kv(self, state, blocks, rows: int, last_pair_key: int | None, kv_start: int | None = None) -> bool:
+    def install_drafter_kv(
+        self, state, blocks, rows: int, last_pair_key: int | None, kv_start: int | None = None
+    ) -> bool:
         """Install carried blocks into a fresh state (the inverse of take). False when not possible."""
         check_state(state, self.id)
         taken = getattr(blocks, "taken", None) if isinstance(blocks, CarriedKv) else None

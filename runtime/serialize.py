@@ -72,7 +72,8 @@ def dumps(graph: Graph) -> str:
 
 
 def _quote(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """A DOT string. Labels carry DOT's own ``\\n`` line breaks, so only quotes are escaped."""
+    return '"' + text.replace('"', '\\"') + '"'
 
 
 def to_dot(graph: Graph, plan: GraphPlan | None = None, colors: dict[str, str] | None = None) -> str:

@@ -82,8 +82,9 @@ class ChainStaging:
         host["grammar_mask"].fill_(-1)  # padded rows allow everything (their output is dropped)
         if masks is not None:
             for i, mask in enumerate(masks):
-                if mask is not None:
-                    host["grammar_mask"][i] = torch.as_tensor(mask, dtype=torch.int32)
+                if mask is not None:  # may be shorter than a row: the drafted vocab rows only
+                    words = torch.as_tensor(mask, dtype=torch.int32)
+                    host["grammar_mask"][i, : words.numel()] = words
         self.device_buf.copy_(self.host_buf, non_blocking=True)  # the one staging copy
         for i, hidden in enumerate(hiddens):
             self.hidden_buf[i].copy_(hidden.reshape(self.hidden_buf.shape[1:]), non_blocking=True)

@@ -10,8 +10,8 @@ import random
 
 import pytest
 import torch
-
 from proposer_fixtures import SMALL, TINY
+
 from runtime.proposer import DeepseekV4MtpProposer
 from runtime.synthetic_weights import random_mtp_weights
 
@@ -135,7 +135,7 @@ def test_no_device_allocation_after_warmup():
 
 def test_capture_largest_bucket_first_and_invalidation():
     prop = DeepseekV4MtpProposer(TINY, random_mtp_weights(TINY, seed=3), device="cuda", executor="captured",
-                                 buckets=(1, 2, 4))
+                                 buckets=(1, 2, 4), num_cache_blocks=64)
     prop.capture(num_drafts=(1,))
     graphs = [e for e in prop._executors.values() if e.cuda_graph is not None]
     assert len(graphs) == 3

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from reference_v4 import ReferenceMtp
+
 from runtime.config import V4Config
 from runtime.proposer import DeepseekV4MtpProposer
 from runtime.synthetic_weights import random_mtp_weights
@@ -39,7 +39,7 @@ def random_mask(gen, vocab):
 
 @pytest.mark.parametrize("mode", ["streams", "collapsed"])
 @pytest.mark.parametrize("num_drafts", [1, 3])
-@pytest.mark.parametrize("mtp_vocab_size,masked", [(0, False), (600, False), (0, True)])
+@pytest.mark.parametrize("mtp_vocab_size,masked", [(0, False), (600, False), (0, True), (600, True)])
 def test_chain_matches_float64_reference(tensors, mode, num_drafts, mtp_vocab_size, masked):
     gen = torch.Generator().manual_seed(11 + num_drafts + 7 * masked + mtp_vocab_size)
     prop = DeepseekV4MtpProposer(CFG, tensors, mode=mode, mtp_vocab_size=mtp_vocab_size, executor="eager",

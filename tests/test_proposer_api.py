@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from proposer_fixtures import SMALL, TINY, hidden, make_proposer
 from reference_v4 import ReferenceMtp
+
 from runtime.synthetic_weights import random_mtp_weights
 
 GAP = 0.06

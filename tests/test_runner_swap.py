@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from proposer_fixtures import SMALL, hidden, make_proposer
+
 from runtime.errors import ExecutionError, RunnerError
 
 

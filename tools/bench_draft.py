@@ -170,6 +170,8 @@ def main() -> int:
     ap.add_argument("--fused", choices=("auto", "off"), default="auto", help="fused Triton kernels when present")
     ap.add_argument("--cases", default=",".join(f"{b}x{k}" for b, k in CASES), help="BxK cases, e.g. 1x1,1x3")
     args = ap.parse_args()
+    if args.fused == "off":  # before any op is registered
+        os.environ["DRAFTGRAPH_FUSED"] = "0"
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
     from runtime.proposer import DeepseekV4MtpProposer
 
@@ -184,8 +186,9 @@ def main() -> int:
     torch.cuda.synchronize()
     print(f"weights {sum(t.numel() * t.element_size() for t in weights.values()) / 1e9:.1f} GB made in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
-    if args.fused == "off":
-        os.environ["DRAFTGRAPH_FUSED"] = "0"
+    from runtime.draft_binding import prepare_weights
+
+    weights = prepare_weights(cfg, weights, device)  # per-expert views of the stacks, for the nn.Module
     rows = []
     for batch, k in cases:
         eager = DeepseekV4MtpProposer(cfg, weights, device=device, executor="eager", buckets=(batch,),
@@ -261,6 +264,7 @@ def main() -> int:
         del eager, captured, plain, graph
         torch.cuda.empty_cache()
     print()
+    print(f"fused kernels: {args.fused}")
     print(f"floor = weight bytes / {bandwidth / 1e12:.2f} TB/s measured; ratios are ms / floor")
     head = (f"{'B':>3} {'K':>2} {'exp':>4} {'floor ms':>9} {'torch eager':>12} {'torch graph':>12} "
             f"{'compile+graph':>14} {'dg eager':>10} {'dg captured':>12} {'host us':>8} {'capture s':>9} "

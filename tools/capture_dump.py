@@ -64,7 +64,8 @@ def node_types(cuda_graph: torch.cuda.CUDAGraph) -> Counter:
     types = Counter()
     for node in graph_nodes(cuda_graph):
         kind = _check(cudart.cudaGraphNodeGetType(node))
-        types[str(kind).rsplit(".", 1)[-1].replace("cudaGraphNodeType", "")] += 1
+        name = getattr(kind, "name", str(kind))  # e.g. cudaGraphNodeTypeKernel
+        types[name.replace("cudaGraphNodeType", "")] += 1
     return types
 
 

@@ -60,4 +60,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Under `python -m tools.cli` this file runs as __main__; the tools raise tools.cli.UsageError,
+    # so dispatch through the imported module for its exception classes to be the ones caught.
+    from tools.cli import main as package_main
+
+    sys.exit(package_main())

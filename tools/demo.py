@@ -55,7 +55,7 @@ class StandInTarget:
     def verify(self, drafts: list[int]) -> tuple[int, int]:
         """(number accepted, the target's bonus token)."""
         accepted = 0
-        for d in drafts:
+        for _ in drafts:
             if torch.rand((), generator=self.gen).item() < self.agree:
                 accepted += 1
             else:

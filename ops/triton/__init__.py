@@ -1,0 +1,80 @@
+"""Fused Triton implementations of the hot draft-step ops, selected at bind time on CUDA.
+
+``register_all()`` attaches each one with ``register_fused(op, "cuda", impl)``; the torch
+op stays the reference and the CPU path, and every fused impl falls back to it for
+inputs it does not cover (odd dtypes or strides, batch over moe's MAX_BATCH). Importing
+this package needs no triton; ``register_all()`` registers nothing when triton is
+missing and returns the names it registered.
+
+Kernels (docs/KERNELS.md has the byte counts, predictions and measurements):
+
+========================  =========================================================
+op                        module
+========================  =========================================================
+lm_head, draft_argmax     ops.triton.head   (norm + GEMV; two-stage argmax + prob)
+moe, moe_hash             ops.triton.moe    (gate split-K, w1/w3 + SwiGLU, w2)
+hc_pre, hc_head, hc_post  ops.triton.mhc    (split mix + Sinkhorn finish; post)
+swa_attention             ops.triton.attention
+linear, rms_norm          ops.triton.gemv
+========================  =========================================================
+
+Scratch: each impl takes its scratch from ``workspace`` when the op declares one large
+enough, else allocates it (as the torch references allocate their temporaries).
+``workspace_rules()`` gives the byte rules, should the OpDefs declare them.
+"""
+
+from __future__ import annotations
+
+
+def _impls() -> dict:
+    from ops.triton import attention, gemv, head, mhc, moe
+
+    return {
+        "lm_head": head.lm_head_impl,
+        "draft_argmax": head.draft_argmax_impl,
+        "moe": moe.moe_impl,
+        "moe_hash": moe.moe_hash_impl,
+        "hc_pre": mhc.hc_pre_impl,
+        "hc_head": mhc.hc_head_impl,
+        "hc_post": mhc.hc_post_impl,
+        "swa_attention": attention.swa_attention_impl,
+        "linear": gemv.linear_impl,
+        "rms_norm": gemv.rms_norm_impl,
+    }
+
+
+def available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install
+        return False
+    return True
+
+
+def register_all(ops: list[str] | None = None) -> list[str]:
+    """Register the fused CUDA impls (all, or the named ``ops``); returns the names registered."""
+    if not available():
+        return []
+    from ops.registry import register_fused
+
+    impls = _impls()
+    names = list(impls) if ops is None else list(ops)
+    for name in names:
+        register_fused(name, "cuda", impls[name])
+    return names
+
+
+def workspace_rules() -> dict:
+    """op name -> ``rule(specs, attrs, batch) -> bytes`` of the scratch each fused impl uses."""
+    from ops.triton import attention, head, mhc, moe
+
+    return {
+        "lm_head": head.lm_head_workspace,
+        "draft_argmax": head.draft_argmax_workspace,
+        "moe": moe.moe_workspace,
+        "moe_hash": moe.moe_workspace,
+        "hc_pre": mhc.hc_mix_workspace,
+        "hc_head": mhc.hc_mix_workspace,
+        "swa_attention": attention.attention_workspace,
+    }

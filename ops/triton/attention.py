@@ -1,0 +1,451 @@
+"""swa_attention decode: six launches, each weight byte read once.
+
+1. GEMV x @ [wq_a; wkv]^T -> raw [B, q_lora + d] fp32 (one launch for both matrices).
+2. kv finish, grid (B,): kv_norm, optional FP8 rounding of the non-rotary head, RoPE on
+   the tail, and the cache write at the row's slot; a padded row (block-table -1 at its
+   position) writes nothing. It runs before (3): every row writes before any row reads.
+3. GEMV q = q_norm(qa) @ wq_b^T with q_norm fused as the GEMV's prologue, fp32 out.
+4. attention: the per-head weightless RMS norm and RoPE of q, then one online-softmax
+   pass over the window's keys gathered through the block table, the sink seeded as the
+   running max with weight exp(0) = 1 so it joins the denominator only; inverse RoPE of
+   the output's tail; bf16 o [B, H*d]. Two cores (``ATTN_IMPL``): "dot", grid
+   (B, H / DOT_BLOCK_H), s = q K^T and o = p K on the tensor cores with q and p in bf16,
+   each key tile read once for 16 heads, RoPE through a [.., 2] split of the rows (the
+   default: 17 us against ~27 us on an H200); "fma", grid (B, H), fp32 throughout,
+   latents held as even/odd halves so the RoPE pairs are elementwise.
+5. grouped GEMV z_g = wo_a[g] @ o_g (bf16, as the reference rounds z).
+6. GEMV out = wo_b @ z.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ops.triton._common import carve, interpreting, mma, next_pow2, scratch_bytes
+from ops.triton.gemv import GemvConfig, gemv
+
+# Tuned on an H200 at V4-Flash shapes, batch 1 (docs/KERNELS.md); batch > 1 uses gemv.BATCHED.
+PROJ_CONFIG = GemvConfig(8, 1024, 4, 3, use_dot=False)  # wq_a + wkv: 1536 x 4096
+Q_CONFIG = GemvConfig(16, 1024, 4, 2, use_dot=False)  # wq_b: 32768 x 1024, q_norm prologue
+WO_A_CONFIG = GemvConfig(8, 1024, 4, 3, use_dot=False)  # 8 x 1024 x 4096, grouped
+WO_B_CONFIG = GemvConfig(8, 1024, 4, 3, use_dot=False)  # 4096 x 8192
+ATTN_IMPL = "dot"  # "dot": DOT_BLOCK_H heads a program on tensor cores; "fma": one program per (row, head)
+DOT_BLOCK_H = 16
+DOT_BLOCK_W = 32  # keys per online-softmax step
+DOT_WARPS = 8
+DOT_STAGES = 2
+BLOCK_W = 8  # keys per step of the "fma" core
+ATTN_WARPS = 4
+FP8_MAX = 448.0
+
+_INV_FREQ: dict = {}
+
+
+def _inv_freq(rope_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """The reference's fp32 inverse frequencies, computed once per (r, theta, device)."""
+    key = (rope_dim, float(theta), str(device))
+    if key not in _INV_FREQ:
+        steps = torch.arange(0, rope_dim, 2, device=device, dtype=torch.float32) / rope_dim
+        _INV_FREQ[key] = 1.0 / (theta**steps)
+    return _INV_FREQ[key]
+
+
+@triton.jit
+def _row_slot(table_ptr, b, p, stride_tb, max_blocks, num_slots, BS: tl.constexpr):
+    """(slot, alive) of position p of row b: the reference's _write_kv rule."""
+    p_c = tl.maximum(p, 0)
+    blk_idx = p_c // BS
+    blk = tl.load(table_ptr + b * stride_tb + tl.minimum(blk_idx, max_blocks - 1)).to(tl.int64)
+    slot = blk * BS + p_c % BS
+    alive = (p >= 0) & (blk_idx < max_blocks) & (blk >= 0) & (slot < num_slots)
+    return slot, alive
+
+
+@triton.jit
+def _splat(flag, like):
+    """A scalar bool as a bool tensor shaped like ``like`` (the interpreter rejects the implicit one)."""
+    return (like * 0 + flag.to(tl.int32)) != 0
+
+
+@triton.jit
+def _rope_pairs(ev, od, p, inv_freq_ptr, pair, N_PAIR0: tl.constexpr, sign: tl.constexpr):
+    """Rotate pairs (ev[i], od[i]) with i >= N_PAIR0 by sign * p * inv_freq[i - N_PAIR0]."""
+    rot = pair >= N_PAIR0
+    f = tl.load(inv_freq_ptr + tl.where(rot, pair - N_PAIR0, 0), mask=rot, other=0.0)
+    ang = p.to(tl.float32) * f
+    c = tl.cos(ang)
+    s = tl.sin(ang) * sign
+    return tl.where(rot, ev * c - od * s, ev), tl.where(rot, ev * s + od * c, od)
+
+
+@triton.jit
+def _fp8_round(v, scale):
+    """Round v / scale to float8 e4m3 (clamped to +-448, nearest-even) and scale back; v fp32."""
+    t = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
+    a = tl.abs(t)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, -6)  # below 2^-6 the grid is the subnormal step 2^-9
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    q = a / step  # exact: step is a power of two
+    fl = tl.floor(q)
+    frac = q - fl
+    odd = (fl - 2.0 * tl.floor(fl * 0.5)) == 1.0
+    r = tl.where((frac > 0.5) | ((frac == 0.5) & odd), fl + 1.0, fl)
+    return tl.where(t < 0, -r, r) * step * scale
+
+
+@triton.jit
+def _pow2_ceil_log2(y):
+    """2^ceil(log2 y) for normal y > 0, exactly (bit arithmetic, no log rounding)."""
+    bits = y.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _kv_finish_kernel(
+    raw_ptr,
+    norm_ptr,
+    cache_ptr,
+    table_ptr,
+    pos_ptr,
+    inv_freq_ptr,
+    stride_rb,
+    stride_cs,
+    stride_tb,
+    max_blocks,
+    num_slots,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    N_PAIR0: tl.constexpr,
+    BS: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_PAIRS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    p = tl.load(pos_ptr + b)
+    slot, alive = _row_slot(table_ptr, b, p, stride_tb, max_blocks, num_slots, BS)
+    pair = tl.arange(0, HALF)
+    ev = tl.load(raw_ptr + b * stride_rb + 2 * pair)
+    od = tl.load(raw_ptr + b * stride_rb + 2 * pair + 1)
+    inv = 1.0 / tl.sqrt((tl.sum(ev * ev, 0) + tl.sum(od * od, 0)) / HEAD_DIM + eps)
+    ev = ev * inv * tl.load(norm_ptr + 2 * pair).to(tl.float32)
+    od = od * inv * tl.load(norm_ptr + 2 * pair + 1).to(tl.float32)
+    if FP8:
+        # Blocks of 64 values = FP8_PAIRS pairs over the non-rotary head (pairs < N_PAIR0).
+        amag = tl.where(
+            pair < N_PAIR0, tl.maximum(tl.abs(ev), tl.abs(od)), 0.0
+        )  # zero-padded as the reference
+        blk_max = tl.max(tl.reshape(amag, [HALF // FP8_PAIRS, FP8_PAIRS]), 1)  # [HALF / FP8_PAIRS]
+        blk_max = tl.reshape(tl.broadcast_to(blk_max[:, None], [HALF // FP8_PAIRS, FP8_PAIRS]), [HALF])
+        scale = _pow2_ceil_log2(tl.maximum(blk_max, 1e-4) / 448.0)
+        head = pair < N_PAIR0
+        ev = tl.where(head, _fp8_round(ev, scale), ev)
+        od = tl.where(head, _fp8_round(od, scale), od)
+    ev, od = _rope_pairs(ev, od, p, inv_freq_ptr, pair, N_PAIR0, 1.0)
+    row = cache_ptr + slot * stride_cs
+    live = _splat(alive, pair)
+    tl.store(row + 2 * pair, ev.to(cache_ptr.dtype.element_ty), mask=live)
+    tl.store(row + 2 * pair + 1, od.to(cache_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _swa_decode_kernel(
+    q_ptr,
+    cache_ptr,
+    table_ptr,
+    pos_ptr,
+    kv_start_ptr,
+    sink_ptr,
+    inv_freq_ptr,
+    o_ptr,
+    stride_qb,
+    stride_cs,
+    stride_tb,
+    stride_ob,
+    max_blocks,
+    num_slots,
+    eps,
+    sm_scale,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    N_PAIR0: tl.constexpr,
+    BS: tl.constexpr,
+    WINDOW: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.load(pos_ptr + b)
+    _, alive = _row_slot(table_ptr, b, p, stride_tb, max_blocks, num_slots, BS)
+    lowest = tl.maximum(tl.load(kv_start_ptr + b), 0).to(tl.int64)
+    pair = tl.arange(0, HALF)
+
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + h * HEAD_DIM
+    qe = tl.load(q_row + 2 * pair).to(tl.float32)
+    qo = tl.load(q_row + 2 * pair + 1).to(tl.float32)
+    inv = 1.0 / tl.sqrt((tl.sum(qe * qe, 0) + tl.sum(qo * qo, 0)) / HEAD_DIM + eps)
+    qe, qo = _rope_pairs(qe * inv, qo * inv, p, inv_freq_ptr, pair, N_PAIR0, 1.0)
+
+    sink = tl.load(sink_ptr + h)
+    m_i = sink  # the sink seeds the running max with weight exp(sink - m_i) = 1
+    l_i = sink * 0.0 + 1.0
+    oe = tl.zeros([HALF], dtype=tl.float32)
+    oo = tl.zeros([HALF], dtype=tl.float32)
+    for w0 in range(0, WINDOW, BLOCK_W):
+        j = p - WINDOW + 1 + w0 + tl.arange(0, BLOCK_W)  # [BLOCK_W] positions
+        j_c = tl.maximum(j, 0)
+        jb = j_c // BS
+        in_table = (j >= 0) & (jb < max_blocks)
+        blk = tl.load(table_ptr + b * stride_tb + tl.minimum(jb, max_blocks - 1), mask=in_table, other=-1)
+        slot = blk.to(tl.int64) * BS + j_c % BS
+        valid = in_table & (j >= lowest) & (j <= p) & (blk >= 0) & (slot < num_slots) & _splat(alive, j)
+        key = cache_ptr + tl.where(valid, slot, 0)[:, None] * stride_cs + 2 * pair[None, :]
+        ke = tl.load(key, mask=valid[:, None], other=0.0).to(tl.float32)
+        ko = tl.load(key + 1, mask=valid[:, None], other=0.0).to(tl.float32)
+        s = (tl.sum(ke * qe[None, :], 1) + tl.sum(ko * qo[None, :], 1)) * sm_scale
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp(m_i - m_new)
+        pw = tl.exp(s - m_new)
+        l_i = l_i * alpha + tl.sum(pw, 0)
+        oe = oe * alpha + tl.sum(pw[:, None] * ke, 0)
+        oo = oo * alpha + tl.sum(pw[:, None] * ko, 0)
+        m_i = m_new
+    oe, od = _rope_pairs(oe / l_i, oo / l_i, p, inv_freq_ptr, pair, N_PAIR0, -1.0)
+    o_row = o_ptr + b.to(tl.int64) * stride_ob + h * HEAD_DIM
+    tl.store(o_row + 2 * pair, oe.to(o_ptr.dtype.element_ty))
+    tl.store(o_row + 2 * pair + 1, od.to(o_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _rotate_rows(
+    x, p, inv_freq_ptr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, N_PAIR0: tl.constexpr, sign: tl.constexpr
+):
+    """Interleaved RoPE of x [ROWS, HEAD_DIM] (pairs >= N_PAIR0) by sign * p, via a [.., 2] split."""
+    ev, od = tl.split(tl.reshape(x, [ROWS, HEAD_DIM // 2, 2]))
+    pair = tl.arange(0, HEAD_DIM // 2)[None, :]
+    ev, od = _rope_pairs(ev, od, p, inv_freq_ptr, pair, N_PAIR0, sign)
+    return tl.reshape(tl.join(ev, od), [ROWS, HEAD_DIM])
+
+
+@triton.jit
+def _swa_decode_dot_kernel(
+    q_ptr,
+    cache_ptr,
+    table_ptr,
+    pos_ptr,
+    kv_start_ptr,
+    sink_ptr,
+    inv_freq_ptr,
+    o_ptr,
+    stride_qb,
+    stride_cs,
+    stride_tb,
+    stride_ob,
+    H,
+    max_blocks,
+    num_slots,
+    eps,
+    sm_scale,
+    HEAD_DIM: tl.constexpr,
+    N_PAIR0: tl.constexpr,
+    BS: tl.constexpr,
+    WINDOW: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """BLOCK_H heads of one row on the tensor cores: s = q K^T, o = p K; each key tile read once.
+
+    q (head-normed, rotated, scaled by 1/sqrt(d)) and p enter the dots in bf16; the output's
+    inverse RoPE is applied once after the loop.
+    """
+    b = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < H
+    p = tl.load(pos_ptr + b)
+    _, alive = _row_slot(table_ptr, b, p, stride_tb, max_blocks, num_slots, BS)
+    lowest = tl.maximum(tl.load(kv_start_ptr + b), 0).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM)
+
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * HEAD_DIM
+    q = tl.load(q_rows + dims[None, :], mask=h_mask[:, None], other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(q * q, 1) / HEAD_DIM + eps)  # [BLOCK_H]
+    q = _rotate_rows(q * (inv * sm_scale)[:, None], p, inv_freq_ptr, BLOCK_H, HEAD_DIM, N_PAIR0, 1.0)
+    qb = q.to(cache_ptr.dtype.element_ty)
+
+    m_i = tl.load(sink_ptr + heads, mask=h_mask, other=0.0)  # the sink seeds the running max
+    l_i = m_i * 0.0 + 1.0
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    for w0 in range(0, WINDOW, BLOCK_W):
+        j = p - WINDOW + 1 + w0 + tl.arange(0, BLOCK_W)
+        j_c = tl.maximum(j, 0)
+        jb = j_c // BS
+        in_table = (j >= 0) & (jb < max_blocks)
+        blk = tl.load(table_ptr + b * stride_tb + tl.minimum(jb, max_blocks - 1), mask=in_table, other=-1)
+        slot = blk.to(tl.int64) * BS + j_c % BS
+        valid = in_table & (j >= lowest) & (j <= p) & (blk >= 0) & (slot < num_slots) & _splat(alive, j)
+        key = cache_ptr + tl.where(valid, slot, 0)[:, None] * stride_cs + dims[None, :]
+        k = tl.load(key, mask=valid[:, None], other=0.0)  # [BLOCK_W, HEAD_DIM]
+        s = mma(qb, tl.trans(k), INTERP)  # [BLOCK_H, BLOCK_W]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        pw = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pw, 1)
+        acc = acc * alpha[:, None] + mma(pw.to(k.dtype), k, INTERP)
+        m_i = m_new
+    o = _rotate_rows(acc / l_i[:, None], p, inv_freq_ptr, BLOCK_H, HEAD_DIM, N_PAIR0, -1.0)
+    o_rows = o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * HEAD_DIM + dims[None, :]
+    tl.store(o_rows, o.to(o_ptr.dtype.element_ty), mask=h_mask[:, None])
+
+
+def _parts(b: int, attrs, q_lora: int, dtype: torch.dtype):
+    h, d = int(attrs["num_heads"]), int(attrs["head_dim"])
+    groups, o_lora = int(attrs["o_groups"]), int(attrs["o_lora_rank"])
+    return [
+        ((b, q_lora + d), torch.float32),  # raw qa | kv
+        ((b, h * d), torch.float32),  # raw q
+        ((b, h * d), dtype),  # attention output o
+        ((b, groups * o_lora), dtype),  # z
+    ]
+
+
+def attention_workspace(specs, attrs, batch: int) -> int:
+    """Scratch bytes of swa_attention at a concrete batch."""
+    return scratch_bytes(_parts(batch, attrs, specs[1].shape[0], specs[0].dtype))
+
+
+def _usable(inputs, attrs) -> bool:
+    x, wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, sink, cache, positions, kv_start, table = inputs
+    d, r = int(attrs["head_dim"]), int(attrs["rope_dim"])
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.stride(1) != 1:
+        return False
+    if d & (d - 1) or (d - r) % 2 or r % 2:
+        return False  # the kernels hold a latent as two power-of-two halves
+    if attrs.get("kv_fp8_round", False) and d % 64:
+        return False
+    return all(t.is_contiguous() for t in inputs[1:])
+
+
+def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
+    """The launches of one call, as (name, thunk); the impl runs them in order."""
+    x, wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, sink, cache, positions, kv_start, table = inputs
+    h, d, r = int(attrs["num_heads"]), int(attrs["head_dim"]), int(attrs["rope_dim"])
+    groups = int(attrs["o_groups"])
+    eps, theta = float(attrs["eps"]), float(attrs["rope_theta"])
+    bs, window = int(attrs.get("block_size", 16)), int(attrs["window"])
+    b, q_lora, n = x.shape[0], wq_a.shape[0], d - r
+    raw, q, o, z = carve(workspace, x.device, _parts(b, attrs, q_lora, x.dtype))
+    inv_freq = _inv_freq(r, theta, x.device)
+    num_slots, max_blocks = cache.shape[0], table.shape[1]
+    o_lora = wo_a.shape[0] // groups
+
+    def proj_():  # raw = x @ [wq_a; wkv]^T
+        gemv(x, wq_a, raw, w2=wkv, config=PROJ_CONFIG)
+
+    def kv_finish():
+        _kv_finish_kernel[(b,)](
+            raw[:, q_lora:],
+            kv_norm,
+            cache,
+            table,
+            positions,
+            inv_freq,
+            raw.stride(0),
+            cache.stride(0),
+            table.stride(0),
+            max_blocks,
+            num_slots,
+            eps,
+            HEAD_DIM=d,
+            HALF=d // 2,
+            N_PAIR0=n // 2,
+            BS=bs,
+            FP8=bool(attrs.get("kv_fp8_round", False)),
+            FP8_PAIRS=32,
+            num_warps=4,
+        )
+
+    def q_proj():  # q = q_norm(raw[:, :q_lora]) @ wq_b^T
+        gemv(raw, wq_b, q, norm_w=q_norm, eps=eps, config=Q_CONFIG)
+
+    def attend():
+        common = (
+            q,
+            cache,
+            table,
+            positions,
+            kv_start,
+            sink,
+            inv_freq,
+            o,
+            q.stride(0),
+            cache.stride(0),
+            table.stride(0),
+            o.stride(0),
+        )
+        if ATTN_IMPL == "dot":
+            block_h = min(DOT_BLOCK_H, max(16, next_pow2(h)))
+            _swa_decode_dot_kernel[(b, triton.cdiv(h, block_h))](
+                *common,
+                h,
+                max_blocks,
+                num_slots,
+                eps,
+                1.0 / math.sqrt(d),
+                HEAD_DIM=d,
+                N_PAIR0=n // 2,
+                BS=bs,
+                WINDOW=window,
+                BLOCK_W=min(DOT_BLOCK_W, max(16, next_pow2(window))),
+                BLOCK_H=block_h,
+                INTERP=interpreting(),
+                num_warps=DOT_WARPS,
+                num_stages=DOT_STAGES,
+            )
+        else:
+            _swa_decode_kernel[(b, h)](
+                *common,
+                max_blocks,
+                num_slots,
+                eps,
+                1.0 / math.sqrt(d),
+                HEAD_DIM=d,
+                HALF=d // 2,
+                N_PAIR0=n // 2,
+                BS=bs,
+                WINDOW=window,
+                BLOCK_W=min(BLOCK_W, next_pow2(window)),
+                num_warps=ATTN_WARPS,
+            )
+
+    def wo_a_():  # z_g = wo_a[g] @ o_g
+        gemv(o, wo_a, z, group_rows=o_lora, config=WO_A_CONFIG)
+
+    def wo_b_():
+        gemv(z, wo_b, outputs[0], config=WO_B_CONFIG)
+
+    return [
+        ("proj", proj_),
+        ("kv_finish", kv_finish),
+        ("q_proj", q_proj),
+        ("attend", attend),
+        ("wo_a", wo_a_),
+        ("wo_b", wo_b_),
+    ]
+
+
+def swa_attention_impl(inputs, outputs, attrs, workspace):
+    if not _usable(inputs, attrs) or outputs[0].stride(1) != 1:
+        from ops.attention import _attn_impl
+
+        return _attn_impl(inputs, outputs, attrs, workspace)
+    for _, launch in plan(inputs, outputs, attrs, workspace):
+        launch()

@@ -1,0 +1,156 @@
+"""lm_head (final norm + head GEMV, fp32 logits) and draft_argmax (two-stage masked argmax + prob).
+
+lm_head: the [B, D] input is normed by a one-program-per-row kernel into scratch (bf16,
+as the reference rounds it), then the GEMV streams the [vocab_rows, D] head once.
+``LM_HEAD_PROLOGUE`` instead norms inside every GEMV program (one launch fewer, an
+extra L2 pass over x per program): the bench times both.
+
+draft_argmax: stage 1 gives each (row, vocab chunk) its masked max, the lowest id that
+reaches it and sum exp(l - max) over allowed ids; stage 2 merges the chunks per row with
+the usual rescaling (sum_c s_c * exp(m_c - M)), so the top-1 probability comes out of the
+same pass as the argmax. A row with nothing allowed gets token 0 and prob 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ops.triton import gemv as gemv_mod
+from ops.triton._common import carve, next_pow2, scratch_bytes
+
+LM_HEAD_PROLOGUE = False
+ARGMAX_BLOCK_V = 4096  # vocab ids per stage-1 program: 32 programs a row at V4-Flash
+
+
+def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
+    """The launches of one lm_head call, as (name, thunk)."""
+    h, norm_w, head = inputs
+    (logits,) = outputs  # [B, Vd] fp32
+    w = head[: logits.shape[1]]
+    eps = float(attrs["eps"])
+    cfg = gemv_mod.LM_HEAD_CONFIG
+    if LM_HEAD_PROLOGUE:
+        return [("norm+gemv", lambda: gemv_mod.gemv(h, w, logits, norm_w=norm_w, eps=eps, config=cfg))]
+    (normed,) = carve(workspace, h.device, [(tuple(h.shape), h.dtype)])
+    return [
+        ("norm", lambda: gemv_mod.rms_norm_rows(h, norm_w, eps, normed)),
+        ("gemv", lambda: gemv_mod.gemv(normed, w, logits, config=cfg)),
+    ]
+
+
+def lm_head_impl(inputs, outputs, attrs, workspace):
+    h, norm_w, head = inputs
+    (logits,) = outputs
+    if h.dtype not in (torch.bfloat16, torch.float16) or head.stride(1) != 1 or logits.stride(1) != 1:
+        from ops.lm_head import _lm_head_impl
+
+        return _lm_head_impl(inputs, outputs, attrs, workspace)
+    for _, launch in plan(inputs, outputs, attrs, workspace):
+        launch()
+
+
+def lm_head_workspace(specs, attrs, batch: int) -> int:
+    h = specs[0]
+    return scratch_bytes([((batch, h.shape[1]), h.dtype)])
+
+
+# ---- draft_argmax ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _argmax_partial_kernel(
+    logits_ptr,
+    limit_ptr,
+    mask_ptr,
+    pmax_ptr,
+    pidx_ptr,
+    psum_ptr,
+    V,
+    stride_l,
+    stride_m,
+    NUM_CHUNKS,
+    BLOCK_V: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    offs = c * BLOCK_V + tl.arange(0, BLOCK_V)
+    limit = tl.minimum(tl.load(limit_ptr), V)
+    allowed = offs < limit
+    if HAS_MASK:
+        word = tl.load(mask_ptr + b.to(tl.int64) * stride_m + offs // 32, mask=allowed, other=0)
+        allowed = allowed & (((word >> (offs % 32)) & 1) != 0)
+    lv = tl.load(logits_ptr + b.to(tl.int64) * stride_l + offs, mask=allowed, other=float("-inf"))
+    lv = tl.where(allowed, lv, float("-inf"))
+    m = tl.max(lv, 0)
+    idx = tl.min(tl.where(allowed & (lv == m), offs, 2147483647), 0)
+    s = tl.sum(tl.where(allowed, tl.exp(lv - m), 0.0), 0)
+    out = b * NUM_CHUNKS + c
+    tl.store(pmax_ptr + out, m)
+    tl.store(pidx_ptr + out, idx)
+    tl.store(psum_ptr + out, s)
+
+
+@triton.jit
+def _argmax_final_kernel(
+    pmax_ptr, pidx_ptr, psum_ptr, token_ptr, prob_ptr, NUM_CHUNKS, BLOCK_C: tl.constexpr
+):
+    b = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_C)
+    cm = offs < NUM_CHUNKS
+    m = tl.load(pmax_ptr + b * NUM_CHUNKS + offs, mask=cm, other=float("-inf"))
+    i = tl.load(pidx_ptr + b * NUM_CHUNKS + offs, mask=cm, other=2147483647)
+    s = tl.load(psum_ptr + b * NUM_CHUNKS + offs, mask=cm, other=0.0)
+    best = tl.max(m, 0)
+    live = m > float("-inf")
+    any_allowed = best > float("-inf")
+    token = tl.min(tl.where(live & (m == best), i, 2147483647), 0)
+    denom = tl.sum(tl.where(live, s * tl.exp(m - best), 0.0), 0)
+    prob = tl.where(any_allowed, 1.0 / tl.maximum(denom, 1.0), 0.0)
+    tl.store(token_ptr + b, tl.where(any_allowed, token, 0).to(tl.int64))
+    tl.store(prob_ptr + b, prob)
+
+
+def _argmax_chunks(vocab: int) -> tuple[int, int]:
+    block = min(ARGMAX_BLOCK_V, next_pow2(vocab))
+    return block, triton.cdiv(vocab, block)
+
+
+def draft_argmax_impl(inputs, outputs, attrs, workspace):
+    logits, limit = inputs[0], inputs[1]
+    mask = inputs[2] if len(inputs) > 2 else None
+    token, prob = outputs
+    b, vocab = logits.shape
+    if logits.stride(1) != 1 or (mask is not None and mask.stride(1) != 1):
+        from ops.sampling import _draft_argmax_impl
+
+        return _draft_argmax_impl(inputs, outputs, attrs, workspace)
+    block, chunks = _argmax_chunks(vocab)
+    pmax, pidx, psum = carve(workspace, logits.device, _argmax_parts(b, chunks))
+    _argmax_partial_kernel[(b, chunks)](
+        logits,
+        limit,
+        mask if mask is not None else limit,
+        pmax,
+        pidx,
+        psum,
+        vocab,
+        logits.stride(0),
+        mask.stride(0) if mask is not None else 0,
+        chunks,
+        BLOCK_V=block,
+        HAS_MASK=mask is not None,
+        num_warps=8 if block >= 2048 else 4,
+    )
+    _argmax_final_kernel[(b,)](pmax, pidx, psum, token, prob, chunks, BLOCK_C=next_pow2(chunks), num_warps=1)
+
+
+def _argmax_parts(b: int, chunks: int):
+    return [((b, chunks), torch.float32), ((b, chunks), torch.int32), ((b, chunks), torch.float32)]
+
+
+def draft_argmax_workspace(specs, attrs, batch: int) -> int:
+    _, chunks = _argmax_chunks(specs[0].shape[1])
+    return scratch_bytes(_argmax_parts(batch, chunks))

@@ -1,0 +1,389 @@
+"""moe / moe_hash decode: four launches, experts read in place from the stacked weights.
+
+1. gate: split-K GEMV of x against W_g [E, D] -> fp32 partial logits [S, B, E].
+2. route, one program per row: sums the partials, s = sqrt(softplus(.)), top-k of s + bias
+   (the bias steers selection only) or tid2eid[token] for moe_hash; writes the expert id
+   and routing weight s_e / sum(s_chosen) * scale of each (row, k) slot.
+3. w13, grid (I blocks, B*K + 1 slots): streams w1[e], w3[e] rows straight out of the
+   [E, I, D] stack (no gather copy) and writes act = weight * silu(min(g, limit)) *
+   clamp(u, -limit, limit) in bf16 (the reference rounds act before w2 too). The last
+   slot is the shared expert for every row, weight 1.
+4. w2, grid (D blocks): one flat (slot, k) loop over the B*K routed slots and the shared
+   slot, so the pipeline never drains between experts; fp32 accumulation over all
+   experts, one bf16 store.
+
+w13 and w2 have a dot variant (any batch; activations padded to 16 rows) and an FMA
+variant (batch 1: one activation row, no padding), chosen by ``use_dot`` of their configs
+at batch 1. Routed experts of different rows are separate slots even when they coincide:
+at batch 1 nothing is read twice; grouping by expert would pay off only at larger batches.
+
+Note "routing precision": gate logits are fp32 sums of exact bf16 products, so the top-k
+matches the torch op's except for near-ties (|gap| ~ 1e-6), where either choice is right.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ops.triton._common import batch_block, carve, interpreting, mma, next_pow2, scratch_bytes, softplus
+from ops.triton.gemv import GemvConfig, gemv
+
+MAX_BATCH = 64  # the shared slot covers all rows in one tile; larger batches use torch
+GATE_SPLIT = 8
+GATE_CONFIG = GemvConfig(block_n=16, block_k=128, num_warps=4, num_stages=3)
+# Batch 1 (FMA allowed) and batched (dot) configs of the two expert kernels, tuned on an H200
+# at V4-Flash shapes (docs/KERNELS.md): at batch 1 FMA beat the best dot tiles by 14 us (w13)
+# and 23 us (w2).
+W13_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=3, use_dot=False)
+W2_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=3, use_dot=False)
+W13_CONFIG_BATCHED = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
+W2_CONFIG_BATCHED = GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _moe_route_kernel(
+    gpart_ptr,
+    bias_ptr,
+    token_ptr,
+    tid2eid_ptr,
+    idx_ptr,
+    wts_ptr,
+    B,
+    E,
+    SPLIT,
+    stride_tid,
+    scaling,
+    TOPK: tl.constexpr,
+    TOPK_PAD: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,
+    HASH: tl.constexpr,
+):
+    b = tl.program_id(0)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_s = tl.arange(0, SPLIT_PAD)
+    offs_k = tl.arange(0, TOPK_PAD)
+    e_mask = offs_e < E
+    part = tl.load(
+        gpart_ptr + offs_s[:, None] * (B * E) + b * E + offs_e[None, :],
+        mask=(offs_s < SPLIT)[:, None] & e_mask[None, :],
+        other=0.0,
+    )
+    score = tl.sqrt(softplus(tl.sum(part, 0)))  # [BLOCK_E]
+    if HASH:
+        tok = tl.load(token_ptr + b)
+        ids = tl.load(tid2eid_ptr + tok * stride_tid + offs_k, mask=offs_k < TOPK, other=-1)
+        chosen = tl.sum(tl.where(offs_e[None, :] == ids[:, None], score[None, :], 0.0), 1)  # [TOPK_PAD]
+    else:
+        bias = tl.load(bias_ptr + offs_e, mask=e_mask, other=0.0)
+        biased = tl.where(e_mask, score + bias, float("-inf"))
+        ids = offs_k * 0
+        chosen = offs_k * 0.0
+        for j in tl.static_range(TOPK):
+            best = tl.max(biased, 0)
+            e_j = tl.min(tl.where(biased == best, offs_e, BLOCK_E), 0)  # lowest id among ties
+            s_j = tl.sum(tl.where(offs_e == e_j, score, 0.0), 0)
+            ids = tl.where(offs_k == j, e_j, ids)
+            chosen = tl.where(offs_k == j, s_j, chosen)
+            biased = tl.where(offs_e == e_j, float("-inf"), biased)
+    k_mask = offs_k < TOPK
+    chosen = tl.where(k_mask, chosen, 0.0)
+    weights = chosen / tl.sum(chosen, 0) * scaling
+    tl.store(idx_ptr + b * TOPK + offs_k, ids, mask=k_mask)
+    tl.store(wts_ptr + b * TOPK + offs_k, weights, mask=k_mask)
+
+
+@triton.jit
+def _moe_w13_kernel(
+    x_ptr,
+    idx_ptr,
+    wts_ptr,
+    w1_ptr,
+    w3_ptr,
+    sw1_ptr,
+    sw3_ptr,
+    act_ptr,
+    B,
+    D,
+    INTER,
+    stride_xb,
+    limit,
+    TOPK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    routed_slots = B * TOPK
+    is_shared = slot >= routed_slots
+    b = tl.minimum(slot // TOPK, B - 1)
+    safe = tl.minimum(slot, routed_slots - 1)
+    e = tl.load(idx_ptr + safe).to(tl.int64)
+    weight = tl.where(is_shared, 1.0, tl.load(wts_ptr + safe))
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < INTER
+    rows = tl.arange(0, BLOCK_B)  # BLOCK_B = 1 without dot (batch 1: row 0 for every slot)
+    row_mask = tl.where(is_shared, rows < B, rows == b)
+    row_off = offs_n.to(tl.int64)[:, None] * D
+    w1_rows = tl.where(is_shared, sw1_ptr + row_off, w1_ptr + e * INTER * D + row_off)
+    w3_rows = tl.where(is_shared, sw3_ptr + row_off, w3_ptr + e * INTER * D + row_off)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xb
+
+    if USE_DOT:
+        acc1 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
+    else:
+        acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < D
+        if EVEN_K:
+            a1 = tl.load(w1_rows + kk[None, :], mask=n_mask[:, None], other=0.0)
+            a3 = tl.load(w3_rows + kk[None, :], mask=n_mask[:, None], other=0.0)
+        else:
+            a1 = tl.load(w1_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            a3 = tl.load(w3_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        xv = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        if USE_DOT:
+            xt = tl.trans(xv.to(a1.dtype))
+            acc1 += mma(a1, xt, INTERP)
+            acc3 += mma(a3, xt, INTERP)
+        else:
+            xf = xv.to(tl.float32)  # [1, BLOCK_K]
+            acc1 += a1.to(tl.float32) * xf
+            acc3 += a3.to(tl.float32) * xf
+
+    if USE_DOT:
+        g = tl.minimum(acc1, limit)
+        u = tl.minimum(tl.maximum(acc3, -limit), limit)
+    else:
+        g = tl.minimum(tl.sum(acc1, 1), limit)[:, None]  # [BLOCK_N, 1]
+        u = tl.minimum(tl.maximum(tl.sum(acc3, 1), -limit), limit)[:, None]
+    act = g / (1.0 + tl.exp(-g)) * u * weight
+    dest = tl.where(is_shared, routed_slots + rows, slot)  # act row of each tile column
+    ptrs = act_ptr + dest.to(tl.int64)[None, :] * INTER + offs_n[:, None]
+    tl.store(ptrs, act.to(act_ptr.dtype.element_ty), mask=n_mask[:, None] & row_mask[None, :])
+
+
+@triton.jit
+def _moe_w2_kernel(
+    act_ptr,
+    idx_ptr,
+    w2_ptr,
+    sw2_ptr,
+    out_ptr,
+    B,
+    D,
+    INTER,
+    stride_ob,
+    TOPK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    # One flat loop over (slot, k) so the pipeline never drains between experts; INTER % BLOCK_K == 0.
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < D
+    rows = tl.arange(0, BLOCK_B)
+    routed_slots = B * TOPK
+    row_off = offs_n.to(tl.int64)[:, None] * INTER
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for t in range(0, (routed_slots + 1) * INTER, BLOCK_K):
+        slot = t // INTER
+        k0 = t - slot * INTER
+        shared = slot >= routed_slots
+        e = tl.load(idx_ptr + tl.minimum(slot, routed_slots - 1)).to(tl.int64)
+        w_rows = tl.where(shared, sw2_ptr + row_off, w2_ptr + e * D * INTER + row_off)
+        w = tl.load(w_rows + k0 + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+        if USE_DOT:
+            src = tl.where(
+                shared, tl.where(rows < B, routed_slots + rows, -1), tl.where(rows == slot // TOPK, slot, -1)
+            )
+            a = tl.load(
+                act_ptr + tl.maximum(src, 0).to(tl.int64)[:, None] * INTER + k0 + offs_k[None, :],
+                mask=(src >= 0)[:, None],
+                other=0.0,
+            )
+            acc += mma(w, tl.trans(a.to(w.dtype)), INTERP)
+        else:
+            # Batch 1: the act row of a slot is the slot itself (the shared row comes last).
+            a = tl.load(act_ptr + slot.to(tl.int64) * INTER + k0 + offs_k).to(tl.float32)
+            acc += w.to(tl.float32) * a[None, :]
+    ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_ob + offs_n[:, None]
+    if USE_DOT:
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (rows < B)[None, :])
+    else:
+        tl.store(ptrs, tl.sum(acc, 1)[:, None].to(out_ptr.dtype.element_ty), mask=n_mask[:, None])
+
+
+def _parts(b: int, e: int, k: int, inter: int, dtype: torch.dtype):
+    return [
+        ((GATE_SPLIT, b, e), torch.float32),  # gate partial logits
+        ((b * k,), torch.int32),  # chosen expert per routed slot
+        ((b * k,), torch.float32),  # routing weight per routed slot
+        ((b * k + b, inter), dtype),  # act rows: routed slots, then the shared expert per row
+    ]
+
+
+def _configs(b: int) -> tuple[GemvConfig, GemvConfig]:
+    if b == 1:
+        return W13_CONFIG, W2_CONFIG
+    return W13_CONFIG_BATCHED, W2_CONFIG_BATCHED
+
+
+def plan(inputs, outputs, attrs, workspace, hashed: bool) -> list[tuple[str, callable]]:
+    """The launches of one moe / moe_hash call, as (name, thunk); the impl runs them in order."""
+    if hashed:
+        x, token, tid2eid, gate_w, w1, w2, w3, sw1, sw2, sw3 = inputs
+        bias, top_k = None, tid2eid.shape[1]
+    else:
+        x, gate_w, bias, w1, w2, w3, sw1, sw2, sw3 = inputs
+        token = tid2eid = None
+        top_k = int(attrs["top_k"])
+    out = outputs[0]
+    b, d = x.shape
+    e, inter = w1.shape[0], w1.shape[1]
+    gpart, idx, wts, act = carve(workspace, x.device, _parts(b, e, top_k, inter, x.dtype))
+    split = GATE_SPLIT if d % (GATE_SPLIT * GATE_CONFIG.block_k) == 0 else 1
+    interp = interpreting()
+    c13, c2 = _configs(b)
+    dot13, dot2 = c13.use_dot or b > 1, c2.use_dot or b > 1
+    block_b = batch_block(b)
+
+    def gate():
+        if split > 1:
+            gemv(x, gate_w, gpart, split_k=split, config=GATE_CONFIG)
+        else:
+            gemv(x, gate_w, gpart[0], config=GATE_CONFIG)
+
+    def route():
+        _moe_route_kernel[(b,)](
+            gpart,
+            bias if bias is not None else gpart,
+            token if hashed else idx,
+            tid2eid if hashed else idx,
+            idx,
+            wts,
+            b,
+            e,
+            split,
+            tid2eid.stride(0) if hashed else 0,
+            float(attrs["routed_scaling_factor"]),
+            TOPK=top_k,
+            TOPK_PAD=next_pow2(top_k),
+            BLOCK_E=next_pow2(e),
+            SPLIT_PAD=next_pow2(split),
+            HASH=hashed,
+            num_warps=4,
+        )
+
+    def w13():
+        bn = min(c13.block_n, max(16 if dot13 else 1, next_pow2(inter)))
+        bn = max(bn, 16) if dot13 else bn
+        bk = min(c13.block_k, max(16, next_pow2(d)))
+        _moe_w13_kernel[(triton.cdiv(inter, bn), b * top_k + 1)](
+            x,
+            idx,
+            wts,
+            w1,
+            w3,
+            sw1,
+            sw3,
+            act,
+            b,
+            d,
+            inter,
+            x.stride(0),
+            float(attrs["swiglu_limit"]),
+            TOPK=top_k,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            BLOCK_B=block_b if dot13 else 1,
+            EVEN_K=d % bk == 0,
+            USE_DOT=dot13,
+            INTERP=interp,
+            num_warps=c13.num_warps,
+            num_stages=c13.num_stages,
+        )
+
+    def w2_():
+        bn = min(c2.block_n, max(16 if dot2 else 1, next_pow2(d)))
+        bn = max(bn, 16) if dot2 else bn
+        bk = _w2_block_k(inter, c2)
+        _moe_w2_kernel[(triton.cdiv(d, bn),)](
+            act,
+            idx,
+            w2,
+            sw2,
+            out,
+            b,
+            d,
+            inter,
+            out.stride(0),
+            TOPK=top_k,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            BLOCK_B=block_b if dot2 else 1,
+            USE_DOT=dot2,
+            INTERP=interp,
+            num_warps=c2.num_warps,
+            num_stages=c2.num_stages,
+        )
+
+    return [("gate", gate), ("route", route), ("w13", w13), ("w2", w2_)]
+
+
+def _w2_block_k(inter: int, cfg: GemvConfig) -> int:
+    return min(cfg.block_k, max(16, next_pow2(inter)))
+
+
+def _usable(x, tensors) -> bool:
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] > MAX_BATCH or x.stride(1) != 1:
+        return False
+    inter = tensors[-6].shape[1]  # w1 [E, I, D]
+    if any(inter % _w2_block_k(inter, c) for c in _configs(x.shape[0])):
+        return False  # the w2 kernel's flat (slot, k) loop needs whole K blocks per slot
+    return all(t.is_contiguous() for t in tensors)
+
+
+def moe_impl(inputs, outputs, attrs, workspace):
+    x, gate_w, gate_bias, w1, w2, w3, sw1, sw2, sw3 = inputs
+    if not _usable(x, (gate_w, gate_bias, w1, w2, w3, sw1, sw2, sw3)) or outputs[0].stride(1) != 1:
+        from ops.moe import _moe_impl
+
+        return _moe_impl(inputs, outputs, attrs, workspace)
+    for _, launch in plan(inputs, outputs, attrs, workspace, hashed=False):
+        launch()
+
+
+def moe_hash_impl(inputs, outputs, attrs, workspace):
+    x, token, tid2eid, gate_w, w1, w2, w3, sw1, sw2, sw3 = inputs
+    if not _usable(x, (gate_w, tid2eid, w1, w2, w3, sw1, sw2, sw3)) or outputs[0].stride(1) != 1:
+        from ops.moe import _moe_hash_impl
+
+        return _moe_hash_impl(inputs, outputs, attrs, workspace)
+    for _, launch in plan(inputs, outputs, attrs, workspace, hashed=True):
+        launch()
+
+
+def moe_workspace(specs, attrs, batch: int) -> int:
+    """Scratch bytes of moe / moe_hash at a concrete batch (for the OpDef's workspace rule)."""
+    x, w1 = specs[0], specs[-6]
+    k = int(attrs.get("top_k", 0)) or specs[2].shape[1]
+    return scratch_bytes(_parts(batch, w1.shape[0], k, w1.shape[1], x.dtype))

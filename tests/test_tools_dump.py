@@ -1,0 +1,154 @@
+"""``draftgraph dump``: golden text dumps, JSON round trip, DOT sanity.
+
+The text dumps are pinned by golden files in tests/golden/. After an intended
+change to the printer, the chain or the planner, regenerate them with
+
+    UPDATE_GOLDEN=1 python -m pytest tests/test_tools_dump.py
+
+and review the diff before committing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from graphs.draft_chain import ChainSpec, build_draft_chain
+from runtime.config import V4Config
+from runtime.schedule import flatten
+from runtime.serialize import from_json
+from tools.chain_select import chain_geometry
+from tools.cli import main
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def dump(capsys, *argv: str) -> str:
+    capsys.readouterr()
+    assert main(["dump", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"{path} missing (hint: UPDATE_GOLDEN=1 python -m pytest {__file__})"
+    want = path.read_text()
+    if text != want:
+        diff = [
+            f"line {i + 1}:\n  want {a}\n  got  {b}"
+            for i, (a, b) in enumerate(zip(want.splitlines(), text.splitlines()))
+            if a != b
+        ][:3]
+        raise AssertionError(
+            f"{name} differs from the golden file (hint: UPDATE_GOLDEN=1 if intended)\n" + "\n".join(diff)
+        )
+
+
+# ---- text ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_drafts", [1, 3])
+def test_text_dump_golden(capsys, num_drafts):
+    text = dump(capsys, "-k", str(num_drafts), "--batch", "1", "--mode", "streams")
+    check_golden(f"dump_k{num_drafts}_streams_b1.txt", text)
+
+
+def test_text_dump_has_arena_comments_and_summary(capsys):
+    lines = dump(capsys, "-k", "1").splitlines()
+    assert lines[0].startswith("graph mtp_chain_k1_streams(")
+    assert re.search(r"^arena .* at B=1$", lines[-1]), lines[-1]
+    embed = next(line for line in lines if "= embed(" in line)
+    assert re.search(r"# arena \+0x[0-9a-f]+ \d", embed), embed
+    assert any("free %" in line for line in lines)
+
+
+def test_dump_out_file_and_runner_graph(capsys, tmp_path):
+    out = tmp_path / "k2.txt"
+    assert main(["dump", "-k", "2", "--runner", "identity", "--mode", "collapsed", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "body_runner[" in text and "runner=identity" in text, text[:400]
+    assert "d1.body" in text and text.rstrip().endswith("at B=1")
+
+
+def test_bad_selector_is_a_one_line_usage_error(capsys):
+    assert main(["dump", "-k", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--num-drafts" in err and "got 0" in err, err
+
+
+# ---- json -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("runner", ["builtin", "identity"])
+def test_json_round_trip_equals_built_graph(capsys, runner):
+    text = dump(capsys, "--format", "json", "-k", "3", "--runner", runner)
+    loaded = from_json(text)
+    config = V4Config.small()
+    built = build_draft_chain(config, chain_geometry(config), ChainSpec(num_drafts=3, runner=runner))
+    assert loaded == built
+    assert flatten(loaded) == flatten(built)
+    assert loaded.meta["num_drafts"] == 3 and loaded.meta["runner"] == runner
+
+
+# ---- dot ------------------------------------------------------------------------------------
+
+QUOTED = r'"(?:[^"\\]|\\.)*"'
+
+
+def parse_dot(text: str) -> tuple[set[str], list[tuple[str, str]], list[str]]:
+    """A small DOT reader: (declared node ids, edges, cluster names); asserts the braces balance."""
+    unquoted = re.sub(QUOTED, '""', text)
+    depth = 0
+    for ch in unquoted:
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        assert depth >= 0, "a '}' closes nothing"
+    assert depth == 0, f"{depth} unclosed '{{'"
+    nodes, edges, clusters = set(), [], []
+    for line in text.splitlines():
+        line = line.strip()
+        if m := re.match(rf"({QUOTED})\s*->\s*({QUOTED})", line):
+            edges.append((m.group(1), m.group(2)))
+        elif m := re.match(rf"subgraph\s+({QUOTED})\s*{{", line):
+            clusters.append(m.group(1)[1:-1])
+        elif m := re.match(rf"({QUOTED})\s*\[", line):
+            nodes.add(m.group(1))
+    return nodes, edges, clusters
+
+
+def test_dot_is_well_formed(capsys, tmp_path):
+    text = dump(capsys, "--format", "dot", "-k", "3")
+    nodes, edges, clusters = parse_dot(text)
+    assert text.startswith("digraph ")
+    undeclared = {end for edge in edges for end in edge} - nodes
+    assert not undeclared, f"edge endpoints never declared: {sorted(undeclared)[:5]}"
+    assert {"cluster_d0.body", "cluster_d1.body", "cluster_d2.body"} <= set(clusters), clusters
+    assert '"n:d0.body.attn"' in nodes and len(edges) > 100
+    if shutil.which("dot"):  # the real parser, when Graphviz is installed
+        svg = tmp_path / "chain.svg"
+        subprocess.run(["dot", "-Tsvg", "-o", str(svg)], input=text.encode(), check=True)
+        assert ET.parse(svg).getroot().tag.endswith("svg")
+
+
+def test_dot_colours_are_stable_by_family(capsys):
+    from tools.colors import family_color
+
+    text = dump(capsys, "--format", "dot", "-k", "1")
+    attn = next(line for line in text.splitlines() if line.strip().startswith('"n:d0.body.attn"'))
+    assert f'fillcolor="{family_color("attention")}"' in attn, attn
+    moe = next(line for line in text.splitlines() if line.strip().startswith('"n:d0.body.moe"'))
+    assert f'fillcolor="{family_color("moe")}"' in moe, moe
+
+
+def test_dot_labels_break_lines_with_a_single_backslash(capsys):
+    text = dump(capsys, "--format", "dot", "-k", "1")
+    embed = next(line for line in text.splitlines() if line.strip().startswith('"n:d0.embed"'))
+    assert 'label="embed\\nembed' in embed, embed

@@ -1,0 +1,390 @@
+"""The fused Triton kernels against their torch ops.
+
+Without CUDA the kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1``) at the
+small test shapes; with CUDA the ``cuda``-marked tests run them compiled, at the small and
+at the V4-Flash shapes. Each check draws fresh random inputs (never zeros), poisons the
+outputs with NaN, and compares by relative error against the torch op run on fp32 copies of
+the inputs (the same function without bf16 intermediates): the fused result must be about
+as close to it as the bf16 torch op is.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = not HAS_CUDA
+if INTERPRET:
+    # Must precede `import triton`: its own tl.sum etc. are made interpreted or compiled then.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+if INTERPRET and type(triton.language.standard.sum).__name__ == "JITFunction":
+    pytest.skip(
+        "triton was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1",
+        allow_module_level=True,
+    )
+
+
+def _load_kernel_modules():
+    names = ["_common", "gemv", "head", "moe", "mhc", "attention"]
+    mods = {}
+    for name in names:
+        full = f"ops.triton.{name}"
+        mod = sys.modules.get(full)
+        mod = importlib.import_module(full) if mod is None else mod
+        compiled = [v for v in vars(mod).values() if type(v).__name__ == "JITFunction"]
+        if INTERPRET and compiled:
+            mod = importlib.reload(mod)  # imported earlier without the interpreter
+        mods[name] = mod
+    return mods
+
+
+K = _load_kernel_modules()
+if INTERPRET:
+    K["_common"].patch_interpreter_rounding()
+
+from v4_op_cases import (  # noqa: E402
+    attention_case,
+    draft_argmax_case,
+    gen,
+    hc_head_case,
+    hc_post_case,
+    hc_pre_case,
+    lm_head_case,
+    moe_case,
+    moe_hash_case,
+    rel_err,
+)
+
+from ops.registry import get_op  # noqa: E402
+from runtime.config import V4Config  # noqa: E402
+from runtime.tensor_spec import TensorSpec  # noqa: E402
+
+FUSED = {
+    "lm_head": K["head"].lm_head_impl,
+    "draft_argmax": K["head"].draft_argmax_impl,
+    "moe": K["moe"].moe_impl,
+    "moe_hash": K["moe"].moe_hash_impl,
+    "hc_pre": K["mhc"].hc_pre_impl,
+    "hc_head": K["mhc"].hc_head_impl,
+    "hc_post": K["mhc"].hc_post_impl,
+    "swa_attention": K["attention"].swa_attention_impl,
+    "linear": K["gemv"].linear_impl,
+    "rms_norm": K["gemv"].rms_norm_impl,
+}
+MUTATED = {"swa_attention": (9,)}  # inputs an op writes (the KV cache)
+
+cpu_only = pytest.mark.skipif(not INTERPRET, reason="the interpreter tests run where there is no CUDA")
+cuda = pytest.mark.cuda
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+# ---- running an op three ways -----------------------------------------------------------------
+
+
+def _outputs(name, inputs, attrs, device):
+    specs = get_op(name).infer([TensorSpec.of(t) for t in inputs], attrs)
+    outs = []
+    for s in specs:
+        fill = float("nan") if s.dtype.is_floating_point else -7
+        outs.append(torch.full(s.shape, fill, dtype=s.dtype, device=device))
+    return outs
+
+
+def _run(name, impl, inputs, attrs):
+    inputs = [t.clone() for t in inputs]  # impls may write state (the cache)
+    outs = _outputs(name, inputs, attrs, inputs[0].device)
+    assert impl(inputs, outs, attrs, None) is None
+    return outs, inputs
+
+
+def _upcast(t):
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+def compare(name, inputs, attrs, slack=2.0, floor=2e-3, limit=1.5e-2):
+    """Run the fused impl, the torch op, and the torch op on fp32 copies; check the errors.
+
+    Returns (fused outputs, fused inputs after the run, errors of fused and torch vs fp32).
+    """
+    fused, fused_in = _run(name, FUSED[name], inputs, attrs)
+    torch_out, torch_in = _run(name, get_op(name).impl, inputs, attrs)
+    ref, ref_in = _run(name, get_op(name).impl, [_upcast(t) for t in inputs], attrs)
+    errs = []
+    for i, (f, t, r) in enumerate(zip(fused, torch_out, ref)):
+        if not f.is_floating_point():
+            assert torch.equal(f, t), (name, i, f, t)
+            continue
+        assert not torch.isnan(f).any(), f"{name} output {i}: unwritten (NaN) elements"
+        e_f, e_t = rel_err(f, r), rel_err(t, r)
+        errs.append((e_f, e_t))
+        assert e_f <= max(slack * e_t, floor) and e_f < limit, (
+            f"{name} output {i}: fused {e_f:.2e} torch {e_t:.2e}"
+        )
+    for idx in MUTATED.get(name, ()):
+        e_f, e_t = rel_err(fused_in[idx], ref_in[idx]), rel_err(torch_in[idx], ref_in[idx])
+        assert e_f <= max(slack * e_t, floor), f"{name} state {idx}: fused {e_f:.2e} torch {e_t:.2e}"
+    return fused, fused_in, errs
+
+
+def to_device(case, device):
+    inputs, attrs = case
+    return [t.to(device) for t in inputs], attrs
+
+
+# ---- the small shapes, under the interpreter or on the GPU -------------------------------------
+
+DEVICES = [pytest.param("cpu", marks=cpu_only), pytest.param("cuda", marks=[cuda, needs_cuda])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("vocab_rows", [0, 700])
+def test_lm_head(device, vocab_rows):
+    compare("lm_head", *to_device(lm_head_case(gen(101), vocab_rows=vocab_rows), device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_mask,limit", [(False, None), (True, None), (True, 777), (False, 0)])
+def test_draft_argmax(device, with_mask, limit):
+    inputs, attrs = to_device(draft_argmax_case(gen(102), with_mask=with_mask, limit=limit), device)
+    fused, _ = _run("draft_argmax", FUSED["draft_argmax"], inputs, attrs)
+    ref, _ = _run("draft_argmax", get_op("draft_argmax").impl, inputs, attrs)
+    assert torch.equal(fused[0], ref[0]), (fused[0], ref[0])
+    torch.testing.assert_close(fused[1], ref[1], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_draft_argmax_edges(device):
+    inputs, attrs = draft_argmax_case(gen(103), with_mask=True)
+    logits, limit, mask = inputs
+    mask.zero_()
+    mask[1, 0] = -(2**31)  # row 1: only token 31 (bit 31 of word 0)
+    mask[2] = -1  # row 2: everything, with a three-way tie at the top
+    logits[2, [17, 400, 901]] = 50.0
+    inputs = [t.to(device) for t in (logits, limit, mask)]
+    fused, _ = _run("draft_argmax", FUSED["draft_argmax"], inputs, attrs)
+    assert fused[0].tolist() == [0, 31, 17]
+    assert fused[1][0].item() == 0.0 and fused[1][1].item() == 1.0
+    assert abs(fused[1][2].item() - 1 / 3) < 1e-6
+
+
+GEMV = K["gemv"].GemvConfig
+MOE_VARIANTS = {  # (W13_CONFIG, W2_CONFIG) at batch 1: the tensor-core and the FMA kernels
+    "dot": (GEMV(64, 64, 4, 5), GEMV(16, 512, 4, 3)),
+    "fma": (GEMV(8, 128, 4, 3, False), GEMV(8, 128, 4, 3, False)),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moe(device):
+    compare("moe", *to_device(moe_case(gen(104), batch=2), device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", sorted(MOE_VARIANTS))
+def test_moe_batch_one_variants(device, variant, monkeypatch):
+    w13, w2 = MOE_VARIANTS[variant]
+    monkeypatch.setattr(K["moe"], "W13_CONFIG", w13)
+    monkeypatch.setattr(K["moe"], "W2_CONFIG", w2)
+    compare("moe", *to_device(moe_case(gen(114), batch=1), device))
+    compare("moe_hash", *to_device(moe_hash_case(gen(115), batch=1), device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moe_clamps_large_activations(device):
+    inputs, attrs = moe_case(gen(105), batch=1)
+    inputs[0] = (inputs[0].double() * 40).to(torch.bfloat16)  # |w1 x| well past the limit
+    compare("moe", [t.to(device) for t in inputs], attrs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moe_hash(device):
+    compare("moe_hash", *to_device(moe_hash_case(gen(106), batch=2), device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hc_pre(device):
+    fused, _, _ = compare("hc_pre", *to_device(hc_pre_case(gen(107)), device))
+    comb = fused[2].double()
+    assert (comb.sum(1) - 1).abs().max() < 1e-3  # columns normalised last
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hc_head(device):
+    compare("hc_head", *to_device(hc_head_case(gen(108)), device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hc_post_and_in_place(device):
+    inputs, attrs = to_device(hc_post_case(gen(109)), device)
+    fused, _, _ = compare("hc_post", inputs, attrs)
+    X = inputs[1].clone()
+    FUSED["hc_post"]([inputs[0], X, inputs[2], inputs[3]], [X], attrs, None)  # out aliases X
+    assert torch.equal(X, fused[0])
+
+
+@pytest.fixture(params=["fma", "dot"])
+def attn_impl(request, monkeypatch):
+    """Both attention cores: per (row, head) FMA, and 16 heads a program on tensor cores."""
+    monkeypatch.setattr(K["attention"], "ATTN_IMPL", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("positions", [None, [0, 15, 16], [63, 1, 47]])
+def test_swa_attention(device, positions, attn_impl):
+    compare("swa_attention", *to_device(attention_case(gen(110), positions=positions), device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_swa_attention_batch_one_fma_projections(device, monkeypatch):
+    fma = GEMV(16, 128, 4, 3, False)
+    for knob in ("PROJ_CONFIG", "Q_CONFIG", "WO_A_CONFIG", "WO_B_CONFIG"):
+        monkeypatch.setattr(K["attention"], knob, fma)
+    compare("swa_attention", *to_device(attention_case(gen(116), batch=1), device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_swa_attention_padded_rows_and_kv_start(device, attn_impl):
+    inputs, attrs = attention_case(gen(111), positions=[40, 33, 20], kv_start=[0, 30, 0])
+    inputs[12][0] = -1  # row 0 padded: writes nothing, attends nothing
+    before = inputs[9].clone()
+    fused, after, _ = compare("swa_attention", [t.to(device) for t in inputs], attrs)
+    assert torch.equal(fused[0][0].cpu(), torch.zeros_like(fused[0][0].cpu()))
+    changed = (after[9].cpu() != before).any(-1).nonzero().flatten().tolist()
+    assert len(changed) == 2, changed  # rows 1 and 2 wrote one slot each
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_swa_attention_fp8_rounded_kv(device, attn_impl):
+    compare("swa_attention", *to_device(attention_case(gen(112), kv_fp8_round=True), device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_and_rms_norm(device):
+    g = gen(113)
+    x = (torch.randn(3, 256, generator=g) + 0.1).bfloat16().to(device)
+    w = (torch.randn(96, 256, generator=g) / 16).bfloat16().to(device)
+    compare("linear", [x, w], {})
+    nw = (1 + 0.1 * torch.randn(256, generator=g)).bfloat16().to(device)
+    compare("rms_norm", [x.view(3, 1, 256).expand(3, 2, 256).contiguous(), nw], {"eps": 1e-6})
+
+
+# ---- the V4-Flash shapes, on the GPU ----------------------------------------------------------
+
+FLASH = V4Config.flash()
+
+
+def _randn(*shape, scale=1.0, dtype=torch.bfloat16, device="cuda"):
+    return (torch.randn(*shape, device=device, dtype=torch.float32) * scale).to(dtype)
+
+
+@cuda
+@needs_cuda
+def test_flash_lm_head_and_argmax():
+    d, v = FLASH.hidden_size, FLASH.vocab_size
+    h = _randn(2, d, scale=3.0)
+    inputs = [
+        h,
+        (1 + _randn(d, scale=0.1, dtype=torch.float32)).bfloat16(),
+        _randn(v, d, scale=1 / math.sqrt(d)),
+    ]
+    attrs = {"eps": FLASH.rms_norm_eps, "vocab_rows": 0}
+    logits = compare("lm_head", inputs, attrs)[0][0]
+    limit = torch.tensor([v], dtype=torch.int32, device="cuda")
+    fused, _ = _run("draft_argmax", FUSED["draft_argmax"], [logits, limit], {})
+    ref, _ = _run("draft_argmax", get_op("draft_argmax").impl, [logits, limit], {})
+    assert torch.equal(fused[0], ref[0])
+    torch.testing.assert_close(fused[1], ref[1], rtol=1e-5, atol=1e-7)
+
+
+@cuda
+@needs_cuda
+def test_flash_moe():
+    d, e, i = FLASH.hidden_size, FLASH.n_routed_experts, FLASH.moe_intermediate_size
+    inputs = [
+        _randn(1, d),
+        _randn(e, d, scale=1 / math.sqrt(d)),
+        _randn(e, scale=0.1, dtype=torch.float32),
+        _randn(e, i, d, scale=1 / math.sqrt(d)),
+        _randn(e, d, i, scale=1 / math.sqrt(i)),
+        _randn(e, i, d, scale=1 / math.sqrt(d)),
+        _randn(i, d, scale=1 / math.sqrt(d)),
+        _randn(d, i, scale=1 / math.sqrt(i)),
+        _randn(i, d, scale=1 / math.sqrt(d)),
+    ]
+    attrs = {
+        "top_k": FLASH.num_experts_per_tok,
+        "routed_scaling_factor": FLASH.routed_scaling_factor,
+        "swiglu_limit": FLASH.swiglu_limit,
+    }
+    fused, _ = _run("moe", FUSED["moe"], inputs, attrs)
+    ref, _ = _run("moe", get_op("moe").impl, inputs, attrs)
+    assert not torch.isnan(fused[0]).any()
+    assert rel_err(fused[0], ref[0]) < 1e-2
+
+
+@cuda
+@needs_cuda
+def test_flash_hc_pre_and_post():
+    c, d = FLASH.hc_mult, FLASH.hidden_size
+    X = _randn(2, c, d)
+    fn = _randn(FLASH.hc_mix_dim, c * d, scale=1 / math.sqrt(c * d), dtype=torch.float32)
+    inputs = [
+        X,
+        fn,
+        _randn(FLASH.hc_mix_dim, scale=0.5, dtype=torch.float32),
+        (0.5 + torch.rand(3, device="cuda")).float(),
+    ]
+    attrs = {"eps": FLASH.rms_norm_eps, "hc_eps": FLASH.hc_eps, "iters": FLASH.hc_sinkhorn_iters}
+    y, post, comb = compare("hc_pre", inputs, attrs)[0]
+    compare("hc_post", [y, X, post, comb], {})
+
+
+@cuda
+@needs_cuda
+def test_flash_swa_attention(attn_impl):
+    cfg = FLASH
+    h, d, dim, ql, g, ol = (
+        cfg.num_attention_heads,
+        cfg.head_dim,
+        cfg.hidden_size,
+        cfg.q_lora_rank,
+        cfg.o_groups,
+        cfg.o_lora_rank,
+    )
+    b, blocks = 2, 16
+    table = torch.randperm(b * blocks + 3, device="cuda")[: b * blocks].view(b, blocks).to(torch.int32)
+    inputs = [
+        _randn(b, dim),
+        _randn(ql, dim, scale=1 / math.sqrt(dim)),
+        (1 + _randn(ql, scale=0.1, dtype=torch.float32)).bfloat16(),
+        _randn(h * d, ql, scale=1 / math.sqrt(ql)),
+        _randn(d, dim, scale=1 / math.sqrt(dim)),
+        (1 + _randn(d, scale=0.1, dtype=torch.float32)).bfloat16(),
+        _randn(g * ol, h * d // g, scale=1 / math.sqrt(h * d // g)),
+        _randn(dim, g * ol, scale=1 / math.sqrt(g * ol)),
+        _randn(h, dtype=torch.float32),
+        _randn((b * blocks + 3) * 16, d),
+        torch.tensor([200, 77], dtype=torch.int64, device="cuda"),
+        torch.zeros(b, dtype=torch.int32, device="cuda"),
+        table,
+    ]
+    attrs = {
+        "num_heads": h,
+        "head_dim": d,
+        "rope_dim": cfg.qk_rope_head_dim,
+        "o_groups": g,
+        "o_lora_rank": ol,
+        "window": cfg.sliding_window,
+        "rope_theta": cfg.rope_theta,
+        "eps": cfg.rms_norm_eps,
+        "block_size": 16,
+    }
+    compare("swa_attention", inputs, attrs)

@@ -1,0 +1,67 @@
+"""The chain graph and arena plan that ``dump``, ``draw`` and ``arena`` show.
+
+The selectors of :func:`tools.common.add_selectors` (--num-drafts, --batch,
+--mode, --checkpoint, --runner) pick the graph; the cache geometry is a fixed
+64-block pool sized so that one sequence can reach ``max_position_embeddings``
+(it only sets the shapes of ``block_table`` and the KV cache in the dump).
+"""
+
+from __future__ import annotations
+
+import math
+
+from graphs.draft_chain import ChainSpec, build_draft_chain
+from graphs.v4_block import CacheGeometry
+from runtime.config import V4Config
+from runtime.graph import Graph
+from tools.common import selected_config
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 64
+
+
+def chain_geometry(config: V4Config, block_size: int = BLOCK_SIZE) -> CacheGeometry:
+    """A ``NUM_BLOCKS``-block pool; block tables long enough for ``max_position_embeddings``."""
+    max_blocks_per_seq = math.ceil(config.max_position_embeddings / block_size) + 1
+    return CacheGeometry(NUM_BLOCKS * block_size, max_blocks_per_seq, block_size)
+
+
+def chain_spec(args) -> ChainSpec:
+    from tools.cli import UsageError
+
+    num_drafts = getattr(args, "num_drafts", 1)
+    if num_drafts < 1:
+        raise UsageError(f"--num-drafts: expected >= 1, got {num_drafts}")
+    return ChainSpec(
+        num_drafts=num_drafts,
+        mode=getattr(args, "mode", "streams"),
+        runner=getattr(args, "runner", "builtin"),
+    )
+
+
+def selected_graph(args) -> Graph:
+    """The chain graph as built (the ``body`` still a subgraph node): what JSON dumps hold."""
+    config = selected_config(args)
+    return build_draft_chain(config, chain_geometry(config), chain_spec(args))
+
+
+def selected_chain(args):
+    """``(flat graph, plan)``: the selected chain, flattened and planned at ``--batch``.
+
+    Example
+    -------
+    >>> import argparse
+    >>> args = argparse.Namespace(num_drafts=1, batch=1, mode="streams", checkpoint=None, runner="builtin")
+    >>> flat, plan = selected_chain(args)              # doctest: +SKIP
+    >>> plan.arena_bytes <= plan.arena.naive_bytes     # doctest: +SKIP
+    True
+    """
+    from runtime.memory_plan import plan_graph
+    from runtime.schedule import flatten
+    from tools.cli import UsageError
+
+    batch = getattr(args, "batch", 1)
+    if batch < 1:
+        raise UsageError(f"--batch: expected >= 1, got {batch}")
+    flat = flatten(selected_graph(args))
+    return flat, plan_graph(flat, batch)
