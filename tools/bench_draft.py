@@ -190,7 +190,9 @@ def main() -> int:
 
     weights = prepare_weights(cfg, weights, device)  # per-expert views of the stacks, for the nn.Module
     rows = []
-    for batch, k in cases:
+    from tqdm import tqdm
+
+    for batch, k in tqdm(cases, desc="cases", unit="case", file=sys.stderr):
         eager = DeepseekV4MtpProposer(cfg, weights, device=device, executor="eager", buckets=(batch,),
                                       num_cache_blocks=batch * 16)
         captured = DeepseekV4MtpProposer(cfg, weights, device=device, executor="captured", buckets=(batch,),

@@ -1,0 +1,45 @@
+"""Acceptance of the committed tiny MTP in the real decode loop, on held-out stdlib files.
+
+    python tools/eval_acceptance.py [--files 8] [--prompt-bytes 256] [--max-tokens 48] [--num-drafts 3]
+
+Prompts are the first bytes of Python standard-library files that train_tiny.py held out
+(never trained on); the loop is runtime.decode.speculative_decode with greedy verification.
+Prints the stats table (acceptance per draft position first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--files", type=int, default=8)
+    ap.add_argument("--prompt-bytes", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--num-drafts", type=int, default=3)
+    ap.add_argument("--checkpoint", default=str(Path(__file__).parent / "data" / "tiny_v4"))
+    args = ap.parse_args()
+    from runtime.byte_tokenizer import encode
+    from runtime.decode import speculative_decode
+    from runtime.proposer import DeepseekV4MtpProposer
+    from runtime.target_model import TargetModel
+    from tools.train_tiny import is_held_out, stdlib_files
+
+    root, files = stdlib_files()
+    held = [f for f in files if is_held_out(f)][: args.files]
+    prompts = [encode((Path(root) / f).read_text(errors="replace")[: args.prompt_bytes]) for f in held]
+    target = TargetModel.from_checkpoint(args.checkpoint, executor="eager", buckets=(256,))
+    proposer = DeepseekV4MtpProposer.from_checkpoint(args.checkpoint, executor="eager")
+    result = speculative_decode(target, proposer, prompts, args.max_tokens, args.num_drafts)
+    print(f"held-out files: {', '.join(held)}")
+    print(result.stats.format_table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
