@@ -99,7 +99,7 @@ Row = tuple[int, int, object] | None  # (pos, kv_start, BlockTable or list of bl
 
 
 def pack_metadata(
-    rows: Sequence[Row], max_blocks_per_seq: int, *, out: torch.Tensor | None = None
+    rows: Sequence[Row], max_blocks_per_seq: int, *, out: torch.Tensor | None = None, window: int | None = None
 ) -> torch.Tensor:
     """Pack decode metadata for a batch into uint8 [B, row_bytes].
 
@@ -110,11 +110,15 @@ def pack_metadata(
     max_blocks_per_seq : block-table entries per row (``max_blocks_for(max_seq_len)``).
     out : optional buffer (e.g. pinned, or a capture-stable ``_buf``) with at least len(rows)
         rows of the right width; rows past ``len(rows)`` are written as padding.
+    window : when given, block-table entries wholly before ``max(kv_start, pos - window + 1)``
+        stay -1: the attention never reads them, and a long sequence's table is thousands of
+        entries while its window needs a handful (host time per propose).
 
     Raises
     ------
     InputError : kv_start outside 0..pos, or a table longer than max_blocks_per_seq.
     CacheError : pos has no allocated block.
+    Every row is checked before anything is written, so an error leaves ``out`` as it was.
     """
     width = row_bytes_for(max_blocks_per_seq)
     if out is None:
@@ -123,45 +127,53 @@ def pack_metadata(
         raise InputError(
             describe("pack_metadata out", f"uint8 [>= {len(rows)}, {width}]", f"{out.dtype}{list(out.shape)}")
         )
-    staged = torch.zeros(out.shape, dtype=torch.uint8)  # built on the host, copied in one go
-    view = MetadataView.of(staged, max_blocks_per_seq)
+    checked = [None if row is None else _checked_row(i, row, max_blocks_per_seq) for i, row in enumerate(rows)]
+    # Built in place on the host (pinned staging buffers are), else on the host and copied in one go.
+    target = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=torch.uint8)
+    view = MetadataView.of(target, max_blocks_per_seq)
+    target.zero_()
     view.buf.view(torch.int32)[:, BLOCK_TABLE_OFFSET // 4 :] = -1
     view.slot.fill_(-1)
     view.kv_start.fill_(1)
-    for i, row in enumerate(rows):
+    for i, row in enumerate(checked):
         if row is None:
             continue
-        pos, kv_start, table = row
-        blocks = list(getattr(table, "blocks", table))
-        if not 0 <= kv_start <= pos:
-            raise InputError(
-                describe(f"metadata row {i} kv_start", f"0 <= kv_start <= pos ({pos})", kv_start)
-            )
-        if len(blocks) > max_blocks_per_seq:
-            raise InputError(
-                describe(
-                    f"metadata row {i} block table",
-                    f"<= {max_blocks_per_seq} entries",
-                    len(blocks),
-                    "max_blocks_per_seq comes from max_seq_len",
-                )
-            )
-        block_size = getattr(table, "block_size", 16)
-        j = pos // block_size
-        if j >= len(blocks) or blocks[j] < 0:
-            raise CacheError(
-                describe(
-                    f"metadata row {i} position {pos}",
-                    "an allocated block",
-                    f"table {blocks}",
-                    "call cache.ensure() before packing",
-                )
-            )
+        pos, kv_start, blocks, block_size = row
         view.pos[i] = pos
-        view.slot[i] = blocks[j] * block_size + pos % block_size
+        view.slot[i] = blocks[pos // block_size] * block_size + pos % block_size
         view.seq_len[i] = pos + 1
         view.kv_start[i] = kv_start
-        if blocks:
-            view.block_table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-    out.copy_(staged)
+        lo = 0 if window is None else max(kv_start, pos - window + 1, 0) // block_size
+        if len(blocks) > lo:
+            view.block_table[i, lo : len(blocks)] = torch.tensor(blocks[lo:], dtype=torch.int32)
+    if target is not out:
+        out.copy_(target)
     return out
+
+
+def _checked_row(i: int, row, max_blocks_per_seq: int) -> tuple[int, int, list[int], int]:
+    pos, kv_start, table = row
+    blocks = list(getattr(table, "blocks", table))
+    if not 0 <= kv_start <= pos:
+        raise InputError(describe(f"metadata row {i} kv_start", f"0 <= kv_start <= pos ({pos})", kv_start))
+    if len(blocks) > max_blocks_per_seq:
+        raise InputError(
+            describe(
+                f"metadata row {i} block table",
+                f"<= {max_blocks_per_seq} entries",
+                len(blocks),
+                "max_blocks_per_seq comes from max_seq_len",
+            )
+        )
+    block_size = getattr(table, "block_size", 16)
+    j = pos // block_size
+    if j >= len(blocks) or blocks[j] < 0:
+        raise CacheError(
+            describe(
+                f"metadata row {i} position {pos}",
+                "an allocated block",
+                f"table {blocks}",
+                "call cache.ensure() before packing",
+            )
+        )
+    return pos, kv_start, blocks, block_size

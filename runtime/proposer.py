@@ -272,7 +272,8 @@ class DeepseekV4MtpProposer:
         if bucket not in self._staging:
             spec = hidden_spec(self.config, self.options.mode)
             words = (self.config.vocab_size + 31) // 32
-            self._staging[bucket] = ChainStaging(bucket, spec, self.cache.max_blocks_per_seq, words, self.device)
+            self._staging[bucket] = ChainStaging(bucket, spec, self.cache.max_blocks_per_seq, words, self.device,
+                                                 window=self.config.sliding_window)
         return self._staging[bucket]
 
     # ---- executors -------------------------------------------------------------------------

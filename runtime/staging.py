@@ -33,8 +33,10 @@ class ChainStaging:
         max_blocks_per_seq: int,
         mask_words: int,
         device: torch.device,
+        window: int | None = None,
     ) -> None:
         self.bucket, self.device, self.max_blocks = bucket, device, max_blocks_per_seq
+        self.window = window  # block-table entries older than the window are never staged
         row = row_bytes_for(max_blocks_per_seq)
         self._meta_at, self._token_at = 0, _align(bucket * row)
         self._limit_at = self._token_at + _align(bucket * 8)
@@ -75,7 +77,7 @@ class ChainStaging:
         """Write one batch (rows past ``len(tokens)`` are padding) and return the graph inputs."""
         b, n = self.bucket, len(tokens)
         host = self.host
-        pack_metadata(list(rows) + [None] * (b - n), self.max_blocks, out=host["meta"].buf)
+        pack_metadata(list(rows) + [None] * (b - n), self.max_blocks, out=host["meta"].buf, window=self.window)
         host["token"].zero_()
         host["token"][:n] = torch.tensor(list(tokens), dtype=torch.int64)
         host["vocab_limit"].fill_(int(vocab_limit))

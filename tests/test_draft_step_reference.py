@@ -47,7 +47,7 @@ def test_chain_matches_float64_reference(tensors, mode, num_drafts, mtp_vocab_si
     vocab_rows = mtp_vocab_size or CFG.vocab_size
     ref = ReferenceMtp(CFG, tensors, mode, vocab_rows)
     state = prop.alloc_state()
-    prompt = torch.randint(CFG.vocab_size, (7,), generator=gen).tolist()
+    prompt = torch.randint(CFG.vocab_size, (22,), generator=gen).tolist()  # longer than the window (16)
     hiddens = make_hidden(gen, mode, len(prompt))
     assert prop.prefill_drafter(prompt, hiddens, state) == len(prompt) - 1
     for i in range(len(prompt) - 1):  # the reference writes the same drafter rows
