@@ -115,5 +115,4 @@ def _can_share(graph, node, input_index, root, group_last, step, outputs) -> boo
         return False
     if any(m in outputs for m, mr in root.items() if mr == r):
         return False
-    # The source must not be read twice by this node under another role that outlives the write.
     return True

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ops.registry import get_op
 from runtime.arena_plan import ArenaPlan, Buffer, plan_arena
-from runtime.graph import Graph, ValueKind
+from runtime.graph import Graph
 from runtime.lifetimes import AliasGroups, Lifetime, alias_groups, compute_lifetimes
 from runtime.schedule import schedule
 from runtime.verify_plan import verify_plan
@@ -99,6 +99,3 @@ def _workspace_bytes(graph: Graph, node, batch: int) -> int:
 def _size(buffers: list[Buffer], name: str) -> int:
     return next(b.size for b in buffers if b.name == name)
 
-
-def arena_values(graph: Graph) -> list[str]:
-    return [v.name for v in graph.values.values() if v.kind == ValueKind.INTERMEDIATE]

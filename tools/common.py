@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -27,7 +28,10 @@ def default_checkpoint() -> Path:
     if not (path / "config.json").exists():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         make_synthetic_checkpoint(tmp, V4Config.small(), fmt=DEMO_FORMAT, seed=DEMO_SEED)
-        tmp.rename(path) if not path.exists() else None
+        if path.exists():  # another process made it first
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(path)
     return path
 
 
