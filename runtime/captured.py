@@ -48,11 +48,12 @@ class CapturedExecutor:
         pool=None,
         keep_graph: bool = False,
         warmup_runs: int = 2,
+        kernels: str = "auto",
     ) -> None:
         device = torch.device(device)
         if device.type != "cuda" or not torch.cuda.is_available():
             raise CaptureError(describe("CapturedExecutor device", "a CUDA device", device, "use EagerExecutor"))
-        self.eager = EagerExecutor(graph, batch, weights, state, device=device, runners=runners)
+        self.eager = EagerExecutor(graph, batch, weights, state, device=device, runners=runners, kernels=kernels)
         self.graph_ir, self.batch, self.device = self.eager.graph, batch, device
         self.plan = self.eager.plan
         if static_inputs is None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ops.kernels import check_kernels, select_impl
 from ops.registry import get_op
 from runtime.errors import ExecutionError, InputError, describe
 from runtime.graph import Graph, Node, ValueKind
@@ -52,6 +53,10 @@ class EagerExecutor:
         False gives every intermediate its own buffer (the unaliased oracle).
     debug : bool
         Poison float outputs before each op and fail any op that leaves them unwritten.
+    kernels : str
+        Which implementation each op runs (``ops.kernels``): "auto" (the fused kernel
+        where one is registered for the device, else the torch op), "torch" (the torch
+        reference ops), "compiled" (the torch ops, each compiled by torch.compile).
 
     Example
     -------
@@ -71,7 +76,7 @@ class EagerExecutor:
         plan: GraphPlan | None = None,
         alias: bool = True,
         debug: bool = False,
-        use_fused: bool = True,
+        kernels: str = "auto",
         alignment: int = DEFAULT_ALIGNMENT,
     ) -> None:
         self.graph = flatten(graph)
@@ -87,7 +92,8 @@ class EagerExecutor:
         self._bind_persistent(dict(weights), dict(state or {}))
         self.arena = torch.empty(self.plan.arena_bytes if alias else 0, dtype=torch.uint8, device=self.device)
         self._bind_arena()
-        self.steps = [self._make_step(node, use_fused) for node in (self.graph.nodes[n] for n in self.plan.order)]
+        self.kernels = check_kernels(kernels)
+        self.steps = [self._make_step(node) for node in (self.graph.nodes[n] for n in self.plan.order)]
 
     # ---- binding -------------------------------------------------------------
     def _bind_persistent(self, weights: dict, state: dict) -> None:
@@ -129,14 +135,14 @@ class EagerExecutor:
                     shape = self.graph.values[out].spec.concrete(self.batch)
                     self.bound[out] = get_op(node.op).view_fn(base, node.attrs, shape)
 
-    def _make_step(self, node: Node, use_fused: bool) -> Step:
+    def _make_step(self, node: Node) -> Step:
         if node.op == "body_runner":
             runner = self.runners.get(node.attrs["runner"])
             if runner is None:
                 raise ExecutionError(f"%{node.name}: no runner bound for {node.attrs['runner']!r}")
             impl = runner.run_node
         else:
-            impl = get_op(node.op).select_impl(self.device, use_fused)
+            impl = select_impl(get_op(node.op), self.device, self.kernels)
         inputs = [self.bound.get(n, n) for n in node.inputs]
         outputs = [self.bound.get(n, n) for n in node.outputs]
         ws = None

@@ -26,6 +26,7 @@ import torch
 
 from graphs.draft_chain import ChainSpec, build_draft_chain, build_drafter_prefill, hidden_spec, mask_words
 from graphs.v4_block import CacheGeometry, block_interface
+from ops.kernels import check_kernels
 from runtime.config import V4Config
 from runtime.draft_binding import DraftBinding, prepare_weights
 from runtime.errors import InputError, describe
@@ -68,6 +69,7 @@ class ProposerOptions:
     max_num_drafts: int = 8
     draft_conf_tau: float = 0.0
     executor: str = "auto"  # "auto" (captured on CUDA), "eager", "captured"
+    kernels: str = "auto"  # "auto" (fused on CUDA), "torch", "compiled" (ops.kernels)
     debug: bool = False
     poison_arena: bool = False  # fill the arena with NaN before every run (tests of invariant 3)
     extra: dict = field(default_factory=dict)
@@ -90,6 +92,7 @@ class DeepseekV4MtpProposer:
         opts = self.options
         if opts.mode not in ("streams", "collapsed"):
             raise InputError(describe("mode", "'streams' or 'collapsed'", repr(opts.mode)))
+        check_kernels(opts.kernels)
         self.config = config
         self.device = concrete_device(device) if device is not None else torch.device("cpu")
         self.id = next(_ids)
@@ -312,10 +315,11 @@ class DeepseekV4MtpProposer:
             if "grammar_mask" in static:
                 static["grammar_mask"] = staged["grammar_mask"][:, : graph.values["grammar_mask"].spec.shape[1]]
             executor = CapturedExecutor(graph, bucket, self.weights, self.state_tensors, device=self.device,
-                                        runners=runners, static_inputs=static, pool=self._pool)
+                                        runners=runners, static_inputs=static, pool=self._pool,
+                                        kernels=self.options.kernels)
         else:
             executor = EagerExecutor(graph, bucket, self.weights, self.state_tensors, device=self.device,
-                                     runners=runners, debug=self.options.debug)
+                                     runners=runners, debug=self.options.debug, kernels=self.options.kernels)
         executor.generation = self.generation
         return executor
 
