@@ -31,11 +31,20 @@ def hid(cfg, gen, mode, n=None):
     return torch.randn(*shape, generator=gen).bfloat16().cuda()
 
 
+@pytest.mark.parametrize("kernels", ["auto", "torch"])  # auto: the fused Triton kernels
 @pytest.mark.parametrize("mode", ["streams", "collapsed"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
 @pytest.mark.parametrize("k", [1, 3])
-def test_captured_equals_eager_bit_for_bit(mode, batch, k):
-    eager, captured = pair(mode=mode, mtp_vocab_size=700)
+def test_captured_equals_eager_bit_for_bit(mode, batch, k, kernels):
+    check_captured_equals_eager(mode, batch, k, kernels)
+
+
+def test_captured_compiled_ops_equal_eager_compiled_ops_bit_for_bit():
+    check_captured_equals_eager("streams", 3, 3, "compiled")
+
+
+def check_captured_equals_eager(mode, batch, k, kernels):
+    eager, captured = pair(mode=mode, mtp_vocab_size=700, kernels=kernels)
     for prop in (eager, captured):
         prop.set_vocab_limit(650)
     gen = torch.Generator().manual_seed(batch * 10 + k)

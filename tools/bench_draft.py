@@ -1,14 +1,27 @@
 """Benchmark of the draft step at the real DeepSeek-V4-Flash shapes (GPU), one table.
 
-    python tools/bench_draft.py [--config flash|small] [--no-compile] [--out DIR]
+    python tools/bench_draft.py [--cases 1x1,1x3,8x1,32x1] [--kernels torch,compiled,fused]
+                                [--no-compile] [--profile] [--config flash|small] [--out DIR]
 
-Random bf16 weights (~15 GB on the device) in one process. For each case (B=1 with
-K=1 and K=3; B=8 and B=32 with K=1) it prints the floor (weight bytes / measured
-copy bandwidth), then ms and the ratio to the floor for: plain torch eager (a
-functional step over the nn.Module V4 block: the anchor's "plain torch code"),
-the same captured by hand into a CUDA graph, torch.compile (max-autotune-no-cudagraphs)
-captured by hand, the draftgraph eager executor, and the draftgraph captured replay;
-plus host time per propose, capture time, graph-pool bytes and kernel nodes per step.
+Random bf16 weights (~15 GB on the device), one process. For each case (B=1 with
+K=1 and K=3; B=8 and B=32 with K=1) the floor is the bytes the step must read
+(the distinct experts the batch touches, counted from the router) over the copy
+bandwidth measured in the same run. Rows, each as ms and the ratio to the floor:
+
+- plain torch: the same step as a functional program over an nn.Module V4 block
+  (no graph runtime), eager; captured by hand into a CUDA graph; and
+  torch.compile(mode="max-autotune-no-cudagraphs") captured by hand (the strongest
+  stock-PyTorch baseline);
+- draftgraph: the eager executor (torch ops), and the captured replay with each
+  kernel set: the torch ops, the torch ops compiled per op, the fused Triton kernels.
+
+"replay ms" is the GPU time of the graph replay alone (CUDA events around
+back-to-back replays, inputs already staged); "propose ms" is a whole propose call
+(checks, staging copy, replay, reading the K tokens back), timed the same way;
+"host µs" is the CPU time of a propose up to the launch (median of 50). Also: the
+capture time, the device memory the first propose added (arena, staging and graph
+pool), and CUDA-graph kernel nodes per draft step. ``--profile`` adds, for B=1 K=1,
+each captured variant's kernels by name (tools/profile_step.py).
 """
 
 from __future__ import annotations
@@ -161,26 +174,122 @@ def kernel_nodes_per_step(executor, k: int) -> int | None:
         return None
 
 
+VARIANTS = ("torch", "compiled", "fused")
+
+
+def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, kernels: str, profile: bool):
+    """One proposer's row: replay / propose ms, host µs, capture s, memory, kernel nodes."""
+    from runtime.proposer import DeepseekV4MtpProposer
+
+    prop = DeepseekV4MtpProposer(cfg, weights, device=device, executor=executor, kernels=kernels,
+                                 buckets=(batch,), num_cache_blocks=batch * 16)
+    gen = torch.Generator(device=device).manual_seed(batch)
+    hiddens = [torch.randn(cfg.hc_mult, cfg.hidden_size, device=device, generator=gen).bfloat16()
+               for _ in range(batch)]
+    tokens = list(range(1, batch + 1))
+    states = [prop.alloc_state() for _ in range(batch)]
+
+    def propose():
+        for s in states:
+            if s.last_num_drafted:
+                prop.after_verify(0, s)  # reject every draft: the same positions again
+        if batch == 1:
+            return [prop.propose(tokens[0], hiddens[0], 200, k, states[0])]
+        return prop.propose_batch(tokens, hiddens, [200] * batch, k, states)
+
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    start = time.perf_counter()
+    drafts = propose()
+    torch.cuda.synchronize()
+    row = dict(setup_s=time.perf_counter() - start, mem_mb=(torch.cuda.memory_reserved() - reserved) / 2**20,
+               drafts=drafts)
+    row["propose_ms"] = time_cuda(propose, iters=10 if kernels == "torch" and executor == "eager" else 100)
+    host = []
+    for _ in range(50):
+        propose()
+        host.append(prop.last_host_seconds)
+    row["host_us"] = statistics.median(host) * 1e6
+    if executor == "captured":
+        ex = next(iter(prop._executors.values()))
+        row["capture_s"] = ex.capture_seconds
+        row["replay_ms"] = time_cuda(ex.cuda_graph.replay, iters=200)
+        row["nodes_per_step"] = kernel_nodes_per_step(ex, k)
+        if profile:
+            from tools.profile_step import kernel_table, print_kernel_table
+
+            rows, busy = kernel_table(ex, k)
+            print_kernel_table(f"B={batch} K={k} captured, kernels={kernels}", rows, busy,
+                               row["replay_ms"] * 1e3 / k)
+    else:
+        row["replay_ms"] = row["propose_ms"]  # an eager run is its launches
+    for s in states:
+        prop.free_state(s)
+    return row, prop
+
+
+def plain_rows(cfg, weights, prop, batch: int, k: int, compile_baseline: bool) -> dict[str, float | None]:
+    """The plain-torch anchors over ``prop``'s cache and staged inputs."""
+    plain = PlainTorchStep(cfg, weights, prop.cache.kv, prop.device)
+    plain.k = k
+    st = prop.alloc_state()
+    prop.cache.ensure(st.table, 200, 200 + k)
+    hidden = torch.zeros(cfg.hc_mult, cfg.hidden_size, dtype=torch.bfloat16, device=prop.device)
+    staged = prop._staging_for(batch).stage([(200, 0, st.table)] * batch, list(range(1, batch + 1)),
+                                            [hidden] * batch, cfg.vocab_size)
+    inputs = (staged["token"], staged["hidden"], staged["positions"], staged["kv_start"], staged["block_table"])
+    out = {"plain torch eager": time_cuda(lambda: plain(*inputs), iters=10)}
+    out["plain torch, hand-captured graph"] = time_cuda(capture(lambda: plain(*inputs)).replay, iters=100)
+    out["torch.compile max-autotune + graph"] = None
+    if compile_baseline:
+        try:
+            compiled = torch.compile(plain.__call__, mode="max-autotune-no-cudagraphs", dynamic=False)
+            t = time.perf_counter()
+            compiled(*inputs)
+            torch.cuda.synchronize()
+            print(f"  torch.compile took {time.perf_counter() - t:.0f} s", flush=True)
+            out["torch.compile max-autotune + graph"] = time_cuda(capture(lambda: compiled(*inputs)).replay,
+                                                                  iters=100)
+        except Exception as exc:  # report, don't die: the other numbers still count
+            print(f"  torch.compile failed: {type(exc).__name__}: {exc}", flush=True)
+    prop.free_state(st)
+    return out
+
+
+def print_table(rows: list[dict], bandwidth: float) -> None:
+    print(f"\nfloor = weight bytes / {bandwidth / 1e12:.2f} TB/s (copy bandwidth measured in this run)")
+    print(f"{'B':>3} {'K':>2} {'exp':>4} {'floor ms':>8}  {'variant':<36} {'replay ms':>9} {'x floor':>7} "
+          f"{'propose ms':>10} {'host us':>7} {'capture s':>9} {'mem MB':>7} {'nodes/step':>10}")
+
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    for r in rows:
+        x = None if r["replay_ms"] is None else r["replay_ms"] / r["floor_ms"]
+        print(f"{r['batch']:>3} {r['k']:>2} {r['experts']:>4} {r['floor_ms']:>8.3f}  {r['variant']:<36} "
+              f"{num(r['replay_ms'], '.3f'):>9} {num(x, '.2f'):>7} {num(r.get('propose_ms'), '.3f'):>10} "
+              f"{num(r.get('host_us'), '.0f'):>7} {num(r.get('capture_s'), '.2f'):>9} "
+              f"{num(r.get('mem_mb'), '.0f'):>7} {num(r.get('nodes_per_step'), '.1f'):>10}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", choices=("flash", "small"), default="flash")
-    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    ap.add_argument("--compile-cases", default="1x1", help="cases for torch.compile, e.g. 1x1,8x1")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--fused", choices=("auto", "off"), default="auto", help="fused Triton kernels when present")
     ap.add_argument("--cases", default=",".join(f"{b}x{k}" for b, k in CASES), help="BxK cases, e.g. 1x1,1x3")
+    ap.add_argument("--kernels", default=",".join(VARIANTS), help="captured variants: torch,compiled,fused")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    ap.add_argument("--no-plain", action="store_true", help="skip the plain-torch anchors")
+    ap.add_argument("--profile", action="store_true", help="kernels by name for B=1 K=1, each captured variant")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    if args.fused == "off":  # before any op is registered
-        os.environ["DRAFTGRAPH_FUSED"] = "0"
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
-    from runtime.proposer import DeepseekV4MtpProposer
-
+    kernel_sets = args.kernels.split(",")
     device = torch.device("cuda", torch.cuda.current_device())
     cfg = V4Config.flash() if args.config == "flash" else V4Config.small()
     cfg = cfg.replace(max_position_embeddings=4096)
     bandwidth = measure_copy_bandwidth(device)
-    print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write)",
-          flush=True)
+    print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  copy bandwidth "
+          f"{bandwidth / 1e12:.2f} TB/s (read+write)", flush=True)
     t0 = time.perf_counter()
     weights = random_weights(cfg, device)
     torch.cuda.synchronize()
@@ -189,102 +298,39 @@ def main() -> int:
     from runtime.draft_binding import prepare_weights
 
     weights = prepare_weights(cfg, weights, device)  # per-expert views of the stacks, for the nn.Module
-    rows = []
-    from tqdm import tqdm
-
-    for batch, k in tqdm(cases, desc="cases", unit="case", file=sys.stderr):
-        eager = DeepseekV4MtpProposer(cfg, weights, device=device, executor="eager", buckets=(batch,),
-                                      num_cache_blocks=batch * 16)
-        captured = DeepseekV4MtpProposer(cfg, weights, device=device, executor="captured", buckets=(batch,),
-                                         num_cache_blocks=batch * 16)
-        gen = torch.Generator(device=device).manual_seed(batch)
-        hiddens = [torch.randn(cfg.hc_mult, cfg.hidden_size, device=device, generator=gen).bfloat16()
-                   for _ in range(batch)]
-        tokens = list(range(1, batch + 1))
-        results = {}
-        for name, prop in (("eager", eager), ("captured", captured)):
-            states = [prop.alloc_state() for _ in range(batch)]
-            positions = [200] * batch
-
-            def propose(prop=prop, states=states, positions=positions):
-                prop.after_verify(0, states[0]) if states[0].last_num_drafted else None
-                for s in states[1:]:
-                    if s.last_num_drafted:
-                        prop.after_verify(0, s)
-                if batch == 1:
-                    return prop.propose(tokens[0], hiddens[0], positions[0], k, states[0])
-                return prop.propose_batch(tokens, hiddens, positions, k, states)
-
-            mem0 = torch.cuda.memory_reserved()
-            start = time.perf_counter()
-            first = propose()
-            setup = time.perf_counter() - start
-            pool = torch.cuda.memory_reserved() - mem0
-            ms = time_cuda(propose, iters=30 if name == "eager" else 100)
-            host = []
-            for _ in range(50):
-                propose()
-                host.append(prop.last_host_seconds)
-            results[name] = dict(ms=ms, host_us=statistics.median(host) * 1e6, setup_s=setup, pool=pool,
-                                 drafts=first)
-        assert results["eager"]["drafts"] == results["captured"]["drafts"], "captured != eager"
-        ex = next(iter(captured._executors.values()))
-        nodes = kernel_nodes_per_step(ex, k)
-        experts = cfg.num_experts_per_tok if batch == 1 else distinct_experts(eager, batch)
-        floor_bytes = sum(step_weight_bytes(cfg, experts, batch=batch).values()) * k
-        floor_ms = floor_bytes / bandwidth * 1e3
-        # Plain torch baselines over the same weights and cache.
-        plain = PlainTorchStep(cfg, weights, captured.cache.kv, device)
-        plain.k = k
-        st = captured.alloc_state()
-        captured.cache.ensure(st.table, 200, 200 + k)
-        staged = captured._staging_for(batch).stage([(200, 0, st.table)] * batch, tokens, hiddens, cfg.vocab_size)
-        inputs = (staged["token"], staged["hidden"], staged["positions"], staged["kv_start"], staged["block_table"])
-        plain_ms = time_cuda(lambda: plain(*inputs), iters=10)
-        graph = capture(lambda: plain(*inputs))
-        plain_graph_ms = time_cuda(graph.replay)
-        compile_ms = None
-        if not args.no_compile and f"{batch}x{k}" in args.compile_cases.split(","):
-            try:
-                compiled = torch.compile(plain.__call__, mode="max-autotune-no-cudagraphs", dynamic=False)
-                t = time.perf_counter()
-                compiled(*inputs)
-                torch.cuda.synchronize()
-                compile_s = time.perf_counter() - t
-                cgraph = capture(lambda: compiled(*inputs))
-                compile_ms = time_cuda(cgraph.replay)
-                print(f"  torch.compile took {compile_s:.0f} s", flush=True)
-            except Exception as exc:  # report, don't die: the other numbers still count
-                print(f"  torch.compile failed: {type(exc).__name__}: {exc}", flush=True)
-        captured.free_state(st)
-        row = dict(batch=batch, k=k, experts=experts, floor_ms=floor_ms, plain_eager_ms=plain_ms,
-                   plain_graph_ms=plain_graph_ms, compile_graph_ms=compile_ms, eager_ms=results["eager"]["ms"],
-                   captured_ms=results["captured"]["ms"], host_us=results["captured"]["host_us"],
-                   capture_s=ex.capture_seconds, pool_mb=results["captured"]["pool"] / 2**20, nodes_per_step=nodes)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        del eager, captured, plain, graph
-        torch.cuda.empty_cache()
-    print()
-    print(f"fused kernels: {args.fused}")
-    print(f"floor = weight bytes / {bandwidth / 1e12:.2f} TB/s measured; ratios are ms / floor")
-    head = (f"{'B':>3} {'K':>2} {'exp':>4} {'floor ms':>9} {'torch eager':>12} {'torch graph':>12} "
-            f"{'compile+graph':>14} {'dg eager':>10} {'dg captured':>12} {'host us':>8} {'capture s':>9} "
-            f"{'pool MB':>8} {'nodes/step':>10}")
-    print(head)
-
-    def cell(ms, floor):
-        return "-" if ms is None else f"{ms:.3f} {ms / floor:4.2f}x"
-
-    for r in rows:
-        f = r["floor_ms"]
-        print(f"{r['batch']:>3} {r['k']:>2} {r['experts']:>4} {f:>9.3f} {cell(r['plain_eager_ms'], f):>12} "
-              f"{cell(r['plain_graph_ms'], f):>12} {cell(r['compile_graph_ms'], f):>14} {cell(r['eager_ms'], f):>10} "
-              f"{cell(r['captured_ms'], f):>12} {r['host_us']:>8.1f} {r['capture_s']:>9.2f} {r['pool_mb']:>8.1f} "
-              f"{str(r['nodes_per_step']):>10}")
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    name = f"bench_draft_{args.config}_{args.cases.replace(',', '_')}.json"
-    (Path(args.out) / name).write_text(json.dumps(rows, indent=1))
+    rows: list[dict] = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for batch, k in cases:
+        t_case = time.perf_counter()
+        measured = []
+        row, prop = measure_proposer(cfg, weights, device, batch, k, "eager", "torch", False)
+        reference = row["drafts"]
+        measured.append(("draftgraph eager executor, torch ops", row))
+        experts = cfg.num_experts_per_tok if batch == 1 else distinct_experts(prop, batch)
+        if not args.no_plain:
+            for name, ms in plain_rows(cfg, weights, prop, batch, k, not args.no_compile).items():
+                measured.append((name, {"replay_ms": ms}))
+        del prop
+        for kernels in kernel_sets:
+            row, prop = measure_proposer(cfg, weights, device, batch, k, "captured", kernels,
+                                         args.profile and (batch, k) == (1, 1))
+            if kernels == "torch":  # the same kernels in the same order: bit for bit
+                assert row["drafts"] == reference, f"captured {row['drafts']} != eager {reference}"
+            else:
+                same = sum(a == b for ra, rb in zip(row["drafts"], reference) for a, b in zip(ra, rb))
+                row["agree"] = same / (batch * k)
+            measured.append((f"draftgraph captured, {kernels} ops", row))
+            del prop
+            torch.cuda.empty_cache()
+        floor_ms = sum(step_weight_bytes(cfg, experts, batch=batch).values()) * k / bandwidth * 1e3
+        for name, row in measured:
+            row = {k2: v for k2, v in row.items() if k2 != "drafts"}
+            rows.append(dict(batch=batch, k=k, experts=experts, floor_ms=floor_ms, variant=name, **row))
+            print(json.dumps(rows[-1]), flush=True)
+        print(f"case B={batch} K={k} took {time.perf_counter() - t_case:.0f} s", flush=True)
+        (out / f"bench_draft_{args.config}.json").write_text(json.dumps(rows, indent=1))
+    print_table(rows, bandwidth)
     return 0
 
 

@@ -32,6 +32,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--num-drafts", "-k", type=int, default=1)
     p.add_argument("--mode", choices=("streams", "collapsed"), default="streams")
     p.add_argument("--checkpoint", type=Path, default=None, help="checkpoint folder (default: the embedded one)")
+    p.add_argument("--kernels", choices=("auto", "torch", "compiled"), default="auto",
+                   help="op implementations: fused where registered (auto), torch ops, or torch ops compiled")
     return p
 
 
@@ -78,7 +80,8 @@ def recapture(executor, keep_graph: bool = True):
     state = {n: eager.bound[n] for n, v in eager.graph.values.items() if v.kind.value == "state"}
     statics = getattr(executor, "static_inputs", None)
     kept = CapturedExecutor(eager.graph, eager.batch, weights, state, device=eager.device, static_inputs=statics,
-                            keep_graph=keep_graph, runners={k: v for k, v in eager.runners.items()})
+                            keep_graph=keep_graph, runners={k: v for k, v in eager.runners.items()},
+                            kernels=eager.kernels)
     kept.capture()
     return kept
 
@@ -113,7 +116,7 @@ def run(args) -> int:
 
     path = args.checkpoint or default_checkpoint()
     prop = DeepseekV4MtpProposer.from_checkpoint(path, device="cuda", mode=args.mode, executor="captured",
-                                                 buckets=(args.batch,))
+                                                 buckets=(args.batch,), kernels=args.kernels)
     executor = prop._executor(args.batch, args.num_drafts, False)
     kept = recapture(executor)
     cudart = _cudart()

@@ -1,0 +1,48 @@
+"""Where a captured draft step spends its time: GPU kernels by name, per step (GPU).
+
+CUPTI traces each kernel node of a replayed CUDA graph, so a profiler around a
+few replays gives every kernel's duration. The table groups kernels by name and
+shows launches and µs per draft step, and the share of the replay that is
+kernels at all (the rest is launch gaps inside the graph). Used by
+``tools/bench_draft.py --profile``; callable on any CapturedExecutor.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+
+def kernel_table(executor, num_drafts: int, replays: int = 20) -> tuple[list[tuple[str, float, float]], float]:
+    """[(kernel name, launches per step, µs per step)] by µs, and the kernels' total µs per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = executor.cuda_graph
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    launches: dict[str, int] = defaultdict(int)
+    micros: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            launches[event.name] += 1
+            micros[event.name] += event.device_time
+    steps = replays * num_drafts
+    rows = sorted(((n, launches[n] / steps, micros[n] / steps) for n in launches), key=lambda r: -r[2])
+    return rows, sum(r[2] for r in rows)
+
+
+def print_kernel_table(title: str, rows, total_us: float, replay_us: float, top: int = 25) -> None:
+    print(f"\n{title}: kernels {total_us:.1f} µs of a {replay_us:.1f} µs step "
+          f"({total_us / replay_us:.0%} busy), {sum(r[1] for r in rows):.1f} launches per step")
+    print(f"  {'µs/step':>8} {'launches':>8}  kernel")
+    for name, n, us in rows[:top]:
+        print(f"  {us:>8.1f} {n:>8.1f}  {name[:110]}")
+    if len(rows) > top:
+        rest = rows[top:]
+        print(f"  {sum(r[2] for r in rest):>8.1f} {sum(r[1] for r in rest):>8.1f}  ({len(rest)} more kernels)")
