@@ -1,0 +1,207 @@
+"""Host time per propose: everything the CPU does from entering ``_propose`` to the graph launch.
+
+    python tools/bench_host.py [--device cpu|cuda] [--iters N] [--positions 200,3000] [--cases 1x1,1x3,32x1,32x3]
+
+Builds a small-config proposer (``V4Config.small()``, random MTP weights) and, for each
+case B x K and start position, runs a decode-like loop: propose, accept every draft
+(``after_verify``), move the position on by K. It prints per case the median of
+
+- ``host``: ``last_host_seconds``, entering ``_propose`` up to the (async) launch;
+- ``call``: the whole ``propose`` / ``propose_batch`` call, launch and read-back included;
+- the phases of the host path, from a second, instrumented pass (wrappers add ~0.3 us each):
+  ``checks`` (entry to the first ``cache.ensure``), ``ensure`` (all of them), ``lookup``
+  (executor and staging lookup), ``stage`` (metadata, tokens, hiddens, the staging copy),
+  ``run`` (the executor's ``run``: the replay launch on CUDA) and ``after`` (read-back and
+  commit, from the end of ``run`` to the return).
+
+The harness that isolates host work (``--device cpu``): the chain executor's ``run`` is
+replaced by a function that returns the outputs of one real run, so no graph executes and
+what is timed is the proposer's own host work (on CPU an eager run would take milliseconds
+and hide it). ``--device cuda`` times a real captured proposer: ``run`` is the replay launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime.config import V4Config  # noqa: E402
+from runtime.proposer import DeepseekV4MtpProposer  # noqa: E402
+from runtime.synthetic_weights import random_mtp_weights  # noqa: E402
+
+PHASES = ("checks", "ensure", "lookup", "stage", "run", "after")
+
+
+def make_proposer(device: str) -> DeepseekV4MtpProposer:
+    cfg = V4Config.small()
+    executor = "captured" if device == "cuda" else "eager"
+    return DeepseekV4MtpProposer(cfg, random_mtp_weights(cfg, seed=0), device=device, executor=executor)
+
+
+class DecodeLoop:
+    """B sequences proposing K drafts each round, every draft accepted, positions moving on."""
+
+    def __init__(self, prop: DeepseekV4MtpProposer, batch: int, num_drafts: int, position: int):
+        self.prop, self.batch, self.k = prop, batch, num_drafts
+        cfg, device = prop.config, prop.device
+        gen = torch.Generator().manual_seed(batch)
+        self.hiddens = [torch.randn(cfg.hc_mult, cfg.hidden_size, generator=gen).bfloat16().to(device)
+                        for _ in range(batch)]
+        self.tokens = [(7 * i + 1) % cfg.vocab_size for i in range(batch)]
+        self.states = [prop.alloc_state() for _ in range(batch)]
+        self.start = position
+        self.positions = [position] * batch
+
+    def step(self) -> None:
+        prop = self.prop
+        if self.positions[0] + self.k >= prop.max_seq_len:  # wrap round: fresh states
+            for state in self.states:
+                prop.free_state(state)
+            self.states = [prop.alloc_state() for _ in range(self.batch)]
+            self.positions = [self.start] * self.batch
+        if self.batch == 1:
+            prop.propose(self.tokens[0], self.hiddens[0], self.positions[0], self.k, self.states[0])
+        else:
+            prop.propose_batch(self.tokens, self.hiddens, self.positions, self.k, self.states)
+        for state in self.states:
+            prop.after_verify(self.k, state)
+        self.positions = [p + self.k for p in self.positions]
+
+
+def stub_chain_runs(prop: DeepseekV4MtpProposer) -> None:
+    """The CPU harness: every chain executor returns its first real outputs instead of running."""
+    for key, executor in prop._executors.items():
+        if key[0] != "chain" or "run" in vars(executor):
+            continue
+        outputs = {}
+
+        def run(inputs, check=True, executor=executor, outputs=outputs):
+            if not outputs:
+                outputs.update(type(executor).run(executor, inputs, check))
+            return outputs
+
+        executor.run = run
+
+
+def time_loop(loop: DecodeLoop, iters: int, stub: bool) -> tuple[float, float]:
+    """Median host and call microseconds of ``iters`` rounds (after a warm-up)."""
+    for _ in range(5):
+        loop.step()
+        if stub:
+            stub_chain_runs(loop.prop)
+    host, call = [], []
+    for _ in range(iters):
+        start = time.perf_counter()
+        loop.step()
+        call.append(time.perf_counter() - start)
+        host.append(loop.prop.last_host_seconds)
+    return statistics.median(host) * 1e6, statistics.median(call) * 1e6
+
+
+class PhaseClock:
+    """Wraps the proposer's hot calls with timestamps; ``phases()`` splits one propose."""
+
+    def __init__(self, prop: DeepseekV4MtpProposer):
+        self.marks: list[tuple[str, float]] = []
+        self._wrapped: list[tuple[object, str, object]] = []  # (object, attribute, its own value or None)
+        self._wrap(prop, "_propose", "propose")
+        self._wrap(prop.cache, "ensure", "ensure")
+        for staging in prop._staging.values():
+            self._wrap(staging, "stage", "stage")
+        for key, executor in prop._executors.items():
+            if key[0] == "chain":
+                self._wrap(executor, "run", "run")
+
+    def _wrap(self, obj, attr: str, label: str) -> None:
+        inner, marks = getattr(obj, attr), self.marks
+        self._wrapped.append((obj, attr, vars(obj).get(attr)))
+
+        def timed(*args, **kw):
+            marks.append((label + "<", time.perf_counter()))
+            try:
+                return inner(*args, **kw)
+            finally:
+                marks.append((label + ">", time.perf_counter()))
+
+        setattr(obj, attr, timed)
+
+    def remove(self) -> None:
+        """Put back what was there before (the CPU stub stays)."""
+        for obj, attr, own in reversed(self._wrapped):
+            if own is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, own)
+
+    def phases(self) -> dict[str, float]:
+        at = {}
+        ensure = 0.0
+        for label, t in self.marks:
+            if label == "ensure<":
+                at.setdefault("ensure<", t)
+                began = t
+            elif label == "ensure>":
+                ensure += t - began
+                at["ensure>"] = t
+            else:
+                at[label] = t
+        self.marks.clear()
+        return {
+            "checks": at["ensure<"] - at["propose<"],
+            "ensure": ensure,
+            "lookup": at["stage<"] - at["ensure>"],
+            "stage": at["stage>"] - at["stage<"],
+            "run": at["run>"] - at["run<"],
+            "after": at["propose>"] - at["run>"],
+        }
+
+
+def time_phases(loop: DecodeLoop, iters: int) -> dict[str, float]:
+    """Median microseconds of each phase, on an instrumented copy of the same loop."""
+    clock = PhaseClock(loop.prop)
+    samples: dict[str, list[float]] = {p: [] for p in PHASES}
+    for _ in range(iters):
+        loop.step()
+        for name, seconds in clock.phases().items():
+            samples[name].append(seconds)
+    clock.remove()
+    return {p: statistics.median(s) * 1e6 for p, s in samples.items()}
+
+
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in case.split("x")) for case in text.split(",")]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--positions", default="200,3000", help="start positions, comma separated")
+    parser.add_argument("--cases", default="1x1,1x3,32x1,32x3", help="BxK, comma separated")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # host work is single-threaded; no pool wake-ups in the numbers
+    prop = make_proposer(args.device)
+    stub = args.device == "cpu"
+    print(f"host path per propose, median us over {args.iters} rounds, device {args.device}"
+          f"{' (executor run stubbed: host work only)' if stub else ' (captured replay)'}")
+    print(f"{'B':>3} {'K':>2} {'pos':>5} {'host':>7} {'call':>7}  " + " ".join(f"{p:>7}" for p in PHASES))
+    for position in (int(p) for p in args.positions.split(",")):
+        for batch, k in parse_cases(args.cases):
+            loop = DecodeLoop(prop, batch, k, position)
+            host, call = time_loop(loop, args.iters, stub)
+            phases = time_phases(loop, args.iters)
+            print(f"{batch:>3} {k:>2} {position:>5} {host:7.1f} {call:7.1f}  "
+                  + " ".join(f"{phases[p]:7.1f}" for p in PHASES), flush=True)
+            for state in loop.states:
+                prop.free_state(state)
+
+
+if __name__ == "__main__":
+    main()
