@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ops.registry import OpDef, expect, expect_count, expect_dtype, register
 from runtime.tensor_spec import B, TensorSpec
@@ -93,11 +94,17 @@ def _rms_norm_infer(specs, attrs):
     return [x]
 
 
-def rms_norm_into(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
-    """out = weight * x / sqrt(mean(x^2) + eps), computed in fp32 ("vanilla": w, not 1 + w)."""
-    xf = x.float()
-    inv_rms = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    out.copy_(xf * inv_rms * weight.float())
+def rms_norm_into(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torch.Tensor) -> None:
+    """out = weight * x / sqrt(mean(x^2) + eps), computed in fp32 ("vanilla": w, not 1 + w).
+
+    ``F.rms_norm`` is one fused kernel on CUDA (fp32 math inside for bf16, one rounding
+    at the end) and the same fp32 composite on CPU; it falls back to the composite
+    when x and weight differ in dtype, so a mixed pair is widened to fp32 first.
+    The result exists before ``out`` is written: ``out`` may alias ``x``.
+    """
+    if weight is not None and weight.dtype != x.dtype:
+        x, weight = x.float(), weight.float()
+    out.copy_(F.rms_norm(x, x.shape[-1:], weight, eps))
 
 
 def _rms_norm_impl(inputs, outputs, attrs, workspace):

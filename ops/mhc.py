@@ -8,6 +8,7 @@ output back. All mixing math is fp32; bf16 only at the boundaries.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ops.registry import OpDef, expect, expect_count, expect_rank, register
 from ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
@@ -22,15 +23,19 @@ def _streams(spec: TensorSpec, what: str) -> tuple:
     return spec.shape  # (B, C, D)
 
 
-def _mix_logits(X: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
-    """m = (x @ fn^T) * rho with rho = 1 / rms over all C*D of each row; fp32."""
-    x = X.flatten(1).float()  # [B, C*D]
-    rho = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)  # [B, 1]
-    return (x @ fn.t()) * rho  # [B, M]
+def _mix_logits(Xf: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """m = (x @ fn^T) * rho, rho = 1 / rms over all C*D of each row: [B, M] fp32 from Xf [B, C, D] fp32.
+
+    rho scales each row, so it is applied before the GEMM: one fused RMS norm (no weight)
+    then one matmul, equal to the spec's order within fp32 rounding.
+    """
+    x = Xf.flatten(1)  # [B, C*D]
+    return F.rms_norm(x, x.shape[-1:], eps=eps) @ fn.t()
 
 
-def _weighted_stream_sum(X: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    return torch.einsum("bc,bcd->bd", weights, X.float())  # [B, D] fp32
+def _weighted_stream_sum_into(Xf: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
+    """out[b] = sum_j weights[b, j] Xf[b, j]: one batched GEMV [B, 1, C] @ [B, C, D], fp32."""
+    out.copy_(torch.bmm(weights.unsqueeze(1), Xf).squeeze(1))
 
 
 # ---- hc_expand ---------------------------------------------------------------
@@ -80,12 +85,24 @@ def _hc_pre_infer(specs, attrs):
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, hc_eps: float) -> torch.Tensor:
-    """Spec section 2 step 4: row softmax + eps, column norm, then (iters - 1) x (row, column)."""
-    m = torch.softmax(logits, dim=-1) + hc_eps  # [B, C, C], rows j, columns k
-    m = m / (m.sum(-2, keepdim=True) + hc_eps)
+    """Spec section 2 step 4: row softmax + eps, column norm, then (iters - 1) x (row, column).
+
+    Each normalisation is M / (sums + hc_eps). M lives in the top-left [C, C] block of a
+    [B, C+1, C+1] buffer whose extra column and row hold hc_eps: a row sum over all C+1
+    columns is then sum + hc_eps, a column sum over all C+1 rows likewise, and dividing
+    the [C, C] view in place leaves the eps border as it was. Two kernels per
+    normalisation (sum, div_) instead of three (sum, add, div); the corner is never read.
+    The eps joins the sum as one more term: equal to sum + eps within fp32 rounding.
+    """
+    b, c = logits.shape[0], logits.shape[-1]
+    buf = logits.new_full((b, c + 1, c + 1), hc_eps)  # [B, C+1, C+1]
+    m = buf[:, :c, :c]  # [B, C, C], rows j, columns k
+    torch.add(torch.softmax(logits, dim=-1), hc_eps, out=m)
+    rows, cols = buf[:, :c, :], buf[:, :, :c]  # each with its eps border
+    m.div_(cols.sum(-2, keepdim=True))
     for _ in range(iters - 1):  # a static count: unrolled identically in every capture
-        m = m / (m.sum(-1, keepdim=True) + hc_eps)
-        m = m / (m.sum(-2, keepdim=True) + hc_eps)
+        m.div_(rows.sum(-1, keepdim=True))
+        m.div_(cols.sum(-2, keepdim=True))
     return m
 
 
@@ -94,12 +111,15 @@ def _hc_pre_impl(inputs, outputs, attrs, workspace):
     y, post, comb = outputs
     c = X.shape[1]
     hc_eps = float(attrs["hc_eps"])
-    m = _mix_logits(X, fn, float(attrs["eps"]))  # [B, (2+C)*C]
-    pre = torch.sigmoid(m[:, :c] * scale[0] + base[:c]) + hc_eps  # [B, C]
-    post.copy_(2.0 * torch.sigmoid(m[:, c : 2 * c] * scale[1] + base[c : 2 * c]))
-    logits = (m[:, 2 * c :] * scale[2] + base[2 * c :]).view(-1, c, c)  # [B, C, C]
+    Xf = X.float()  # [B, C, D]; read once, before any output (which may share arena bytes) is written
+    m = _mix_logits(Xf, fn, float(attrs["eps"]))  # [B, (2+C)*C]
+    # pre and post logits in one op: [B, 2, C] * scale[:2] per group + base.
+    gates = torch.sigmoid(torch.addcmul(base[: 2 * c].view(2, c), m[:, : 2 * c].view(-1, 2, c), scale[:2, None]))
+    logits = torch.addcmul(base[2 * c :], m[:, 2 * c :], scale[2]).view(-1, c, c)  # [B, C, C]
+    pre = gates[:, 0] + hc_eps  # [B, C]
+    torch.mul(gates[:, 1], 2.0, out=post)
     comb.copy_(sinkhorn(logits, int(attrs["iters"]), hc_eps))
-    y.copy_(_weighted_stream_sum(X, pre))  # pre is not normalised (spec step 5)
+    _weighted_stream_sum_into(Xf, pre, y)  # pre is not normalised (spec step 5)
 
 
 HC_PRE = register(
@@ -132,8 +152,8 @@ def _hc_post_impl(inputs, outputs, attrs, workspace):
     (out,) = outputs
     # out may alias X: the whole fp32 result exists before the first byte of out is written.
     # X'[:, k] = post_k y + sum_j comb[j, k] X[:, j]: the residual is mixed by comb TRANSPOSED.
-    mixed = torch.matmul(comb.transpose(1, 2), X.float())  # [B, C, D]
-    mixed += post.unsqueeze(-1) * y.float().unsqueeze(1)
+    mixed = post.unsqueeze(-1) * y.unsqueeze(1)  # [B, C, D] fp32 (bf16 y promoted in the same op)
+    mixed.baddbmm_(comb.transpose(1, 2), X.float())  # += comb^T @ X, in the GEMM's epilogue
     out.copy_(mixed)
 
 
@@ -165,9 +185,10 @@ def _hc_head_infer(specs, attrs):
 
 def _hc_head_impl(inputs, outputs, attrs, workspace):
     X, fn, base, scale = inputs
-    m = _mix_logits(X, fn, float(attrs["eps"]))  # [B, C]
-    g = torch.sigmoid(m * scale[0] + base) + float(attrs["hc_eps"])  # [B, C]
-    outputs[0].copy_(_weighted_stream_sum(X, g))
+    Xf = X.float()  # [B, C, D]
+    m = _mix_logits(Xf, fn, float(attrs["eps"]))  # [B, C]
+    g = torch.sigmoid(torch.addcmul(base, m, scale)) + float(attrs["hc_eps"])  # [B, C]
+    _weighted_stream_sum_into(Xf, g, outputs[0])
 
 
 HC_HEAD = register(
