@@ -9,14 +9,18 @@ The buffers never move, so a captured graph can read them on every replay.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import struct
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
+import numpy as np
 import torch
 
-from runtime.kv_metadata import MetadataView, pack_metadata, row_bytes_for
+from runtime.kv_metadata import MetadataView, MetadataWriter, check_rows, row_bytes_for
 from runtime.tensor_spec import TensorSpec
 
 ALIGN = 256
+_LIMIT = struct.Struct("<i")
 
 
 def _align(n: int) -> int:
@@ -24,7 +28,13 @@ def _align(n: int) -> int:
 
 
 class ChainStaging:
-    """Static device buffers for one batch bucket. Names match the chain's graph inputs."""
+    """Static device buffers for one batch bucket. Names match the chain's graph inputs.
+
+    Staging is incremental (design note "incremental staging" in :mod:`runtime.kv_metadata`):
+    the host buffer keeps what the last ``stage`` wrote and a call rewrites only what moved,
+    with ``struct`` / numpy writes on the host memory instead of torch ops, each of which
+    costs microseconds of dispatch. Only ``stage`` writes the host buffer.
+    """
 
     def __init__(
         self,
@@ -50,6 +60,20 @@ class ChainStaging:
         self._row = row
         self.host = self._views(self.host_buf)
         self.views = self._views(self.device_buf)
+        self._writer = MetadataWriter(self.host["meta"].buf, max_blocks_per_seq, window)
+        self._mem = memoryview(self.host_buf.numpy())
+        self._mask_words_np = self.host["grammar_mask"].numpy()  # [B, W] int32, the host buffer's memory
+        self._hidden_rows = [self.hidden_buf[:i] for i in range(bucket + 1)]  # views made once, not per call
+        self._hidden_shape = self.hidden_buf.shape[1:]
+        # Everything before the masks: the one copy when the masks did not change since the last one.
+        self._host_head, self._device_head = self.host_buf[: self._mask_at], self.device_buf[: self._mask_at]
+        self._num_tokens = self._num_hiddens = 0  # rows holding a token / a hidden (the rest are zeros)
+        self._num_masked = bucket  # rows holding a mask (not all -1): all of them while the buffer is zeros
+        self._is_mask_copied = False
+        # The host buffer is pinned and copied asynchronously: the next stage waits for the last copy
+        # before writing it again (a catch-up stages several chunks with no read-back between them).
+        self._copy_done = torch.cuda.Event() if device.type == "cuda" else None
+        self._chain_inputs: dict[int | None, Mapping[str, torch.Tensor]] = {}
         # Start with every row dead (slot -1, no keys): a warm-up or capture run on these
         # buffers writes no cache row.
         self.stage([], [], [], vocab_limit=1)
@@ -73,26 +97,86 @@ class ChainStaging:
         hiddens: Sequence[torch.Tensor],
         vocab_limit: int,
         masks: Sequence[Sequence[int] | torch.Tensor | None] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Write one batch (rows past ``len(tokens)`` are padding) and return the graph inputs."""
-        b, n = self.bucket, len(tokens)
-        host = self.host
-        pack_metadata(list(rows) + [None] * (b - n), self.max_blocks, out=host["meta"].buf, window=self.window)
-        host["token"].zero_()
-        host["token"][:n] = torch.tensor(list(tokens), dtype=torch.int64)
-        host["vocab_limit"].fill_(int(vocab_limit))
-        host["grammar_mask"].fill_(-1)  # padded rows allow everything (their output is dropped)
-        if masks is not None:
-            for i, mask in enumerate(masks):
-                if mask is not None:  # may be shorter than a row: the drafted vocab rows only
-                    words = torch.as_tensor(mask, dtype=torch.int32)
-                    host["grammar_mask"][i, : words.numel()] = words
-        self.device_buf.copy_(self.host_buf, non_blocking=True)  # the one staging copy
-        for i, hidden in enumerate(hiddens):
-            self.hidden_buf[i].copy_(hidden.reshape(self.hidden_buf.shape[1:]), non_blocking=True)
-        if n < b:
-            self.hidden_buf[n:].zero_()
-        return self.graph_inputs()
+    ) -> Mapping[str, torch.Tensor]:
+        """Write one batch (rows past ``len(tokens)`` are padding) and return the graph inputs.
+
+        The returned mapping is shared between calls and read-only.
+        """
+        checked = check_rows(rows, self.max_blocks)  # every row checked before anything is written
+        if self._copy_done is not None:
+            self._copy_done.synchronize()
+        self._writer.write(checked)
+        self._write_tokens(tokens)
+        _LIMIT.pack_into(self._mem, self._limit_at, int(vocab_limit))
+        self._write_masks(masks)
+        self._copy_to_device()
+        self._stage_hiddens(hiddens)
+        return self.chain_inputs(self.mask_words)
+
+    def chain_inputs(self, mask_words: int | None) -> Mapping[str, torch.Tensor]:
+        """The graph inputs (device views), the grammar mask cut to ``mask_words`` (None: no mask).
+
+        Made once per width and shared: a run can hand it to the executor as it is.
+        """
+        inputs = self._chain_inputs.get(mask_words)
+        if inputs is None:
+            names = {name: view for name, view in self.graph_inputs().items() if name != "grammar_mask"}
+            if mask_words is not None:
+                names["grammar_mask"] = self.views["grammar_mask"][:, :mask_words]
+            inputs = self._chain_inputs[mask_words] = MappingProxyType(names)
+        return inputs
+
+    def _write_tokens(self, tokens: Sequence[int]) -> None:
+        n = len(tokens)
+        if n:
+            struct.pack_into(f"<{n}q", self._mem, self._token_at, *tokens)
+        if n < self._num_tokens:  # rows that held a token last time are padding now: token 0
+            stale = 8 * (self._num_tokens - n)
+            self._mem[self._token_at + 8 * n : self._token_at + 8 * n + stale] = bytes(stale)
+        self._num_tokens = n
+
+    def _write_masks(self, masks) -> None:
+        words = self._mask_words_np
+        if self._num_masked:  # padded and unmasked rows allow everything (a padded row's output is dropped)
+            words[: self._num_masked] = -1
+            self._is_mask_copied = False
+        self._num_masked = 0
+        if masks is None:
+            return
+        converted: dict[int, np.ndarray] = {}
+        for i, mask in enumerate(masks):
+            if mask is None:  # may be shorter than a row: the drafted vocab rows only
+                continue
+            row = converted.get(id(mask))
+            if row is None:
+                row = converted[id(mask)] = torch.as_tensor(mask, dtype=torch.int32).cpu().numpy()
+            words[i, : row.size] = row
+            self._num_masked = i + 1
+        self._is_mask_copied = False
+
+    def _copy_to_device(self) -> None:
+        if self._is_mask_copied:  # the device already holds these masks: copy the head only
+            self._device_head.copy_(self._host_head, non_blocking=True)
+        else:
+            self.device_buf.copy_(self.host_buf, non_blocking=True)  # the one staging copy
+            self._is_mask_copied = True
+        if self._copy_done is not None:
+            self._copy_done.record()
+
+    def _stage_hiddens(self, hiddens: Sequence[torch.Tensor]) -> None:
+        n, shape = len(hiddens), self._hidden_shape
+        if n == 1:
+            hidden = hiddens[0]
+            self._hidden_rows[1][0].copy_(hidden if hidden.shape == shape else hidden.reshape(shape), non_blocking=True)
+        elif n:
+            try:  # one op for the batch (one launch on CUDA), not one copy per row
+                torch.stack(hiddens, out=self._hidden_rows[n])
+            except RuntimeError:  # other shapes (with the same numel), dtypes or devices: row by row
+                for i, hidden in enumerate(hiddens):
+                    self.hidden_buf[i].copy_(hidden.reshape(shape), non_blocking=True)
+        if n < self._num_hiddens:  # rows that held a hidden last time are padding now: zeros
+            self.hidden_buf[n : self._num_hiddens].zero_()
+        self._num_hiddens = n
 
     def graph_inputs(self) -> dict[str, torch.Tensor]:
         meta = self.views["meta"]
