@@ -175,13 +175,14 @@ def kernel_nodes_per_step(executor, k: int) -> int | None:
 
 
 VARIANTS = ("torch", "compiled", "fused")
+KERNELS_OPTION = {"torch": "torch", "compiled": "compiled", "fused": "auto"}  # variant -> ProposerOptions.kernels
 
 
 def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, kernels: str, profile: bool):
     """One proposer's row: replay / propose ms, host µs, capture s, memory, kernel nodes."""
     from runtime.proposer import DeepseekV4MtpProposer
 
-    prop = DeepseekV4MtpProposer(cfg, weights, device=device, executor=executor, kernels=kernels,
+    prop = DeepseekV4MtpProposer(cfg, weights, device=device, executor=executor, kernels=KERNELS_OPTION[kernels],
                                  buckets=(batch,), num_cache_blocks=batch * 16)
     gen = torch.Generator(device=device).manual_seed(batch)
     hiddens = [torch.randn(cfg.hc_mult, cfg.hidden_size, device=device, generator=gen).bfloat16()
