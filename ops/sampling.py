@@ -35,29 +35,31 @@ def _draft_argmax_infer(specs, attrs):
 
 
 def allowed_tokens(vocab: int, limit: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """[B or 1, V] bool: t < limit, and bit t % 32 of word t // 32 when a mask is given."""
-    ids = torch.arange(vocab, device=limit.device)  # [V]
-    allowed = (ids < limit.long()).unsqueeze(0)  # [1, V]
+    """[B or 1, V] bool: t < limit, and bit t % 32 of word t // 32 when a mask is given.
+
+    The words are unpacked by one broadcast shift over [B, W, 32] in int32 (an arithmetic
+    shift: bit 31 comes down as -1, and & 1 keeps it), then viewed as [B, W*32] and cut
+    to V: no int64 index math over [B, V].
+    """
+    allowed = (torch.arange(vocab, device=limit.device, dtype=torch.int32) < limit).unsqueeze(0)  # [1, V]
     if mask is None:
         return allowed
-    words = mask.long().index_select(1, ids // WORD_BITS)  # [B, V]; sign-extended, bit 31 kept
-    return allowed & (((words >> (ids % WORD_BITS)) & 1) == 1)
+    shifts = torch.arange(WORD_BITS, device=mask.device, dtype=torch.int32)  # [32]
+    bits = ((mask.unsqueeze(-1) >> shifts) & 1).bool()  # [B, W, 32]
+    return bits.flatten(1)[:, :vocab] & allowed
 
 
 def _draft_argmax_impl(inputs, outputs, attrs, workspace):
     logits = inputs[0]  # [B, V] fp32
     token, prob = outputs
     allowed = allowed_tokens(logits.shape[1], inputs[1], inputs[2] if len(inputs) > 2 else None)
-    allowed = allowed.expand_as(logits)
-    masked = logits.masked_fill(~allowed, float("-inf"))
-    any_allowed = allowed.any(-1)  # [B]
-    best = masked.amax(-1, keepdim=True)  # [B, 1]; -inf when nothing is allowed
-    best = torch.where(any_allowed.unsqueeze(-1), best, 0.0)
-    # top-1 softmax probability = 1 / sum_t exp(l_t - max) over allowed t.
-    denom = torch.exp(masked - best).sum(-1)  # >= 1 whenever something is allowed
-    prob.copy_(torch.where(any_allowed, 1.0 / denom.clamp_min(1.0), 0.0))
-    # argmax keeps the lowest id among ties; a row with nothing allowed drafts token 0.
-    token.copy_(torch.where(any_allowed, torch.argmax(masked, dim=-1), 0))
+    masked = torch.where(allowed, logits, float("-inf"))  # [B, V]
+    # argmax keeps the lowest id among ties; a row with nothing allowed is all -inf: id 0.
+    torch.argmax(masked, dim=-1, out=token)
+    # top-1 softmax probability = 1 / sum_t exp(l_t - max) over allowed t: the softmax at
+    # the argmax is exp(0) / sum, the row's largest value. A row with nothing allowed
+    # softmaxes to NaN (so would a NaN logit): its confidence is 0.
+    torch.nan_to_num(torch.softmax(masked, dim=-1).amax(-1), nan=0.0, out=prob)
 
 
 DRAFT_ARGMAX = register(
