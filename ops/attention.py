@@ -11,7 +11,10 @@ write the cache. Writing its old value back at a clamped slot races with a live
 row that writes the same slot (index_copy with duplicate indices keeps an
 arbitrary one). Instead a dead row repeats the write of the first live row
 (same slot, same value), so duplicates always agree; with no live row at all
-every row rewrites slot 0 with its own old value.
+every row rewrites slot 0 with slot 0's old value.
+
+RoPE is built once per call as a complex rotation per row (``rope_rotation``)
+and applied in place to q, kv and (inverted) o as one complex multiply each.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
-from ops.basic import rms_norm_into
 from ops.registry import OpDef, expect, expect_count, expect_rank, register
 from ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
 from runtime.tensor_spec import TensorSpec
@@ -62,15 +65,26 @@ def _attn_infer(specs, attrs):
     return [TensorSpec((b, dim), dt)]
 
 
-def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float, sign: float) -> torch.Tensor:
-    """Rotate adjacent pairs (2i, 2i+1) of x [B, ..., r] by sign * p * theta^(-2i/r); fp32."""
-    r = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, r, 2, device=x.device, dtype=torch.float32) / r))
-    angle = positions.float()[:, None] * inv_freq  # [B, r/2]
-    angle = angle.view(angle.shape[0], *([1] * (x.dim() - 2)), r // 2)
-    cos, sin = torch.cos(angle), torch.sin(angle) * sign
-    even, odd = x[..., 0::2], x[..., 1::2]
-    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+def rope_rotation(positions: torch.Tensor, rope_dim: int, theta: float) -> torch.Tensor:
+    """exp(i * p * theta^(-2k/r)) for the r/2 pairs k: complex64 [B, r/2], built once per op call."""
+    r = rope_dim
+    inv_freq = torch.logspace(0.0, -(r - 2) / r, r // 2, base=theta, device=positions.device)  # theta^(-2k/r)
+    angle = positions.unsqueeze(1) * inv_freq  # [B, r/2] fp32
+    return torch.polar(angle.new_ones(()), angle)
+
+
+def rotate_pairs_(x: torch.Tensor, rotation: torch.Tensor, inverse: bool = False) -> None:
+    """Rotate adjacent pairs (2k, 2k+1) of fp32 x [B, ..., r] in place by rotation [B, r/2] (or by its inverse).
+
+    A pair is one complex number, so RoPE is one complex multiply on a view of x; the
+    inverse divides instead (|rotation| = 1), which needs no conj copy.
+    """
+    pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))  # [B, ..., r/2]
+    rot = rotation.view(rotation.shape[0], *([1] * (pairs.dim() - 2)), rotation.shape[1])
+    if inverse:
+        pairs.div_(rot)
+    else:
+        pairs.mul_(rot)
 
 
 def fp8_round_blocks(v: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
@@ -83,35 +97,33 @@ def fp8_round_blocks(v: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
     return q.flatten(1)[:, :n]
 
 
-def _write_kv(cache, kv, positions, table, block_size) -> torch.Tensor:
-    """Write kv [B, d] at each live row's slot (see "dead rows"); returns alive [B] bool."""
-    num_slots, max_blocks = cache.shape[0], table.shape[1]
-    blk_idx = torch.div(positions, block_size, rounding_mode="floor")  # [B]
-    blk = table.gather(1, blk_idx.clamp(0, max_blocks - 1).unsqueeze(1)).squeeze(1).long()
-    slot = blk * block_size + positions.remainder(block_size)  # [B]
-    alive = (positions >= 0) & (blk_idx < max_blocks) & (blk >= 0) & (slot < num_slots)
-    first = torch.argmax(alive.to(torch.int32)).view(1)  # first live row, 0 if none
-    any_alive = alive.any()
-    donor_slot = torch.where(any_alive, slot.index_select(0, first), torch.zeros_like(first))
+def _window_slots(positions, kv_start, table, window, block_size, num_slots):
+    """Cache slots of positions p - window + 1 .. p: slot [B, W] i64, ok [B, W] (slot exists), in_window [B, W].
+
+    The last column is position p itself, the slot the op writes, so one index
+    computation serves the write and the window. slot = table[j // bs] * bs + j % bs
+    = j + (table[j // bs] - j // bs) * bs. A slot exists when its block index is inside
+    the table and the slot inside the cache; a -1 (or any negative) table entry gives a
+    negative slot, so one clamp-and-compare checks both the entry and the cache bound.
+    """
+    max_blocks = table.shape[1]
+    j = positions.unsqueeze(1) + torch.arange(1 - window, 1, device=positions.device)  # [B, W]
+    jb = torch.div(j, block_size, rounding_mode="floor")
+    jb_in = jb.clamp(0, max_blocks - 1)
+    slot = torch.add(j, table.gather(1, jb_in) - jb, alpha=block_size)  # [B, W]
+    slot_in = slot.clamp(0, num_slots - 1)
+    ok = (jb_in == jb) & (slot_in == slot)  # jb >= 0 also means j >= 0: floor division
+    return slot_in, ok, j >= kv_start.unsqueeze(1)
+
+
+def _write_kv(cache, kv, slot, alive) -> None:
+    """Write kv [B, d] at slot [B] of each live row (see "dead rows")."""
+    any_alive, first = alive.to(torch.int32).max(0, keepdim=True)  # the first live row, if any
+    any_alive = any_alive.bool()
+    donor_slot = torch.where(any_alive, slot.index_select(0, first), 0)  # [1]
     donor_val = torch.where(any_alive, kv.index_select(0, first), cache[:1])  # [1, d]
     slot_w = torch.where(alive, slot, donor_slot)
     cache.index_copy_(0, slot_w, torch.where(alive.unsqueeze(1), kv, donor_val))
-    return alive
-
-
-def _gather_window(cache, positions, kv_start, table, alive, window, block_size):
-    """Keys of positions p - window + 1 .. p: kv [B, W, d] fp32 (zeros where invalid), valid [B, W]."""
-    num_slots, max_blocks = cache.shape[0], table.shape[1]
-    j = positions[:, None] + torch.arange(1 - window, 1, device=positions.device)  # [B, W]
-    jb = torch.div(j, block_size, rounding_mode="floor")
-    blk = table.gather(1, jb.clamp(0, max_blocks - 1)).long()  # [B, W]
-    slot = blk * block_size + j.remainder(block_size)
-    lowest = kv_start.long().clamp_min(0)[:, None]
-    valid = (j >= lowest) & (jb < max_blocks) & (blk >= 0) & (slot < num_slots) & alive[:, None]
-    slot = torch.where(valid, slot, torch.zeros_like(slot))
-    keys = cache.index_select(0, slot.flatten()).view(*slot.shape, cache.shape[1]).float()
-    # Zero invalid keys: unwritten or poisoned rows (NaN/inf) must not leak through 0 * x.
-    return torch.where(valid.unsqueeze(-1), keys, 0.0), valid
 
 
 def _attn_impl(inputs, outputs, attrs, workspace):
@@ -119,37 +131,47 @@ def _attn_impl(inputs, outputs, attrs, workspace):
     h, d, r = int(attrs["num_heads"]), int(attrs["head_dim"]), int(attrs["rope_dim"])
     g, n = int(attrs["o_groups"]), d - r
     eps, theta = float(attrs["eps"]), float(attrs["rope_theta"])
-    block_size = int(attrs.get("block_size", 16))
+    window, block_size = int(attrs["window"]), int(attrs.get("block_size", 16))
     b = x.shape[0]
+    rotation = rope_rotation(positions, r, theta)  # [B, r/2], shared by q, kv and o
 
-    # Query: low-rank, normed, then per-head weightless RMS norm and RoPE on the last r dims.
-    qa = x @ wq_a.t()  # [B, q_lora]
-    rms_norm_into(qa, q_norm, eps, qa)
-    q = (qa @ wq_b.t()).view(b, h, d).float()  # [B, H, d]
-    q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + eps)
-    q = torch.cat((q[..., :n], rope_interleaved(q[..., n:], positions, theta, 1.0)), dim=-1)
+    # Query: low-rank, normed, then per-head weightless RMS norm (fp32) and RoPE on the last r dims.
+    qa = F.rms_norm(x @ wq_a.t(), (wq_a.shape[0],), q_norm, eps)  # [B, q_lora]
+    q = F.rms_norm((qa @ wq_b.t()).view(b, h, d).float(), (d,), eps=eps)  # [B, H, d] fp32
+    rotate_pairs_(q[..., n:], rotation)
 
-    # The one latent kv (K = V): normed, RoPE on its tail, optionally FP8-rounded head.
-    kv = (x @ wkv.t()).float()  # [B, d]
-    kv = kv * torch.rsqrt(kv.square().mean(-1, keepdim=True) + eps) * kv_norm.float()
-    head = fp8_round_blocks(kv[:, :n]) if attrs.get("kv_fp8_round", False) else kv[:, :n]
-    kv = torch.cat((head, rope_interleaved(kv[:, n:], positions, theta, 1.0)), dim=-1)
-    alive = _write_kv(cache, kv.to(cache.dtype), positions, table, block_size)
+    # The one latent kv (K = V): normed, RoPE on its tail, optionally FP8-rounded head, all
+    # in fp32 and rounded to the cache dtype once (a bf16 rounding before the FP8 one would
+    # move values that sit near an FP8 tie by a whole FP8 step).
+    kv = F.rms_norm((x @ wkv.t()).float(), (d,), kv_norm.float(), eps)  # [B, d] fp32
+    rotate_pairs_(kv[:, n:], rotation)
+    if attrs.get("kv_fp8_round", False):
+        kv[:, :n] = fp8_round_blocks(kv[:, :n])
+    kv = kv.to(cache.dtype)
 
-    keys, valid = _gather_window(cache, positions, kv_start, table, alive, int(attrs["window"]), block_size)
-    scores = torch.einsum("bhd,bwd->bhw", q, keys) / math.sqrt(d)  # [B, H, W] fp32
-    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    # The sink joins the max and the denominator only; mu >= sink keeps a keyless row finite.
-    mu = torch.maximum(scores.amax(-1), sink.unsqueeze(0))  # [B, H]
-    weights = torch.exp(scores - mu.unsqueeze(-1))
-    weights = weights / (weights.sum(-1) + torch.exp(sink - mu)).unsqueeze(-1)
-    o = torch.einsum("bhw,bwd->bhd", weights, keys)  # [B, H, d]
-    o = torch.cat((o[..., :n], rope_interleaved(o[..., n:], positions, theta, -1.0)), dim=-1)
+    slot, ok, in_window = _window_slots(positions, kv_start, table, window, block_size, cache.shape[0])
+    alive = ok[:, -1]  # [B]: the row's own slot exists (so p >= 0)
+    _write_kv(cache, kv, slot[:, -1], alive)
+
+    # Keys of the window, fp32; invalid ones zeroed: unwritten or poisoned rows (NaN/inf)
+    # must not leak through 0 * x.
+    valid = ok & in_window & alive.unsqueeze(1)  # [B, W]
+    keys = cache.index_select(0, slot.flatten()).view(b, window, d)
+    keys = torch.where(valid.unsqueeze(-1), keys, 0).float()  # [B, W, d]
+    # Scores with the mask as an additive bias in the GEMM's epilogue, then the sink as
+    # one more column: softmax over [scores, sink] is exp(s - mu) / (sum + exp(sink - mu))
+    # with mu = max(max s, sink), the sink joining the max and the denominator only.
+    bias = torch.where(valid, 0.0, float("-inf")).unsqueeze(1)  # [B, 1, W]
+    scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=1.0 / math.sqrt(d))  # [B, H, W]
+    scores = torch.cat((scores, sink.view(1, h, 1).expand(b, h, 1)), dim=-1)  # [B, H, W+1]
+    weights = torch.softmax(scores, dim=-1)[..., :window]  # a keyless row: all 0, o = 0
+    o = torch.bmm(weights, keys)  # [B, H, d]
+    rotate_pairs_(o[..., n:], rotation, inverse=True)
 
     # Grouped low-rank output: z_g = wo_a[g] @ o_g, out = wo_b @ concat(z).
-    o = o.to(x.dtype).view(b, g, h // g * d)  # [B, G, H/G*d]
-    z = torch.einsum("bgi,goi->bgo", o, wo_a.view(g, -1, h // g * d))  # [B, G, o_lora]
-    torch.matmul(z.reshape(b, -1), wo_b.t(), out=outputs[0])
+    o = o.to(x.dtype).view(b, g, h // g * d).transpose(0, 1)  # [G, B, H/G*d]
+    z = torch.bmm(o, wo_a.view(g, -1, h // g * d).transpose(1, 2))  # [G, B, o_lora]
+    torch.matmul(z.transpose(0, 1).reshape(b, -1), wo_b.t(), out=outputs[0])
 
 
 SWA_ATTENTION = register(
