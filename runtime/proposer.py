@@ -50,6 +50,11 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 _ids = iter(range(1, 1 << 62))
 
 
+def _scalars(state: MtpProposerState) -> tuple:
+    """The state's fields besides its table (what a failed propose must leave as they were)."""
+    return state.seq_len, state.kv_start, state.last_num_drafted, state.is_freed
+
+
 class CarriedKv(tuple):
     """(blocks, rows, last_pair_key) as the seed's take_drafter_kv returns, plus ``kv_start``."""
 
@@ -181,53 +186,37 @@ class DeepseekV4MtpProposer:
 
     def _propose(self, tokens, hiddens, positions, num_drafts, states, bitmask):
         entered = time.perf_counter()
-        cfg, n = self.config, len(tokens)
+        n = len(tokens)
+        vocab, shape, words = self._propose_constants()
         k = check_num_drafts(num_drafts, self.options.max_num_drafts)
         states = [check_state(s, self.id) for s in states]
-        if len({id(s) for s in states}) != n:
+        if n > 1 and len({id(s) for s in states}) != n:
             raise InputError(describe("states", "distinct states", "the same state twice"))
-        tokens = [check_token(t, cfg.vocab_size) for t in tokens]
+        tokens = [check_token(t, vocab) for t in tokens]
         positions = [check_position(p, k, s) for p, s in zip(positions, states)]
-        shape = hidden_spec(cfg, self.options.mode).shape[1:]
         hiddens = [check_hidden(h, shape, self.device) for h in hiddens]
-        words = mask_words(cfg, self.options.mtp_vocab_size)
-        full_words = (cfg.vocab_size + 31) // 32
-        mask = check_bitmask(bitmask, full_words)
-        if mask is not None:
-            mask = mask[:words]
-            if not bool(mask.ne(0).any()):
-                warnings.warn("grammar mask allows no token: the drafts are 0 (pad drafts, rejected at verify)",
-                              stacklevel=3)
+        mask = self._checked_mask(bitmask, words)
         bucket = self._bucket(n)
         # All checks passed: allocate blocks for every sequence, all or nothing.
-        snapshots = [s.snapshot() for s in states]
-        allocated: list[tuple[MtpProposerState, list[int]]] = []
+        undo: list[tuple] = []
         try:
             for state, p in zip(states, positions):
-                before = list(state.table.blocks)
-                self.cache.ensure(state.table, p, p + k - 1)
-                allocated.append((state, before))
-            rows = []
-            for state, p in zip(states, positions):
-                kv_start = p if (p > state.seq_len or p < state.kv_start) else state.kv_start
-                rows.append((p, kv_start, state.table))
+                undo.append(self._ensure_undoable(state, p, p + k - 1))
+            rows = [(p, self._next_kv_start(state, p), state.table) for state, p in zip(states, positions)]
             start = time.perf_counter()
             executor = self._executor(bucket, k, mask is not None)
             staging = self._staging_for(bucket)
-            inputs = staging.stage(rows, tokens, hiddens, self._vocab_limit(),
-                                   [mask] * n if mask is not None else None)
+            staging.stage(rows, tokens, hiddens, self._vocab_limit(), [mask] * n if mask is not None else None)
             if self.options.poison_arena:
                 executor.poison()
-            outputs = executor.run(self._graph_inputs(inputs, mask is not None), check=False)
+            outputs = executor.run(staging.chain_inputs(words if mask is not None else None), check=False)
             self.last_host_seconds = time.perf_counter() - entered  # host work up to the (async) launch
-            drafts = outputs["drafts"][:n].cpu()  # the one device-to-host read of the K tokens
+            drafts = staging.read_rows(outputs["drafts"], n)  # the one device-to-host read of the K tokens
             self.last_outputs = outputs
             self.last_propose_seconds = time.perf_counter() - start
         except BaseException:
-            for state, before in allocated:
-                self._restore_blocks(state, before)
-            for state, snap in zip(states, snapshots):
-                assert state.snapshot() == snap, f"state not restored: {state.snapshot()} != {snap}"
+            for record in reversed(undo):
+                self._undo_ensure(*record)
             raise
         for state, p, (_, kv_start, _) in zip(states, positions, rows):
             state.kv_start, state.seq_len, state.last_num_drafted = kv_start, p + k, k
@@ -238,6 +227,56 @@ class DeepseekV4MtpProposer:
         else:
             self._last_confidence = None
         return drafts.tolist(), outputs["drafts"][:n], probs
+
+    def _propose_constants(self) -> tuple[int, tuple[int, ...], int]:
+        """(vocab size, hidden shape per sequence, drafted mask words), kept while config and options hold."""
+        key = (self.config, self.options.mode, self.options.mtp_vocab_size)
+        cached = self.__dict__.get("_propose_constants_cache")
+        if cached is None or cached[0] != key:
+            shape = tuple(hidden_spec(self.config, self.options.mode).shape[1:])
+            words = mask_words(self.config, self.options.mtp_vocab_size)
+            cached = self.__dict__["_propose_constants_cache"] = (key, (self.config.vocab_size, shape, words))
+        return cached[1]
+
+    def _checked_mask(self, bitmask, words: int) -> torch.Tensor | None:
+        """The grammar mask cut to the drafted vocab rows (None when there is none); warns when it allows nothing."""
+        if bitmask is None:
+            return None
+        mask = check_bitmask(bitmask, (self.config.vocab_size + 31) // 32)[:words]
+        if not bool(mask.ne(0).any()):
+            warnings.warn("grammar mask allows no token: the drafts are 0 (pad drafts, rejected at verify)",
+                          stacklevel=4)
+        return mask
+
+    @staticmethod
+    def _next_kv_start(state: MtpProposerState, position: int) -> int:
+        """A propose not continuing the state's rows (a jump ahead, or back before them) starts them afresh."""
+        if position > state.seq_len or position < state.kv_start:
+            return position
+        return state.kv_start
+
+    def _ensure_undoable(self, state: MtpProposerState, first_pos: int, last_pos: int) -> tuple:
+        """``cache.ensure`` for the state's table, and what ``_undo_ensure`` needs to take it back.
+
+        The record holds only the entries ensure may touch (a few), not the whole table: a long
+        sequence's table is thousands of entries, and copying it costs microseconds per propose.
+        """
+        blocks = state.table.blocks
+        first, last = first_pos // self.cache.block_size, last_pos // self.cache.block_size
+        record = (state, len(blocks), first, last, blocks[first : last + 1], _scalars(state))
+        self.cache.ensure(state.table, first_pos, last_pos)
+        return record
+
+    def _undo_ensure(self, state: MtpProposerState, length: int, first: int, last: int, before: list[int],
+                     scalars: tuple) -> None:
+        """Give back the blocks ensure added (only entries first..last can be new) and the table's old length."""
+        blocks = state.table.blocks
+        new = [j for j in range(first, min(last + 1, len(blocks)))
+               if blocks[j] >= 0 and (j - first >= len(before) or before[j - first] < 0)]
+        self.cache._release(state.table, new)
+        del blocks[length:]
+        restored = (len(blocks), blocks[first : last + 1], _scalars(state))
+        assert restored == (length, before, scalars), f"state not restored: {restored} != {(length, before, scalars)}"
 
     def last_hidden(self, n: int = 1) -> torch.Tensor:
         """A copy of the last propose's final hidden (streams or h_out) for its first ``n`` rows."""

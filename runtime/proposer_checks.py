@@ -39,15 +39,16 @@ def check_hidden(hidden: object, shape: tuple[int, ...], device: torch.device, w
     """A bf16 tensor of ``shape`` (a leading 1 is accepted) on the proposer's device."""
     if not isinstance(hidden, torch.Tensor):
         raise InputError(describe(what, f"a bf16 tensor {list(shape)}", type(hidden).__name__))
-    got = tuple(hidden.shape)
+    got = hidden.shape
     if got != shape and got != (1, *shape):
         raise InputError(describe(f"{what} shape", list(shape), list(got),
                                   "streams mode takes [C, D], collapsed mode [D]"))
     if hidden.dtype != torch.bfloat16:
         raise InputError(describe(f"{what} dtype", torch.bfloat16, hidden.dtype))
-    if hidden.device.type != device.type or (device.index is not None and hidden.device != device):
-        raise InputError(describe(f"{what} device", device, hidden.device))
-    return hidden.reshape(shape)
+    on = hidden.device
+    if on.type != device.type or (device.index is not None and on != device):
+        raise InputError(describe(f"{what} device", device, on))
+    return hidden if got == shape else hidden.reshape(shape)  # a reshape is a dispatch (~1 us): only if needed
 
 
 def check_bitmask(mask: object, words: int) -> torch.Tensor | None:

@@ -74,6 +74,7 @@ class ChainStaging:
         # before writing it again (a catch-up stages several chunks with no read-back between them).
         self._copy_done = torch.cuda.Event() if device.type == "cuda" else None
         self._chain_inputs: dict[int | None, Mapping[str, torch.Tensor]] = {}
+        self._read_bufs: dict[tuple, torch.Tensor] = {}  # pinned host copies of outputs, per (shape, dtype)
         # Start with every row dead (slot -1, no keys): a warm-up or capture run on these
         # buffers writes no cache row.
         self.stage([], [], [], vocab_limit=1)
@@ -125,6 +126,23 @@ class ChainStaging:
                 names["grammar_mask"] = self.views["grammar_mask"][:, :mask_words]
             inputs = self._chain_inputs[mask_words] = MappingProxyType(names)
         return inputs
+
+    def read_rows(self, tensor: torch.Tensor, n: int) -> torch.Tensor:
+        """The first ``n`` rows of a device output, on the host (read once, after the run).
+
+        On CUDA into a pinned buffer kept per shape (no allocation per propose), then one stream
+        synchronize; on the CPU the rows themselves.
+        """
+        if tensor.device.type != "cuda":
+            return tensor[:n]
+        host = self._read_bufs.get((tensor.shape, tensor.dtype))
+        if host is None:
+            host = self._read_bufs[(tensor.shape, tensor.dtype)] = torch.empty(
+                tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        rows = host[:n]
+        rows.copy_(tensor[:n], non_blocking=True)
+        torch.cuda.current_stream(tensor.device).synchronize()
+        return rows
 
     def _write_tokens(self, tokens: Sequence[int]) -> None:
         n = len(tokens)

@@ -1,0 +1,53 @@
+"""The fast host path of a propose: undo records instead of table copies, C-speed table scans."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from proposer_fixtures import TINY, hidden, make_proposer
+
+from runtime.kv_cache import BlockTable
+
+
+def test_held_and_first_held_match_a_plain_scan():
+    rng = random.Random(3)
+    for _ in range(500):
+        n = rng.randrange(0, 40)
+        front = rng.randrange(0, n + 1)
+        blocks = [-1] * front + [rng.randrange(0, 100) for _ in range(n - front)]
+        for _ in range(rng.choice([0, 0, 1, 3])):  # holes anywhere, sometimes
+            if blocks:
+                blocks[rng.randrange(0, len(blocks))] = -1
+        table = BlockTable(blocks=blocks)
+        assert table.held() == [b for b in blocks if b >= 0]
+        assert table.first_held() == next((j for j, b in enumerate(blocks) if b >= 0), len(blocks))
+
+
+class Boom(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("num_drafts", [1, 3])
+def test_a_failed_run_gives_back_every_new_block_and_changes_no_state(num_drafts):
+    gen = torch.Generator().manual_seed(0)
+    prop = make_proposer(TINY)
+    states = [prop.alloc_state() for _ in range(3)]
+    positions = [14, 40, 200]  # 14 + 3 drafts crosses into a new block
+    prop.propose_batch([1, 2, 3], [hidden(TINY, gen) for _ in states], positions, 1, states)
+    for state in states:
+        prop.after_verify(1, state)
+    before = [s.snapshot() for s in states], prop.cache.num_free_blocks
+    executor = prop._executor(prop._bucket(3), num_drafts, False)
+
+    def fail(inputs, check=True):
+        raise Boom("the graph failed")
+
+    executor.run = fail
+    with pytest.raises(Boom):
+        prop.propose_batch([4, 5, 6], [hidden(TINY, gen) for _ in states], [15, 41, 230], num_drafts, states)
+    assert ([s.snapshot() for s in states], prop.cache.num_free_blocks) == before
+    del executor.run
+    drafts = prop.propose_batch([4, 5, 6], [hidden(TINY, gen) for _ in states], [15, 41, 230], num_drafts, states)
+    assert len(drafts) == 3 and all(len(d) == num_drafts for d in drafts)
