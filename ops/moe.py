@@ -6,12 +6,24 @@ tid2eid[token]. Either way the weights are s[idx] renormalised, times the routed
 scaling factor. Experts and the shared expert are clamped SwiGLUs; the routing
 weight is applied before w2, as in the reference.
 
-The reference path gathers each row's chosen expert weights (w1[idx]) and runs
-batched matmuls: index-driven, no host sync, capturable; a fused kernel should
-replace it for real sizes.
+Routed experts, two paths, both index-driven, no host sync, capturable:
+
+- grouped (``torch._grouped_mm``: CUDA sm90/sm100, and CPU where this torch has
+  it): the B*K (row, expert) pairs are sorted by expert; one grouped GEMM per
+  weight reads each chosen expert's weights in place, through the transposed
+  view of the stacked tensor, with group ends from a device-side searchsorted.
+  An expert with no rows is an empty group and is never read. No weight copy.
+- gather (the fallback): each row's chosen experts are gathered (w1[idx]) and
+  run as batched matmuls. The gather copies K experts per row (300 MB per
+  step at V4-Flash shapes), so it is kept only where grouped GEMMs are missing.
+
+The path is chosen by capability (torch version, device, dtype, alignment),
+never by catching an error while running.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +53,12 @@ def _check_experts(x, gate_w, w1, w2, w3, sw1, sw2, sw3, op: str):
 
 def gate_scores(x: torch.Tensor, gate_w: torch.Tensor) -> torch.Tensor:
     """s = sqrt(softplus(x @ W_g^T)), fp32: [B, E]."""
-    return torch.sqrt(F.softplus(x.float() @ gate_w.float().t()))
+    if x.is_cuda and x.dtype != torch.float32:
+        # Half operands, fp32 accumulate and output: no fp32 copy of the gate weight.
+        logits = torch.mm(x, gate_w.t(), out_dtype=torch.float32)
+    else:
+        logits = x.float() @ gate_w.float().t()  # CPU has no mm out_dtype
+    return torch.sqrt(F.softplus(logits))
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -49,17 +66,63 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.float().clamp(max=limit)) * up.float().clamp(-limit, limit)
 
 
-def _experts_into(inputs, idx, weights, attrs, out):
-    """out = sum_k w2[idx_k] (w_k * swiglu) + shared(x): idx [B, K] i64, weights [B, K] fp32."""
-    x, w1, w2, w3, sw1, sw2, sw3 = inputs
-    limit = float(attrs["swiglu_limit"])
+@functools.cache
+def _cpu_has_grouped_mm() -> bool:
+    # Probed once on tiny CPU tensors (CPU ops are never inside a CUDA graph capture).
+    try:
+        a, b = torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(1, 8, 8, dtype=torch.bfloat16)
+        torch._grouped_mm(a, b.transpose(1, 2), offs=torch.tensor([2], dtype=torch.int32))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def can_grouped_mm(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> bool:
+    """Whether the grouped path runs for these tensors: a host-side check of version, device, dtype, alignment."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != torch.bfloat16:
+        return False
+    # Grouped GEMM operands need 16-byte aligned rows and bases.
+    if any(n % 8 for n in (*w1.shape[1:], *w2.shape[1:])) or any(t.data_ptr() % 16 for t in (w1, w2, w3)):
+        return False
+    if x.is_cuda:
+        return torch.cuda.get_device_capability(x.device)[0] in (9, 10)
+    return x.device.type == "cpu" and _cpu_has_grouped_mm()
+
+
+def routed_grouped(x, idx, weights, w1, w2, w3, limit: float) -> torch.Tensor:
+    """sum_k w2[idx_k] (w_k * swiglu(w1[idx_k] x, w3[idx_k] x)) by grouped GEMMs: [B, D] fp32."""
+    b, k = idx.shape
+    expert, order = torch.sort(idx.flatten(), stable=True)  # [N = B*K] pairs grouped by expert
+    all_experts = torch.arange(w1.shape[0], device=idx.device)
+    ends = torch.searchsorted(expert, all_experts, right=True, out_int32=True)  # [E] end row of each group
+    rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))  # [N, D]
+    gate = torch._grouped_mm(rows, w1.transpose(1, 2), offs=ends)  # [N, I]
+    up = torch._grouped_mm(rows, w3.transpose(1, 2), offs=ends)
+    act = (weights.flatten().index_select(0, order).unsqueeze(-1) * _swiglu(gate, up, limit)).to(x.dtype)
+    out = torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)  # [N, D], expert order
+    # Back to (row, k) order by a permutation (no atomics: the sum over k stays deterministic).
+    routed = torch.empty_like(out).index_copy_(0, order, out).view(b, k, -1)  # [B, K, D]
+    return routed.sum(1, dtype=torch.float32)
+
+
+def routed_gather(x, idx, weights, w1, w2, w3, limit: float) -> torch.Tensor:
+    """The same sum by gathering each row's K experts (copies them) and batched matmuls: [B, D] fp32."""
     xc = x.unsqueeze(1).unsqueeze(-1)  # [B, 1, D, 1]
     gate = torch.matmul(w1[idx], xc).squeeze(-1)  # [B, K, I]
     up = torch.matmul(w3[idx], xc).squeeze(-1)
     act = (weights.unsqueeze(-1) * _swiglu(gate, up, limit)).to(x.dtype)  # weight before w2
     routed = torch.matmul(w2[idx], act.unsqueeze(-1)).squeeze(-1)  # [B, K, D]
+    return routed.sum(1, dtype=torch.float32)
+
+
+def _experts_into(inputs, idx, weights, attrs, out):
+    """out = sum_k w2[idx_k] (w_k * swiglu) + shared(x): idx [B, K] i64, weights [B, K] fp32."""
+    x, w1, w2, w3, sw1, sw2, sw3 = inputs
+    limit = float(attrs["swiglu_limit"])
+    routed = routed_grouped if can_grouped_mm(x, w1, w2, w3) else routed_gather
+    total = routed(x, idx, weights, w1, w2, w3, limit)  # [B, D] fp32
     shared_act = _swiglu(x @ sw1.t(), x @ sw3.t(), limit).to(x.dtype)  # [B, I]
-    total = routed.float().sum(1) + (shared_act @ sw2.t()).float()  # [B, D] fp32
+    total += shared_act @ sw2.t()
     out.copy_(total)
 
 

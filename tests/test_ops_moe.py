@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from v4_op_cases import BATCH, CFG, gen, moe_case, moe_hash_case, rel_err, run_op
@@ -106,3 +107,37 @@ def test_moe_hash_routes_by_token_not_by_score():
     assert not torch.equal(score_top.sort(-1).values, hashed.sort(-1).values), "a weak test otherwise"
     (out,) = run_op("moe_hash", inputs, attrs)
     assert rel_err(out, ref_moe_hash(inputs, attrs)) < 1e-2
+
+
+def test_grouped_path_runs_on_cpu_and_equals_the_gather_path():
+    # torch >= 2.13 has a CPU _grouped_mm: the op takes the grouped path there, as on sm90.
+    from ops.moe import can_grouped_mm, routed_gather, routed_grouped
+
+    inputs, attrs = moe_case(gen(36), batch=5)
+    x, _, _, w1, w2, w3 = inputs[:6]
+    if not can_grouped_mm(x, w1, w2, w3):
+        pytest.skip(f"torch {torch.__version__} has no CPU _grouped_mm: the gather path runs")
+    e, k = CFG.n_routed_experts, CFG.num_experts_per_tok
+    # Shared experts across rows, a row's experts out of order, most experts unused (empty groups).
+    idx = torch.tensor([[3, 1], [1, 3], [e - 1, 0], [3, 0], [1, e - 1]])[:, :k]
+    weights = torch.rand(5, k, generator=gen(37)) + 0.5
+    limit = float(attrs["swiglu_limit"])
+    grouped = routed_grouped(x, idx, weights, w1, w2, w3, limit)
+    gathered = routed_gather(x, idx, weights, w1, w2, w3, limit)
+    assert grouped.dtype == gathered.dtype == torch.float32
+    assert rel_err(grouped, gathered) < 1e-3, rel_err(grouped, gathered)
+    inter, dim = CFG.moe_intermediate_size, CFG.hidden_size
+    no_shared = (torch.zeros(inter, dim), torch.zeros(dim, inter), torch.zeros(inter, dim))
+    ref = ref_experts(x, idx, weights, w1, w2, w3, *no_shared, limit)  # routed experts only, float64
+    assert rel_err(grouped, ref) < 1e-2
+
+
+def test_moe_without_grouped_mm_takes_the_gather_path(monkeypatch):
+    import ops.moe
+
+    inputs, attrs = moe_case(gen(38))
+    (grouped,) = run_op("moe", inputs, attrs)
+    monkeypatch.setattr(ops.moe, "can_grouped_mm", lambda *a: False)
+    (gathered,) = run_op("moe", inputs, attrs)
+    assert rel_err(gathered, ref_moe(inputs, attrs)[0]) < 1e-2
+    assert rel_err(grouped, gathered) < 2e-3
