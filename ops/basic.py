@@ -94,17 +94,21 @@ def _rms_norm_infer(specs, attrs):
     return [x]
 
 
-def rms_norm_into(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torch.Tensor) -> None:
-    """out = weight * x / sqrt(mean(x^2) + eps), computed in fp32 ("vanilla": w, not 1 + w).
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dim, fp32 math, in x's dtype ("vanilla": w, not 1 + w).
 
     ``F.rms_norm`` is one fused kernel on CUDA (fp32 math inside for bf16, one rounding
     at the end) and the same fp32 composite on CPU; it falls back to the composite
     when x and weight differ in dtype, so a mixed pair is widened to fp32 first.
-    The result exists before ``out`` is written: ``out`` may alias ``x``.
     """
     if weight is not None and weight.dtype != x.dtype:
-        x, weight = x.float(), weight.float()
-    out.copy_(F.rms_norm(x, x.shape[-1:], weight, eps))
+        return F.rms_norm(x.float(), x.shape[-1:], weight.float(), eps).to(x.dtype)
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
+def rms_norm_into(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torch.Tensor) -> None:
+    """``out = rms_norm(x, weight, eps)``; the result exists before ``out`` is written, so ``out`` may alias ``x``."""
+    out.copy_(rms_norm(x, weight, eps))
 
 
 def _rms_norm_impl(inputs, outputs, attrs, workspace):

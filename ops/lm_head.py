@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ops.basic import rms_norm_into
+from ops.basic import rms_norm
 from ops.registry import OpDef, expect, expect_count, expect_rank, register
 from ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
 from runtime.tensor_spec import TensorSpec
@@ -39,8 +39,7 @@ def _lm_head_infer(specs, attrs):
 def _lm_head_impl(inputs, outputs, attrs, workspace):
     h, norm_w, head = inputs
     (logits,) = outputs  # [B, Vd] fp32
-    normed = torch.empty_like(h)
-    rms_norm_into(h, norm_w, float(attrs["eps"]), normed)  # cast back to bf16, as the spec's norms
+    normed = rms_norm(h, norm_w, float(attrs["eps"]))  # cast back to bf16, as the spec's norms
     rows = head[: logits.shape[1]]  # [Vd, D]
     if h.dtype == torch.float32:
         torch.mm(normed, rows.t(), out=logits)
