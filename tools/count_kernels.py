@@ -1,6 +1,6 @@
 """Count the aten ops each graph node runs in one draft step: a CPU proxy for CUDA kernel launches.
 
-    python tools/count_kernels.py [--drafts K] [--batch B] [--masked] [--ops]
+    python tools/count_kernels.py [--drafts K] [--batch B] [--masked] [--ops] [--device cuda]
 
 Builds a ``DeepseekV4MtpProposer`` on ``V4Config.small()`` with random weights
 (``executor="eager", kernels="torch"``: the torch reference ops), runs one
@@ -92,11 +92,13 @@ class AtenCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_draft_step(drafts: int = 1, batch: int = 1, masked: bool = False, seed: int = 0) -> AtenCounter:
+def count_draft_step(
+    drafts: int = 1, batch: int = 1, masked: bool = False, seed: int = 0, device: str = "cpu"
+) -> AtenCounter:
     """Run one propose of ``drafts`` tokens for ``batch`` sequences under an AtenCounter."""
     cfg = V4Config.small()
     prop = DeepseekV4MtpProposer(
-        cfg, random_mtp_weights(cfg, seed=seed), executor="eager", kernels="torch", buckets=(batch,)
+        cfg, random_mtp_weights(cfg, seed=seed), executor="eager", kernels="torch", buckets=(batch,), device=device
     )
     gen = torch.Generator().manual_seed(seed)
     states = [prop.alloc_state() for _ in range(batch)]
@@ -179,14 +181,15 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1, help="B, sequences in the propose")
     parser.add_argument("--masked", action="store_true", help="with a grammar bitmask (B=1 only)")
     parser.add_argument("--ops", action="store_true", help="list the aten ops of each op type")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: the aten ops the GPU runs")
     args = parser.parse_args(argv)
     if args.masked and args.batch != 1:
         parser.error("--masked needs --batch 1 (propose_batch takes no grammar bitmask)")
-    counter = count_draft_step(args.drafts, args.batch, args.masked)
+    counter = count_draft_step(args.drafts, args.batch, args.masked, device=args.device)
     cfg = V4Config.small()
     print(
         f"aten ops per draft step: V4Config.small() (D={cfg.hidden_size}, iters={cfg.hc_sinkhorn_iters}), "
-        f"B={args.batch}, K={args.drafts}{', masked' if args.masked else ''}, kernels=torch, CPU"
+        f"B={args.batch}, K={args.drafts}{', masked' if args.masked else ''}, kernels=torch, {args.device}"
     )
     print(format_table(summarize(counter, args.drafts), args.drafts, args.ops))
     if counter.syncs:
