@@ -388,3 +388,43 @@ def test_flash_swa_attention(attn_impl):
         "block_size": 16,
     }
     compare("swa_attention", inputs, attrs)
+
+
+def test_fused_chain_at_batch_3_never_falls_back_to_a_torch_op(monkeypatch):
+    """The proposer's metadata are strided views of one packed buffer; every fused op takes them.
+
+    (Before: at B > 1 the fused attention saw non-contiguous positions and ran the torch op,
+    172 kernel nodes per step instead of 32 on the H200.)
+    """
+    from proposer_fixtures import SMALL, hidden, make_proposer
+
+    import ops.attention
+    import ops.basic
+    import ops.lm_head
+    import ops.mhc
+    import ops.moe
+    import ops.sampling
+    from ops.registry import get_op
+
+    # the fused impls are the (interpreted or compiled) kernel modules' own
+    fused = {"lm_head": K["head"].lm_head_impl, "draft_argmax": K["head"].draft_argmax_impl,
+             "moe": K["moe"].moe_impl, "moe_hash": K["moe"].moe_hash_impl, "hc_pre": K["mhc"].hc_pre_impl,
+             "hc_head": K["mhc"].hc_head_impl, "hc_post": K["mhc"].hc_post_impl,
+             "swa_attention": K["attention"].swa_attention_impl, "linear": K["gemv"].linear_impl,
+             "rms_norm": K["gemv"].rms_norm_impl}
+    fallbacks = []
+    for module, name in [(ops.moe, "_moe_impl"), (ops.moe, "_moe_hash_impl"), (ops.mhc, "_hc_pre_impl"),
+                         (ops.mhc, "_hc_head_impl"), (ops.mhc, "_hc_post_impl"), (ops.attention, "_attn_impl"),
+                         (ops.lm_head, "_lm_head_impl"), (ops.sampling, "_draft_argmax_impl"),
+                         (ops.basic, "_linear_impl"), (ops.basic, "_rms_norm_impl")]:
+        monkeypatch.setattr(module, name, lambda *a, name=name: fallbacks.append(name))
+    device = "cuda" if HAS_CUDA else "cpu"
+    prop = make_proposer(kernels="torch", buckets=(3,), device=device)
+    executor = prop._executor(3, 2, False)
+    for step in executor.steps:
+        if get_op(step.node.op).name in fused:
+            step.impl = fused[step.node.op]
+    g = torch.Generator().manual_seed(0)
+    states = [prop.alloc_state() for _ in range(3)]
+    prop.propose_batch([1, 2, 3], [hidden(SMALL, g).to(device) for _ in range(3)], [30, 45, 7], 2, states)
+    assert fallbacks == []

@@ -117,6 +117,7 @@ def _kv_finish_kernel(
     stride_rb,
     stride_cs,
     stride_tb,
+    stride_pb,
     max_blocks,
     num_slots,
     eps,
@@ -128,7 +129,7 @@ def _kv_finish_kernel(
     FP8_PAIRS: tl.constexpr,
 ):
     b = tl.program_id(0)
-    p = tl.load(pos_ptr + b)
+    p = tl.load(pos_ptr + b * stride_pb)
     slot, alive = _row_slot(table_ptr, b, p, stride_tb, max_blocks, num_slots, BS)
     pair = tl.arange(0, HALF)
     ev = tl.load(raw_ptr + b * stride_rb + 2 * pair)
@@ -168,6 +169,8 @@ def _swa_decode_kernel(
     stride_cs,
     stride_tb,
     stride_ob,
+    stride_pb,
+    stride_kb,
     max_blocks,
     num_slots,
     eps,
@@ -181,9 +184,9 @@ def _swa_decode_kernel(
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    p = tl.load(pos_ptr + b)
+    p = tl.load(pos_ptr + b * stride_pb)
     _, alive = _row_slot(table_ptr, b, p, stride_tb, max_blocks, num_slots, BS)
-    lowest = tl.maximum(tl.load(kv_start_ptr + b), 0).to(tl.int64)
+    lowest = tl.maximum(tl.load(kv_start_ptr + b * stride_kb), 0).to(tl.int64)
     pair = tl.arange(0, HALF)
 
     q_row = q_ptr + b.to(tl.int64) * stride_qb + h * HEAD_DIM
@@ -248,6 +251,8 @@ def _swa_decode_dot_kernel(
     stride_cs,
     stride_tb,
     stride_ob,
+    stride_pb,
+    stride_kb,
     H,
     max_blocks,
     num_slots,
@@ -269,9 +274,9 @@ def _swa_decode_dot_kernel(
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = heads < H
-    p = tl.load(pos_ptr + b)
+    p = tl.load(pos_ptr + b * stride_pb)
     _, alive = _row_slot(table_ptr, b, p, stride_tb, max_blocks, num_slots, BS)
-    lowest = tl.maximum(tl.load(kv_start_ptr + b), 0).to(tl.int64)
+    lowest = tl.maximum(tl.load(kv_start_ptr + b * stride_kb), 0).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM)
 
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * HEAD_DIM
@@ -331,7 +336,9 @@ def _usable(inputs, attrs) -> bool:
         return False  # the kernels hold a latent as two power-of-two halves
     if attrs.get("kv_fp8_round", False) and d % 64:
         return False
-    return all(t.is_contiguous() for t in inputs[1:])
+    # Metadata are strided views of the packed per-row buffer (kv_metadata): positions and
+    # kv_start by their row stride, the block table by rows; only its entries must be dense.
+    return table.stride(1) == 1 and all(t.is_contiguous() for t in inputs[1:10])
 
 
 def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
@@ -361,6 +368,7 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
             raw.stride(0),
             cache.stride(0),
             table.stride(0),
+            positions.stride(0),
             max_blocks,
             num_slots,
             eps,
@@ -390,6 +398,8 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
             cache.stride(0),
             table.stride(0),
             o.stride(0),
+            positions.stride(0),
+            kv_start.stride(0),
         )
         if ATTN_IMPL == "dot":
             block_h = min(DOT_BLOCK_H, max(16, next_pow2(h)))
