@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ops.kernels import check_kernels, select_impl
+from ops.kernels import NOT_COMPILED, check_kernels, compiled_step, select_impl
 from ops.registry import get_op
 from runtime.errors import ExecutionError, InputError, describe
 from runtime.graph import Graph, Node, ValueKind
@@ -145,6 +145,8 @@ class EagerExecutor:
             impl = select_impl(get_op(node.op), self.device, self.kernels)
         inputs = [self.bound.get(n, n) for n in node.inputs]
         outputs = [self.bound.get(n, n) for n in node.outputs]
+        if self.kernels == "compiled" and node.op not in NOT_COMPILED:
+            impl, inputs, outputs = compiled_step(get_op(node.op), inputs, outputs)
         ws = None
         if node.name in self.plan.workspace:
             offset, nbytes = self.plan.workspace[node.name]
