@@ -25,6 +25,9 @@ from ops.triton._common import carve, next_pow2, scratch_bytes
 MIX_BLOCK_K = 256
 MIX_SPLIT_TARGET = 64  # programs of the mix kernel (column slices)
 FINISH_BLOCK_D = 512
+# One warp: the 4x4 Sinkhorn's 40 reductions are then warp shuffles, not shared-memory
+# round trips with barriers (the 4-warp finish took ~6 us on an H200, mostly that loop).
+FINISH_WARPS = 1
 
 
 @triton.jit
@@ -217,7 +220,7 @@ def _mix_and_finish(X, fn, base, scale, y, post, comb, attrs, workspace, pre: bo
         C_PAD=next_pow2(c),
         BLOCK_D=block_d,
         PRE=pre,
-        num_warps=4,
+        num_warps=FINISH_WARPS,
     )
 
 
