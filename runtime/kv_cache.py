@@ -222,25 +222,49 @@ class PagedLatentCache:
         with self._lock:
             self._check_table(table)
             missing = self._missing(table, first_pos, last_pos)
-            if len(missing) > len(self._free):
-                raise CacheError(
-                    describe(
-                        f"MTP cache blocks for positions {first_pos}..{last_pos}",
-                        f"{len(missing)} free block(s)",
-                        f"{len(self._free)} free of {self.num_blocks}",
-                        "free finished sequences, call trim_window, or size the pool larger",
-                    )
+            self._check_free(len(missing), f"positions {first_pos}..{last_pos}")
+            return self._allocate(table, missing)
+
+    def ensure_batch(self, tables: list[BlockTable], first_positions: list[int], last_positions: list[int]) -> list:
+        """``ensure`` for several distinct tables under one lock, all or nothing; the new ids per table.
+
+        Raises CacheError (pool exhausted, with needed / free counts) and changes nothing when
+        the pool cannot supply every block of every range (a batched propose's host path).
+        """
+        if len({id(t) for t in tables}) != len(tables):
+            raise InputError(describe("ensure_batch tables", "distinct tables", "the same table twice"))
+        for first_pos, last_pos in zip(first_positions, last_positions):
+            self._check_range(first_pos, last_pos)
+        with self._lock:
+            missing = []
+            for table, first_pos, last_pos in zip(tables, first_positions, last_positions):
+                self._check_table(table)
+                missing.append(self._missing(table, first_pos, last_pos))
+            self._check_free(sum(len(m) for m in missing), f"{len(tables)} sequences")
+            return [self._allocate(table, m) for table, m in zip(tables, missing)]
+
+    def _check_free(self, needed: int, what: str) -> None:
+        if needed > len(self._free):
+            raise CacheError(
+                describe(
+                    f"MTP cache blocks for {what}",
+                    f"{needed} free block(s)",
+                    f"{len(self._free)} free of {self.num_blocks}",
+                    "free finished sequences, call trim_window, or size the pool larger",
                 )
-            new = [self._free.pop() for _ in missing]
-            if missing:
-                last = max(missing)
-                table.blocks.extend([-1] * (last + 1 - len(table.blocks)))
-            for j, block in zip(missing, new):
-                table.blocks[j] = block
-                self._state[block] = OWNED
-            if new:
-                table.cache_id, table.block_size = self.cache_id, self.block_size
-            return new
+            )
+
+    def _allocate(self, table: BlockTable, missing: list[int]) -> list[int]:
+        if not missing:
+            return []
+        new = [self._free.pop() for _ in missing]
+        last = max(missing)
+        table.blocks.extend([-1] * (last + 1 - len(table.blocks)))
+        for j, block in zip(missing, new):
+            table.blocks[j] = block
+            self._state[block] = OWNED
+        table.cache_id, table.block_size = self.cache_id, self.block_size
+        return new
 
     def trim_window(self, table: BlockTable, next_pos: int) -> list[int]:
         """Return blocks wholly before the window of a write at ``next_pos`` to the pool.
@@ -248,10 +272,22 @@ class PagedLatentCache:
         A block goes when all its positions are < next_pos - window + 1, so a sequence holds at
         most ceil(window / block_size) + 1 blocks at rest however long it runs.
         """
-        if next_pos < 0:
-            raise InputError(describe("trim_window next_pos", ">= 0", next_pos))
-        oldest_kept = next_pos - self.window + 1
-        return self._release(table, range(0, max(oldest_kept, 0) // self.block_size), skip_unheld=True)
+        return self.trim_windows([table], [next_pos])[0]
+
+    def trim_windows(self, tables: list[BlockTable], next_positions: list[int]) -> list[list[int]]:
+        """``trim_window`` for several tables under one lock; every table is checked before any change."""
+        for next_pos in next_positions:
+            if next_pos < 0:
+                raise InputError(describe("trim_window next_pos", ">= 0", next_pos))
+        with self._lock:
+            for table in tables:
+                self._check_table(table)
+            released = []
+            for table, next_pos in zip(tables, next_positions):
+                stop = max(next_pos - self.window + 1, 0) // self.block_size
+                # Start at the first held entry: a long table's front is thousands of given-back -1.
+                released.append(self._release_checked(table, range(min(table.first_held(), stop), stop)))
+            return released
 
     def truncate(self, table: BlockTable, length: int) -> list[int]:
         """Roll back to ``length`` positions: blocks wholly at positions >= length go back."""
@@ -318,29 +354,27 @@ class PagedLatentCache:
                 self._free.append(block)
 
     # ---- helpers ------------------------------------------------------------------------------
-    def _release(self, table: BlockTable, logical, keep: int | None = None, skip_unheld: bool = False) -> list[int]:
-        """Free the blocks at ``logical`` indices; ``keep`` also shortens the table to that length.
-
-        ``skip_unheld`` (``logical`` a range): start at the table's first held entry, so a trim
-        of a long table does not walk the thousands of entries already given back.
-        """
+    def _release(self, table: BlockTable, logical, keep: int | None = None) -> list[int]:
+        """Free the blocks at ``logical`` indices; ``keep`` also shortens the table to that length."""
         with self._lock:
             self._check_table(table)
-            if skip_unheld:
-                logical = range(max(logical.start, table.first_held()), logical.stop)
-            released = []
-            for j in logical:
-                block = table.blocks[j] if j < len(table.blocks) else -1
-                if block >= 0:
-                    released.append(block)
-                    table.blocks[j] = -1
-                    self._state[block] = FREE
-                    self._free.append(block)
-            if keep is not None:
-                del table.blocks[keep:]
-            if table.cache_id and not table.held():
-                table.cache_id = 0
-            return released
+            return self._release_checked(table, logical, keep)
+
+    def _release_checked(self, table: BlockTable, logical, keep: int | None = None) -> list[int]:
+        """``_release`` under the lock, of a table already checked."""
+        released = []
+        for j in logical:
+            block = table.blocks[j] if j < len(table.blocks) else -1
+            if block >= 0:
+                released.append(block)
+                table.blocks[j] = -1
+                self._state[block] = FREE
+                self._free.append(block)
+        if keep is not None:
+            del table.blocks[keep:]
+        if table.cache_id and not table.held():
+            table.cache_id = 0
+        return released
 
     def _missing(self, table: BlockTable, first_pos: int, last_pos: int) -> list[int]:
         bs, blocks = self.block_size, table.blocks
@@ -376,7 +410,10 @@ class PagedLatentCache:
                 )
             )
         num_blocks, states = len(self._state), self._state
-        if all(b < num_blocks and states[b] == OWNED for b in held):
+        for b in held:  # a plain loop: all() over a generator costs more for the usual handful
+            if b >= num_blocks or states[b] != OWNED:
+                break
+        else:
             return
         bad = [b for b in held if b >= num_blocks or states[b] != OWNED]
         # a table edited by hand, or a block freed behind its back

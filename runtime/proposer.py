@@ -200,8 +200,7 @@ class DeepseekV4MtpProposer:
         # All checks passed: allocate blocks for every sequence, all or nothing.
         undo: list[tuple] = []
         try:
-            for state, p in zip(states, positions):
-                undo.append(self._ensure_undoable(state, p, p + k - 1))
+            undo = self._ensure_undoable(states, positions, k)
             rows = [(p, self._next_kv_start(state, p), state.table) for state, p in zip(states, positions)]
             start = time.perf_counter()
             executor = self._executor(bucket, k, mask is not None)
@@ -220,7 +219,7 @@ class DeepseekV4MtpProposer:
             raise
         for state, p, (_, kv_start, _) in zip(states, positions, rows):
             state.kv_start, state.seq_len, state.last_num_drafted = kv_start, p + k, k
-            self.cache.trim_window(state.table, p)
+        self.cache.trim_windows([state.table for state in states], positions)
         probs = outputs["probs"][:n]
         if self.options.draft_conf_tau > 0:
             self._last_confidence = float(probs.amin())
@@ -255,17 +254,23 @@ class DeepseekV4MtpProposer:
             return position
         return state.kv_start
 
-    def _ensure_undoable(self, state: MtpProposerState, first_pos: int, last_pos: int) -> tuple:
-        """``cache.ensure`` for the state's table, and what ``_undo_ensure`` needs to take it back.
+    def _ensure_undoable(self, states: list[MtpProposerState], positions: list[int], k: int) -> list[tuple]:
+        """``cache.ensure`` of positions p..p+k-1 for every state (all or nothing), and the undo records.
 
-        The record holds only the entries ensure may touch (a few), not the whole table: a long
+        A record holds only the entries ensure may touch (a few), not the whole table: a long
         sequence's table is thousands of entries, and copying it costs microseconds per propose.
         """
-        blocks = state.table.blocks
-        first, last = first_pos // self.cache.block_size, last_pos // self.cache.block_size
-        record = (state, len(blocks), first, last, blocks[first : last + 1], _scalars(state))
-        self.cache.ensure(state.table, first_pos, last_pos)
-        return record
+        size = self.cache.block_size
+        records = []
+        for state, p in zip(states, positions):
+            blocks = state.table.blocks
+            first, last = p // size, (p + k - 1) // size
+            records.append((state, len(blocks), first, last, blocks[first : last + 1], _scalars(state)))
+        if len(states) == 1:  # one sequence: the plain ensure (no batch bookkeeping)
+            self.cache.ensure(states[0].table, positions[0], positions[0] + k - 1)
+        else:
+            self.cache.ensure_batch([state.table for state in states], positions, [p + k - 1 for p in positions])
+        return records
 
     def _undo_ensure(self, state: MtpProposerState, length: int, first: int, last: int, before: list[int],
                      scalars: tuple) -> None:

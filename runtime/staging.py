@@ -70,9 +70,11 @@ class ChainStaging:
         self._num_tokens = self._num_hiddens = 0  # rows holding a token / a hidden (the rest are zeros)
         self._num_masked = bucket  # rows holding a mask (not all -1): all of them while the buffer is zeros
         self._is_mask_copied = False
-        # The host buffer is pinned and copied asynchronously: the next stage waits for the last copy
-        # before writing it again (a catch-up stages several chunks with no read-back between them).
-        self._copy_done = torch.cuda.Event() if device.type == "cuda" else None
+        # The host buffer is pinned and copied asynchronously: a stage must not rewrite it before the
+        # last copy has read it. A propose's read-back synchronizes (no wait then, and no event: on
+        # some hosts every CUDA call costs ~10 us); a catch-up stages chunks with no read-back between.
+        self._is_copy_pending = False
+        self._hidden_row0 = self.hidden_buf[0]
         self._chain_inputs: dict[int | None, Mapping[str, torch.Tensor]] = {}
         self._read_bufs: dict[tuple, torch.Tensor] = {}  # pinned host copies of outputs, per (shape, dtype)
         # Start with every row dead (slot -1, no keys): a warm-up or capture run on these
@@ -104,8 +106,9 @@ class ChainStaging:
         The returned mapping is shared between calls and read-only.
         """
         checked = check_rows(rows, self.max_blocks)  # every row checked before anything is written
-        if self._copy_done is not None:
-            self._copy_done.synchronize()
+        if self._is_copy_pending:
+            torch.cuda.synchronize(self.device)
+            self._is_copy_pending = False
         self._writer.write(checked)
         self._write_tokens(tokens)
         _LIMIT.pack_into(self._mem, self._limit_at, int(vocab_limit))
@@ -142,6 +145,7 @@ class ChainStaging:
         rows = host[:n]
         rows.copy_(tensor[:n], non_blocking=True)
         torch.cuda.current_stream(tensor.device).synchronize()
+        self._is_copy_pending = False  # the staging copy, queued before the run, is done too
         return rows
 
     def _write_tokens(self, tokens: Sequence[int]) -> None:
@@ -178,14 +182,13 @@ class ChainStaging:
         else:
             self.device_buf.copy_(self.host_buf, non_blocking=True)  # the one staging copy
             self._is_mask_copied = True
-        if self._copy_done is not None:
-            self._copy_done.record()
+        self._is_copy_pending = self.device.type == "cuda"
 
     def _stage_hiddens(self, hiddens: Sequence[torch.Tensor]) -> None:
         n, shape = len(hiddens), self._hidden_shape
         if n == 1:
             hidden = hiddens[0]
-            self._hidden_rows[1][0].copy_(hidden if hidden.shape == shape else hidden.reshape(shape), non_blocking=True)
+            self._hidden_row0.copy_(hidden if hidden.shape == shape else hidden.reshape(shape), non_blocking=True)
         elif n:
             try:  # one op for the batch (one launch on CUDA), not one copy per row
                 torch.stack(hiddens, out=self._hidden_rows[n])

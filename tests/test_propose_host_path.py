@@ -51,3 +51,24 @@ def test_a_failed_run_gives_back_every_new_block_and_changes_no_state(num_drafts
     del executor.run
     drafts = prop.propose_batch([4, 5, 6], [hidden(TINY, gen) for _ in states], [15, 41, 230], num_drafts, states)
     assert len(drafts) == 3 and all(len(d) == num_drafts for d in drafts)
+
+
+def test_ensure_batch_is_all_or_nothing_and_trim_windows_equals_trim_window():
+    from runtime.errors import CacheError, InputError
+    from runtime.kv_cache import PagedLatentCache
+
+    cache = PagedLatentCache(TINY, num_blocks=6)
+    a, b = BlockTable(), BlockTable()
+    assert cache.ensure_batch([a, b], [0, 40], [20, 40]) == [a.held(), b.held()]
+    free = cache.num_free_blocks  # 3 left
+    with pytest.raises(CacheError, match="2 sequences"):
+        cache.ensure_batch([a, b], [100, 200], [140, 200])  # needs 3 + 1
+    assert cache.num_free_blocks == free and len(a.blocks) == 2 and len(b.blocks) == 3
+    with pytest.raises(InputError, match="distinct"):
+        cache.ensure_batch([a, a], [0, 0], [1, 1])
+    twin = PagedLatentCache(TINY, num_blocks=6)
+    c, d = BlockTable(), BlockTable()
+    twin.ensure_batch([c, d], [0, 40], [20, 40])
+    released = cache.trim_windows([a, b], [40, 200])
+    assert released == [twin.trim_window(c, 40), twin.trim_window(d, 200)]
+    assert (a.blocks, b.blocks) == (c.blocks, d.blocks)

@@ -9,7 +9,7 @@ case B x K and start position, runs a decode-like loop: propose, accept every dr
 - ``host``: ``last_host_seconds``, entering ``_propose`` up to the (async) launch;
 - ``call``: the whole ``propose`` / ``propose_batch`` call, launch and read-back included;
 - the phases of the host path, from a second, instrumented pass (wrappers add ~0.3 us each):
-  ``checks`` (entry to the first ``cache.ensure``), ``ensure`` (all of them), ``lookup``
+  ``checks`` (entry to the first ``cache.ensure`` / ``ensure_batch``), ``ensure`` (all of them), ``lookup``
   (executor and staging lookup), ``stage`` (metadata, tokens, hiddens, the staging copy),
   ``run`` (the executor's ``run``: the replay launch on CUDA) and ``after`` (read-back and
   commit, from the end of ``run`` to the return).
@@ -113,6 +113,7 @@ class PhaseClock:
         self._wrapped: list[tuple[object, str, object]] = []  # (object, attribute, its own value or None)
         self._wrap(prop, "_propose", "propose")
         self._wrap(prop.cache, "ensure", "ensure")
+        self._wrap(prop.cache, "ensure_batch", "ensure")
         for staging in prop._staging.values():
             self._wrap(staging, "stage", "stage")
         for key, executor in prop._executors.items():
@@ -120,6 +121,8 @@ class PhaseClock:
                 self._wrap(executor, "run", "run")
 
     def _wrap(self, obj, attr: str, label: str) -> None:
+        if not hasattr(obj, attr):  # an older runtime (a baseline run) may lack it
+            return
         inner, marks = getattr(obj, attr), self.marks
         self._wrapped.append((obj, attr, vars(obj).get(attr)))
 
