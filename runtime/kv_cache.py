@@ -280,13 +280,15 @@ class PagedLatentCache:
             if next_pos < 0:
                 raise InputError(describe("trim_window next_pos", ">= 0", next_pos))
         with self._lock:
-            for table in tables:
-                self._check_table(table)
+            held = [self._check_table(table) for table in tables]
             released = []
-            for table, next_pos in zip(tables, next_positions):
+            for table, table_held, next_pos in zip(tables, held, next_positions):
                 stop = max(next_pos - self.window + 1, 0) // self.block_size
-                # Start at the first held entry: a long table's front is thousands of given-back -1.
-                released.append(self._release_checked(table, range(min(table.first_held(), stop), stop)))
+                first = table.first_held()  # a long table's front is thousands of given-back -1
+                if table_held and first >= stop:
+                    released.append([])  # nothing held before the window (the usual propose): no change
+                    continue
+                released.append(self._release_checked(table, range(min(first, stop), stop)))
             return released
 
     def truncate(self, table: BlockTable, length: int) -> list[int]:
@@ -397,10 +399,11 @@ class PagedLatentCache:
                 )
             )
 
-    def _check_table(self, table: BlockTable) -> None:
+    def _check_table(self, table: BlockTable) -> list[int]:
+        """The table's held blocks, after checking it maps only blocks of this cache that it owns."""
         held = table.held()
         if not held:
-            return
+            return held
         if table.cache_id != self.cache_id:
             raise CacheError(
                 describe(
@@ -414,7 +417,7 @@ class PagedLatentCache:
             if b >= num_blocks or states[b] != OWNED:
                 break
         else:
-            return
+            return held
         bad = [b for b in held if b >= num_blocks or states[b] != OWNED]
         # a table edited by hand, or a block freed behind its back
         raise CacheError(describe("block table entries", "blocks this table owns", f"{bad} in {table.blocks}"))
