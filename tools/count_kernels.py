@@ -102,7 +102,9 @@ def count_draft_step(
     )
     gen = torch.Generator().manual_seed(seed)
     states = [prop.alloc_state() for _ in range(batch)]
-    hiddens = [torch.randn(cfg.hc_mult, cfg.hidden_size, generator=gen).to(torch.bfloat16) for _ in range(batch)]
+    hiddens = [
+        torch.randn(cfg.hc_mult, cfg.hidden_size, generator=gen).to(device, torch.bfloat16) for _ in range(batch)
+    ]
     tokens, positions = list(range(1, batch + 1)), [20] * batch
     mask = [-1] * ((cfg.vocab_size + 31) // 32) if masked else None
 
