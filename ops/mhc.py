@@ -94,6 +94,8 @@ def sinkhorn(logits: torch.Tensor, iters: int, hc_eps: float) -> torch.Tensor:
     normalisation (sum, div_) instead of three (sum, add, div); the corner is never read.
     The eps joins the sum as one more term: equal to sum + eps within fp32 rounding.
     """
+    if torch.compiler.is_compiling():
+        return _sinkhorn_elementwise(logits, iters, hc_eps)
     b, c = logits.shape[0], logits.shape[-1]
     buf = logits.new_full((b, c + 1, c + 1), hc_eps)  # [B, C+1, C+1]
     m = buf[:, :c, :c]  # [B, C, C], rows j, columns k
@@ -104,6 +106,28 @@ def sinkhorn(logits: torch.Tensor, iters: int, hc_eps: float) -> torch.Tensor:
         m.div_(rows.sum(-1, keepdim=True))
         m.div_(cols.sum(-2, keepdim=True))
     return m
+
+
+def _sinkhorn_elementwise(logits: torch.Tensor, iters: int, hc_eps: float) -> torch.Tensor:
+    """The same iteration with every entry a [B] tensor and every sum written out: all of it
+    elementwise, so inductor emits one kernel for the whole loop, where sums over the two
+    dims of a [B, C, C] tensor cost two reductions (kernels) per iteration. Traced only
+    under torch.compile: run eagerly it would be hundreds of launches.
+    """
+    c = logits.shape[-1]
+    soft = torch.softmax(logits, dim=-1) + hc_eps
+    m = [[soft[:, j, k] for k in range(c)] for j in range(c)]  # m[j][k]: [B]
+
+    def normalise_columns():
+        sums = [sum(m[j][k] for j in range(c)) + hc_eps for k in range(c)]
+        return [[m[j][k] / sums[k] for k in range(c)] for j in range(c)]
+
+    m = normalise_columns()
+    for _ in range(iters - 1):
+        sums = [sum(m[j]) + hc_eps for j in range(c)]
+        m = [[m[j][k] / sums[j] for k in range(c)] for j in range(c)]
+        m = normalise_columns()
+    return torch.stack([torch.stack(row, -1) for row in m], -2)
 
 
 def _hc_pre_impl(inputs, outputs, attrs, workspace):

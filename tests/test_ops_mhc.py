@@ -123,3 +123,12 @@ def test_hc_head_matches_float64_reference():
     (out,) = run_op("hc_head", inputs, attrs)
     assert out.shape == (3, CFG.hidden_size) and out.dtype == torch.bfloat16
     assert rel_err(out, ref_hc_head(*inputs, **attrs)) < 5e-3
+
+
+def test_elementwise_sinkhorn_traced_under_compile_equals_the_eager_one():
+    from ops.mhc import _sinkhorn_elementwise, sinkhorn
+
+    logits = torch.randn(5, 4, 4, generator=torch.Generator().manual_seed(7)) * 3
+    eager = sinkhorn(logits, 20, 1e-6)
+    torch.testing.assert_close(_sinkhorn_elementwise(logits, 20, 1e-6), eager, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(eager.sum(-2), torch.ones(5, 4), rtol=1e-4, atol=1e-4)  # doubly stochastic
