@@ -27,6 +27,7 @@ each captured variant's kernels by name (tools/profile_step.py).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -199,11 +200,12 @@ def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, ke
         return prop.propose_batch(tokens, hiddens, [200] * batch, k, states)
 
     torch.cuda.synchronize()
-    reserved = torch.cuda.memory_reserved()
+    allocated = torch.cuda.memory_allocated()
     start = time.perf_counter()
     drafts = propose()
     torch.cuda.synchronize()
-    row = dict(setup_s=time.perf_counter() - start, mem_mb=(torch.cuda.memory_reserved() - reserved) / 2**20,
+    # Held by the arena, the staging buffers and the graph pool (warm-up temporaries are freed).
+    row = dict(setup_s=time.perf_counter() - start, mem_mb=(torch.cuda.memory_allocated() - allocated) / 2**20,
                drafts=drafts)
     row["propose_ms"] = time_cuda(propose, iters=10 if kernels == "torch" and executor == "eager" else 100)
     host = []
@@ -260,7 +262,7 @@ def plain_rows(cfg, weights, prop, batch: int, k: int, compile_baseline: bool) -
 def print_table(rows: list[dict], bandwidth: float) -> None:
     print(f"\nfloor = weight bytes / {bandwidth / 1e12:.2f} TB/s (copy bandwidth measured in this run)")
     print(f"{'B':>3} {'K':>2} {'exp':>4} {'floor ms':>8}  {'variant':<36} {'replay ms':>9} {'x floor':>7} "
-          f"{'propose ms':>10} {'host us':>7} {'capture s':>9} {'mem MB':>7} {'nodes/step':>10}")
+          f"{'propose ms':>10} {'host us':>7} {'capture s':>9} {'mem MB':>7} {'nodes/step':>10} {'=torch':>6}")
 
     def num(v, fmt):
         return "-" if v is None else format(v, fmt)
@@ -270,7 +272,8 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
         print(f"{r['batch']:>3} {r['k']:>2} {r['experts']:>4} {r['floor_ms']:>8.3f}  {r['variant']:<36} "
               f"{num(r['replay_ms'], '.3f'):>9} {num(x, '.2f'):>7} {num(r.get('propose_ms'), '.3f'):>10} "
               f"{num(r.get('host_us'), '.0f'):>7} {num(r.get('capture_s'), '.2f'):>9} "
-              f"{num(r.get('mem_mb'), '.0f'):>7} {num(r.get('nodes_per_step'), '.1f'):>10}")
+              f"{num(r.get('mem_mb'), '.0f'):>7} {num(r.get('nodes_per_step'), '.1f'):>10} "
+              f"{num(r.get('agree'), '.2f'):>6}")
 
 
 def main() -> int:
@@ -279,6 +282,10 @@ def main() -> int:
     ap.add_argument("--cases", default=",".join(f"{b}x{k}" for b, k in CASES), help="BxK cases, e.g. 1x1,1x3")
     ap.add_argument("--kernels", default=",".join(VARIANTS), help="captured variants: torch,compiled,fused")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    ap.add_argument("--compile-cases", default=",".join(f"{b}x{k}" for b, k in CASES),
+                    help="cases that get the torch.compile baseline (~100 s of compiling each)")
+    ap.add_argument("--compiled-cases", default="1x1,1x3",
+                    help="cases that get the compiled-ops variant (compiles each op per batch size)")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain-torch anchors")
     ap.add_argument("--profile", action="store_true", help="kernels by name for B=1 K=1, each captured variant")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -310,20 +317,30 @@ def main() -> int:
         measured.append(("draftgraph eager executor, torch ops", row))
         experts = cfg.num_experts_per_tok if batch == 1 else distinct_experts(prop, batch)
         if not args.no_plain:
-            for name, ms in plain_rows(cfg, weights, prop, batch, k, not args.no_compile).items():
+            compile_here = not args.no_compile and f"{batch}x{k}" in args.compile_cases.split(",")
+            for name, ms in plain_rows(cfg, weights, prop, batch, k, compile_here).items():
                 measured.append((name, {"replay_ms": ms}))
         del prop
         for kernels in kernel_sets:
-            row, prop = measure_proposer(cfg, weights, device, batch, k, "captured", kernels,
-                                         args.profile and (batch, k) == (1, 1))
-            if kernels == "torch":  # the same kernels in the same order: bit for bit
-                assert row["drafts"] == reference, f"captured {row['drafts']} != eager {reference}"
-            else:
-                same = sum(a == b for ra, rb in zip(row["drafts"], reference) for a, b in zip(ra, rb))
-                row["agree"] = same / (batch * k)
+            if kernels == "compiled" and f"{batch}x{k}" not in args.compiled_cases.split(","):
+                continue
+            try:
+                row, prop = measure_proposer(cfg, weights, device, batch, k, "captured", kernels,
+                                             args.profile and (batch, k) == (1, 1))
+                del prop
+            except Exception as exc:  # report, don't die: the other rows still count
+                print(f"  captured {kernels} failed: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            finally:
+                gc.collect()
+                torch.cuda.empty_cache()
+            # torch: the eager executor's kernels in the same order, so the drafts must be equal;
+            # others: the share of drafts equal to the torch ops' (near-ties may differ).
+            row["agree"] = sum(a == b for ra, rb in zip(row["drafts"], reference) for a, b in zip(ra, rb)) / (
+                batch * k)
+            if kernels == "torch" and row["agree"] != 1.0:
+                print(f"  MISMATCH: captured torch ops {row['drafts']} != eager {reference}", flush=True)
             measured.append((f"draftgraph captured, {kernels} ops", row))
-            del prop
-            torch.cuda.empty_cache()
         floor_ms = sum(step_weight_bytes(cfg, experts, batch=batch).values()) * k / bandwidth * 1e3
         for name, row in measured:
             row = {k2: v for k2, v in row.items() if k2 != "drafts"}
