@@ -116,9 +116,11 @@ class PlainTorchStep:
         from runtime.runners.v4_block_module import V4Block
 
         self.cfg, self.w = cfg, weights
-        block = V4Block(cfg)
+        with torch.device("meta"):  # no random init of 15 GB of parameters: load_block replaces them all
+            block = V4Block(cfg)
+        block = block.to_empty(device=device)
         block.load_block(weights, "mtp.0.")
-        self.block = block.to(device).eval()
+        self.block = block.eval()
         # The MoE copies the chosen experts out before using them (the anchors' plain torch code).
         self.block.ffn.stacked = tuple(weights[f"mtp.0.ffn.experts.stacked.{w}"] for w in ("w1", "w2", "w3"))
         self.kv = cache_kv
@@ -231,8 +233,8 @@ def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, ke
     return row, prop
 
 
-def plain_rows(cfg, weights, prop, batch: int, k: int, compile_baseline: bool) -> dict[str, float | None]:
-    """The plain-torch anchors over ``prop``'s cache and staged inputs."""
+def plain_rows(cfg, weights, prop, batch: int, k: int, compile_baseline: bool):
+    """Yield (name, ms) of the plain-torch anchors over ``prop``'s cache and staged inputs, as measured."""
     plain = PlainTorchStep(cfg, weights, prop.cache.kv, prop.device)
     plain.k = k
     st = prop.alloc_state()
@@ -241,22 +243,21 @@ def plain_rows(cfg, weights, prop, batch: int, k: int, compile_baseline: bool) -
     staged = prop._staging_for(batch).stage([(200, 0, st.table)] * batch, list(range(1, batch + 1)),
                                             [hidden] * batch, cfg.vocab_size)
     inputs = (staged["token"], staged["hidden"], staged["positions"], staged["kv_start"], staged["block_table"])
-    out = {"plain torch eager": time_cuda(lambda: plain(*inputs), iters=10)}
-    out["plain torch, hand-captured graph"] = time_cuda(capture(lambda: plain(*inputs)).replay, iters=100)
-    out["torch.compile max-autotune + graph"] = None
+    yield "plain torch eager", time_cuda(lambda: plain(*inputs), iters=10)
+    yield "plain torch, hand-captured graph", time_cuda(capture(lambda: plain(*inputs)).replay, iters=100)
     if compile_baseline:
+        ms = None
         try:
             compiled = torch.compile(plain.__call__, mode="max-autotune-no-cudagraphs", dynamic=False)
             t = time.perf_counter()
             compiled(*inputs)
             torch.cuda.synchronize()
             print(f"  torch.compile took {time.perf_counter() - t:.0f} s", flush=True)
-            out["torch.compile max-autotune + graph"] = time_cuda(capture(lambda: compiled(*inputs)).replay,
-                                                                  iters=100)
+            ms = time_cuda(capture(lambda: compiled(*inputs)).replay, iters=100)
         except Exception as exc:  # report, don't die: the other numbers still count
             print(f"  torch.compile failed: {type(exc).__name__}: {exc}", flush=True)
+        yield "torch.compile max-autotune + graph", ms
     prop.free_state(st)
-    return out
 
 
 def print_table(rows: list[dict], bandwidth: float) -> None:
@@ -311,23 +312,25 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     for batch, k in cases:
         t_case = time.perf_counter()
-        measured = []
         row, prop = measure_proposer(cfg, weights, device, batch, k, "eager", "torch", False)
         reference = row["drafts"]
-        measured.append(("draftgraph eager executor, torch ops", row))
         experts = cfg.num_experts_per_tok if batch == 1 else distinct_experts(prop, batch)
-        if not args.no_plain:
-            compile_here = not args.no_compile and f"{batch}x{k}" in args.compile_cases.split(",")
-            for name, ms in plain_rows(cfg, weights, prop, batch, k, compile_here).items():
-                measured.append((name, {"replay_ms": ms}))
-        del prop
+        floor_ms = sum(step_weight_bytes(cfg, experts, batch=batch).values()) * k / bandwidth * 1e3
+
+        def record(name, row, batch=batch, k=k, experts=experts, floor_ms=floor_ms):
+            row = {key: v for key, v in row.items() if key != "drafts"}
+            rows.append(dict(batch=batch, k=k, experts=experts, floor_ms=floor_ms, variant=name, **row))
+            print(json.dumps(rows[-1]), flush=True)  # as measured: a run cut short keeps what it had
+            (out / f"bench_draft_{args.config}.json").write_text(json.dumps(rows, indent=1))
+
+        record("draftgraph eager executor, torch ops", row)
         for kernels in kernel_sets:
             if kernels == "compiled" and f"{batch}x{k}" not in args.compiled_cases.split(","):
                 continue
             try:
-                row, prop = measure_proposer(cfg, weights, device, batch, k, "captured", kernels,
-                                             args.profile and (batch, k) == (1, 1))
-                del prop
+                row, captured = measure_proposer(cfg, weights, device, batch, k, "captured", kernels,
+                                                 args.profile and (batch, k) == (1, 1))
+                del captured
             except Exception as exc:  # report, don't die: the other rows still count
                 print(f"  captured {kernels} failed: {type(exc).__name__}: {exc}", flush=True)
                 continue
@@ -340,14 +343,18 @@ def main() -> int:
                 batch * k)
             if kernels == "torch" and row["agree"] != 1.0:
                 print(f"  MISMATCH: captured torch ops {row['drafts']} != eager {reference}", flush=True)
-            measured.append((f"draftgraph captured, {kernels} ops", row))
-        floor_ms = sum(step_weight_bytes(cfg, experts, batch=batch).values()) * k / bandwidth * 1e3
-        for name, row in measured:
-            row = {k2: v for k2, v in row.items() if k2 != "drafts"}
-            rows.append(dict(batch=batch, k=k, experts=experts, floor_ms=floor_ms, variant=name, **row))
-            print(json.dumps(rows[-1]), flush=True)
+            record(f"draftgraph captured, {kernels} ops", row)
+        if not args.no_plain:  # last: the torch.compile baseline is the slow part of a case
+            compile_here = not args.no_compile and f"{batch}x{k}" in args.compile_cases.split(",")
+            try:
+                for name, ms in plain_rows(cfg, weights, prop, batch, k, compile_here):
+                    record(name, {"replay_ms": ms})
+            except Exception as exc:
+                print(f"  plain torch failed: {type(exc).__name__}: {exc}", flush=True)
+        del prop
+        gc.collect()
+        torch.cuda.empty_cache()
         print(f"case B={batch} K={k} took {time.perf_counter() - t_case:.0f} s", flush=True)
-        (out / f"bench_draft_{args.config}.json").write_text(json.dumps(rows, indent=1))
     print_table(rows, bandwidth)
     return 0
 
