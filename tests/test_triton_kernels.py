@@ -32,7 +32,7 @@ if INTERPRET and type(triton.language.standard.sum).__name__ == "JITFunction":
 
 
 def _load_kernel_modules():
-    names = ["_common", "gemv", "head", "moe", "mhc", "attention"]
+    names = ["_common", "gemv", "head", "moe_grouped", "moe", "mhc", "attention"]
     mods = {}
     for name in names:
         full = f"ops.triton.{name}"
@@ -209,8 +209,26 @@ def test_moe_hash(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_hc_pre(device):
-    fused, _, _ = compare("hc_pre", *to_device(hc_pre_case(gen(107)), device))
+@pytest.mark.parametrize("grouped", [True, False])
+def test_moe_batched_rows_sharing_experts(device, grouped, monkeypatch):
+    """Batch 8 over 16 experts, top-2: most experts are chosen by several rows. Expert-major
+    (each expert read once for all its rows) and slot-major must both match the torch op."""
+    monkeypatch.setattr(K["moe"], "GROUPED_MIN_BATCH", 2 if grouped else K["moe"].MAX_BATCH + 1)
+    inputs, attrs = moe_case(gen(116), batch=8)
+    scores = torch.nn.functional.softplus(inputs[0].float() @ inputs[1].float().T).sqrt() + inputs[2]
+    chosen = torch.topk(scores, 2).indices
+    assert chosen.unique().numel() < chosen.numel()  # the case really shares experts
+    compare("moe", *to_device((inputs, attrs), device))
+    hashed, hattrs = moe_hash_case(gen(117), batch=8)
+    hashed[2][hashed[1][0]] = torch.tensor([5, 5], dtype=torch.int32)  # a row listing one expert twice
+    hashed[2][hashed[1][1]] = torch.tensor([5, 9], dtype=torch.int32)  # another row sharing expert 5
+    compare("moe_hash", *to_device((hashed, hattrs), device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("hc_mult", [4, 3])  # 4: the scalar Sinkhorn (V4-Flash); else the tensor form
+def test_hc_pre(device, hc_mult):
+    fused, _, _ = compare("hc_pre", *to_device(hc_pre_case(gen(107), hc_mult=hc_mult), device))
     comb = fused[2].double()
     assert (comb.sum(1) - 1).abs().max() < 1e-3  # columns normalised last
 

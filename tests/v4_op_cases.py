@@ -71,11 +71,12 @@ def hc_attrs(iters: int | None = None) -> dict:
     return {"eps": CFG.rms_norm_eps, "hc_eps": CFG.hc_eps, "iters": iters}
 
 
-def hc_pre_case(g, batch=BATCH, iters=None):
-    c, d = CFG.hc_mult, CFG.hidden_size
+def hc_pre_case(g, batch=BATCH, iters=None, hc_mult=None):
+    c, d = hc_mult or CFG.hc_mult, CFG.hidden_size
+    m = (2 + c) * c  # rows of fn: pre, post and the C x C comb logits
     X = randn(g, batch, c, d)
-    fn = randn(g, CFG.hc_mix_dim, c * d, scale=1 / math.sqrt(c * d), dtype=F32)
-    base = randn(g, CFG.hc_mix_dim, scale=0.5, dtype=F32)
+    fn = randn(g, m, c * d, scale=1 / math.sqrt(c * d), dtype=F32)
+    base = randn(g, m, scale=0.5, dtype=F32)
     scale = (0.5 + torch.rand(3, generator=g)).to(F32)
     return [X, fn, base, scale], hc_attrs(iters)
 

@@ -27,10 +27,24 @@ import torch
 import triton
 import triton.language as tl
 
-from ops.triton._common import batch_block, carve, interpreting, mma, next_pow2, scratch_bytes, softplus
+from ops.triton import moe_grouped
+from ops.triton._common import (
+    batch_block,
+    carve,
+    interpreting,
+    mma,
+    next_pow2,
+    pdl_args,
+    pdl_wait,
+    scratch_bytes,
+    softplus,
+)
 from ops.triton.gemv import GemvConfig, gemv
 
 MAX_BATCH = 64  # the shared slot covers all rows in one tile; larger batches use torch
+# From this batch on, w13 / w2 are expert-major (moe_grouped: each chosen expert read once for
+# all the rows that chose it); below it, slot-major (no bookkeeping, nothing read twice at B=1).
+GROUPED_MIN_BATCH = 2
 GATE_SPLIT = 8
 GATE_CONFIG = GemvConfig(block_n=16, block_k=128, num_warps=4, num_stages=3)
 # Batch 1 (FMA allowed) and batched (dot) configs of the two expert kernels, tuned on an H200
@@ -60,7 +74,9 @@ def _moe_route_kernel(
     BLOCK_E: tl.constexpr,
     SPLIT_PAD: tl.constexpr,
     HASH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
     offs_s = tl.arange(0, SPLIT_PAD)
@@ -117,7 +133,9 @@ def _moe_w13_kernel(
     EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     routed_slots = B * TOPK
@@ -191,7 +209,9 @@ def _moe_w2_kernel(
     BLOCK_B: tl.constexpr,
     USE_DOT: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     # One flat loop over (slot, k) so the pipeline never drains between experts; INTER % BLOCK_K == 0.
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -232,12 +252,13 @@ def _moe_w2_kernel(
         tl.store(ptrs, tl.sum(acc, 1)[:, None].to(out_ptr.dtype.element_ty), mask=n_mask[:, None])
 
 
-def _parts(b: int, e: int, k: int, inter: int, dtype: torch.dtype):
+def _parts(b: int, e: int, k: int, inter: int, d: int, dtype: torch.dtype):
     return [
         ((GATE_SPLIT, b, e), torch.float32),  # gate partial logits
         ((b * k,), torch.int32),  # chosen expert per routed slot
         ((b * k,), torch.float32),  # routing weight per routed slot
         ((b * k + b, inter), dtype),  # act rows: routed slots, then the shared expert per row
+        ((b * k + b, d), torch.float32),  # expert-major w2 outputs per slot (batch > 1)
     ]
 
 
@@ -259,7 +280,7 @@ def plan(inputs, outputs, attrs, workspace, hashed: bool) -> list[tuple[str, cal
     out = outputs[0]
     b, d = x.shape
     e, inter = w1.shape[0], w1.shape[1]
-    gpart, idx, wts, act = carve(workspace, x.device, _parts(b, e, top_k, inter, x.dtype))
+    gpart, idx, wts, act, part = carve(workspace, x.device, _parts(b, e, top_k, inter, d, x.dtype))
     split = GATE_SPLIT if d % (GATE_SPLIT * GATE_CONFIG.block_k) == 0 else 1
     interp = interpreting()
     c13, c2 = _configs(b)
@@ -291,6 +312,7 @@ def plan(inputs, outputs, attrs, workspace, hashed: bool) -> list[tuple[str, cal
             SPLIT_PAD=next_pow2(split),
             HASH=hashed,
             num_warps=4,
+            **pdl_args(x.device),
         )
 
     def w13():
@@ -320,6 +342,7 @@ def plan(inputs, outputs, attrs, workspace, hashed: bool) -> list[tuple[str, cal
             INTERP=interp,
             num_warps=c13.num_warps,
             num_stages=c13.num_stages,
+            **pdl_args(x.device),
         )
 
     def w2_():
@@ -344,8 +367,15 @@ def plan(inputs, outputs, attrs, workspace, hashed: bool) -> list[tuple[str, cal
             INTERP=interp,
             num_warps=c2.num_warps,
             num_stages=c2.num_stages,
+            **pdl_args(x.device),
         )
 
+    if b >= GROUPED_MIN_BATCH:
+        limit = float(attrs["swiglu_limit"])
+        grouped = moe_grouped.launches(
+            x, idx, wts, w1, w3, w2, sw1, sw3, sw2, act, part, out, top_k, limit, c13, c2, block_b, interp
+        )
+        return [("gate", gate), ("route", route), *grouped]
     return [("gate", gate), ("route", route), ("w13", w13), ("w2", w2_)]
 
 
@@ -386,4 +416,4 @@ def moe_workspace(specs, attrs, batch: int) -> int:
     """Scratch bytes of moe / moe_hash at a concrete batch (for the OpDef's workspace rule)."""
     x, w1 = specs[0], specs[-6]
     k = int(attrs.get("top_k", 0)) or specs[2].shape[1]
-    return scratch_bytes(_parts(batch, w1.shape[0], k, w1.shape[1], x.dtype))
+    return scratch_bytes(_parts(batch, w1.shape[0], k, w1.shape[1], x.shape[1], x.dtype))
