@@ -6,9 +6,9 @@ hc_pre / hc_head, two launches each:
    the partial sum of squares to scratch [S, B, MP] (sum of squares in column MP-1).
 2. finish: grid (B, D blocks). Each program sums the partials of its row, forms rho,
    pre / post / the Sinkhorn-normalised comb (hc_pre) or g (hc_head), and writes its
-   block of y = sum_j w_j X_j; the D-block-0 program also writes post and comb. The
-   4x4 Sinkhorn is recomputed by every program of the row: ~100 tiny ops, cheaper than
-   a launch.
+   block of y = sum_j w_j X_j; the D-block-0 program also writes post and comb (the
+   Sinkhorn: for C = 4 on 16 scalars every thread holds, so its 2 x iters normalisations
+   need no cross-thread reduction; other C in the [C, C] tensor form).
 
 hc_post is one elementwise launch: X'[k] = post_k y + sum_j comb[j, k] X[j]. Each program
 reads its D block of all C streams before writing it, so X' may alias X.
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ops.triton._common import carve, next_pow2, scratch_bytes
+from ops.triton._common import carve, next_pow2, pdl_args, pdl_wait, scratch_bytes
 
 MIX_BLOCK_K = 256
 MIX_SPLIT_TARGET = 64  # programs of the mix kernel (column slices)
@@ -32,8 +32,19 @@ FINISH_WARPS = 1
 
 @triton.jit
 def _hc_mix_kernel(
-    x_ptr, fn_ptr, part_ptr, B, CD, M, stride_xb, K_PER: tl.constexpr, MP: tl.constexpr, BLOCK_K: tl.constexpr
+    x_ptr,
+    fn_ptr,
+    part_ptr,
+    B,
+    CD,
+    M,
+    stride_xb,
+    K_PER: tl.constexpr,
+    MP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     s = tl.program_id(0)
     offs_m = tl.arange(0, MP)
     offs_k = tl.arange(0, BLOCK_K)
@@ -84,6 +95,34 @@ def _sum_parts_scalar(part_ptr, b, B, S, col, MP: tl.constexpr, S_PAD: tl.conste
 
 
 @triton.jit
+def _norm4(a, b, c, d, eps):
+    """(a, b, c, d) / (a + b + c + d + eps): one Sinkhorn normalisation of a row or column."""
+    s = (a + b) + (c + d) + eps
+    return a / s, b / s, c / s, d / s
+
+
+@triton.jit
+def _softmax4(ptr, at, eps):
+    """softmax of the 4 logits at ptr[at : at + 4], + eps (the Sinkhorn's first row step)."""
+    a = tl.load(ptr + at)
+    b = tl.load(ptr + at + 1)
+    c = tl.load(ptr + at + 2)
+    d = tl.load(ptr + at + 3)
+    m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    a, b, c, d = tl.exp(a - m), tl.exp(b - m), tl.exp(c - m), tl.exp(d - m)
+    s = (a + b) + (c + d)
+    return a / s + eps, b / s + eps, c / s + eps, d / s + eps
+
+
+@triton.jit
+def _store4(ptr, at, a, b, c, d):
+    tl.store(ptr + at, a)
+    tl.store(ptr + at + 1, b)
+    tl.store(ptr + at + 2, c)
+    tl.store(ptr + at + 3, d)
+
+
+@triton.jit
 def _hc_finish_kernel(
     x_ptr,
     part_ptr,
@@ -106,7 +145,10 @@ def _hc_finish_kernel(
     C_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRE: tl.constexpr,
+    C4: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     pid_d = tl.program_id(1)
     offs_c = tl.arange(0, C_PAD)
@@ -131,14 +173,44 @@ def _hc_finish_kernel(
             jk = tl.where(valid, jk, 0)
             base_l = tl.load(base_ptr + jk, mask=valid, other=0.0)
             logits = _sum_parts_2d(part_ptr, b, B, S, jk, MP, S_PAD) * rho * tl.load(scale_ptr + 2) + base_l
-            logits = tl.where(valid, logits, float("-inf"))
-            e = tl.exp(logits - tl.max(logits, 1)[:, None])
-            mat = tl.where(valid, e / tl.sum(e, 1)[:, None] + hc_eps, 0.0)  # row softmax + eps
-            mat = mat / (tl.sum(mat, 0)[None, :] + hc_eps)  # column normalisation
-            for _ in range(1, iters):
-                mat = mat / (tl.sum(mat, 1)[:, None] + hc_eps)
-                mat = mat / (tl.sum(mat, 0)[None, :] + hc_eps)
-            tl.store(comb_ptr + b * C * C + offs_c[:, None] * C + offs_c[None, :], mat, mask=valid)
+            if C4:
+                # C = 4 (V4-Flash): the 16 entries as scalars, which every thread holds and
+                # updates alone: no cross-thread reduction in the 2 x iters normalisations
+                # (the tensor form's shuffles made this loop the kernel's latency).
+                comb_rows = comb_ptr + b * 16
+                tl.store(comb_rows + offs_c[:, None] * 4 + offs_c[None, :], logits)
+                tl.debug_barrier()  # the stores above are read back as scalars by every thread
+                m00, m01, m02, m03 = _softmax4(comb_rows, 0, hc_eps)
+                m10, m11, m12, m13 = _softmax4(comb_rows, 4, hc_eps)
+                m20, m21, m22, m23 = _softmax4(comb_rows, 8, hc_eps)
+                m30, m31, m32, m33 = _softmax4(comb_rows, 12, hc_eps)
+                m00, m10, m20, m30 = _norm4(m00, m10, m20, m30, hc_eps)
+                m01, m11, m21, m31 = _norm4(m01, m11, m21, m31, hc_eps)
+                m02, m12, m22, m32 = _norm4(m02, m12, m22, m32, hc_eps)
+                m03, m13, m23, m33 = _norm4(m03, m13, m23, m33, hc_eps)
+                for _ in range(1, iters):
+                    m00, m01, m02, m03 = _norm4(m00, m01, m02, m03, hc_eps)
+                    m10, m11, m12, m13 = _norm4(m10, m11, m12, m13, hc_eps)
+                    m20, m21, m22, m23 = _norm4(m20, m21, m22, m23, hc_eps)
+                    m30, m31, m32, m33 = _norm4(m30, m31, m32, m33, hc_eps)
+                    m00, m10, m20, m30 = _norm4(m00, m10, m20, m30, hc_eps)
+                    m01, m11, m21, m31 = _norm4(m01, m11, m21, m31, hc_eps)
+                    m02, m12, m22, m32 = _norm4(m02, m12, m22, m32, hc_eps)
+                    m03, m13, m23, m33 = _norm4(m03, m13, m23, m33, hc_eps)
+                tl.debug_barrier()  # every thread has read the logits before they are overwritten
+                _store4(comb_rows, 0, m00, m01, m02, m03)
+                _store4(comb_rows, 4, m10, m11, m12, m13)
+                _store4(comb_rows, 8, m20, m21, m22, m23)
+                _store4(comb_rows, 12, m30, m31, m32, m33)
+            else:
+                logits = tl.where(valid, logits, float("-inf"))
+                e = tl.exp(logits - tl.max(logits, 1)[:, None])
+                mat = tl.where(valid, e / tl.sum(e, 1)[:, None] + hc_eps, 0.0)  # row softmax + eps
+                mat = mat / (tl.sum(mat, 0)[None, :] + hc_eps)  # column normalisation
+                for _ in range(1, iters):
+                    mat = mat / (tl.sum(mat, 1)[:, None] + hc_eps)
+                    mat = mat / (tl.sum(mat, 0)[None, :] + hc_eps)
+                tl.store(comb_ptr + b * C * C + offs_c[:, None] * C + offs_c[None, :], mat, mask=valid)
 
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
@@ -196,6 +268,7 @@ def _mix_and_finish(X, fn, base, scale, y, post, comb, attrs, workspace, pre: bo
         MP=mp,
         BLOCK_K=min(MIX_BLOCK_K, next_pow2(c * d)),
         num_warps=4,
+        **pdl_args(X.device),
     )
     block_d = min(FINISH_BLOCK_D, next_pow2(d))
     _hc_finish_kernel[(b, triton.cdiv(d, block_d))](
@@ -220,7 +293,9 @@ def _mix_and_finish(X, fn, base, scale, y, post, comb, attrs, workspace, pre: bo
         C_PAD=next_pow2(c),
         BLOCK_D=block_d,
         PRE=pre,
+        C4=c == 4,
         num_warps=FINISH_WARPS,
+        **pdl_args(X.device),
     )
 
 
@@ -267,7 +342,9 @@ def _hc_post_kernel(
     stride_ob,
     C_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_c = tl.arange(0, C_PAD)
@@ -321,4 +398,5 @@ def hc_post_impl(inputs, outputs, attrs, workspace):
         C_PAD=next_pow2(c),
         BLOCK_D=block_d,
         num_warps=4,
+        **pdl_args(X.device),
     )
