@@ -10,6 +10,7 @@ GPU the operands stay bf16 (fp32 accumulate), which is the fast path being teste
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -21,6 +22,62 @@ SCRATCH_ALIGN = 256  # bytes: every carved scratch buffer starts on this boundar
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---- programmatic dependent launch (PDL) ------------------------------------------------------
+#
+# On sm90+ every kernel here is launched with PDL and starts with ``pdl_wait``: it may be
+# scheduled while the previous kernel drains (that kernel let it, by calling
+# launch_dependents once all its programs had started), and waits for the previous kernel
+# to finish before it reads or writes anything the step computes. Weights are never
+# written during a step, so a GEMV loads its first weight tile before the wait: in a
+# captured graph that load overlaps the tail of the kernel before (e.g. the latency-bound
+# Sinkhorn finish), which is where the launch gaps of a 30-launch step go.
+# ``DRAFTGRAPH_PDL=0`` or ``set_pdl(False)`` turns it off (the bench compares both).
+
+_PDL_OVERRIDE: list = [None]
+
+
+def set_pdl(enabled: bool | None) -> None:
+    """Force PDL on or off for launches from now on (``None``: the default, by capability)."""
+    _PDL_OVERRIDE[0] = enabled
+
+
+@functools.cache
+def _pdl_supported(device_index: int) -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra import cuda as tl_cuda
+    except Exception:  # not the NVIDIA backend, or a triton without it
+        return False
+    has_api = hasattr(tl_cuda, "gdc_wait") and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+    return has_api and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    if device.type != "cuda" or interpreting():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if not _pdl_supported(index):
+        return False
+    if _PDL_OVERRIDE[0] is not None:
+        return bool(_PDL_OVERRIDE[0])
+    return os.environ.get("DRAFTGRAPH_PDL", "1") != "0"
+
+
+def pdl_args(device: torch.device) -> dict:
+    """The PDL constexpr and launch option of one kernel launch on ``device``."""
+    if pdl_enabled(device):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Wait for the previous kernel (PDL launches), then let the next one be scheduled."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def patch_interpreter_rounding() -> None:

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ops.triton._common import carve, interpreting, mma, next_pow2, scratch_bytes
+from ops.triton._common import carve, interpreting, mma, next_pow2, pdl_args, pdl_wait, scratch_bytes
 from ops.triton.gemv import GemvConfig, gemv
 
 # Tuned on an H200 at V4-Flash shapes, batch 1 (docs/KERNELS.md); batch > 1 uses gemv.BATCHED.
@@ -127,7 +127,9 @@ def _kv_finish_kernel(
     BS: tl.constexpr,
     FP8: tl.constexpr,
     FP8_PAIRS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     p = tl.load(pos_ptr + b * stride_pb)
     slot, alive = _row_slot(table_ptr, b, p, stride_tb, max_blocks, num_slots, BS)
@@ -181,7 +183,9 @@ def _swa_decode_kernel(
     BS: tl.constexpr,
     WINDOW: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.load(pos_ptr + b * stride_pb)
@@ -265,12 +269,14 @@ def _swa_decode_dot_kernel(
     BLOCK_W: tl.constexpr,
     BLOCK_H: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """BLOCK_H heads of one row on the tensor cores: s = q K^T, o = p K; each key tile read once.
 
     q (head-normed, rotated, scaled by 1/sqrt(d)) and p enter the dots in bf16; the output's
     inverse RoPE is applied once after the loop.
     """
+    pdl_wait(PDL)
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = heads < H
@@ -379,6 +385,7 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
             FP8=bool(attrs.get("kv_fp8_round", False)),
             FP8_PAIRS=32,
             num_warps=4,
+            **pdl_args(x.device),
         )
 
     def q_proj():  # q = q_norm(raw[:, :q_lora]) @ wq_b^T
@@ -419,6 +426,7 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
                 INTERP=interpreting(),
                 num_warps=DOT_WARPS,
                 num_stages=DOT_STAGES,
+                **pdl_args(x.device),
             )
         else:
             _swa_decode_kernel[(b, h)](
@@ -434,6 +442,7 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
                 WINDOW=window,
                 BLOCK_W=min(BLOCK_W, next_pow2(window)),
                 num_warps=ATTN_WARPS,
+                **pdl_args(x.device),
             )
 
     def wo_a_():  # z_g = wo_a[g] @ o_g

@@ -15,6 +15,9 @@ Options, all constexpr:
 - ``GROUPED``: rows [g*G, (g+1)*G) read x columns [g*K, (g+1)*K) (the grouped wo_a).
 - ``TWO_W``: rows >= N_A come from a second matrix (wq_a and wkv share one launch).
 - ``SPLIT_K``: program k of the split writes its partial sums to out + k * stride_os.
+
+Under PDL (``_common``) each program loads its first W tile before waiting on the kernel
+before it, so W must be a weight: nothing earlier in the stream may write it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ops.triton._common import batch_block, interpreting, mma, next_pow2
+from ops.triton._common import batch_block, interpreting, mma, next_pow2, pdl_args, pdl_wait
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,30 @@ BATCHED = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)  # any 
 # padding to 16 activation rows); the dot variant at n64 k128 is within 1% on the LM head.
 LM_HEAD_CONFIG = GemvConfig(block_n=4, block_k=2048, num_warps=4, num_stages=3, use_dot=False)
 LINEAR_CONFIG = GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=3, use_dot=False)
+
+
+@triton.jit
+def _load_w_tile(w_rows, kk, n_mask, K, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(w_rows + kk[None, :])
+    else:
+        return tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _accumulate(acc, w, x_rows, nw_ptr, inv, kk, row_mask, K, PRO_NORM: tl.constexpr, USE_DOT: tl.constexpr,
+                INTERP: tl.constexpr):
+    """acc += W tile x the matching activation columns (normed first under PRO_NORM)."""
+    xv = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & (kk < K)[None, :], other=0.0)
+    if PRO_NORM:
+        nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        xv = (xv.to(tl.float32) * inv[:, None] * nw[None, :]).to(w.dtype)
+    if USE_DOT:
+        acc += mma(w, tl.trans(xv.to(w.dtype)), INTERP)
+    else:
+        xf = xv.to(w.dtype).to(tl.float32)  # the same rounding as the dot path
+        acc += w.to(tl.float32) * xf
+    return acc
 
 
 @triton.jit
@@ -69,13 +96,13 @@ def _gemv_kernel(
     BLOCK_B: tl.constexpr,
     SPLIT_K: tl.constexpr,
     K_PER_SPLIT: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_W: tl.constexpr,
     GROUPED: tl.constexpr,
     TWO_W: tl.constexpr,
     PRO_NORM: tl.constexpr,
     USE_DOT: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -99,6 +126,10 @@ def _gemv_kernel(
         x_col0 = (n0 // group_rows) * K
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xb + x_col0
     k_begin = pid_k * K_PER_SPLIT
+    # The first weight tile is loaded before pdl_wait: weights are constant during a step,
+    # so under PDL this read overlaps the previous kernel's tail (see _common).
+    w_first = _load_w_tile(w_rows, k_begin + offs_k, n_mask, K, EVEN_W)
+    pdl_wait(PDL)
 
     if PRO_NORM:
         ss = tl.zeros([BLOCK_B], dtype=tl.float32)
@@ -108,26 +139,18 @@ def _gemv_kernel(
             xv = xv.to(tl.float32)
             ss += tl.sum(xv * xv, 1)
         inv = 1.0 / tl.sqrt(ss / K + eps)
+    else:
+        inv = tl.zeros([BLOCK_B], dtype=tl.float32)
 
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
-    for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
+    acc = _accumulate(acc, w_first, x_rows, nw_ptr, inv, k_begin + offs_k, row_mask, K, PRO_NORM, USE_DOT, INTERP)
+    for k0 in range(k_begin + BLOCK_K, k_begin + K_PER_SPLIT, BLOCK_K):
         kk = k0 + offs_k
-        if EVEN_N and EVEN_K:
-            w = tl.load(w_rows + kk[None, :])
-        else:
-            w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0.0)
-        xv = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & (kk < K)[None, :], other=0.0)
-        if PRO_NORM:
-            nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-            xv = (xv.to(tl.float32) * inv[:, None] * nw[None, :]).to(w.dtype)
-        if USE_DOT:
-            acc += mma(w, tl.trans(xv.to(w.dtype)), INTERP)
-        else:
-            xf = xv.to(w.dtype).to(tl.float32)  # the same rounding as the dot path
-            acc += w.to(tl.float32) * xf
+        w = _load_w_tile(w_rows, kk, n_mask, K, EVEN_W)
+        acc = _accumulate(acc, w, x_rows, nw_ptr, inv, kk, row_mask, K, PRO_NORM, USE_DOT, INTERP)
 
     out_rows = out_ptr + pid_k * stride_os + rows.to(tl.int64)[None, :] * stride_ob
     if USE_DOT:
@@ -209,8 +232,7 @@ def gemv(
         BLOCK_B=block_b,
         SPLIT_K=split_k,
         K_PER_SPLIT=k_per,
-        EVEN_N=(n % block_n == 0),
-        EVEN_K=(k % block_k == 0),
+        EVEN_W=(n % block_n == 0) and (k % block_k == 0),
         GROUPED=bool(group_rows),
         TWO_W=w2 is not None,
         PRO_NORM=norm_w is not None,
@@ -218,6 +240,7 @@ def gemv(
         INTERP=interpreting(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl_args(x.device),
     )
 
 
@@ -225,10 +248,11 @@ def gemv(
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
@@ -249,6 +273,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.
         float(eps),
         BLOCK_D=block,
         num_warps=4 if block <= 4096 else 8,
+        **pdl_args(x.device),
     )
 
 

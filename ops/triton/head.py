@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ops.triton import gemv as gemv_mod
-from ops.triton._common import carve, next_pow2, scratch_bytes
+from ops.triton._common import carve, next_pow2, pdl_args, pdl_wait, scratch_bytes
 
 LM_HEAD_PROLOGUE = False
 ARGMAX_BLOCK_V = 4096  # vocab ids per stage-1 program: 32 programs a row at V4-Flash
@@ -73,7 +73,9 @@ def _argmax_partial_kernel(
     NUM_CHUNKS,
     BLOCK_V: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
     offs = c * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -95,8 +97,9 @@ def _argmax_partial_kernel(
 
 @triton.jit
 def _argmax_final_kernel(
-    pmax_ptr, pidx_ptr, psum_ptr, token_ptr, prob_ptr, NUM_CHUNKS, BLOCK_C: tl.constexpr
+    pmax_ptr, pidx_ptr, psum_ptr, token_ptr, prob_ptr, NUM_CHUNKS, BLOCK_C: tl.constexpr, PDL: tl.constexpr
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     offs = tl.arange(0, BLOCK_C)
     cm = offs < NUM_CHUNKS
@@ -143,8 +146,11 @@ def draft_argmax_impl(inputs, outputs, attrs, workspace):
         BLOCK_V=block,
         HAS_MASK=mask is not None,
         num_warps=8 if block >= 2048 else 4,
+        **pdl_args(logits.device),
     )
-    _argmax_final_kernel[(b,)](pmax, pidx, psum, token, prob, chunks, BLOCK_C=next_pow2(chunks), num_warps=1)
+    _argmax_final_kernel[(b,)](
+        pmax, pidx, psum, token, prob, chunks, BLOCK_C=next_pow2(chunks), num_warps=1, **pdl_args(logits.device)
+    )
 
 
 def _argmax_parts(b: int, chunks: int):
