@@ -27,6 +27,7 @@ each captured variant's kernels by name (tools/profile_step.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -178,7 +179,39 @@ def kernel_nodes_per_step(executor, k: int) -> int | None:
 
 
 VARIANTS = ("torch", "compiled", "fused")
-KERNELS_OPTION = {"torch": "torch", "compiled": "compiled", "fused": "auto"}  # variant -> ProposerOptions.kernels
+# variant -> ProposerOptions.kernels; "fused-nopdl" is "fused" with programmatic dependent launch off
+KERNELS_OPTION = {"torch": "torch", "compiled": "compiled", "fused": "auto", "fused-nopdl": "auto"}
+
+
+@contextlib.contextmanager
+def pdl_setting(kernels: str):
+    """PDL off for the "fused-nopdl" variant (read at launch: its capture keeps plain launches)."""
+    if kernels != "fused-nopdl":
+        yield
+        return
+    from ops.triton._common import set_pdl
+
+    set_pdl(False)
+    try:
+        yield
+    finally:
+        set_pdl(None)
+
+
+def host_phases(prop, propose, iters: int = 30) -> dict[str, float]:
+    """Median µs of each phase of a propose's host path (tools/bench_host.py's clock)."""
+    from tools.bench_host import PHASES, PhaseClock
+
+    clock = PhaseClock(prop)
+    samples: dict[str, list[float]] = {p: [] for p in PHASES}
+    try:
+        for _ in range(iters):
+            propose()
+            for name, seconds in clock.phases().items():
+                samples[name].append(seconds)
+    finally:
+        clock.remove()
+    return {p: round(statistics.median(v) * 1e6, 1) for p, v in samples.items() if v}
 
 
 def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, kernels: str, profile: bool):
@@ -215,6 +248,7 @@ def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, ke
         propose()
         host.append(prop.last_host_seconds)
     row["host_us"] = statistics.median(host) * 1e6
+    row["host_phases_us"] = host_phases(prop, propose)
     if executor == "captured":
         ex = next(iter(prop._executors.values()))
         row["capture_s"] = ex.capture_seconds
@@ -281,7 +315,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", choices=("flash", "small"), default="flash")
     ap.add_argument("--cases", default=",".join(f"{b}x{k}" for b, k in CASES), help="BxK cases, e.g. 1x1,1x3")
-    ap.add_argument("--kernels", default=",".join(VARIANTS), help="captured variants: torch,compiled,fused")
+    ap.add_argument("--kernels", default=",".join(VARIANTS),
+                    help="captured variants: torch,compiled,fused (and fused-nopdl: PDL off)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--compile-cases", default=",".join(f"{b}x{k}" for b, k in CASES),
                     help="cases that get the torch.compile baseline (~100 s of compiling each)")
@@ -328,8 +363,9 @@ def main() -> int:
             if kernels == "compiled" and f"{batch}x{k}" not in args.compiled_cases.split(","):
                 continue
             try:
-                row, captured = measure_proposer(cfg, weights, device, batch, k, "captured", kernels,
-                                                 args.profile and (batch, k) == (1, 1))
+                with pdl_setting(kernels):
+                    row, captured = measure_proposer(cfg, weights, device, batch, k, "captured", kernels,
+                                                     args.profile and (batch, k) == (1, 1))
                 del captured
             except Exception as exc:  # report, don't die: the other rows still count
                 print(f"  captured {kernels} failed: {type(exc).__name__}: {exc}", flush=True)
