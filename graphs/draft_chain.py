@@ -99,8 +99,13 @@ def build_draft_chain(config: V4Config, geometry: CacheGeometry, spec: ChainSpec
             token, prob, hidden = _step(b, config, geometry, spec, ins, token, hidden, positions, body)
         tokens.append(token)
         probs.append(prob)
-    drafts = b.op("stack", tokens, name="drafts")
-    confidences = b.op("stack", probs, name="probs")
+    if spec.num_drafts == 1:
+        # [B] -> [B, 1] as views: a stack of one would be two copy kernels per step.
+        drafts = b.op("reshape", tokens, name="drafts", attrs={"shape": [*tokens[0].spec.shape, 1]})
+        confidences = b.op("reshape", probs, name="probs", attrs={"shape": [*probs[0].spec.shape, 1]})
+    else:
+        drafts = b.op("stack", tokens, name="drafts")
+        confidences = b.op("stack", probs, name="probs")
     b.output(drafts, confidences, hidden)
     graph = b.build()
     graph.meta.update({"num_drafts": spec.num_drafts, "mode": spec.mode, "runner": spec.runner,
