@@ -81,20 +81,26 @@ def random_weights(cfg: V4Config, device, seed: int = 0) -> dict[str, torch.Tens
     return out
 
 
-def time_cuda(fn, iters: int = 50, warmup: int = 5) -> float:
-    """Median ms of ``fn`` timed with CUDA events."""
+def timed_rounds(fn, rounds: int, per_round: int = 1, warmup: int = 5) -> list[float]:
+    """ms per call of ``fn`` in each round of ``per_round`` calls between two CUDA events."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
-    for _ in range(iters):
+    for _ in range(rounds):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(per_round):
+            fn()
         stop.record()
         stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+        times.append(start.elapsed_time(stop) / per_round)
+    return times
+
+
+def time_cuda(fn, iters: int = 50) -> float:
+    """Median ms of ``fn`` timed call by call (a propose: its sync is part of it)."""
+    return statistics.median(timed_rounds(fn, iters))
 
 
 def time_replays(replay, per_round: int = 20, rounds: int = 15) -> tuple[float, float]:
@@ -105,18 +111,7 @@ def time_replays(replay, per_round: int = 20, rounds: int = 15) -> tuple[float, 
     counts the gap between the start event and the graph's first kernel). The spread,
     (max - min) / median over the rounds, is the noise a difference must beat.
     """
-    for _ in range(5):
-        replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(per_round):
-            replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / per_round)
+    times = timed_rounds(replay, rounds, per_round)
     median = statistics.median(times)
     return median, (max(times) - min(times)) / median
 

@@ -12,7 +12,8 @@ Kernels (docs/KERNELS.md has the byte counts, predictions and measurements):
 op                        module
 ========================  =========================================================
 lm_head, draft_argmax     ops.triton.head   (norm + GEMV; two-stage argmax + prob)
-moe, moe_hash             ops.triton.moe    (gate split-K, w1/w3 + SwiGLU, w2)
+moe, moe_hash             ops.triton.moe    (gate split-K, w1/w3 + SwiGLU, w2;
+                                             batch > 1: ops.triton.moe_grouped)
 hc_pre, hc_head, hc_post  ops.triton.mhc    (split mix + Sinkhorn finish; post)
 swa_attention             ops.triton.attention
 linear, rms_norm          ops.triton.gemv

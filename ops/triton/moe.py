@@ -14,8 +14,8 @@
 
 w13 and w2 have a dot variant (any batch; activations padded to 16 rows) and an FMA
 variant (batch 1: one activation row, no padding), chosen by ``use_dot`` of their configs
-at batch 1. Routed experts of different rows are separate slots even when they coincide:
-at batch 1 nothing is read twice; grouping by expert would pay off only at larger batches.
+at batch 1. From ``GROUPED_MIN_BATCH`` rows on, w13 and w2 are the expert-major kernels of
+``moe_grouped`` (each chosen expert read once for all its rows) plus a reduce.
 
 Note "routing precision": gate logits are fp32 sums of exact bf16 products, so the top-k
 matches the torch op's except for near-ties (|gap| ~ 1e-6), where either choice is right.

@@ -1,0 +1,19 @@
+"""The bench_draft table printer, on a saved H200 run (benchmarks/h200): golden text."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from test_printer_golden import check_golden
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_draft_table_of_a_saved_run():
+    saved = ROOT / "benchmarks" / "h200" / "bench_draft_b8_b32_381ba0b.json"
+    out = subprocess.run([sys.executable, "tools/bench_draft.py", "--table", str(saved)], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    assert "draftgraph captured, fused ops" in out
+    check_golden("bench_table_b8_b32.txt", out)
