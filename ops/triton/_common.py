@@ -35,12 +35,13 @@ def interpreting() -> bool:
 # Sinkhorn finish), which is where the launch gaps of a 30-launch step go.
 # ``DRAFTGRAPH_PDL=0`` or ``set_pdl(False)`` turns it off (the bench compares both).
 
-_PDL_OVERRIDE: list = [None]
+_pdl_override: bool | None = None
 
 
 def set_pdl(enabled: bool | None) -> None:
     """Force PDL on or off for launches from now on (``None``: the default, by capability)."""
-    _PDL_OVERRIDE[0] = enabled
+    global _pdl_override
+    _pdl_override = enabled
 
 
 @functools.cache
@@ -60,8 +61,8 @@ def pdl_enabled(device: torch.device) -> bool:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if not _pdl_supported(index):
         return False
-    if _PDL_OVERRIDE[0] is not None:
-        return bool(_PDL_OVERRIDE[0])
+    if _pdl_override is not None:
+        return _pdl_override
     return os.environ.get("DRAFTGRAPH_PDL", "1") != "0"
 
 
