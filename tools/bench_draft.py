@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.config import V4Config  # noqa: E402
 from tools.bench_floor import measure_copy_bandwidth, step_weight_bytes  # noqa: E402
+from tools.bench_host import time_phases  # noqa: E402
 
 CASES = [(1, 1), (1, 3), (8, 1), (32, 1)]
 
@@ -217,22 +218,6 @@ def pdl_setting(kernels: str):
         set_pdl(None)
 
 
-def host_phases(prop, propose, iters: int = 30) -> dict[str, float]:
-    """Median µs of each phase of a propose's host path (tools/bench_host.py's clock)."""
-    from tools.bench_host import PHASES, PhaseClock
-
-    clock = PhaseClock(prop)
-    samples: dict[str, list[float]] = {p: [] for p in PHASES}
-    try:
-        for _ in range(iters):
-            propose()
-            for name, seconds in clock.phases().items():
-                samples[name].append(seconds)
-    finally:
-        clock.remove()
-    return {p: round(statistics.median(v) * 1e6, 1) for p, v in samples.items() if v}
-
-
 def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, kernels: str, profile: bool):
     """One proposer's row: replay / propose ms, host µs, capture s, memory, kernel nodes."""
     from runtime.proposer import DeepseekV4MtpProposer
@@ -271,7 +256,9 @@ def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, ke
         propose()
         host.append(prop.last_host_seconds)
     row["host_us"] = statistics.median(host) * 1e6
-    row["host_phases_us"] = host_phases(prop, propose)
+    phases = time_phases(prop, propose, iters=30)
+    row["host_phases_us"] = {name: round(us, 1) for name, us in phases.items()}
+    gc.unfreeze()  # frozen objects are never collected: the bench frees proposers between cases
     if executor == "captured":
         ex = next(iter(prop._executors.values()))
         row["capture_s"] = ex.capture_seconds
