@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_printer_golden import check_golden
+from golden_files import check_golden
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,4 +16,4 @@ def test_bench_draft_table_of_a_saved_run():
     out = subprocess.run([sys.executable, "tools/bench_draft.py", "--table", str(saved)], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     assert "draftgraph captured, fused ops" in out
-    check_golden("bench_table_b8_b32.txt", out)
+    check_golden("bench_table_b8_b32.txt", out + "\n")

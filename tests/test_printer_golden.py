@@ -7,11 +7,10 @@ Regenerate the golden files after a deliberate printer or planner change with
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import networkx as nx
 import torch
+from golden_files import check_golden
 
 from runtime.builder import GraphBuilder
 from runtime.memory_plan import plan_graph
@@ -19,7 +18,6 @@ from runtime.printer import format_graph
 from runtime.serialize import from_json, to_dot, to_json
 from runtime.tensor_spec import B, TensorSpec
 
-GOLDEN = Path(__file__).parent / "golden"
 F32, BF16 = torch.float32, torch.bfloat16
 
 
@@ -40,23 +38,14 @@ def mlp_graph():
     return b.build()
 
 
-def check_golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if os.environ.get("UPDATE_GOLDEN"):
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(text + "\n")
-    assert path.exists(), f"missing golden {path}: run with UPDATE_GOLDEN=1"
-    assert text + "\n" == path.read_text(), f"printed graph differs from {path}"
-
-
 def test_printer_golden_unplanned():
-    check_golden("ir_mlp.txt", format_graph(mlp_graph()))
+    check_golden("ir_mlp.txt", format_graph(mlp_graph()) + "\n")
 
 
 def test_printer_golden_planned():
     graph = mlp_graph()
     text = format_graph(graph, plan_graph(graph, 2))
-    check_golden("ir_mlp_planned_b2.txt", text)
+    check_golden("ir_mlp_planned_b2.txt", text + "\n")
     assert "in place of %" in text and "view of %" in text and "free %" in text
     assert text.splitlines()[-1].startswith("arena ")
 

@@ -10,14 +10,13 @@ and review the diff before committing.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
+from golden_files import check_golden
 
 from graphs.draft_chain import ChainSpec, build_draft_chain
 from runtime.config import V4Config
@@ -26,31 +25,11 @@ from runtime.serialize import from_json
 from tools.chain_select import chain_geometry
 from tools.cli import main
 
-GOLDEN = Path(__file__).parent / "golden"
-
 
 def dump(capsys, *argv: str) -> str:
     capsys.readouterr()
     assert main(["dump", *argv]) == 0
     return capsys.readouterr().out
-
-
-def check_golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if os.environ.get("UPDATE_GOLDEN") == "1":
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(text)
-    assert path.exists(), f"{path} missing (hint: UPDATE_GOLDEN=1 python -m pytest {__file__})"
-    want = path.read_text()
-    if text != want:
-        diff = [
-            f"line {i + 1}:\n  want {a}\n  got  {b}"
-            for i, (a, b) in enumerate(zip(want.splitlines(), text.splitlines()))
-            if a != b
-        ][:3]
-        raise AssertionError(
-            f"{name} differs from the golden file (hint: UPDATE_GOLDEN=1 if intended)\n" + "\n".join(diff)
-        )
 
 
 # ---- text ------------------------------------------------------------------------------------
