@@ -258,7 +258,7 @@ def _parts(b: int, e: int, k: int, inter: int, d: int, dtype: torch.dtype):
         ((b * k,), torch.int32),  # chosen expert per routed slot
         ((b * k,), torch.float32),  # routing weight per routed slot
         ((b * k + b, inter), dtype),  # act rows: routed slots, then the shared expert per row
-        ((b * k + b, d), torch.float32),  # expert-major w2 outputs per slot (batch > 1)
+        ((b * k + b if b >= GROUPED_MIN_BATCH else 0, d), torch.float32),  # expert-major w2 outputs per slot
     ]
 
 
