@@ -171,3 +171,10 @@ def softplus(z):
     """torch.nn.functional.softplus (beta 1, threshold 20), computed without overflow."""
     stable = tl.maximum(z, 0.0) + log1p_exp_neg(tl.abs(z))
     return tl.where(z > 20.0, z, stable)
+
+
+@triton.jit
+def clamped_swiglu(gate, up, limit):
+    """silu(min(gate, limit)) * clamp(up, -limit, limit): the V4 expert activation (fp32)."""
+    g = tl.minimum(gate, limit)
+    return g / (1.0 + tl.exp(-g)) * tl.minimum(tl.maximum(up, -limit), limit)

@@ -31,6 +31,7 @@ from ops.triton import moe_grouped
 from ops.triton._common import (
     batch_block,
     carve,
+    clamped_swiglu,
     interpreting,
     mma,
     next_pow2,
@@ -181,12 +182,9 @@ def _moe_w13_kernel(
             acc3 += a3.to(tl.float32) * xf
 
     if USE_DOT:
-        g = tl.minimum(acc1, limit)
-        u = tl.minimum(tl.maximum(acc3, -limit), limit)
+        act = clamped_swiglu(acc1, acc3, limit) * weight
     else:
-        g = tl.minimum(tl.sum(acc1, 1), limit)[:, None]  # [BLOCK_N, 1]
-        u = tl.minimum(tl.maximum(tl.sum(acc3, 1), -limit), limit)[:, None]
-    act = g / (1.0 + tl.exp(-g)) * u * weight
+        act = clamped_swiglu(tl.sum(acc1, 1), tl.sum(acc3, 1), limit)[:, None] * weight  # [BLOCK_N, 1]
     dest = tl.where(is_shared, routed_slots + rows, slot)  # act row of each tile column
     ptrs = act_ptr + dest.to(tl.int64)[None, :] * INTER + offs_n[:, None]
     tl.store(ptrs, act.to(act_ptr.dtype.element_ty), mask=n_mask[:, None] & row_mask[None, :])

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ops.triton._common import mma, next_pow2, pdl_args, pdl_wait
+from ops.triton._common import clamped_swiglu, mma, next_pow2, pdl_args, pdl_wait
 
 REDUCE_BLOCK_D = 1024
 
@@ -98,9 +98,7 @@ def _moe_w13_grouped_kernel(
         xt = tl.trans(xv.to(a1.dtype))
         acc1 += mma(a1, xt, INTERP)
         acc3 += mma(a3, xt, INTERP)
-    g = tl.minimum(acc1, limit)
-    u = tl.minimum(tl.maximum(acc3, -limit), limit)
-    act = g / (1.0 + tl.exp(-g)) * u * weight[None, :]
+    act = clamped_swiglu(acc1, acc3, limit) * weight[None, :]
     ptrs = act_ptr + dest.to(tl.int64)[None, :] * INTER + offs_n[:, None]
     tl.store(ptrs, act.to(act_ptr.dtype.element_ty), mask=n_mask[:, None] & serves[None, :])
 
