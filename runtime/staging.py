@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from runtime.kv_metadata import MetadataView, MetadataWriter, check_rows, row_bytes_for
+from runtime.raw_copy import copy_async
 from runtime.tensor_spec import TensorSpec
 
 ALIGN = 256
@@ -55,6 +56,7 @@ class ChainStaging:
         pin = device.type == "cuda"
         self.host_buf = torch.zeros(total, dtype=torch.uint8, pin_memory=pin)
         self.device_buf = torch.zeros(total, dtype=torch.uint8, device=device)
+        self._device_index = self.device_buf.device.index if pin else None  # None: torch copies (CPU)
         self.hidden_buf = torch.zeros(hidden.concrete(bucket), dtype=hidden.dtype, device=device)
         self.mask_words = mask_words
         self._row = row
@@ -80,6 +82,16 @@ class ChainStaging:
         # Start with every row dead (slot -1, no keys): a warm-up or capture run on these
         # buffers writes no cache row.
         self.stage([], [], [], vocab_limit=1)
+
+    def __del__(self) -> None:
+        # The raw staging copy records no event in torch's pinned-memory cache: the host buffer
+        # must not go back to that cache (to be handed out and rewritten) while a copy may still
+        # be reading it.
+        if getattr(self, "_is_copy_pending", False):
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception:  # interpreter shutdown: the context is going away with the buffer
+                pass
 
     def _views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         b = self.bucket
@@ -176,11 +188,17 @@ class ChainStaging:
             self._num_masked = i + 1
         self._is_mask_copied = False
 
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self._device_index is None:
+            dst.copy_(src)
+        else:
+            copy_async(dst, src, self._device_index)
+
     def _copy_to_device(self) -> None:
         if self._is_mask_copied:  # the device already holds these masks: copy the head only
-            self._device_head.copy_(self._host_head, non_blocking=True)
+            self._copy(self._device_head, self._host_head)
         else:
-            self.device_buf.copy_(self.host_buf, non_blocking=True)  # the one staging copy
+            self._copy(self.device_buf, self.host_buf)  # the one staging copy
             self._is_mask_copied = True
         self._is_copy_pending = self.device.type == "cuda"
 
@@ -188,7 +206,7 @@ class ChainStaging:
         n, shape = len(hiddens), self._hidden_shape
         if n == 1:
             hidden = hiddens[0]
-            self._hidden_row0.copy_(hidden if hidden.shape == shape else hidden.reshape(shape), non_blocking=True)
+            self._copy(self._hidden_row0, hidden if hidden.shape == shape else hidden.reshape(shape))
         elif n:
             try:  # one op for the batch (one launch on CUDA), not one copy per row
                 torch.stack(hiddens, out=self._hidden_rows[n])

@@ -1,6 +1,7 @@
 """Host time per propose: everything the CPU does from entering ``_propose`` to the graph launch.
 
     python tools/bench_host.py [--device cpu|cuda] [--iters N] [--positions 200,3000] [--cases 1x1,1x3,32x1,32x3]
+                               [--copies raw,torch]
 
 Builds a small-config proposer (``V4Config.small()``, random MTP weights) and, for each
 case B x K and start position, runs a decode-like loop: propose, accept every draft
@@ -18,6 +19,8 @@ The harness that isolates host work (``--device cpu``): the chain executor's ``r
 replaced by a function that returns the outputs of one real run, so no graph executes and
 what is timed is the proposer's own host work (on CPU an eager run would take milliseconds
 and hide it). ``--device cuda`` times a real captured proposer: ``run`` is the replay launch.
+``--copies raw,torch`` times each case twice: the staging copies through cuda-python
+(:mod:`runtime.raw_copy`, the default) and through ``Tensor.copy_``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from runtime import raw_copy  # noqa: E402
 from runtime.config import V4Config  # noqa: E402
 from runtime.proposer import DeepseekV4MtpProposer  # noqa: E402
 from runtime.synthetic_weights import random_mtp_weights  # noqa: E402
@@ -190,22 +194,34 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=300)
     parser.add_argument("--positions", default="200,3000", help="start positions, comma separated")
     parser.add_argument("--cases", default="1x1,1x3,32x1,32x3", help="BxK, comma separated")
+    parser.add_argument("--copies", default="raw", help="staging copies: raw (cuda-python), torch, or both: raw,torch")
     args = parser.parse_args(argv)
+    copies = args.copies.split(",")
+    if not set(copies) <= {"raw", "torch"}:
+        parser.error(f"--copies: expected raw and/or torch, got {args.copies!r}")
+    raw_available = raw_copy.is_enabled
     torch.set_num_threads(1)  # host work is single-threaded; no pool wake-ups in the numbers
     prop = make_proposer(args.device)
     stub = args.device == "cpu"
     print(f"host path per propose, median us over {args.iters} rounds, device {args.device}"
           f"{' (executor run stubbed: host work only)' if stub else ' (captured replay)'}")
-    print(f"{'B':>3} {'K':>2} {'pos':>5} {'host':>7} {'call':>7}  " + " ".join(f"{p:>7}" for p in PHASES))
-    for position in (int(p) for p in args.positions.split(",")):
-        for batch, k in parse_cases(args.cases):
-            loop = DecodeLoop(prop, batch, k, position)
-            host, call = time_loop(loop, args.iters, stub)
-            phases = time_phases(loop.prop, loop.step, args.iters)
-            print(f"{batch:>3} {k:>2} {position:>5} {host:7.1f} {call:7.1f}  "
-                  + " ".join(f"{phases[p]:7.1f}" for p in PHASES), flush=True)
-            for state in loop.states:
-                prop.free_state(state)
+    if "raw" in copies and not raw_available:
+        print("  (no cuda-python or no CUDA build of torch: the raw rows use torch copies)")
+    print(f"{'B':>3} {'K':>2} {'pos':>5} {'copies':>6} {'host':>7} {'call':>7}  " + " ".join(f"{p:>7}" for p in PHASES))
+    try:
+        for position in (int(p) for p in args.positions.split(",")):
+            for batch, k in parse_cases(args.cases):
+                for mode in copies:
+                    raw_copy.is_enabled = raw_available and mode == "raw"
+                    loop = DecodeLoop(prop, batch, k, position)
+                    host, call = time_loop(loop, args.iters, stub)
+                    phases = time_phases(loop.prop, loop.step, args.iters)
+                    print(f"{batch:>3} {k:>2} {position:>5} {mode:>6} {host:7.1f} {call:7.1f}  "
+                          + " ".join(f"{phases[p]:7.1f}" for p in PHASES), flush=True)
+                    for state in loop.states:
+                        prop.free_state(state)
+    finally:
+        raw_copy.is_enabled = raw_available
 
 
 if __name__ == "__main__":

@@ -1,0 +1,85 @@
+"""The staging copies through cuda-python (runtime.raw_copy) against Tensor.copy_ (run on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from proposer_fixtures import SMALL
+
+from runtime import raw_copy
+from runtime.proposer import DeepseekV4MtpProposer
+from runtime.synthetic_weights import random_mtp_weights
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Count the cudaMemcpyAsync calls, so a test knows which path a copy took."""
+    calls = []
+    real = raw_copy._memcpy
+
+    def counting(*args):
+        calls.append(args[2])
+        real(*args)
+
+    monkeypatch.setattr(raw_copy, "_memcpy", counting)
+    return calls
+
+
+def test_raw_copies_are_available_on_the_gpu_host():
+    assert raw_copy.is_enabled  # else every propose pays torch's copy_ (the device has cuda-python)
+
+
+def test_pinned_host_to_device_and_device_to_device(counted):
+    host = torch.randint(0, 256, (4096 + 7,), dtype=torch.uint8).pin_memory()
+    up = torch.full_like(host, 0xAB, device="cuda")
+    raw_copy.copy_async(up, host, torch.cuda.current_device())
+    hidden = torch.randn(4, 4096, device="cuda").bfloat16()
+    across = torch.full_like(hidden, float("nan"))
+    raw_copy.copy_async(across, hidden, torch.cuda.current_device())
+    torch.cuda.current_stream().synchronize()
+    assert counted == [host.nbytes, hidden.nbytes]
+    assert torch.equal(up.cpu(), host)
+    assert torch.equal(across, hidden)
+
+
+def test_copies_are_ordered_on_the_current_stream(counted):
+    side = torch.cuda.Stream()
+    src = torch.zeros(1 << 20, device="cuda")
+    dst = torch.full_like(src, float("nan"))
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(5_000_000)  # the copy must wait for this kernel, queued before it
+        src.fill_(3.0)
+        raw_copy.copy_async(dst, src, torch.cuda.current_device())
+    side.synchronize()
+    assert counted == [src.nbytes]
+    assert bool((dst == 3.0).all())
+
+
+def test_strided_or_mismatched_copies_take_torch(counted):
+    base = torch.randn(8, 64, device="cuda")
+    strided = base[:, ::2]
+    out = torch.empty(8, 32, device="cuda")
+    raw_copy.copy_async(out, strided, torch.cuda.current_device())
+    halves = torch.randn(8, 32, device="cuda").half()
+    out2 = torch.empty(8, 32, device="cuda")
+    raw_copy.copy_async(out2, halves, torch.cuda.current_device())  # a cast: same shape, other dtype
+    torch.cuda.synchronize()
+    assert counted == []
+    assert torch.equal(out, strided)
+    assert torch.equal(out2, halves.float())
+
+
+def test_a_propose_stages_through_raw_copies(counted, monkeypatch):
+    tensors = random_mtp_weights(SMALL, seed=3)
+    hidden = torch.randn(SMALL.hc_mult, SMALL.hidden_size, device="cuda").bfloat16()
+    drafts = {}
+    for mode in ("torch", "raw"):
+        monkeypatch.setattr(raw_copy, "is_enabled", mode == "raw")
+        prop = DeepseekV4MtpProposer(SMALL, tensors, device="cuda", executor="captured")
+        prop.propose(5, hidden, 40, 2, prop.alloc_state())  # captures
+        counted.clear()
+        drafts[mode] = prop.propose(5, hidden, 40, 2, prop.alloc_state())
+        assert len(counted) == (2 if mode == "raw" else 0)  # the packed host buffer up, the hidden across
+    assert drafts["raw"] == drafts["torch"]
