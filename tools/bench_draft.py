@@ -21,7 +21,7 @@ bandwidth measured in the same run. Rows, each as ms and the ratio to the floor:
 (checks, staging copy, replay, reading the K tokens back), timed the same way;
 "host µs" is the CPU time of a propose up to the launch (median of 50). Also: the
 capture time, the device memory the first propose added (arena, staging and graph
-pool), and CUDA-graph kernel nodes per draft step. ``--profile`` adds, for B=1 K=1,
+pool), and CUDA-graph kernel nodes per draft step. ``--profile`` adds, for each case,
 each captured variant's kernels by name (tools/profile_step.py).
 """
 
@@ -351,7 +351,7 @@ def main() -> int:
     ap.add_argument("--compiled-cases", default="1x1,1x3",
                     help="cases that get the compiled-ops variant (compiles each op per batch size)")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain-torch anchors")
-    ap.add_argument("--profile", action="store_true", help="kernels by name for B=1 K=1, each captured variant")
+    ap.add_argument("--profile", action="store_true", help="kernels by name for each case and captured variant")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--table", metavar="JSON", help="print the table of a run's bench_draft_*.json and exit")
     args = ap.parse_args()
@@ -400,7 +400,7 @@ def main() -> int:
             try:
                 with pdl_setting(kernels):
                     row, captured = measure_proposer(cfg, weights, device, batch, k, "captured", kernels,
-                                                     args.profile and (batch, k) == (1, 1))
+                                                     args.profile)
                 del captured
             except Exception as exc:  # report, don't die: the other rows still count
                 print(f"  captured {kernels} failed: {type(exc).__name__}: {exc}", flush=True)
