@@ -229,7 +229,9 @@ def test_moe_batched_rows_sharing_experts(device, grouped, monkeypatch):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("hc_mult", [4, 3])  # 4: the scalar Sinkhorn (V4-Flash); else the tensor form
-def test_hc_pre(device, hc_mult):
+@pytest.mark.parametrize("mix_rows", [1, 2])  # 2: batch 3 leaves a short last row tile
+def test_hc_pre(device, hc_mult, mix_rows, monkeypatch):
+    monkeypatch.setattr(K["mhc"], "MIX_ROWS", mix_rows)
     fused, _, _ = compare("hc_pre", *to_device(hc_pre_case(gen(107), hc_mult=hc_mult), device))
     comb = fused[2].double()
     assert (comb.sum(1) - 1).abs().max() < 1e-3  # columns normalised last

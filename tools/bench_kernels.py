@@ -1,6 +1,7 @@
 """Check and time the fused Triton kernels against their torch ops, on one GPU, in one process.
 
-    python tools/bench_kernels.py [--tune] [--budget-s 240] [--out DIR] [--ops lm_head,moe]
+    python tools/bench_kernels.py [--tune] [--tune-jobs moe:32,hc_pre:32] [--budget-s 240] [--out DIR]
+                                  [--ops lm_head,moe]
     python tools/bench_kernels.py --cpu-dry-run        # the script's logic, interpreter, no timing
 
 ``--tune`` first times block-size variants of the big kernels at V4-Flash shapes, one knob
@@ -556,9 +557,11 @@ class Tuner:
         return best_val
 
 
-def tune_all(flash, copy_bw, deadline) -> Tuner:
+def tune_all(flash, copy_bw, deadline, only: set[str] | None = None) -> Tuner:
+    """Tune every job, or those named in ``only`` ("op:batch", e.g. "moe:32")."""
     from ops.triton import attention as A
     from ops.triton import gemv as G
+    from ops.triton import mhc as H
     from ops.triton import moe as M
     from ops.triton.gemv import GemvConfig as C
 
@@ -682,7 +685,22 @@ def tune_all(flash, copy_bw, deadline) -> Tuner:
             4,
             [(G, "BATCHED", [C(64, 128, 4, 4), C(32, 256, 4, 3), C(16, 512, 4, 3), C(128, 128, 4, 3)])],
         ),
+        (
+            "moe",
+            32,
+            [
+                (
+                    M,
+                    "W2_CONFIG_BATCHED",
+                    [C(64, 128, 4, 3), C(32, 128, 4, 4), C(128, 64, 4, 4), C(32, 256, 4, 3), C(16, 512, 4, 3)],
+                ),
+                (M, "W13_CONFIG_BATCHED", [C(32, 128, 4, 3), C(64, 128, 4, 3), C(64, 64, 4, 4)]),
+            ],
+        ),
+        ("hc_pre", 32, [(H, "MIX_ROWS", [2, 4, 8])]),
     ]
+    if only:
+        jobs = [job for job in jobs if f"{job[0]}:{job[1]}" in only]
     for name, b, knobs in jobs:
         if time.time() > deadline:
             log(f"tune {name} B={b}: skipped, out of time budget")
@@ -774,6 +792,7 @@ def main() -> int:
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--ops", default=",".join(CASES), help="comma-separated op names")
+    parser.add_argument("--tune-jobs", default="", help="tune only these op:batch jobs, e.g. moe:32,hc_pre:32")
     parser.add_argument(
         "--cpu-dry-run", action="store_true", help="run the logic on CPU (TRITON_INTERPRET=1)"
     )
@@ -808,7 +827,8 @@ def main() -> int:
     flash, small = V4Config.flash(), V4Config.small()
     if DRY:
         flash = small  # the whole plan at the small shapes
-    tuner = tune_all(flash, copy_bw, T0 + args.budget_s) if args.tune else None
+    only = {job for job in args.tune_jobs.split(",") if job} or None
+    tuner = tune_all(flash, copy_bw, T0 + args.budget_s, only) if args.tune else None
     phases = phase_breakdown(flash) if args.tune and not DRY else []
     impls = _impls()
     ops = [o for o in args.ops.split(",") if o]
@@ -839,7 +859,7 @@ def main() -> int:
         copy_end = copy_bandwidth()
         log(f"device-to-device copy at the end: {copy_end:.0f} GB/s")
     if tuner is not None:
-        print("\nchosen configs (tuned at batch 1 / 4, V4-Flash; the table below uses them):")
+        print("\nchosen configs (tuned at V4-Flash shapes; the table below uses them):")
         for knob, value in tuner.chosen.items():
             print(f"  {knob} = {value}")
     if phases:
