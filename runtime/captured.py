@@ -13,7 +13,7 @@ and read by the graph at replay time.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 import torch
@@ -34,6 +34,8 @@ class CapturedExecutor:
         executor allocates its own and ``run`` copies into them.
     pool : a ``torch.cuda.graph_pool_handle()`` shared between captures.
     keep_graph : keep the cudaGraph_t (for ``debug_dump`` / ``raw_cuda_graph``).
+    prologue : a function of no arguments captured before the steps (the staging copy
+        from pinned memory, see ``ChainStaging.in_graph_copy``); None: nothing.
     """
 
     def __init__(
@@ -50,6 +52,7 @@ class CapturedExecutor:
         keep_graph: bool = False,
         warmup_runs: int = 2,
         kernels: str = "auto",
+        prologue: Callable[[], None] | None = None,
     ) -> None:
         device = torch.device(device)
         if device.type != "cuda" or not torch.cuda.is_available():
@@ -66,6 +69,8 @@ class CapturedExecutor:
         self.static_inputs = dict(static_inputs)
         self.eager.check_inputs(self.static_inputs)
         self.pool, self.keep_graph, self.warmup_runs = pool, keep_graph, warmup_runs
+        self.prologue = prologue
+        self.copies_staging = prologue is not None  # the proposer then stages without a copy
         self.cuda_graph: torch.cuda.CUDAGraph | None = None
         self.outputs: dict[str, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -83,13 +88,13 @@ class CapturedExecutor:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(self.warmup_runs):
-                self.eager.run(self.static_inputs, check=False)
+                self._run_steps()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph(keep_graph=self.keep_graph) if self.keep_graph else torch.cuda.CUDAGraph()
         tracer, self.eager.tracer = self.eager.tracer, None  # host hooks must not run inside a capture
         try:
             with torch.cuda.graph(graph, pool=self.pool, stream=side):
-                self.outputs = self.eager.run(self.static_inputs, check=False)
+                self.outputs = self._run_steps()
         except Exception as exc:
             raise CaptureError(f"capturing {self.graph_ir.name} at B={self.batch} failed: {exc}") from exc
         finally:
@@ -99,6 +104,11 @@ class CapturedExecutor:
         torch.cuda.synchronize(self.device)
         self.cuda_graph = graph
         self.capture_seconds = time.perf_counter() - start
+
+    def _run_steps(self) -> dict[str, torch.Tensor]:
+        if self.prologue is not None:
+            self.prologue()
+        return self.eager.run(self.static_inputs, check=False)
 
     def run(self, inputs: Mapping[str, torch.Tensor], check: bool = True) -> dict[str, torch.Tensor]:
         """Copy inputs into the static buffers (unless they are those buffers), replay, return outputs."""

@@ -10,14 +10,14 @@ The buffers never move, so a captured graph can read them on every replay.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
 import numpy as np
 import torch
 
+from runtime import raw_copy
 from runtime.kv_metadata import MetadataView, MetadataWriter, check_rows, row_bytes_for
-from runtime.raw_copy import copy_async
 from runtime.tensor_spec import TensorSpec
 
 ALIGN = 256
@@ -112,10 +112,13 @@ class ChainStaging:
         hiddens: Sequence[torch.Tensor],
         vocab_limit: int,
         masks: Sequence[Sequence[int] | torch.Tensor | None] | None = None,
+        copy_in: bool = True,
     ) -> Mapping[str, torch.Tensor]:
         """Write one batch (rows past ``len(tokens)`` are padding) and return the graph inputs.
 
-        The returned mapping is shared between calls and read-only.
+        ``copy_in=False``: the host buffer is left for the replay to copy (a graph captured
+        with :meth:`in_graph_copy` as its first node). The returned mapping is shared
+        between calls and read-only.
         """
         checked = check_rows(rows, self.max_blocks)  # every row checked before anything is written
         if self._is_copy_pending:
@@ -125,7 +128,10 @@ class ChainStaging:
         self._write_tokens(tokens)
         _LIMIT.pack_into(self._mem, self._limit_at, int(vocab_limit))
         self._write_masks(masks)
-        self._copy_to_device()
+        if copy_in:
+            self._copy_to_device()
+        else:  # the replay reads the host buffer: it must not be rewritten before a sync
+            self._is_copy_pending = True
         self._stage_hiddens(hiddens)
         return self.chain_inputs(self.mask_words)
 
@@ -188,11 +194,25 @@ class ChainStaging:
             self._num_masked = i + 1
         self._is_mask_copied = False
 
+    def in_graph_copy(self, masked: bool) -> Callable[[], None] | None:
+        """The staging copy as a function to capture at the head of a chain graph, or None.
+
+        Captured, the copy is a memcpy node reading this pinned host buffer at every replay:
+        a propose then makes one CUDA call fewer before its launch. It copies what the chain
+        reads: everything with the grammar masks (``masked``), else everything before them.
+        None where the copy cannot be captured this way (CPU, no cuda-python).
+        """
+        if self._device_index is None or not raw_copy.is_enabled:
+            return None
+        dst, src = (self.device_buf, self.host_buf) if masked else (self._device_head, self._host_head)
+        index = self._device_index
+        return lambda: raw_copy.copy_async(dst, src, index)
+
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self._device_index is None:
             dst.copy_(src)
         else:
-            copy_async(dst, src, self._device_index)
+            raw_copy.copy_async(dst, src, self._device_index)
 
     def _copy_to_device(self) -> None:
         if self._is_mask_copied:  # the device already holds these masks: copy the head only

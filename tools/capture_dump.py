@@ -81,7 +81,7 @@ def recapture(executor, keep_graph: bool = True):
     statics = getattr(executor, "static_inputs", None)
     kept = CapturedExecutor(eager.graph, eager.batch, weights, state, device=eager.device, static_inputs=statics,
                             keep_graph=keep_graph, runners={k: v for k, v in eager.runners.items()},
-                            kernels=eager.kernels)
+                            kernels=eager.kernels, prologue=getattr(executor, "prologue", None))
     kept.capture()
     return kept
 
