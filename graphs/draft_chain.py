@@ -43,6 +43,7 @@ class ChainSpec:
     masked: bool = False  # grammar bitmask input present
     runner: str = "builtin"  # the body: "builtin" inlines the op subgraph; else a body_runner node
     runner_workspace_bytes: int = 0
+    conf_tau: float = 0.0  # > 0: stop drafting once every row's confidence is below it (ops/draft_gate.py)
 
 
 def hidden_spec(config: V4Config, mode: str) -> TensorSpec:
@@ -80,7 +81,12 @@ def chain_inputs(config: V4Config, geometry: CacheGeometry, spec: ChainSpec) -> 
 
 
 def build_draft_chain(config: V4Config, geometry: CacheGeometry, spec: ChainSpec = ChainSpec()) -> Graph:
-    """The K-draft chain. Outputs: ``drafts`` i64[B, K], ``probs`` f32[B, K], ``hidden_out``."""
+    """The K-draft chain. Outputs: ``drafts`` i64[B, K], ``probs`` f32[B, K], ``hidden_out``.
+
+    With ``spec.conf_tau > 0`` (and K > 1) steps 1..K-1 are gated on the chain's confidence:
+    drafts a row does not keep are -1, and their probs and a skipped step's ``hidden_out``
+    are stale bytes (ops/draft_gate.py).
+    """
     from runtime.errors import GraphError
 
     if spec.num_drafts < 1:
@@ -91,7 +97,17 @@ def build_draft_chain(config: V4Config, geometry: CacheGeometry, spec: ChainSpec
     body = build_block(config, geometry, prefix="mtp.0.", name="mtp_body") if spec.runner == "builtin" else None
     token, hidden = ins["token"], ins["hidden"]
     tokens, probs = [], []
+    gated = spec.conf_tau > 0 and spec.num_drafts > 1
+    gates, gate_values, alive = [], [], None
     for k in range(spec.num_drafts):
+        if gated and k > 0:
+            # The gate sits outside step k's scope: it always runs, and step k (every node named
+            # "d{k}.") runs only where its flag is set.
+            with b.scoped(f"g{k}"):
+                gate_inputs = [probs[-1], ins["positions"], ins["kv_start"]] + ([alive] if alive is not None else [])
+                alive, go = b.op("draft_gate", gate_inputs, name="gate", attrs={"tau": float(spec.conf_tau)})
+            gates.append({"flag": go.name, "prefix": f"d{k}."})
+            gate_values += [alive, go]
         with b.scoped(f"d{k}"):
             positions = ins["positions"]
             if k > 0:
@@ -103,6 +119,10 @@ def build_draft_chain(config: V4Config, geometry: CacheGeometry, spec: ChainSpec
         # [B] -> [B, 1] as views: a stack of one would be two copy kernels per step.
         drafts = b.op("reshape", tokens, name="drafts", attrs={"shape": [*tokens[0].spec.shape, 1]})
         confidences = b.op("reshape", probs, name="probs", attrs={"shape": [*probs[0].spec.shape, 1]})
+    elif gated:
+        stacked = b.op("stack", tokens, name="stacked_drafts")
+        drafts = b.op("cut_drafts", [stacked, *gate_values], name="drafts")
+        confidences = b.op("stack", probs, name="probs")
     else:
         drafts = b.op("stack", tokens, name="drafts")
         confidences = b.op("stack", probs, name="probs")
@@ -110,6 +130,8 @@ def build_draft_chain(config: V4Config, geometry: CacheGeometry, spec: ChainSpec
     graph = b.build()
     graph.meta.update({"num_drafts": spec.num_drafts, "mode": spec.mode, "runner": spec.runner,
                        "mtp_vocab_size": spec.mtp_vocab_size, "masked": spec.masked})
+    if gated:
+        graph.meta.update({"conf_tau": float(spec.conf_tau), "gates": gates})
     return graph
 
 

@@ -19,7 +19,7 @@ from types import MappingProxyType
 import torch
 
 from runtime.errors import CaptureError, InputError, describe
-from runtime.executor import EagerExecutor
+from runtime.executor import EagerExecutor, run_if_flag_set
 from runtime.graph import Graph
 
 
@@ -92,6 +92,9 @@ class CapturedExecutor:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph(keep_graph=self.keep_graph) if self.keep_graph else torch.cuda.CUDAGraph()
         tracer, self.eager.tracer = self.eager.tracer, None  # host hooks must not run inside a capture
+        if self.is_gated and self.pool is None:  # a conditional node's body allocates from the capture's pool
+            self.pool = torch.cuda.graph_pool_handle()
+        self.eager.run_gated = self._capture_gated  # a gated segment becomes a conditional node
         try:
             with torch.cuda.graph(graph, pool=self.pool, stream=side):
                 self.outputs = self._run_steps()
@@ -99,11 +102,31 @@ class CapturedExecutor:
             raise CaptureError(f"capturing {self.graph_ir.name} at B={self.batch} failed: {exc}") from exc
         finally:
             self.eager.tracer = tracer
+            self.eager.run_gated = run_if_flag_set
         if self.keep_graph:
             graph.instantiate()
         torch.cuda.synchronize(self.device)
         self.cuda_graph = graph
         self.capture_seconds = time.perf_counter() - start
+
+    @property
+    def is_gated(self) -> bool:
+        """Whether the graph has confidence gates (captured as CUDA conditional IF nodes)."""
+        return any(flag is not None for flag, _ in self.eager.segments)
+
+    def _capture_gated(self, flag: torch.Tensor, body) -> None:
+        """Capture ``body`` into an IF node that runs it when ``flag`` is nonzero at replay time.
+
+        Without conditional nodes (CUDA < 12.4, no cuda-python or NVRTC) the body is captured
+        unconditionally: every step runs, and cut_drafts still cuts the same drafts.
+        """
+        from runtime import graph_conditional
+
+        if not graph_conditional.is_available():  # same drafts (cut_drafts masks them), no time saved
+            body()
+            return
+        with graph_conditional.if_node(flag, self.pool):
+            body()
 
     def _run_steps(self) -> dict[str, torch.Tensor]:
         if self.prologue is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -94,6 +95,10 @@ class EagerExecutor:
         self._bind_arena()
         self.kernels = check_kernels(kernels)
         self.steps = [self._make_step(node) for node in (self.graph.nodes[n] for n in self.plan.order)]
+        self.segments = self._gate_segments()
+        # How a gated segment runs: eagerly, by reading its flag (one host sync per gate); a
+        # CapturedExecutor swaps in a CUDA conditional node while it captures.
+        self.run_gated: Callable[[torch.Tensor, Callable[[], None]], None] = run_if_flag_set
 
     # ---- binding -------------------------------------------------------------
     def _bind_persistent(self, weights: dict, state: dict) -> None:
@@ -162,6 +167,28 @@ class EagerExecutor:
         ]
         return Step(node, impl, inputs, outputs, ws, poisonable)
 
+    def _gate_segments(self) -> list[tuple[torch.Tensor | None, list[Step]]]:
+        """The steps cut into runs of one gate each: (flag tensor or None, steps), in schedule order.
+
+        ``graph.meta["gates"]`` lists {"flag": value, "prefix": node-name prefix}: the nodes whose
+        names start with the prefix run only where the flag (int32 [1]) is nonzero. Each gated
+        region must be one unbroken run of the schedule, after the node writing its flag.
+        """
+        gates = {g["prefix"]: g["flag"] for g in self.graph.meta.get("gates", ())}
+        segments: list[tuple[str | None, list[Step]]] = []
+        for step in self.steps:
+            flag = next((f for prefix, f in gates.items() if step.node.name.startswith(prefix)), None)
+            if segments and segments[-1][0] == flag:
+                segments[-1][1].append(step)
+            else:
+                segments.append((flag, [step]))
+        flags = [flag for flag, _ in segments if flag is not None]
+        if len(flags) != len(set(flags)):
+            split = next(f for f in flags if flags.count(f) > 1)
+            raise ExecutionError(describe(f"the steps gated by %{split}", "one unbroken run of the schedule",
+                                          "a run split by other steps", "keep a gated region's nodes together"))
+        return [(None if flag is None else self.bound[flag], steps) for flag, steps in segments]
+
     # ---- running ----------------------------------------------------------------
     def check_inputs(self, inputs: Mapping[str, torch.Tensor]) -> None:
         missing = [n for n in self.graph.inputs if n not in inputs]
@@ -188,10 +215,17 @@ class EagerExecutor:
         """Run every step; returns the graph outputs (views into the arena: copy to keep)."""
         if check:
             self.check_inputs(inputs)
-        for step in self.steps:
-            self._run_step(step, inputs)
+        for flag, steps in self.segments:
+            if flag is None:
+                self._run_steps(steps, inputs)
+            else:
+                self.run_gated(flag, partial(self._run_steps, steps, inputs))
         return {name: self.bound.get(name) if name in self.bound else self._resolve(name, inputs)
                 for name in self.graph.outputs}
+
+    def _run_steps(self, steps: list[Step], inputs) -> None:
+        for step in steps:
+            self._run_step(step, inputs)
 
     def _resolve(self, item, inputs):
         if isinstance(item, str):
@@ -236,6 +270,12 @@ class EagerExecutor:
                         f"while executing {format_node(self.graph, step.node)}: an output view was left "
                         "unwritten (NaN poison remains; hint: write every element of each output)"
                     )
+
+
+def run_if_flag_set(flag: torch.Tensor, body: Callable[[], None]) -> None:
+    """The eager gate: read the flag (a host sync) and run the body when it is nonzero."""
+    if int(flag.item()):
+        body()
 
 
 def concrete_device(device: torch.device | str) -> torch.device:

@@ -26,6 +26,7 @@ import torch
 
 from graphs.draft_chain import ChainSpec, build_draft_chain, build_drafter_prefill, hidden_spec, mask_words
 from graphs.v4_block import CacheGeometry, block_interface
+from ops.draft_gate import CUT
 from ops.kernels import check_kernels
 from runtime.config import V4Config
 from runtime.draft_binding import DraftBinding, prepare_weights
@@ -72,7 +73,7 @@ class ProposerOptions:
     num_cache_blocks: int | None = None  # default: enough for max batch x window x max drafts
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     max_num_drafts: int = 8
-    draft_conf_tau: float = 0.0
+    draft_conf_tau: float = 0.0  # > 0: stop drafting inside the chain once confidence < tau (fewer than K drafts)
     executor: str = "auto"  # "auto" (captured on CUDA), "eager", "captured"
     kernels: str = "auto"  # "auto" (fused on CUDA), "torch", "compiled" (ops.kernels)
     debug: bool = False
@@ -98,6 +99,8 @@ class DeepseekV4MtpProposer:
         if opts.mode not in ("streams", "collapsed"):
             raise InputError(describe("mode", "'streams' or 'collapsed'", repr(opts.mode)))
         check_kernels(opts.kernels)
+        if not 0.0 <= opts.draft_conf_tau <= 1.0:
+            raise InputError(describe("draft_conf_tau", "in [0, 1] (0: never stop early)", opts.draft_conf_tau))
         self.config = config
         self.device = concrete_device(device) if device is not None else torch.device("cpu")
         self.id = next(_ids)
@@ -161,8 +164,8 @@ class DeepseekV4MtpProposer:
         the device) and ``read_deferred_draft_token()`` returns its id.
         """
         out = self._propose([last_token], [target_hidden], [position], num_drafts, [state], grammar_bitmask)
-        if draft_embed_target is not None:
-            self._leave_embedding(out[1][:1, -1], draft_embed_target)
+        if draft_embed_target is not None:  # the last draft kept (fewer than K when confidence gated)
+            self._leave_embedding(out[1][:1, len(out[0][0]) - 1], draft_embed_target)
         return out[0][0]
 
     def propose_batch(self, last_tokens, target_hiddens, positions, num_drafts, states, out_conf=None):
@@ -178,7 +181,7 @@ class DeepseekV4MtpProposer:
         drafts, _, probs = self._propose(last_tokens, target_hiddens, positions, num_drafts, states, None)
         if out_conf is not None:
             out_conf.clear()
-            out_conf.extend(probs[i].tolist() for i in range(n))
+            out_conf.extend(probs[i, : len(row)].tolist() for i, row in enumerate(drafts))
         return drafts
 
     def propose_batch_max(self) -> int:
@@ -218,15 +221,28 @@ class DeepseekV4MtpProposer:
             for record in reversed(undo):
                 self._undo_ensure(*record)
             raise
-        for state, p, (_, kv_start, _) in zip(states, positions, rows):
-            state.kv_start, state.seq_len, state.last_num_drafted = kv_start, p + k, k
+        drafted = drafts.tolist()
+        if self.options.draft_conf_tau > 0 and k > 1:  # confidence-gated: a cut draft is -1, and so are all after it
+            drafted = [row[: row.index(CUT)] if CUT in row else row for row in drafted]
+        for state, p, (_, kv_start, _), row in zip(states, positions, rows, drafted):
+            state.kv_start, state.seq_len, state.last_num_drafted = kv_start, p + len(row), len(row)
+            if len(row) < k:  # the blocks ensured for the drafts the chain did not make go back
+                self.cache.truncate(state.table, state.seq_len)
         self.cache.trim_windows([state.table for state in states], positions)
         probs = outputs["probs"][:n]
         if self.options.draft_conf_tau > 0:
-            self._last_confidence = float(probs.amin())
+            self._last_confidence = self._chain_confidence(probs, [len(row) for row in drafted])
         else:
             self._last_confidence = None
-        return drafts.tolist(), outputs["drafts"][:n], probs
+        return drafted, outputs["drafts"][:n], probs
+
+    @staticmethod
+    def _chain_confidence(probs: torch.Tensor, kept: list[int]) -> float:
+        """Min top-1 probability over the drafts each row kept (the probs of cut drafts are stale)."""
+        if min(kept) == probs.shape[1]:
+            return float(probs.amin())
+        host = probs.cpu()
+        return min(float(host[i, :m].amin()) for i, m in enumerate(kept))
 
     def _propose_constants(self) -> tuple[int, tuple[int, ...], int]:
         """(vocab size, hidden shape per sequence, drafted mask words), kept while config and options hold."""
@@ -285,7 +301,11 @@ class DeepseekV4MtpProposer:
         assert restored == (length, before, scalars), f"state not restored: {restored} != {(length, before, scalars)}"
 
     def last_hidden(self, n: int = 1) -> torch.Tensor:
-        """A copy of the last propose's final hidden (streams or h_out) for its first ``n`` rows."""
+        """A copy of the last propose's final hidden (streams or h_out) for its first ``n`` rows.
+
+        Confidence-gated (draft_conf_tau > 0), it is the hidden of the last of the K steps, and
+        stale when the chain stopped before that step.
+        """
         return self.last_outputs[list(self.last_outputs)[2]][:n].clone()
 
     def _restore_blocks(self, state: MtpProposerState, before: list[int]) -> None:
@@ -328,13 +348,14 @@ class DeepseekV4MtpProposer:
     def chain_spec(self, num_drafts: int, masked: bool = False) -> ChainSpec:
         ws = self.runner.workspace_bytes(self.buckets[-1]) if self.runner is not None else 0
         return ChainSpec(num_drafts=num_drafts, mode=self.options.mode, mtp_vocab_size=self.options.mtp_vocab_size,
-                         masked=masked, runner=runner_name(self.runner), runner_workspace_bytes=ws)
+                         masked=masked, runner=runner_name(self.runner), runner_workspace_bytes=ws,
+                         conf_tau=self.options.draft_conf_tau)
 
     def chain_graph(self, num_drafts: int, masked: bool = False):
         return build_draft_chain(self.config, self.geometry, self.chain_spec(num_drafts, masked))
 
     def _executor(self, bucket: int, num_drafts: int, masked: bool):
-        key = ("chain", bucket, num_drafts, masked, self.use_captured)
+        key = ("chain", bucket, num_drafts, masked, self.use_captured, self.options.draft_conf_tau)
         if key not in self._executors:
             graph = self.chain_graph(num_drafts, masked)
             # Captured, the chain's first node is the staging copy: one CUDA call fewer a propose.
