@@ -94,7 +94,8 @@ def test_swap_drops_executors_so_a_stale_one_never_runs(prop):
     prop.set_circuit_draft("identity")
     assert prop.generation == generation + 1 and not prop._executors
     stale = next(iter(old.values()))
-    prop._executors[("chain", 1, 3, False, prop.use_captured, prop.options.draft_conf_tau)] = stale  # smuggle the old executor back
+    key = ("chain", 1, 3, False, prop.use_captured, prop.options.draft_conf_tau)
+    prop._executors[key] = stale  # smuggle the old executor back
     from runtime.errors import CaptureError
 
     gen = torch.Generator().manual_seed(0)
