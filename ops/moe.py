@@ -24,6 +24,7 @@ never by catching an error while running.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -65,11 +66,27 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, out: torch.Tenso
     """silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32, into ``out`` (any float dtype) if given.
 
     The clamp is one-sided on the gate (silu is bounded below) and two-sided on up. A clamp
-    is exact in bf16, so up is clamped as it is and widened inside the product (a mixed-dtype
-    multiply computes in fp32): no fp32 copy of up. The product can round straight into a
-    bf16 ``out`` (one kernel on CUDA) instead of a separate cast.
+    is exact in up's dtype when the limit is (V4's 10.0 is), so up is then clamped as it is
+    and widened inside the product (a mixed-dtype multiply computes in fp32): no fp32 copy
+    of up. The product can round straight into a bf16 ``out`` (one kernel on CUDA) instead
+    of a separate cast.
     """
+    if not _exact_in(limit, up.dtype):
+        up = up.float()
     return torch.mul(F.silu(gate.float().clamp(max=limit)), up.clamp(-limit, limit), out=out)
+
+
+SIGNIFICANT_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24, torch.float64: 53}
+
+
+def _exact_in(value: float, dtype: torch.dtype) -> bool:
+    """Whether ``value`` has no more significant bits than ``dtype`` holds: a clamp to it is then exact.
+
+    Plain Python on the host (torch.compile folds it to a constant). The exponent range is
+    not checked: a bound beyond a dtype's range clamps nothing in that dtype either way.
+    """
+    bits = SIGNIFICANT_BITS.get(dtype)
+    return bits is not None and math.ldexp(math.frexp(value)[0], bits).is_integer()
 
 
 def _weighted_into(weights: torch.Tensor, act: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
