@@ -118,9 +118,10 @@ def _window_slots(positions, kv_start, table, window, block_size, num_slots):
 
 def _write_kv(cache, kv, slot, alive) -> None:
     """Write kv [B, d] at slot [B] of each live row (see "dead rows")."""
-    any_alive, first = alive.max(0, keepdim=True)  # the first live row, if any (max takes the first)
+    # The max runs on int32, not bool: inductor's CPU code for a bool max does not compile.
+    any_alive, first = alive.to(torch.int32).max(0, keepdim=True)  # the first live row, if any
     donor_slot = slot.index_select(0, first) * any_alive  # [1]; slot 0 when no row is live
-    donor_val = torch.where(any_alive, kv.index_select(0, first), cache[:1])  # [1, d]
+    donor_val = torch.where(any_alive.bool(), kv.index_select(0, first), cache[:1])  # [1, d]
     slot_w = torch.where(alive, slot, donor_slot)
     cache.index_copy_(0, slot_w, torch.where(alive.unsqueeze(1), kv, donor_val))
 
