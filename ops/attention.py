@@ -118,12 +118,30 @@ def _window_slots(positions, kv_start, table, window, block_size, num_slots):
 
 def _write_kv(cache, kv, slot, alive) -> None:
     """Write kv [B, d] at slot [B] of each live row (see "dead rows")."""
+    # The max runs on int32, not bool: inductor's CPU code for a bool max does not compile.
     any_alive, first = alive.to(torch.int32).max(0, keepdim=True)  # the first live row, if any
-    any_alive = any_alive.bool()
-    donor_slot = torch.where(any_alive, slot.index_select(0, first), 0)  # [1]
-    donor_val = torch.where(any_alive, kv.index_select(0, first), cache[:1])  # [1, d]
+    donor_slot = slot.index_select(0, first) * any_alive  # [1]; slot 0 when no row is live
+    donor_val = torch.where(any_alive.bool(), kv.index_select(0, first), cache[:1])  # [1, d]
     slot_w = torch.where(alive, slot, donor_slot)
     cache.index_copy_(0, slot_w, torch.where(alive.unsqueeze(1), kv, donor_val))
+
+
+def _sink_softmax(q, keys, hidden, sink, scale: float) -> torch.Tensor:
+    """Softmax weights [B, H, W] of q [B, H, d] over keys [B, W, d], with the sink [H] in the denominator.
+
+    The sink is one more column: softmax over [scores, sink] is exp(s - mu) / (sum + exp(sink - mu))
+    with mu = max(max s, sink), the sink joining the max and the denominator only. The GEMM
+    writes the scores straight into the first W columns of that [B, H, W+1] buffer (beta = 0:
+    the buffer's old contents are not read), the hidden keys are masked to -inf in place and
+    the sink copied into the last column: three kernels, where a bias tensor, a baddbmm with
+    it and a cat took six. A keyless row gets all 0 (its sink takes everything), so o = 0.
+    """
+    b, h, window = q.shape[0], q.shape[1], keys.shape[1]
+    scores = q.new_empty(b, h, window + 1)
+    scores[..., :window].baddbmm_(q, keys.transpose(1, 2), beta=0.0, alpha=scale)
+    scores[..., :window].masked_fill_(hidden.unsqueeze(1), float("-inf"))
+    scores[..., window].copy_(sink.expand(b, h))
+    return torch.softmax(scores, dim=-1)[..., :window]
 
 
 def _attn_impl(inputs, outputs, attrs, workspace):
@@ -155,23 +173,20 @@ def _attn_impl(inputs, outputs, attrs, workspace):
 
     # Keys of the window, fp32; invalid ones zeroed: unwritten or poisoned rows (NaN/inf)
     # must not leak through 0 * x.
-    valid = ok & in_window & alive.unsqueeze(1)  # [B, W]
+    hidden = ~(ok & in_window & alive.unsqueeze(1))  # [B, W]: keys the row must not see
     keys = cache.index_select(0, slot.flatten()).view(b, window, d)
-    keys = torch.where(valid.unsqueeze(-1), keys, 0).float()  # [B, W, d]
-    # Scores with the mask as an additive bias in the GEMM's epilogue, then the sink as
-    # one more column: softmax over [scores, sink] is exp(s - mu) / (sum + exp(sink - mu))
-    # with mu = max(max s, sink), the sink joining the max and the denominator only.
-    bias = torch.where(valid, 0.0, float("-inf")).unsqueeze(1)  # [B, 1, W]
-    scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=1.0 / math.sqrt(d))  # [B, H, W]
-    scores = torch.cat((scores, sink.view(1, h, 1).expand(b, h, 1)), dim=-1)  # [B, H, W+1]
-    weights = torch.softmax(scores, dim=-1)[..., :window]  # a keyless row: all 0, o = 0
+    keys = keys.masked_fill_(hidden.unsqueeze(-1), 0).float()  # [B, W, d]; in place: out of place clones first
+    weights = _sink_softmax(q, keys, hidden, sink, 1.0 / math.sqrt(d))
     o = torch.bmm(weights, keys)  # [B, H, d]
     rotate_pairs_(o[..., n:], rotation, inverse=True)
 
     # Grouped low-rank output: z_g = wo_a[g] @ o_g, out = wo_b @ concat(z).
+    # z is written as [B, G, o_lora] through a transposed out (the GEMM takes the strides), so
+    # concat(z) is a view, not a copy.
     o = o.to(x.dtype).view(b, g, h // g * d).transpose(0, 1)  # [G, B, H/G*d]
-    z = torch.bmm(o, wo_a.view(g, -1, h // g * d).transpose(1, 2))  # [G, B, o_lora]
-    torch.matmul(z.transpose(0, 1).reshape(b, -1), wo_b.t(), out=outputs[0])
+    z = o.new_empty(b, g, wo_a.shape[0] // g)  # [B, G, o_lora]
+    torch.bmm(o, wo_a.view(g, -1, h // g * d).transpose(1, 2), out=z.transpose(0, 1))
+    torch.matmul(z.view(b, -1), wo_b.t(), out=outputs[0])
 
 
 SWA_ATTENTION = register(

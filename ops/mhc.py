@@ -84,7 +84,7 @@ def _hc_pre_infer(specs, attrs):
     return [TensorSpec((b, d), X.dtype), TensorSpec((b, c), F32), TensorSpec((b, c, c), F32)]
 
 
-def sinkhorn(logits: torch.Tensor, iters: int, hc_eps: float) -> torch.Tensor:
+def sinkhorn(logits: torch.Tensor, iters: int, hc_eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Spec section 2 step 4: row softmax + eps, column norm, then (iters - 1) x (row, column).
 
     Each normalisation is M / (sums + hc_eps). M lives in the top-left [C, C] block of a
@@ -93,19 +93,27 @@ def sinkhorn(logits: torch.Tensor, iters: int, hc_eps: float) -> torch.Tensor:
     the [C, C] view in place leaves the eps border as it was. Two kernels per
     normalisation (sum, div_) instead of three (sum, add, div); the corner is never read.
     The eps joins the sum as one more term: equal to sum + eps within fp32 rounding.
+    The last division writes ``out`` (when given) instead of a copy afterwards.
+
+    Why not one kernel per normalisation: a fused reduce-and-scale kernel (log_softmax
+    over the log of M with a log(eps) border, or an RMS norm of sqrt(M)) reduces over
+    contiguous rows only. The two directions alternate, so every step would need a
+    transposed or bordered contiguous copy first (CUDA's softmax makes its input
+    contiguous, and an out= into a strided view goes through a temporary and a copy):
+    two to three kernels, not one.
     """
     if torch.compiler.is_compiling():
-        return _sinkhorn_elementwise(logits, iters, hc_eps)
+        m = _sinkhorn_elementwise(logits, iters, hc_eps)
+        return m if out is None else out.copy_(m)
     b, c = logits.shape[0], logits.shape[-1]
     buf = logits.new_full((b, c + 1, c + 1), hc_eps)  # [B, C+1, C+1]
     m = buf[:, :c, :c]  # [B, C, C], rows j, columns k
     torch.add(torch.softmax(logits, dim=-1), hc_eps, out=m)
     rows, cols = buf[:, :c, :], buf[:, :, :c]  # each with its eps border
-    m.div_(cols.sum(-2, keepdim=True))
     for _ in range(iters - 1):  # a static count: unrolled identically in every capture
-        m.div_(rows.sum(-1, keepdim=True))
         m.div_(cols.sum(-2, keepdim=True))
-    return m
+        m.div_(rows.sum(-1, keepdim=True))
+    return torch.div(m, cols.sum(-2, keepdim=True), out=out)
 
 
 def _sinkhorn_elementwise(logits: torch.Tensor, iters: int, hc_eps: float) -> torch.Tensor:
@@ -142,7 +150,7 @@ def _hc_pre_impl(inputs, outputs, attrs, workspace):
     logits = torch.addcmul(base[2 * c :], m[:, 2 * c :], scale[2]).view(-1, c, c)  # [B, C, C]
     pre = gates[:, 0] + hc_eps  # [B, C]
     torch.mul(gates[:, 1], 2.0, out=post)
-    comb.copy_(sinkhorn(logits, int(attrs["iters"]), hc_eps))
+    sinkhorn(logits, int(attrs["iters"]), hc_eps, out=comb)
     _weighted_stream_sum_into(Xf, pre, y)  # pre is not normalised (spec step 5)
 
 

@@ -141,3 +141,14 @@ def test_moe_without_grouped_mm_takes_the_gather_path(monkeypatch):
     (gathered,) = run_op("moe", inputs, attrs)
     assert rel_err(gathered, ref_moe(inputs, attrs)[0]) < 1e-2
     assert rel_err(grouped, gathered) < 2e-3
+
+
+def test_swiglu_clamps_up_exactly_with_a_limit_bf16_cannot_hold():
+    # up is clamped in bf16 only when the limit is a bf16 value; 7.3 is not (bf16 has 7.3125).
+    from ops.moe import _swiglu
+
+    gate = torch.full((1, 4), 1.0, dtype=torch.bfloat16)
+    up = torch.tensor([[7.3125, -7.3125, 7.0, 20.0]], dtype=torch.bfloat16)
+    for limit in (7.3, 10.0):
+        want = F.silu(gate.float()) * up.float().clamp(-limit, limit)
+        assert torch.equal(_swiglu(gate, up, limit), want)
