@@ -46,6 +46,11 @@ class ChainSpec:
     conf_tau: float = 0.0  # > 0: stop drafting once every row's confidence is below it (ops/draft_gate.py)
 
 
+def is_gated(conf_tau: float, num_drafts: int) -> bool:
+    """Whether a chain has confidence gates: tau > 0 and a step after the first to gate."""
+    return conf_tau > 0 and num_drafts > 1
+
+
 def hidden_spec(config: V4Config, mode: str) -> TensorSpec:
     if mode == "streams":
         return TensorSpec((B, config.hc_mult, config.hidden_size), BF16)
@@ -97,7 +102,7 @@ def build_draft_chain(config: V4Config, geometry: CacheGeometry, spec: ChainSpec
     body = build_block(config, geometry, prefix="mtp.0.", name="mtp_body") if spec.runner == "builtin" else None
     token, hidden = ins["token"], ins["hidden"]
     tokens, probs = [], []
-    gated = spec.conf_tau > 0 and spec.num_drafts > 1
+    gated = is_gated(spec.conf_tau, spec.num_drafts)
     gates, gate_values, alive = [], [], None
     for k in range(spec.num_drafts):
         if gated and k > 0:

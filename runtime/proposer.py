@@ -24,7 +24,14 @@ from pathlib import Path
 
 import torch
 
-from graphs.draft_chain import ChainSpec, build_draft_chain, build_drafter_prefill, hidden_spec, mask_words
+from graphs.draft_chain import (
+    ChainSpec,
+    build_draft_chain,
+    build_drafter_prefill,
+    hidden_spec,
+    is_gated,
+    mask_words,
+)
 from graphs.v4_block import CacheGeometry, block_interface
 from ops.draft_gate import CUT
 from ops.kernels import check_kernels
@@ -222,7 +229,7 @@ class DeepseekV4MtpProposer:
                 self._undo_ensure(*record)
             raise
         drafted = drafts.tolist()
-        if self.options.draft_conf_tau > 0 and k > 1:  # confidence-gated: a cut draft is -1, and so are all after it
+        if is_gated(self.options.draft_conf_tau, k):  # a cut draft is -1, and so are all after it
             drafted = [row[: row.index(CUT)] if CUT in row else row for row in drafted]
         for state, p, (_, kv_start, _), row in zip(states, positions, rows, drafted):
             state.kv_start, state.seq_len, state.last_num_drafted = kv_start, p + len(row), len(row)
