@@ -8,6 +8,7 @@ import torch
 from v4_op_cases import BATCH, draft_argmax_case, gen, minimum_case, offset_positions_case, run_op
 
 from ops.registry import get_op
+from ops.sampling import vocab_chunks
 
 
 def ref_draft(logits, limit, mask=None):
@@ -94,6 +95,38 @@ def test_ties_go_to_the_lowest_id():
     token, prob = check_against_ref(inputs)
     assert token.tolist() == [17] * BATCH
     torch.testing.assert_close(prob, torch.full((BATCH,), 1 / 3))
+
+
+CHUNKED_VOCAB = 6000  # reduced as 6 chunks of 1000: the two-stage path (V-Flash's 129280 is 128 x 1010)
+
+
+def test_chunked_vocab_reduces_in_two_stages():
+    assert vocab_chunks(CHUNKED_VOCAB) == 6 and vocab_chunks(129280) == 128
+    assert vocab_chunks(997) == 1  # a prime vocab: one stage
+
+
+def test_chunked_vocab_matches_the_reference_with_mask_and_limit():
+    inputs, _ = draft_argmax_case(gen(59), with_mask=True, vocab=CHUNKED_VOCAB, limit=4321)
+    check_against_ref(inputs)
+
+
+def test_chunked_ties_across_chunks_go_to_the_lowest_id():
+    inputs, _ = draft_argmax_case(gen(60), with_mask=False, vocab=CHUNKED_VOCAB)
+    inputs[0][:, [5999, 3500, 2999, 1000]] = 50.0  # equal tops in four chunks, one at a chunk's start
+    inputs[0][1, 999] = 50.0  # row 1: also the last id of chunk 0
+    token, prob = check_against_ref(inputs)
+    assert token.tolist() == [1000, 999, 1000]
+    torch.testing.assert_close(prob, torch.tensor([1 / 4, 1 / 5, 1 / 4]))
+
+
+def test_chunked_nan_logit_wins_with_confidence_zero():
+    inputs, _ = draft_argmax_case(gen(61), with_mask=False, vocab=CHUNKED_VOCAB)
+    inputs[0][0, 4444] = float("nan")
+    inputs[0][2] = float("-inf")  # row 2: nothing finite
+    token, prob = run_op("draft_argmax", inputs, {})
+    assert token[0] == 4444 and prob[0] == 0.0  # as torch.argmax: NaN is the max
+    assert token[2] == 0 and prob[2] == 0.0
+    assert torch.equal(token[1], inputs[0][1].argmax())
 
 
 def test_offset_positions_adds_on_device():
