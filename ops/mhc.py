@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ops.overlap import side_stream
 from ops.registry import OpDef, expect, expect_count, expect_rank, register
 from ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
 from runtime.tensor_spec import TensorSpec
@@ -147,11 +148,14 @@ def _hc_pre_impl(inputs, outputs, attrs, workspace):
     m = _mix_logits(Xf, fn, float(attrs["eps"]))  # [B, (2+C)*C]
     # pre and post logits in one op: [B, 2, C] * scale[:2] per group + base.
     gates = torch.sigmoid(torch.addcmul(base[: 2 * c].view(2, c), m[:, : 2 * c].view(-1, 2, c), scale[:2, None]))
-    logits = torch.addcmul(base[2 * c :], m[:, 2 * c :], scale[2]).view(-1, c, c)  # [B, C, C]
+    # The Sinkhorn logits go into comb itself: the side-stream block below reads and writes
+    # nothing else of the arena (ops.overlap), and hc_post, its one reader, comes much later.
+    torch.addcmul(base[2 * c :], m[:, 2 * c :], scale[2], out=comb.view(-1, c * c))
     pre = gates[:, 0] + hc_eps  # [B, C]
     torch.mul(gates[:, 1], 2.0, out=post)
-    sinkhorn(logits, int(attrs["iters"]), hc_eps, out=comb)
     _weighted_stream_sum_into(Xf, pre, y)  # pre is not normalised (spec step 5)
+    with side_stream():  # ~80 tiny kernels with the torch ops: beside the attention / MoE, not before it
+        sinkhorn(comb, int(attrs["iters"]), hc_eps, out=comb)
 
 
 HC_PRE = register(
@@ -161,6 +165,7 @@ HC_PRE = register(
         infer=_hc_pre_infer,
         impl=_hc_pre_impl,
         output_names=("y", "post", "comb"),
+        deferred=(2,),  # comb: the Sinkhorn may finish on the side stream
         doc="(X, fn, base, scale) -> y = sum_j pre_j X_j, post, comb (Sinkhorn); spec section 2.",
     )
 )

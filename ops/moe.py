@@ -29,6 +29,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ops.overlap import join_side_stream, side_stream
 from ops.registry import OpDef, expect, expect_count, expect_rank, register
 from ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
 from runtime.tensor_spec import TensorSpec
@@ -143,16 +144,30 @@ def routed_gather(x, idx, weights, w1, w2, w3, limit: float) -> torch.Tensor:
     return routed.sum(1, dtype=torch.float32)
 
 
-def _experts_into(inputs, idx, weights, attrs, out):
-    """out = sum_k w2[idx_k] (w_k * swiglu) + shared(x): idx [B, K] i64, weights [B, K] fp32."""
-    x, w1, w2, w3, sw1, sw2, sw3 = inputs
-    limit = float(attrs["swiglu_limit"])
+def shared_expert_beside(x, sw1, sw2, sw3, limit: float) -> torch.Tensor:
+    """shared(x) = sw2 swiglu(sw1 x, sw3 x), [B, D] in x's dtype, queued on the side stream.
+
+    It does not depend on the routing: on the executor's side stream (ops.overlap) its three
+    GEMVs run beside the router and the routed experts; read it after ``join_side_stream()``.
+    The result's bytes come from the main stream, which reads them after the join (a block
+    on the side stream keeps to tensors it allocates itself otherwise).
+    """
+    shared = torch.empty(x.shape[0], sw2.shape[0], dtype=x.dtype, device=x.device)
+    with side_stream():
+        gate = x @ sw1.t()
+        act = _swiglu(gate, x @ sw3.t(), limit, out=torch.empty_like(gate))  # [B, I] in x's dtype
+        torch.mm(act, sw2.t(), out=shared)
+    return shared
+
+
+def _experts_into(inputs, idx, weights, attrs, out, shared):
+    """out = sum_k w2[idx_k] (w_k * swiglu) + shared: idx [B, K] i64, weights [B, K] fp32."""
+    x, w1, w2, w3 = inputs[:4]
     routed = routed_grouped if can_grouped_mm(x, w1, w2, w3) else routed_gather
-    total = routed(x, idx, weights, w1, w2, w3, limit)  # [B, D] fp32
-    shared_gate = x @ sw1.t()
-    shared_act = _swiglu(shared_gate, x @ sw3.t(), limit, out=torch.empty_like(shared_gate))  # [B, I] in x's dtype
+    total = routed(x, idx, weights, w1, w2, w3, float(attrs["swiglu_limit"]))  # [B, D] fp32
+    join_side_stream()
     # The fp32 sum rounds once into out: one add, no fp32 accumulator copied out afterwards.
-    torch.add(total, shared_act @ sw2.t(), out=out)
+    torch.add(total, shared, out=out)
 
 
 def _renormalised(scores: torch.Tensor, idx: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -175,10 +190,11 @@ def _moe_infer(specs, attrs):
 
 def _moe_impl(inputs, outputs, attrs, workspace):
     x, gate_w, gate_bias, w1, w2, w3, sw1, sw2, sw3 = inputs
+    shared = shared_expert_beside(x, sw1, sw2, sw3, float(attrs["swiglu_limit"]))
     scores = gate_scores(x, gate_w)  # [B, E]
     idx = torch.topk(scores + gate_bias, int(attrs["top_k"]), dim=-1).indices  # bias: selection only
     weights = _renormalised(scores, idx, float(attrs["routed_scaling_factor"]))
-    _experts_into((x, w1, w2, w3, sw1, sw2, sw3), idx, weights, attrs, outputs[0])
+    _experts_into((x, w1, w2, w3), idx, weights, attrs, outputs[0], shared)
 
 
 MOE = register(
@@ -212,9 +228,10 @@ def _moe_hash_infer(specs, attrs):
 
 def _moe_hash_impl(inputs, outputs, attrs, workspace):
     x, token, tid2eid, gate_w, w1, w2, w3, sw1, sw2, sw3 = inputs
+    shared = shared_expert_beside(x, sw1, sw2, sw3, float(attrs["swiglu_limit"]))
     idx = tid2eid.index_select(0, token).long()  # [B, K]
     weights = _renormalised(gate_scores(x, gate_w), idx, float(attrs["routed_scaling_factor"]))
-    _experts_into((x, w1, w2, w3, sw1, sw2, sw3), idx, weights, attrs, outputs[0])
+    _experts_into((x, w1, w2, w3), idx, weights, attrs, outputs[0], shared)
 
 
 MOE_HASH = register(

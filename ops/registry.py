@@ -12,7 +12,8 @@ Implementation contract (what makes capture safe and memory planned):
 ``None``, and never syncs with the host (no ``.item()``, no branching on tensor
 values). ``workspace`` is a uint8 tensor of the declared size, or ``None``.
 An output declared ``inplace`` with input ``i`` may or may not alias input
-``i``: the implementation must be correct either way.
+``i``: the implementation must be correct either way. Outputs listed in
+``deferred`` may be finished on the executor's side stream (``ops.overlap``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class OpDef:
     view_fn: ViewFn | None = None  # builds the view output from the input tensor
     mutates: tuple[int, ...] = ()  # input indices written in place (state)
     workspace: WorkspaceRule | None = None  # bytes of scratch for a concrete batch
+    deferred: tuple[int, ...] = ()  # outputs a side_stream() block may still write after the step (ops.overlap)
     fused: Mapping[str, Impl] = field(default_factory=dict)  # device type -> implementation
     doc: str = ""
 

@@ -36,6 +36,8 @@ class CapturedExecutor:
     keep_graph : keep the cudaGraph_t (for ``debug_dump`` / ``raw_cuda_graph``).
     prologue : a function of no arguments captured before the steps (the staging copy
         from pinned memory, see ``ChainStaging.in_graph_copy``); None: nothing.
+    overlap : let ops fork work onto a side stream (``ops.overlap``): captured, it becomes a
+        parallel branch of the graph.
     """
 
     def __init__(
@@ -53,11 +55,13 @@ class CapturedExecutor:
         warmup_runs: int = 2,
         kernels: str = "auto",
         prologue: Callable[[], None] | None = None,
+        overlap: bool = True,
     ) -> None:
         device = torch.device(device)
         if device.type != "cuda" or not torch.cuda.is_available():
             raise CaptureError(describe("CapturedExecutor device", "a CUDA device", device, "use EagerExecutor"))
-        self.eager = EagerExecutor(graph, batch, weights, state, device=device, runners=runners, kernels=kernels)
+        self.eager = EagerExecutor(graph, batch, weights, state, device=device, runners=runners, kernels=kernels,
+                                   overlap=overlap)
         self.graph_ir, self.batch, self.device = self.eager.graph, batch, device
         self.plan = self.eager.plan
         if static_inputs is None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ops.kernels import NOT_COMPILED, check_kernels, compiled_step, select_impl
+from ops.overlap import SideStream
 from ops.registry import get_op
 from runtime.errors import ExecutionError, InputError, describe
 from runtime.graph import Graph, Node, ValueKind
@@ -54,6 +55,10 @@ class EagerExecutor:
         False gives every intermediate its own buffer (the unaliased oracle).
     debug : bool
         Poison float outputs before each op and fail any op that leaves them unwritten.
+    overlap : bool
+        On CUDA, give ops a side stream for work that only later steps read (``ops.overlap``:
+        the torch hc_pre's Sinkhorn); the result is the same, in less time. Off in debug runs,
+        whose write check reads each output right after its step.
     kernels : str
         Which implementation each op runs (``ops.kernels``): "auto" (the fused kernel
         where one is registered for the device, else the torch op), "torch" (the torch
@@ -79,6 +84,7 @@ class EagerExecutor:
         debug: bool = False,
         kernels: str = "auto",
         alignment: int = DEFAULT_ALIGNMENT,
+        overlap: bool = True,
     ) -> None:
         self.graph = flatten(graph)
         validate(self.graph)
@@ -96,6 +102,9 @@ class EagerExecutor:
         self.kernels = check_kernels(kernels)
         self.steps = [self._make_step(node) for node in (self.graph.nodes[n] for n in self.plan.order)]
         self.segments = self._gate_segments()
+        self.side = SideStream(self.device) if overlap and self.device.type == "cuda" and not debug else None
+        self._pending: dict[str, torch.cuda.Event] = {}  # arena root -> the side-stream work still writing it
+        self._read_values = {n for node in self.graph.nodes.values() for n in node.inputs} | set(self.graph.outputs)
         # How a gated segment runs: eagerly, by reading its flag (one host sync per gate); a
         # CapturedExecutor swaps in a CUDA conditional node while it captures.
         self.run_gated: Callable[[torch.Tensor, Callable[[], None]], None] = run_if_flag_set
@@ -218,14 +227,21 @@ class EagerExecutor:
         for flag, steps in self.segments:
             if flag is None:
                 self._run_steps(steps, inputs)
-            else:
-                self.run_gated(flag, partial(self._run_steps, steps, inputs))
+            else:  # no fork inside a gated region: its body may be a conditional node's own capture
+                self.run_gated(flag, partial(self._run_steps, steps, inputs, False))
         return {name: self.bound.get(name) if name in self.bound else self._resolve(name, inputs)
                 for name in self.graph.outputs}
 
-    def _run_steps(self, steps: list[Step], inputs) -> None:
-        for step in steps:
-            self._run_step(step, inputs)
+    def _run_steps(self, steps: list[Step], inputs, overlap: bool = True) -> None:
+        """Run ``steps`` in order; side-stream work is joined by the end (a capture must rejoin)."""
+        side = self.side if overlap else None
+        try:
+            for step in steps:
+                self._run_step(step, inputs, side)
+        finally:
+            for event in self._pending.values():
+                self.side.wait(event)
+            self._pending.clear()
 
     def _resolve(self, item, inputs):
         if isinstance(item, str):
@@ -241,7 +257,12 @@ class EagerExecutor:
         shape = self.graph.values[name].spec.concrete(self.batch)
         return get_op(node.op).view_fn(base, node.attrs, shape)
 
-    def _run_step(self, step: Step, inputs) -> None:
+    def _run_step(self, step: Step, inputs, side: SideStream | None = None) -> None:
+        if self._pending:  # join the side-stream work writing what this step reads
+            for name in step.node.inputs:
+                event = self._pending.pop(self.plan.groups.root.get(name, name), None)
+                if event is not None:
+                    self.side.wait(event)
         ins = [self._resolve(t, inputs) for t in step.inputs]
         outs = [self._resolve(t, inputs) for t in step.outputs]
         if self.debug:
@@ -250,7 +271,15 @@ class EagerExecutor:
         if self.tracer is not None:
             self.tracer.begin(step.node)
         try:
-            result = step.impl(ins, outs, step.node.attrs, step.workspace)
+            if side is None:
+                result = step.impl(ins, outs, step.node.attrs, step.workspace)
+            else:
+                with side.serving():
+                    try:
+                        result = step.impl(ins, outs, step.node.attrs, step.workspace)
+                    finally:
+                        if side.forked:
+                            self._defer(step, side.join_event())
         except ExecutionError:
             raise
         except Exception as exc:
@@ -270,6 +299,21 @@ class EagerExecutor:
                         f"while executing {format_node(self.graph, step.node)}: an output view was left "
                         "unwritten (NaN poison remains; hint: write every element of each output)"
                     )
+
+
+    def _defer(self, step: Step, event: torch.cuda.Event) -> None:
+        """The side-stream work of ``step`` is joined before the first reader of its deferred outputs.
+
+        An op that lists none is joined at once. Pending work is keyed by arena root, so a
+        view or an in-place successor of a deferred output joins it too.
+        """
+        deferred = get_op(step.node.op).deferred if step.node.op != "body_runner" else ()
+        read_later = [step.node.outputs[i] for i in deferred if step.node.outputs[i] in self._read_values]
+        if len(read_later) < len(deferred):  # an unread output's bytes are free for the next step: join now
+            self.side.wait(event)
+            return
+        for name in read_later:
+            self._pending[self.plan.groups.root.get(name, name)] = event
 
 
 def run_if_flag_set(flag: torch.Tensor, body: Callable[[], None]) -> None:

@@ -83,6 +83,7 @@ class ProposerOptions:
     draft_conf_tau: float = 0.0  # > 0: stop drafting inside the chain once confidence < tau (fewer than K drafts)
     executor: str = "auto"  # "auto" (captured on CUDA), "eager", "captured"
     kernels: str = "auto"  # "auto" (fused on CUDA), "torch", "compiled" (ops.kernels)
+    overlap: bool = True  # on CUDA, ops may queue work that only later steps read on a side stream (ops.overlap)
     debug: bool = False
     poison_arena: bool = False  # fill the arena with NaN before every run (tests of invariant 3)
     extra: dict = field(default_factory=dict)
@@ -391,10 +392,12 @@ class DeepseekV4MtpProposer:
                 static["grammar_mask"] = staged["grammar_mask"][:, : graph.values["grammar_mask"].spec.shape[1]]
             executor = CapturedExecutor(graph, bucket, self.weights, self.state_tensors, device=self.device,
                                         runners=runners, static_inputs=static, pool=self._pool,
-                                        kernels=self.options.kernels, prologue=prologue)
+                                        kernels=self.options.kernels, prologue=prologue,
+                                        overlap=self.options.overlap)
         else:
             executor = EagerExecutor(graph, bucket, self.weights, self.state_tensors, device=self.device,
-                                     runners=runners, debug=self.options.debug, kernels=self.options.kernels)
+                                     runners=runners, debug=self.options.debug, kernels=self.options.kernels,
+                                     overlap=self.options.overlap)
         executor.generation = self.generation
         return executor
 

@@ -210,8 +210,10 @@ def kernel_nodes_per_step(executor, k: int) -> int | None:
 
 
 VARIANTS = ("torch", "compiled", "fused")
-# variant -> ProposerOptions.kernels; "fused-nopdl" is "fused" with programmatic dependent launch off
-KERNELS_OPTION = {"torch": "torch", "compiled": "compiled", "fused": "auto", "fused-nopdl": "auto"}
+# variant -> ProposerOptions.kernels; "fused-nopdl" is "fused" with programmatic dependent launch off,
+# "torch-serial" is "torch" on one stream (no side-stream overlap: ops.overlap)
+KERNELS_OPTION = {"torch": "torch", "torch-serial": "torch", "compiled": "compiled", "fused": "auto",
+                  "fused-nopdl": "auto"}
 
 
 @contextlib.contextmanager
@@ -234,7 +236,7 @@ def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, ke
     from runtime.proposer import DeepseekV4MtpProposer
 
     prop = DeepseekV4MtpProposer(cfg, weights, device=device, executor=executor, kernels=KERNELS_OPTION[kernels],
-                                 buckets=(batch,), num_cache_blocks=batch * 16)
+                                 buckets=(batch,), num_cache_blocks=batch * 16, overlap=kernels != "torch-serial")
     gen = torch.Generator(device=device).manual_seed(batch)
     hiddens = [torch.randn(cfg.hc_mult, cfg.hidden_size, device=device, generator=gen).bfloat16()
                for _ in range(batch)]
@@ -344,7 +346,8 @@ def main() -> int:
     ap.add_argument("--config", choices=("flash", "small"), default="flash")
     ap.add_argument("--cases", default=",".join(f"{b}x{k}" for b, k in CASES), help="BxK cases, e.g. 1x1,1x3")
     ap.add_argument("--kernels", default=",".join(VARIANTS),
-                    help="captured variants: torch,compiled,fused (and fused-nopdl: PDL off)")
+                    help="captured variants: torch,compiled,fused (and fused-nopdl: PDL off; "
+                         "torch-serial: the torch ops on one stream)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--compile-cases", default=",".join(f"{b}x{k}" for b, k in CASES),
                     help="cases that get the torch.compile baseline (100-200 s of compiling per batch size)")
@@ -412,7 +415,7 @@ def main() -> int:
             # others: the share of drafts equal to the torch ops' (near-ties may differ).
             row["agree"] = sum(a == b for ra, rb in zip(row["drafts"], reference) for a, b in zip(ra, rb)) / (
                 batch * k)
-            if kernels == "torch" and row["agree"] != 1.0:
+            if kernels.startswith("torch") and row["agree"] != 1.0:
                 print(f"  MISMATCH: captured torch ops {row['drafts']} != eager {reference}", flush=True)
             record(f"draftgraph captured, {kernels} ops", row)
         if not args.no_plain:  # last: the torch.compile baseline is the slow part of a case

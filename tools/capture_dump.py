@@ -61,6 +61,34 @@ def graph_nodes(cuda_graph: torch.cuda.CUDAGraph) -> list:
     return nodes
 
 
+def graph_edges(cuda_graph: torch.cuda.CUDAGraph) -> list[tuple[int, int]]:
+    """(from, to) node handles of every dependency edge.
+
+    cuda-python 12 returns (err, from, to, count), 13 also the edge data before the count:
+    the count is the last item either way.
+    """
+    cudart = _cudart()
+    raw = cudart.cudaGraph_t(init_value=int(cuda_graph.raw_cuda_graph()))
+    count = cudart.cudaGraphGetEdges(raw, 0)[-1]
+    result = cudart.cudaGraphGetEdges(raw, count)
+    _check((result[0], None))
+    return [(int(a), int(b)) for a, b in zip(result[1], result[2])]
+
+
+def critical_path(cuda_graph: torch.cuda.CUDAGraph) -> int:
+    """Nodes on the longest dependency chain: what a replay waits for, launch after launch.
+
+    A graph captured on one stream is one chain (every node on it); ops that fork work onto
+    a side stream (``ops.overlap``) take that work off it.
+    """
+    import networkx as nx
+
+    dag = nx.DiGraph()
+    dag.add_nodes_from(int(node) for node in graph_nodes(cuda_graph))
+    dag.add_edges_from(graph_edges(cuda_graph))
+    return nx.dag_longest_path_length(dag) + 1 if dag.number_of_nodes() else 0
+
+
 def node_types(cuda_graph: torch.cuda.CUDAGraph) -> Counter:
     cudart = _cudart()
     types = Counter()
@@ -81,7 +109,8 @@ def recapture(executor, keep_graph: bool = True):
     statics = getattr(executor, "static_inputs", None)
     kept = CapturedExecutor(eager.graph, eager.batch, weights, state, device=eager.device, static_inputs=statics,
                             keep_graph=keep_graph, runners={k: v for k, v in eager.runners.items()},
-                            kernels=eager.kernels, prologue=getattr(executor, "prologue", None))
+                            kernels=eager.kernels, prologue=getattr(executor, "prologue", None),
+                            overlap=eager.side is not None)
     kept.capture()
     return kept
 
@@ -128,7 +157,8 @@ def run(args) -> int:
     for _, op, n in per_op:
         by_op[op] += n
     total = sum(by_op.values())
-    print(f"wrote {args.out}: {sum(types.values())} nodes ({', '.join(f'{k} {v}' for k, v in types.most_common())})")
+    print(f"wrote {args.out}: {sum(types.values())} nodes ({', '.join(f'{k} {v}' for k, v in types.most_common())}),"
+          f" {critical_path(kept.cuda_graph)} on the critical path")
     print(f"{'op':<18} {'kernels':>8} {'per step':>9}")
     for op, n in by_op.most_common():
         print(f"{op:<18} {n:>8} {n / args.num_drafts:>9.1f}")

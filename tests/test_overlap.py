@@ -1,0 +1,150 @@
+"""Side-stream overlap (ops.overlap): where the executor forks and joins, checked on the CPU.
+
+A fake side stream stands in for the CUDA one: its blocks run inline (so results are
+exact) and it logs every fork, join event and wait, while a tracer logs each step. The
+order of that log is what the CUDA stream calls would be; test_overlap_cuda.py runs the
+real streams.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from proposer_fixtures import SMALL, hidden, make_proposer
+from v4_op_cases import gen, hc_pre_case
+
+from ops.overlap import SideStream, side_stream
+from runtime.builder import GraphBuilder
+from runtime.errors import ExecutionError
+from runtime.executor import EagerExecutor
+from runtime.tensor_spec import B, TensorSpec
+
+
+class FakeSide:
+    """SideStream's interface, logging instead of queueing on a stream."""
+
+    serving = SideStream.serving
+
+    def __init__(self, log: list[str]) -> None:
+        self.log, self.forked, self.events = log, False, 0
+
+    @contextlib.contextmanager
+    def fork(self):
+        self.log.append("fork")
+        self.forked = True
+        yield
+
+    def join_event(self) -> int:
+        self.events += 1
+        self.forked = False
+        self.log.append(f"event {self.events}")
+        return self.events
+
+    def wait(self, event: int) -> None:
+        self.log.append(f"wait {event}")
+
+
+class StepLog:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def begin(self, node) -> None:
+        self.log.append(f"{node.op} {node.name}")
+
+    def end(self, node) -> None:
+        pass
+
+
+def logged(executor: EagerExecutor) -> list[str]:
+    log: list[str] = []
+    executor.side, executor.tracer = FakeSide(log), StepLog(log)
+    return log
+
+
+def propose_logged(num_drafts: int, overlap: bool):
+    prop = make_proposer(SMALL, seed=3, kernels="torch")
+    executor = prop._executor(1, num_drafts, False)
+    log = logged(executor) if overlap else []
+    prop.tracer = executor.tracer  # the proposer hands its tracer to the executor on every propose
+    state = prop.alloc_state()
+    drafts = prop.propose(11, hidden(SMALL, gen(4)), 20, num_drafts, state)
+    return drafts, prop.last_outputs["probs"].clone(), prop.cache.kv.clone(), log, executor
+
+
+def test_side_stream_is_inline_without_an_executor():
+    ran = []
+    with side_stream():
+        ran.append(1)
+    assert ran == [1]
+
+
+def test_each_hc_pre_forks_and_joins_right_before_its_hc_post():
+    _, _, _, log, executor = propose_logged(2, overlap=True)
+    steps = [entry for entry in log if not entry.startswith(("fork", "event", "wait"))]
+    assert sum(s.startswith("hc_pre ") for s in steps) == 4  # attn and ffn, two drafts
+    for i, entry in enumerate(log):
+        if not entry.startswith("hc_pre "):
+            continue
+        assert log[i + 1 : i + 3] == ["fork", log[i + 2]] and log[i + 2].startswith("event")
+        event = log[i + 2].split()[1]
+        wait_at = log.index(f"wait {event}")
+        reader = log[wait_at + 1]
+        assert reader.startswith("hc_post "), f"{entry}: joined before {reader}, not its hc_post"
+        hc_post = executor.graph.nodes[reader.split()[1]]
+        pre = executor.graph.nodes[entry.split()[1]]
+        assert pre.outputs[2] in hc_post.inputs  # the comb reader
+        between = [s for s in log[i + 3 : wait_at] if not s.startswith(("fork", "event", "wait"))]
+        assert any(s.startswith("swa_attention ") or s.startswith("moe ") for s in between), (
+            f"{entry}: nothing ran beside the Sinkhorn")
+    assert executor._pending == {}
+
+
+def test_moe_forks_its_shared_expert_and_joins_inside_the_step():
+    _, _, _, log, _ = propose_logged(2, overlap=True)
+    moe_at = [i for i, entry in enumerate(log) if entry.startswith(("moe ", "moe_hash "))]
+    assert len(moe_at) == 2
+    for i in moe_at:  # forked before the router's first kernel, joined before the sum
+        assert log[i + 1 : i + 4] == ["fork", log[i + 2], f"wait {log[i + 2].split()[1]}"], log[i : i + 4]
+
+
+def hc_pre_graph(read_comb: bool):
+    """hc_pre alone; comb either read by hc_post or dropped (then its bytes are free at once)."""
+    inputs, attrs = hc_pre_case(gen(7))
+    X, fn, base, scale = inputs
+    b = GraphBuilder("hc_pre_only")
+    x = b.input("x", TensorSpec((B, *X.shape[1:]), X.dtype))
+    ws = [b.weight(n, TensorSpec(t.shape, t.dtype)) for n, t in (("fn", fn), ("base", base), ("scale", scale))]
+    y, post, comb = b.op("hc_pre", [x, *ws], name="pre", attrs=attrs)
+    if read_comb:
+        b.output(b.op("hc_post", [y, x, post, comb], name="post"))
+    else:
+        b.output(y)
+        b.discard(post, comb)
+    graph = b.build()
+    return EagerExecutor(graph, X.shape[0], {"fn": fn, "base": base, "scale": scale}, kernels="torch"), X
+
+
+def test_a_deferred_output_nobody_reads_is_joined_at_once():
+    executor, X = hc_pre_graph(read_comb=False)
+    log = logged(executor)
+    executor.run({"x": X})
+    assert log == ["hc_pre pre", "fork", "event 1", "wait 1"]
+
+
+def test_a_run_ends_joined_and_a_failing_block_leaves_nothing_pending():
+    executor, X = hc_pre_graph(read_comb=True)
+    log = logged(executor)
+    executor.run({"x": X})
+    assert log == ["hc_pre pre", "fork", "event 1", "wait 1", "hc_post post"]
+    log.clear()
+
+    def fails_on_the_side_stream(*args):
+        with side_stream():
+            raise ZeroDivisionError
+
+    executor.steps[0].impl = fails_on_the_side_stream
+    with pytest.raises(ExecutionError, match="ZeroDivisionError|hc_pre"):
+        executor.run({"x": X})
+    assert log == ["hc_pre pre", "fork", "event 2", "wait 2"]  # what it queued is joined all the same
+    assert executor._pending == {} and not executor.side.forked
