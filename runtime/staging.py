@@ -3,8 +3,11 @@
 Everything host-built that a run reads (tokens, decode metadata, vocab limit,
 grammar masks) is packed into one uint8 host buffer (pinned on CUDA) and copied
 to one device buffer; the graph inputs are views of it. Hiddens, which already
-live on the device, are copied device-to-device into their own static buffer.
-The buffers never move, so a captured graph can read them on every replay.
+live on the device, go into their own static buffer: copied device-to-device, or,
+in a graph that starts with :meth:`ChainStaging.in_graph_copy`, gathered there by
+the graph itself from their addresses, which the host buffer carries
+(:mod:`ops.triton.rows`). The buffers never move, so a captured graph can read
+them on every replay.
 """
 
 from __future__ import annotations
@@ -28,6 +31,15 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def _gather_rows() -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+    """ops.triton.rows.gather_rows, or None without triton."""
+    try:
+        from ops.triton.rows import gather_rows
+    except ImportError:
+        return None
+    return gather_rows
+
+
 class ChainStaging:
     """Static device buffers for one batch bucket. Names match the chain's graph inputs.
 
@@ -45,13 +57,15 @@ class ChainStaging:
         mask_words: int,
         device: torch.device,
         window: int | None = None,
+        gather_hiddens: bool | None = None,
     ) -> None:
         self.bucket, self.device, self.max_blocks = bucket, device, max_blocks_per_seq
         self.window = window  # block-table entries older than the window are never staged
         row = row_bytes_for(max_blocks_per_seq)
         self._meta_at, self._token_at = 0, _align(bucket * row)
         self._limit_at = self._token_at + _align(bucket * 8)
-        self._mask_at = self._limit_at + ALIGN
+        self._address_at = self._limit_at + ALIGN  # int64 [B]: each row's hidden, where the graph gathers it
+        self._mask_at = self._address_at + _align(bucket * 8)
         total = self._mask_at + _align(bucket * mask_words * 4)
         pin = device.type == "cuda"
         self.host_buf = torch.zeros(total, dtype=torch.uint8, pin_memory=pin)
@@ -77,6 +91,12 @@ class ChainStaging:
         # some hosts every CUDA call costs ~10 us); a catch-up stages chunks with no read-back between.
         self._is_copy_pending = False
         self._hidden_row0 = self.hidden_buf[0]
+        # Hiddens by address (a graph with in_graph_copy gathers them): None on the CPU, without
+        # cuda-python or without triton; then a run with copy_in=False copies them as any other.
+        wants_gather = self._device_index is not None if gather_hiddens is None else gather_hiddens
+        self._gather = _gather_rows() if wants_gather else None
+        self._num_addresses = 0  # rows holding an address (the rest are 0: padding, gathered as zeros)
+        self._kept: list[torch.Tensor] = []  # contiguous copies of strided hiddens, alive until the next stage
         self._chain_inputs: dict[int | None, Mapping[str, torch.Tensor]] = {}
         self._read_bufs: dict[tuple, torch.Tensor] = {}  # pinned host copies of outputs, per (shape, dtype)
         # Start with every row dead (slot -1, no keys): a warm-up or capture run on these
@@ -100,6 +120,7 @@ class ChainStaging:
             "meta": meta,
             "token": buf[self._token_at : self._token_at + 8 * b].view(torch.int64),
             "vocab_limit": buf[self._limit_at : self._limit_at + 4].view(torch.int32),
+            "hidden_address": buf[self._address_at : self._address_at + 8 * b].view(torch.int64),
             "grammar_mask": buf[self._mask_at : self._mask_at + 4 * b * self.mask_words]
             .view(torch.int32)
             .view(b, self.mask_words),
@@ -128,11 +149,14 @@ class ChainStaging:
         self._write_tokens(tokens)
         _LIMIT.pack_into(self._mem, self._limit_at, int(vocab_limit))
         self._write_masks(masks)
+        if not copy_in and self._gather is not None:
+            self._write_addresses(hiddens)
         if copy_in:
             self._copy_to_device()
         else:  # the replay reads the host buffer: it must not be rewritten before a sync
             self._is_copy_pending = True
-        self._stage_hiddens(hiddens)
+        if copy_in or self._gather is None:
+            self._stage_hiddens(hiddens)
         return self.chain_inputs(self.mask_words)
 
     def chain_inputs(self, mask_words: int | None) -> Mapping[str, torch.Tensor]:
@@ -197,16 +221,46 @@ class ChainStaging:
     def in_graph_copy(self, masked: bool) -> Callable[[], None] | None:
         """The staging copy as a function to capture at the head of a chain graph, or None.
 
-        Captured, the copy is a memcpy node reading this pinned host buffer at every replay:
-        a propose then makes one CUDA call fewer before its launch. It copies what the chain
-        reads: everything with the grammar masks (``masked``), else everything before them.
-        None where the copy cannot be captured this way (CPU, no cuda-python).
+        Captured, the copy is a memcpy node reading this pinned host buffer at every replay,
+        then (with triton) a kernel gathering the hiddens from the addresses it brought: a
+        propose then makes no CUDA call before its launch. It copies what the chain reads:
+        everything with the grammar masks (``masked``), else everything before them. None
+        where the copy cannot be captured this way (CPU, no cuda-python).
         """
         if self._device_index is None or not raw_copy.is_enabled:
             return None
         dst, src = (self.device_buf, self.host_buf) if masked else (self._device_head, self._host_head)
-        index = self._device_index
-        return lambda: raw_copy.copy_async(dst, src, index)
+        index, gather = self._device_index, self._gather
+        addresses, hiddens = self.views["hidden_address"], self.hidden_buf
+
+        def copy() -> None:
+            raw_copy.copy_async(dst, src, index)
+            if gather is not None:
+                gather(addresses, hiddens)
+
+        return copy
+
+    def _write_addresses(self, hiddens: Sequence[torch.Tensor]) -> None:
+        """Each hidden's device address into the host buffer (0 for padding): the graph gathers them.
+
+        A strided hidden is made contiguous first and kept alive until the next stage, which
+        comes after the replay has read it (a stage waits for the last copy to finish).
+        """
+        self._kept.clear()
+        addresses = []
+        for hidden in hiddens:
+            if not hidden.is_contiguous():
+                hidden = hidden.contiguous()
+                self._kept.append(hidden)
+            addresses.append(hidden.data_ptr())
+        n = len(addresses)
+        if n:
+            struct.pack_into(f"<{n}q", self._mem, self._address_at, *addresses)
+        if n < self._num_addresses:
+            stale = 8 * (self._num_addresses - n)
+            self._mem[self._address_at + 8 * n : self._address_at + 8 * n + stale] = bytes(stale)
+        self._num_addresses = n
+        self._num_hiddens = n  # the gather writes every row: the rest become zeros
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self._device_index is None:

@@ -81,8 +81,10 @@ def test_a_propose_stages_through_raw_copies(counted, monkeypatch):
         prop.propose(5, hidden, 40, 2, prop.alloc_state())  # captures
         counted.clear()
         drafts[mode] = prop.propose(5, hidden, 40, 2, prop.alloc_state())
-        # raw: the hidden across before the launch; the packed host buffer's copy is in the graph
-        assert len(counted) == (1 if mode == "raw" else 0)
+        # raw: the packed host buffer's copy is in the graph and the hidden is gathered there
+        # from its address: no copy before the launch. torch: both go through copy_.
+        assert counted == []
+        assert (prop._staging_for(1)._gather is not None) == (mode == "raw")
     assert drafts["raw"] == drafts["torch"]
 
 

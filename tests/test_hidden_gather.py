@@ -1,0 +1,81 @@
+"""Hiddens by address (ops.triton.rows): the host writes addresses, the graph gathers the rows.
+
+On the CPU the gather kernel runs under Triton's interpreter (TRITON_INTERPRET=1, set by
+conftest.py), over a staging buffer whose "device" half is host memory: the same kernel,
+the same address arithmetic, what the captured graph's prologue does after its copy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.staging import ChainStaging
+from runtime.tensor_spec import TensorSpec
+
+triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs where there is no CUDA")
+
+C, D = 4, 96
+
+
+def staging(bucket=4) -> ChainStaging:
+    return ChainStaging(bucket, TensorSpec(("B", C, D), torch.bfloat16), max_blocks_per_seq=4, mask_words=2,
+                        device=torch.device("cpu"), gather_hiddens=True)
+
+
+def replay_prologue(st: ChainStaging) -> None:
+    """What in_graph_copy captures, done eagerly: the staging copy, then the gather."""
+    from ops.triton.rows import gather_rows
+
+    st.device_buf.copy_(st.host_buf)
+    gather_rows(st.views["hidden_address"], st.hidden_buf)
+    st._is_copy_pending = False  # done, as a propose's read-back (a stream sync) tells it on CUDA
+
+
+def rows(n, positions=(3, 5, 7, 9)):
+    return [(p, 0, [i]) for i, p in zip(range(n), positions)]
+
+
+def test_rows_are_gathered_from_their_addresses_and_padding_is_zero():
+    st = staging()
+    st.hidden_buf.fill_(7.0)  # stale contents: the gather rewrites every row
+    big = torch.randn(6, C, D).bfloat16()
+    hiddens = [big[4], torch.randn(C, D).bfloat16(), big[1]]  # views at offsets, and a tensor of its own
+    st.stage(rows(3), [1, 2, 3], hiddens, vocab_limit=100, copy_in=False)
+    assert st.host["hidden_address"].tolist() == [h.data_ptr() for h in hiddens] + [0]
+    replay_prologue(st)
+    for i, h in enumerate(hiddens):
+        assert torch.equal(st.hidden_buf[i], h)
+    assert not st.hidden_buf[3].any()
+
+
+def test_a_smaller_batch_clears_the_stale_addresses():
+    st = staging()
+    st.stage(rows(3), [1, 2, 3], [torch.randn(C, D).bfloat16() for _ in range(3)], 100, copy_in=False)
+    replay_prologue(st)
+    only = torch.randn(C, D).bfloat16()
+    st.stage(rows(1), [4], [only], 100, copy_in=False)
+    assert st.host["hidden_address"].tolist() == [only.data_ptr(), 0, 0, 0]
+    replay_prologue(st)
+    assert torch.equal(st.hidden_buf[0], only) and not st.hidden_buf[1:].any()
+
+
+def test_a_strided_hidden_is_gathered_from_a_copy_kept_until_the_next_stage():
+    st = staging()
+    wide = torch.randn(C, 2 * D).bfloat16()
+    strided = wide[:, ::2]
+    st.stage(rows(1), [1], [strided], 100, copy_in=False)
+    assert st.host["hidden_address"][0] != strided.data_ptr()
+    assert len(st._kept) == 1 and st._kept[0].data_ptr() == st.host["hidden_address"][0]
+    replay_prologue(st)
+    assert torch.equal(st.hidden_buf[0], strided)
+    st.stage(rows(1), [1], [torch.randn(C, D).bfloat16()], 100, copy_in=False)
+    assert st._kept == []
+
+
+def test_a_staging_copy_run_still_copies_the_hiddens():
+    st = staging()
+    h = torch.randn(C, D).bfloat16()
+    st.stage(rows(1), [1], [h], 100, copy_in=True)  # an executor without the in-graph copy
+    assert torch.equal(st.hidden_buf[0], h)
