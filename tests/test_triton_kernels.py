@@ -32,7 +32,7 @@ if INTERPRET and type(triton.language.standard.sum).__name__ == "JITFunction":
 
 
 def _load_kernel_modules():
-    names = ["_common", "gemv", "head", "moe_grouped", "moe", "mhc", "attention"]
+    names = ["_common", "gemv", "head", "moe_grouped", "moe", "mhc", "attention", "gate"]
     mods = {}
     for name in names:
         full = f"ops.triton.{name}"
@@ -77,6 +77,8 @@ FUSED = {
     "swa_attention": K["attention"].swa_attention_impl,
     "linear": K["gemv"].linear_impl,
     "rms_norm": K["gemv"].rms_norm_impl,
+    "draft_gate": K["gate"].draft_gate_impl,
+    "cut_drafts": K["gate"].cut_drafts_impl,
 }
 MUTATED = {"swa_attention": (9,)}  # inputs an op writes (the KV cache)
 
@@ -174,6 +176,54 @@ def test_draft_argmax_edges(device):
     assert fused[0].tolist() == [0, 31, 17]
     assert fused[1][0].item() == 0.0 and fused[1][1].item() == 1.0
     assert abs(fused[1][2].item() - 1 / 3) < 1e-6
+
+
+def gate_case(g, batch, with_alive):
+    prob = torch.rand(batch, generator=g)
+    prob[0] = float("nan")  # stops its row
+    positions = torch.randint(0, 50, (batch,), generator=g)
+    kv_start = torch.zeros(batch, dtype=torch.int32)
+    kv_start[-1], positions[-1] = 1, 0  # the last row is padding
+    inputs = [prob, positions, kv_start]
+    if with_alive:
+        inputs.append(torch.randint(0, 2, (batch,), generator=g, dtype=torch.int32))
+    return inputs, {"tau": 0.4}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch,with_alive", [(1, False), (5, True), (33, True), (64, False)])
+def test_draft_gate_equals_the_torch_op(device, batch, with_alive):
+    inputs, attrs = to_device(gate_case(gen(104 + batch), batch, with_alive), device)
+    fused, _ = _run("draft_gate", FUSED["draft_gate"], inputs, attrs)
+    ref, _ = _run("draft_gate", get_op("draft_gate").impl, inputs, attrs)
+    assert torch.equal(fused[0], ref[0]) and torch.equal(fused[1], ref[1]), (fused, ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_draft_gate_go_ignores_padded_rows(device):
+    inputs = [torch.tensor([0.1, 0.9]), torch.tensor([7, 0]), torch.tensor([0, 1], dtype=torch.int32)]
+    fused, _ = _run("draft_gate", FUSED["draft_gate"], [t.to(device) for t in inputs], {"tau": 0.5})
+    assert fused[0].tolist() == [0, 1] and fused[1].tolist() == [0]  # only the padded row is alive
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch,k,in_place", [(1, 2, True), (3, 4, False), (17, 8, True), (2, 9, True)])
+def test_cut_drafts_equals_the_torch_op(device, batch, k, in_place):
+    g = gen(120 + k)
+    drafts = torch.randint(0, 1000, (batch, k), generator=g)
+    steps = []
+    for _ in range(k - 1):
+        steps += [torch.randint(0, 2, (batch,), generator=g, dtype=torch.int32),
+                  torch.randint(0, 2, (1,), generator=g, dtype=torch.int32)]
+    inputs = [t.to(device) for t in [drafts, *steps]]
+    outs = {}
+    for name, impl in (("fused", FUSED["cut_drafts"]), ("torch", get_op("cut_drafts").impl)):
+        src = inputs[0].clone()
+        out = src if in_place else torch.full_like(src, -7)
+        assert impl([src, *inputs[1:]], [out], {}, None) is None
+        outs[name] = out
+    assert torch.equal(outs["fused"], outs["torch"]), outs
+    assert (outs["fused"][:, 0] == drafts[:, 0].to(device)).all()  # the first draft is always kept
 
 
 GEMV = K["gemv"].GemvConfig

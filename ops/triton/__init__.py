@@ -17,6 +17,7 @@ moe, moe_hash             ops.triton.moe    (gate split-K, w1/w3 + SwiGLU, w2;
 hc_pre, hc_head, hc_post  ops.triton.mhc    (split mix + Sinkhorn finish; post)
 swa_attention             ops.triton.attention
 linear, rms_norm          ops.triton.gemv
+draft_gate, cut_drafts    ops.triton.gate   (one program each: a few dozen ints)
 ========================  =========================================================
 
 Scratch: each impl takes its scratch from ``workspace`` when the op declares one large
@@ -28,9 +29,11 @@ from __future__ import annotations
 
 
 def _impls() -> dict:
-    from ops.triton import attention, gemv, head, mhc, moe
+    from ops.triton import attention, gate, gemv, head, mhc, moe
 
     return {
+        "draft_gate": gate.draft_gate_impl,
+        "cut_drafts": gate.cut_drafts_impl,
         "lm_head": head.lm_head_impl,
         "draft_argmax": head.draft_argmax_impl,
         "moe": moe.moe_impl,
