@@ -146,16 +146,17 @@ def _hc_pre_impl(inputs, outputs, attrs, workspace):
     hc_eps = float(attrs["hc_eps"])
     Xf = X.float()  # [B, C, D]; read once, before any output (which may share arena bytes) is written
     m = _mix_logits(Xf, fn, float(attrs["eps"]))  # [B, (2+C)*C]
-    # pre and post logits in one op: [B, 2, C] * scale[:2] per group + base.
-    gates = torch.sigmoid(torch.addcmul(base[: 2 * c].view(2, c), m[:, : 2 * c].view(-1, 2, c), scale[:2, None]))
     # The Sinkhorn logits go into comb itself: the side-stream block below reads and writes
     # nothing else of the arena (ops.overlap), and hc_post, its one reader, comes much later.
+    # Forked as soon as its logits exist, ahead of y, pre and post.
     torch.addcmul(base[2 * c :], m[:, 2 * c :], scale[2], out=comb.view(-1, c * c))
+    with side_stream():  # ~80 tiny kernels with the torch ops: beside the attention / MoE, not before it
+        sinkhorn(comb, int(attrs["iters"]), hc_eps, out=comb)
+    # pre and post logits in one op: [B, 2, C] * scale[:2] per group + base.
+    gates = torch.sigmoid(torch.addcmul(base[: 2 * c].view(2, c), m[:, : 2 * c].view(-1, 2, c), scale[:2, None]))
     pre = gates[:, 0] + hc_eps  # [B, C]
     torch.mul(gates[:, 1], 2.0, out=post)
     _weighted_stream_sum_into(Xf, pre, y)  # pre is not normalised (spec step 5)
-    with side_stream():  # ~80 tiny kernels with the torch ops: beside the attention / MoE, not before it
-        sinkhorn(comb, int(attrs["iters"]), hc_eps, out=comb)
 
 
 HC_PRE = register(

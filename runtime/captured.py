@@ -18,6 +18,7 @@ from types import MappingProxyType
 
 import torch
 
+from runtime import raw_launch
 from runtime.errors import CaptureError, InputError, describe
 from runtime.executor import EagerExecutor, run_if_flag_set
 from runtime.graph import Graph
@@ -80,6 +81,10 @@ class CapturedExecutor:
         self.capture_seconds = 0.0
         self.tracer = None
         self.is_released = False
+        self._device_index = device.index if device.index is not None else torch.cuda.current_device()
+        # How a replay launches (runtime/raw_launch.py): through torch until the first replay has
+        # shown that the graph draws no random numbers, then its exec handle through cuda-python.
+        self._replayed, self._exec = False, None
 
     @property
     def arena(self) -> torch.Tensor:
@@ -88,6 +93,7 @@ class CapturedExecutor:
     def capture(self) -> None:
         """Warm up on a side stream, then capture every step into one CUDA graph."""
         start = time.perf_counter()
+        self._replayed, self._exec = False, None  # a handle of an earlier capture's graph must never launch
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -159,10 +165,25 @@ class CapturedExecutor:
         if self.cuda_graph is None:
             self.capture()
         start = time.perf_counter_ns()
-        self.cuda_graph.replay()
+        if self._exec is not None and raw_launch.is_enabled and torch.cuda.current_device() == self._device_index:
+            raw_launch.launch(self._exec, self._device_index)
+        elif not self._replayed:
+            self._first_replay()
+        else:
+            self.cuda_graph.replay()
         if self.tracer is not None:
             self.tracer.slice(f"replay {self.graph_ir.name} B={self.batch}", start, time.perf_counter_ns() - start)
         return self.outputs
+
+    def _first_replay(self) -> None:
+        """Replay through torch; from then on launch directly when that replay drew no random numbers."""
+        index, self._replayed = self._device_index, True
+        if raw_launch.is_enabled and torch.cuda.current_device() == index:
+            handle = raw_launch.exec_handle(self.cuda_graph)
+            if raw_launch.draws_no_random_numbers(self.cuda_graph, index):
+                self._exec = handle
+        else:
+            self.cuda_graph.replay()
 
     def poison(self, byte: int = 0xFF) -> None:
         self.eager.poison(byte)
@@ -172,5 +193,6 @@ class CapturedExecutor:
         if self.cuda_graph is not None:
             self.cuda_graph.reset()
         self.cuda_graph = None
+        self._replayed, self._exec = False, None
         self.outputs = {}
         self.is_released = True

@@ -84,7 +84,7 @@ def test_a_propose_stages_through_raw_copies(counted, monkeypatch):
         # raw: the packed host buffer's copy is in the graph and the hidden is gathered there
         # from its address: no copy before the launch. torch: both go through copy_.
         assert counted == []
-        assert (prop._staging_for(1)._gather is not None) == (mode == "raw")
+        assert prop._executor(1, 2, False).copies_staging == (mode == "raw")
     assert drafts["raw"] == drafts["torch"]
 
 

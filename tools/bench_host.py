@@ -19,8 +19,9 @@ The harness that isolates host work (``--device cpu``): the chain executor's ``r
 replaced by a function that returns the outputs of one real run, so no graph executes and
 what is timed is the proposer's own host work (on CPU an eager run would take milliseconds
 and hide it). ``--device cuda`` times a real captured proposer: ``run`` is the replay launch.
-``--copies raw,torch`` times each case twice: the staging copies through cuda-python
-(:mod:`runtime.raw_copy`, the default) and through ``Tensor.copy_``.
+``--copies raw,torch`` times each case twice: the staging copies and the graph launch through
+cuda-python (:mod:`runtime.raw_copy`, :mod:`runtime.raw_launch`, the default), and through
+``Tensor.copy_`` and ``CUDAGraph.replay()``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime import raw_copy  # noqa: E402
+from runtime import raw_copy, raw_launch  # noqa: E402
 from runtime.config import V4Config  # noqa: E402
 from runtime.proposer import DeepseekV4MtpProposer  # noqa: E402
 from runtime.synthetic_weights import random_mtp_weights  # noqa: E402
@@ -194,12 +195,13 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=300)
     parser.add_argument("--positions", default="200,3000", help="start positions, comma separated")
     parser.add_argument("--cases", default="1x1,1x3,32x1,32x3", help="BxK, comma separated")
-    parser.add_argument("--copies", default="raw", help="staging copies: raw (cuda-python), torch, or both: raw,torch")
+    parser.add_argument("--copies", default="raw",
+                        help="staging copies and graph launch: raw (cuda-python), torch, or both: raw,torch")
     args = parser.parse_args(argv)
     copies = args.copies.split(",")
     if not set(copies) <= {"raw", "torch"}:
         parser.error(f"--copies: expected raw and/or torch, got {args.copies!r}")
-    raw_available = raw_copy.is_enabled
+    raw_available, launch_available = raw_copy.is_enabled, raw_launch.is_enabled
     torch.set_num_threads(1)  # host work is single-threaded; no pool wake-ups in the numbers
     prop = make_proposer(args.device)
     stub = args.device == "cpu"
@@ -213,6 +215,7 @@ def main(argv=None) -> None:
             for batch, k in parse_cases(args.cases):
                 for mode in copies:
                     raw_copy.is_enabled = raw_available and mode == "raw"
+                    raw_launch.is_enabled = launch_available and mode == "raw"
                     loop = DecodeLoop(prop, batch, k, position)
                     host, call = time_loop(loop, args.iters, stub)
                     phases = time_phases(loop.prop, loop.step, args.iters)
@@ -221,7 +224,7 @@ def main(argv=None) -> None:
                     for state in loop.states:
                         prop.free_state(state)
     finally:
-        raw_copy.is_enabled = raw_available
+        raw_copy.is_enabled, raw_launch.is_enabled = raw_available, launch_available
 
 
 if __name__ == "__main__":

@@ -1,0 +1,52 @@
+"""Graph replays through cuda-python: ``cudaGraphLaunch`` on the captured graph's exec handle.
+
+Why: ``CUDAGraph.replay()`` does more than the launch. Before it, it runs the RNG prologue
+of every generator registered with the graph (a lock, and device-side seed and offset
+updates); after it, a driver version query; in torch >= 2.12 also a Python check that the
+graph's pool is alive. A propose's host time is tens of microseconds, so each of these
+counts. A draft chain draws no random numbers (greedy drafting), and for such a graph the
+launch alone is the whole replay. :class:`runtime.captured.CapturedExecutor` takes this path
+only after its first replay (through torch) left the device's default generator where it
+was, so a graph that did consume random numbers keeps torch's replay.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.raw_copy import _cudart, _raw_stream
+
+is_enabled = _cudart is not None and _raw_stream is not None  # a switch for benchmarks and tests
+
+
+class RawLaunchError(RuntimeError):
+    """cudaGraphLaunch returned an error."""
+
+
+def exec_handle(cuda_graph: torch.cuda.CUDAGraph):
+    """The graph's ``cudaGraphExec_t`` for :func:`launch`, or None where this path is unavailable."""
+    raw = getattr(cuda_graph, "raw_cuda_graph_exec", None)  # torch >= 2.9
+    if not is_enabled or raw is None:
+        return None
+    try:
+        return _cudart.cudaGraphExec_t(init_value=int(raw()))
+    except Exception:  # not instantiated, or a torch without the accessor's backing
+        return None
+
+
+def draws_no_random_numbers(cuda_graph: torch.cuda.CUDAGraph, device_index: int) -> bool:
+    """Replay once through torch; True when that left the default generator's offset unchanged.
+
+    A graph with RNG ops advances it by the graph's whole increment at every replay.
+    """
+    generator = torch.cuda.default_generators[device_index]
+    before = generator.get_offset()
+    cuda_graph.replay()
+    return generator.get_offset() == before
+
+
+def launch(handle, device_index: int) -> None:
+    """Launch the graph on the current stream of ``device_index`` (the calling thread's device)."""
+    (err,) = _cudart.cudaGraphLaunch(handle, _raw_stream(device_index))
+    if err != _cudart.cudaError_t.cudaSuccess:
+        raise RawLaunchError(f"cudaGraphLaunch failed: {err.name}")
