@@ -42,6 +42,7 @@ from runtime.proposer import DeepseekV4MtpProposer  # noqa: E402
 from runtime.synthetic_weights import random_mtp_weights  # noqa: E402
 
 PHASES = ("checks", "ensure", "lookup", "stage", "run", "after")
+WARMUP_ROUNDS = 100
 
 
 def make_proposer(device: str) -> DeepseekV4MtpProposer:
@@ -96,8 +97,13 @@ def stub_chain_runs(prop: DeepseekV4MtpProposer) -> None:
 
 
 def time_loop(loop: DecodeLoop, iters: int, stub: bool) -> tuple[float, float]:
-    """Median host and call microseconds of ``iters`` rounds (after a warm-up)."""
-    for _ in range(5):
+    """Median host and call microseconds of ``iters`` rounds (after a warm-up).
+
+    The warm-up is long, so that the first cases of a run are not timed colder than the rest:
+    with 5 rounds, the B=1 rows of the first start position in the run at ef07d1a came out up
+    to 1.5x slower than those of the second (``benchmarks/h200/bench_host_ef07d1a.txt``).
+    """
+    for _ in range(WARMUP_ROUNDS):
         loop.step()
         if stub:
             stub_chain_runs(loop.prop)
