@@ -85,6 +85,10 @@ def test_capture_dump_prints_the_critical_path(tmp_path, capsys):
     nodes = int(header.split(": ")[1].split()[0])
     on_path = int(header.split(", ")[-1].split()[0])
     assert 0 < on_path < nodes, header
+    total = next(line for line in out.splitlines() if line.startswith("total"))
+    by_op, whole = int(total.split()[1]), int(total.split("whole graph: ")[1].rstrip(")"))
+    assert by_op == whole, total  # every kernel node attributed: the ops and the staging prologue
+    assert "(staging)" in out
     assert (tmp_path / "chain.dot").read_text().startswith("digraph")
 
 

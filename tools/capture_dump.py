@@ -4,8 +4,10 @@ of kernel nodes per IR op.
 The graph is captured with ``keep_graph=True``; cuda-python's ``cudaGraphDebugDotPrint``
 writes the DOT of ``raw_cuda_graph()`` and ``cudaGraphGetNodes`` walks its nodes. Kernels
 are attributed to IR ops by capture order: each op is also captured on its own into a
-throwaway graph (the same kernels, since no op branches on data), and the per-op counts
-are checked to add up to the whole graph's.
+throwaway graph (the same kernels, since no op branches on data), and so is the staging
+prologue (the copy from pinned memory and the hidden gather); the last line prints their sum
+beside the whole graph's count, which it must equal. The first line also gives the nodes on
+the critical path: ops that fork work onto a side stream (``ops.overlap``) shorten it.
 """
 
 from __future__ import annotations
@@ -125,6 +127,11 @@ def kernels_per_op(kept) -> list[tuple[str, str, int]]:
     eager, inputs = kept.eager, kept.static_inputs
     rows = []
     side = torch.cuda.Stream()
+    if kept.prologue is not None:  # the staging copy and the hidden gather (ChainStaging.in_graph_copy)
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(graph, stream=side):
+            kept.prologue()
+        rows.append(("prologue", "(staging)", node_types(graph).get("Kernel", 0)))
     for step in eager.steps:
         graph = torch.cuda.CUDAGraph(keep_graph=True)
         side.wait_stream(torch.cuda.current_stream())
