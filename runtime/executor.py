@@ -56,9 +56,9 @@ class EagerExecutor:
     debug : bool
         Poison float outputs before each op and fail any op that leaves them unwritten.
     overlap : bool
-        On CUDA, give ops a side stream for work that only later steps read (``ops.overlap``:
-        the torch hc_pre's Sinkhorn); the result is the same, in less time. Off in debug runs,
-        whose write check reads each output right after its step.
+        On CUDA, give ops a side stream for work that can run beside other work (``ops.overlap``:
+        the torch hc_pre's Sinkhorn, the torch MoE's shared expert); the result is the same, in
+        less time. Off in debug runs, whose write check reads each output right after its step.
     kernels : str
         Which implementation each op runs (``ops.kernels``): "auto" (the fused kernel
         where one is registered for the device, else the torch op), "torch" (the torch
@@ -299,7 +299,6 @@ class EagerExecutor:
                         f"while executing {format_node(self.graph, step.node)}: an output view was left "
                         "unwritten (NaN poison remains; hint: write every element of each output)"
                     )
-
 
     def _defer(self, step: Step, event: torch.cuda.Event) -> None:
         """The side-stream work of ``step`` is joined before the first reader of its deferred outputs.
