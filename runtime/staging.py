@@ -35,7 +35,7 @@ def _gather_rows() -> Callable[[torch.Tensor, torch.Tensor], None] | None:
     """ops.triton.rows.gather_rows, or None without triton."""
     try:
         from ops.triton.rows import gather_rows
-    except ImportError:
+    except Exception:  # ImportError, or a broken triton install (as ops.triton.available)
         return None
     return gather_rows
 
