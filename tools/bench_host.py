@@ -99,9 +99,11 @@ def stub_chain_runs(prop: DeepseekV4MtpProposer) -> None:
 def time_loop(loop: DecodeLoop, iters: int, stub: bool) -> tuple[float, float]:
     """Median host and call microseconds of ``iters`` rounds (after a warm-up).
 
-    The warm-up is long, so that the first cases of a run are not timed colder than the rest:
-    with 5 rounds, the B=1 rows of the first start position in the run at ef07d1a came out up
-    to 1.5x slower than those of the second (``benchmarks/h200/bench_host_ef07d1a.txt``).
+    The warm-up is long, so that the first cases of a run are not timed colder than the rest
+    (with 5 rounds, the B=1 rows of the first start position in the run at ef07d1a came out
+    up to 1.5x slower than those of the second). That was not all of it: with 100 rounds and
+    the positions in the other order (``benchmarks/h200/bench_host_1d36a1e.txt``), one B=1
+    K=3 row still took 1.7x the other, every phase alike: the H200 hosts' CPUs are noisy.
     """
     for _ in range(WARMUP_ROUNDS):
         loop.step()
