@@ -24,7 +24,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ops.overlap import join_side_stream, side_stream
 from ops.registry import OpDef, expect, expect_count, expect_rank, register
 from ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
 from runtime.tensor_spec import TensorSpec
@@ -153,26 +152,24 @@ def _attn_impl(inputs, outputs, attrs, workspace):
     window, block_size = int(attrs["window"]), int(attrs.get("block_size", 16))
     b = x.shape[0]
     rotation = rope_rotation(positions, r, theta)  # [B, r/2], shared by q, kv and o
-    slot, ok, in_window = _window_slots(positions, kv_start, table, window, block_size, cache.shape[0])
-    alive = ok[:, -1]  # [B]: the row's own slot exists (so p >= 0)
-
-    # The one latent kv (K = V): normed, RoPE on its tail, optionally FP8-rounded head, all
-    # in fp32 and rounded to the cache dtype once (a bf16 rounding before the FP8 one would
-    # move values that sit near an FP8 tie by a whole FP8 step). It does not depend on the
-    # query: on the executor's side stream (ops.overlap) its ~15 launches and its cache write
-    # run beside the query's, joined before the keys are read.
-    with side_stream():
-        kv = F.rms_norm((x @ wkv.t()).float(), (d,), kv_norm.float(), eps)  # [B, d] fp32
-        rotate_pairs_(kv[:, n:], rotation)
-        if attrs.get("kv_fp8_round", False):
-            kv[:, :n] = fp8_round_blocks(kv[:, :n])
-        _write_kv(cache, kv.to(cache.dtype), slot[:, -1], alive)
 
     # Query: low-rank, normed, then per-head weightless RMS norm (fp32) and RoPE on the last r dims.
     qa = F.rms_norm(x @ wq_a.t(), (wq_a.shape[0],), q_norm, eps)  # [B, q_lora]
     q = F.rms_norm((qa @ wq_b.t()).view(b, h, d).float(), (d,), eps=eps)  # [B, H, d] fp32
     rotate_pairs_(q[..., n:], rotation)
-    join_side_stream()
+
+    # The one latent kv (K = V): normed, RoPE on its tail, optionally FP8-rounded head, all
+    # in fp32 and rounded to the cache dtype once (a bf16 rounding before the FP8 one would
+    # move values that sit near an FP8 tie by a whole FP8 step).
+    kv = F.rms_norm((x @ wkv.t()).float(), (d,), kv_norm.float(), eps)  # [B, d] fp32
+    rotate_pairs_(kv[:, n:], rotation)
+    if attrs.get("kv_fp8_round", False):
+        kv[:, :n] = fp8_round_blocks(kv[:, :n])
+    kv = kv.to(cache.dtype)
+
+    slot, ok, in_window = _window_slots(positions, kv_start, table, window, block_size, cache.shape[0])
+    alive = ok[:, -1]  # [B]: the row's own slot exists (so p >= 0)
+    _write_kv(cache, kv, slot[:, -1], alive)
 
     # Keys of the window, fp32; invalid ones zeroed: unwritten or poisoned rows (NaN/inf)
     # must not leak through 0 * x.

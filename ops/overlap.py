@@ -4,8 +4,7 @@ Why: hc_pre's Sinkhorn is 79 launches of tiny kernels with the torch ops (about 
 B=1 on an H200), and its result, comb, is read only by hc_post, after the whole attention
 or MoE. Queued on a side stream, it runs while those run; captured, it becomes a parallel
 branch of the CUDA graph. Likewise the MoE's shared expert runs beside the router and the
-routed experts, and the attention's latent kv (and its cache write) beside the query. The
-fused kernels do these inside their own kernels and never fork.
+routed experts. The fused kernels do these inside their own kernels and never fork.
 
 The contract, for an op's implementation:
 

@@ -57,9 +57,8 @@ class EagerExecutor:
         Poison float outputs before each op and fail any op that leaves them unwritten.
     overlap : bool
         On CUDA, give ops a side stream for work that can run beside other work (``ops.overlap``:
-        the torch hc_pre's Sinkhorn, MoE shared expert and attention kv path); the result is the
-        same, in less time. Off in debug runs, whose write check reads each output right after
-        its step.
+        the torch hc_pre's Sinkhorn, the torch MoE's shared expert); the result is the same, in
+        less time. Off in debug runs, whose write check reads each output right after its step.
     kernels : str
         Which implementation each op runs (``ops.kernels``): "auto" (the fused kernel
         where one is registered for the device, else the torch op), "torch" (the torch
