@@ -366,7 +366,7 @@ class DeepseekV4MtpProposer:
         key = ("chain", bucket, num_drafts, masked, self.use_captured, self.options.draft_conf_tau)
         if key not in self._executors:
             graph = self.chain_graph(num_drafts, masked)
-            # Captured, the chain's first node is the staging copy: one CUDA call fewer a propose.
+            # Captured, the chain starts with the staging copy and the hidden gather: no CUDA call before a launch.
             prologue = self._staging_for(bucket).in_graph_copy(masked) if self.use_captured else None
             self._executors[key] = self._make_executor(graph, bucket, prologue)
         return self._checked(self._executors[key])
