@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -45,10 +46,29 @@ def check_hidden(hidden: object, shape: tuple[int, ...], device: torch.device, w
                                   "streams mode takes [C, D], collapsed mode [D]"))
     if hidden.dtype != torch.bfloat16:
         raise InputError(describe(f"{what} dtype", torch.bfloat16, hidden.dtype))
-    on = hidden.device
-    if on.type != device.type or (device.index is not None and on != device):
-        raise InputError(describe(f"{what} device", device, on))
+    if not _is_on(hidden, device):
+        raise InputError(describe(f"{what} device", device, hidden.device))
     return hidden if got == shape else hidden.reshape(shape)  # a reshape is a dispatch (~1 us): only if needed
+
+
+def _is_on(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``tensor`` is on ``device`` (any CUDA device for a bare "cuda").
+
+    Per sequence on every propose: ``is_cuda`` / ``get_device()`` take ~0.05 us where
+    ``tensor.device.type`` builds a string (~0.4 us on these hosts).
+    """
+    kind, index = _device_key(device)
+    if kind == "cuda":
+        return tensor.is_cuda and (index is None or tensor.get_device() == index)
+    if kind == "cpu":
+        return tensor.is_cpu
+    on = tensor.device
+    return on.type == device.type and (device.index is None or on == device)
+
+
+@functools.cache
+def _device_key(device: torch.device) -> tuple[str, int | None]:
+    return device.type, device.index
 
 
 def check_bitmask(mask: object, words: int) -> torch.Tensor | None:
