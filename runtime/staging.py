@@ -178,7 +178,7 @@ class ChainStaging:
         On CUDA into a pinned buffer kept per shape (no allocation per propose), then one stream
         synchronize; on the CPU the rows themselves.
         """
-        if tensor.device.type != "cuda":
+        if not tensor.is_cuda:  # not tensor.device.type: that builds a string per call
             return tensor[:n]
         host = self._read_bufs.get((tensor.shape, tensor.dtype))
         if host is None:
@@ -274,7 +274,7 @@ class ChainStaging:
         else:
             self._copy(self.device_buf, self.host_buf)  # the one staging copy
             self._is_mask_copied = True
-        self._is_copy_pending = self.device.type == "cuda"
+        self._is_copy_pending = self._device_index is not None  # on CUDA
 
     def _stage_hiddens(self, hiddens: Sequence[torch.Tensor]) -> None:
         n, shape = len(hiddens), self._hidden_shape
