@@ -81,6 +81,12 @@ def pdl_wait(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+@triton.jit
+def splat(flag, like):
+    """A scalar bool as a bool tensor shaped like ``like`` (the interpreter rejects the implicit one)."""
+    return (like * 0 + flag.to(tl.int32)) != 0
+
+
 def patch_interpreter_rounding() -> None:
     """Make the CPU interpreter round fp32 -> bf16 to nearest even, as the GPU does.
 

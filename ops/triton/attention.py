@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ops.triton._common import carve, interpreting, mma, next_pow2, pdl_args, pdl_wait, scratch_bytes
+from ops.triton._common import carve, interpreting, mma, next_pow2, pdl_args, pdl_wait, scratch_bytes, splat
 from ops.triton.gemv import GemvConfig, gemv
 
 # Tuned on an H200 at V4-Flash shapes, batch 1 (docs/KERNELS.md); batch > 1 uses gemv.BATCHED.
@@ -63,12 +63,6 @@ def _row_slot(table_ptr, b, p, stride_tb, max_blocks, num_slots, BS: tl.constexp
     slot = blk * BS + p_c % BS
     alive = (p >= 0) & (blk_idx < max_blocks) & (blk >= 0) & (slot < num_slots)
     return slot, alive
-
-
-@triton.jit
-def _splat(flag, like):
-    """A scalar bool as a bool tensor shaped like ``like`` (the interpreter rejects the implicit one)."""
-    return (like * 0 + flag.to(tl.int32)) != 0
 
 
 @triton.jit
@@ -152,7 +146,7 @@ def _kv_finish_kernel(
         od = tl.where(head, _fp8_round(od, scale), od)
     ev, od = _rope_pairs(ev, od, p, inv_freq_ptr, pair, N_PAIR0, 1.0)
     row = cache_ptr + slot * stride_cs
-    live = _splat(alive, pair)
+    live = splat(alive, pair)
     tl.store(row + 2 * pair, ev.to(cache_ptr.dtype.element_ty), mask=live)
     tl.store(row + 2 * pair + 1, od.to(cache_ptr.dtype.element_ty), mask=live)
 
@@ -211,7 +205,7 @@ def _swa_decode_kernel(
         in_table = (j >= 0) & (jb < max_blocks)
         blk = tl.load(table_ptr + b * stride_tb + tl.minimum(jb, max_blocks - 1), mask=in_table, other=-1)
         slot = blk.to(tl.int64) * BS + j_c % BS
-        valid = in_table & (j >= lowest) & (j <= p) & (blk >= 0) & (slot < num_slots) & _splat(alive, j)
+        valid = in_table & (j >= lowest) & (j <= p) & (blk >= 0) & (slot < num_slots) & splat(alive, j)
         key = cache_ptr + tl.where(valid, slot, 0)[:, None] * stride_cs + 2 * pair[None, :]
         ke = tl.load(key, mask=valid[:, None], other=0.0).to(tl.float32)
         ko = tl.load(key + 1, mask=valid[:, None], other=0.0).to(tl.float32)
@@ -301,7 +295,7 @@ def _swa_decode_dot_kernel(
         in_table = (j >= 0) & (jb < max_blocks)
         blk = tl.load(table_ptr + b * stride_tb + tl.minimum(jb, max_blocks - 1), mask=in_table, other=-1)
         slot = blk.to(tl.int64) * BS + j_c % BS
-        valid = in_table & (j >= lowest) & (j <= p) & (blk >= 0) & (slot < num_slots) & _splat(alive, j)
+        valid = in_table & (j >= lowest) & (j <= p) & (blk >= 0) & (slot < num_slots) & splat(alive, j)
         key = cache_ptr + tl.where(valid, slot, 0)[:, None] * stride_cs + dims[None, :]
         k = tl.load(key, mask=valid[:, None], other=0.0)  # [BLOCK_W, HEAD_DIM]
         s = mma(qb, tl.trans(k), INTERP)  # [BLOCK_H, BLOCK_W]

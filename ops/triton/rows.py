@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ops.triton._common import splat
+
 BLOCK = 2048  # elements per program: a V4 streams row (4 x 4096 bf16) is 8 programs
 
 
@@ -25,8 +27,7 @@ def _gather_rows_kernel(addresses, out, row_elems, BLOCK: tl.constexpr):
     address = tl.load(addresses + row)
     source = address.to(tl.pointer_type(out.dtype.element_ty), bitcast=True)
     inside = offsets < row_elems
-    live = (offsets * 0 + address) != 0  # a per-element mask: the interpreter takes no scalar one
-    values = tl.load(source + offsets, mask=inside & live, other=0)
+    values = tl.load(source + offsets, mask=inside & splat(address != 0, offsets), other=0)
     tl.store(out + row * row_elems + offsets, values, mask=inside)
 
 
