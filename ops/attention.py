@@ -24,6 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ops.overlap import join_side_stream, side_stream
 from ops.registry import OpDef, expect, expect_count, expect_rank, register
 from ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
 from runtime.tensor_spec import TensorSpec
@@ -65,12 +66,13 @@ def _attn_infer(specs, attrs):
     return [TensorSpec((b, dim), dt)]
 
 
-def rope_rotation(positions: torch.Tensor, rope_dim: int, theta: float) -> torch.Tensor:
-    """exp(i * p * theta^(-2k/r)) for the r/2 pairs k: complex64 [B, r/2], built once per op call."""
+def rope_rotation(positions: torch.Tensor, rope_dim: int, theta: float,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """exp(i * p * theta^(-2k/r)) for the r/2 pairs k: complex64 [B, r/2] (into ``out``), built once per op call."""
     r = rope_dim
     inv_freq = torch.logspace(0.0, -(r - 2) / r, r // 2, base=theta, device=positions.device)  # theta^(-2k/r)
     angle = positions.unsqueeze(1) * inv_freq  # [B, r/2] fp32
-    return torch.polar(angle.new_ones(()), angle)
+    return torch.polar(angle.new_ones(()).expand_as(angle), angle, out=out)
 
 
 def rotate_pairs_(x: torch.Tensor, rotation: torch.Tensor, inverse: bool = False) -> None:
@@ -87,14 +89,31 @@ def rotate_pairs_(x: torch.Tensor, rotation: torch.Tensor, inverse: bool = False
         pairs.mul_(rot)
 
 
-def fp8_round_blocks(v: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
-    """Round v [B, n] through float8 e4m3 per block of ``block`` values, power-of-two scales."""
-    n = v.shape[-1]
-    padded = torch.nn.functional.pad(v, (0, (-n) % block)).view(v.shape[0], -1, block)
-    amax = padded.abs().amax(-1, keepdim=True).clamp_min(1e-4)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))  # UE8M0: a power of two
-    q = (padded / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
-    return q.flatten(1)[:, :n]
+def fp8_round_blocks_(v: torch.Tensor, block: int = FP8_BLOCK) -> None:
+    """Round fp32 v [B, n] in place through float8 e4m3 per block of ``block`` values, power-of-two scales.
+
+    scale = 2^ceil(log2(max(amax, 1e-4) / 448)) (UE8M0), exactly: by bit arithmetic on the
+    fp32 word, as the fused kernel does, not through a rounded log2. Ten kernels at
+    V4-Flash's n = 448 (seven whole blocks, a strided view: no padded copy).
+    """
+    b, n = v.shape
+    if n % block:  # a partial last block: round a zero-padded copy
+        padded = F.pad(v, (0, -n % block))
+        fp8_round_blocks_(padded, block)
+        v.copy_(padded[:, :n])
+        return
+    blocks = v.view(b, n // block, block)
+    scale = torch.linalg.vector_norm(blocks, float("inf"), dim=-1, keepdim=True)  # amax [B, n/block, 1]
+    _pow2_ceil_(scale.clamp_min_(1e-4).div_(FP8_MAX))
+    # The clamp only catches amax / 448 rounding down onto a power of two.
+    q = torch.div(blocks, scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    torch.mul(q.float(), scale, out=blocks)
+
+
+def _pow2_ceil_(y: torch.Tensor) -> None:
+    """y = 2^ceil(log2 y) in place, for normal fp32 y > 0: a mantissa carry into the exponent."""
+    bits = y.view(torch.int32)
+    bits.add_(0x7FFFFF).bitwise_and_(0x7F800000)
 
 
 def _window_slots(positions, kv_start, table, window, block_size, num_slots):
@@ -148,34 +167,25 @@ def _attn_impl(inputs, outputs, attrs, workspace):
     x, wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, sink, cache, positions, kv_start, table = inputs
     h, d, r = int(attrs["num_heads"]), int(attrs["head_dim"]), int(attrs["rope_dim"])
     g, n = int(attrs["o_groups"]), d - r
-    eps, theta = float(attrs["eps"]), float(attrs["rope_theta"])
-    window, block_size = int(attrs["window"]), int(attrs.get("block_size", 16))
+    window = int(attrs["window"])
     b = x.shape[0]
-    rotation = rope_rotation(positions, r, theta)  # [B, r/2], shared by q, kv and o
+    # What the kv path hands over, allocated here, on the main stream, before the fork
+    # (ops.overlap): the rotation (shared by q, kv and o), the window's keys and their mask.
+    rotation = torch.empty(b, r // 2, dtype=torch.complex64, device=x.device)
+    keys = torch.empty(b, window, d, dtype=torch.float32, device=x.device)
+    hidden = torch.empty(b, window, dtype=torch.bool, device=x.device)
+    # The kv path (about 45 small kernels with the torch ops, one 4 MB GEMV) needs only x and
+    # the positions; the query path (two GEMVs of 72 MB) needs only x. On a side lane the
+    # two run at once, the join before the scores.
+    with side_stream():
+        _kv_path(inputs, attrs, rotation, keys, hidden)
 
     # Query: low-rank, normed, then per-head weightless RMS norm (fp32) and RoPE on the last r dims.
+    eps = float(attrs["eps"])
     qa = F.rms_norm(x @ wq_a.t(), (wq_a.shape[0],), q_norm, eps)  # [B, q_lora]
     q = F.rms_norm((qa @ wq_b.t()).view(b, h, d).float(), (d,), eps=eps)  # [B, H, d] fp32
+    join_side_stream()
     rotate_pairs_(q[..., n:], rotation)
-
-    # The one latent kv (K = V): normed, RoPE on its tail, optionally FP8-rounded head, all
-    # in fp32 and rounded to the cache dtype once (a bf16 rounding before the FP8 one would
-    # move values that sit near an FP8 tie by a whole FP8 step).
-    kv = F.rms_norm((x @ wkv.t()).float(), (d,), kv_norm.float(), eps)  # [B, d] fp32
-    rotate_pairs_(kv[:, n:], rotation)
-    if attrs.get("kv_fp8_round", False):
-        kv[:, :n] = fp8_round_blocks(kv[:, :n])
-    kv = kv.to(cache.dtype)
-
-    slot, ok, in_window = _window_slots(positions, kv_start, table, window, block_size, cache.shape[0])
-    alive = ok[:, -1]  # [B]: the row's own slot exists (so p >= 0)
-    _write_kv(cache, kv, slot[:, -1], alive)
-
-    # Keys of the window, fp32; invalid ones zeroed: unwritten or poisoned rows (NaN/inf)
-    # must not leak through 0 * x.
-    hidden = ~(ok & in_window & alive.unsqueeze(1))  # [B, W]: keys the row must not see
-    keys = cache.index_select(0, slot.flatten()).view(b, window, d)
-    keys = keys.masked_fill_(hidden.unsqueeze(-1), 0).float()  # [B, W, d]; in place: out of place clones first
     weights = _sink_softmax(q, keys, hidden, sink, 1.0 / math.sqrt(d))
     o = torch.bmm(weights, keys)  # [B, H, d]
     rotate_pairs_(o[..., n:], rotation, inverse=True)
@@ -187,6 +197,38 @@ def _attn_impl(inputs, outputs, attrs, workspace):
     z = o.new_empty(b, g, wo_a.shape[0] // g)  # [B, G, o_lora]
     torch.bmm(o, wo_a.view(g, -1, h // g * d).transpose(1, 2), out=z.transpose(0, 1))
     torch.matmul(z.view(b, -1), wo_b.t(), out=outputs[0])
+
+
+def _kv_path(inputs, attrs, rotation, keys, hidden) -> None:
+    """RoPE rotation, the latent kv written into the cache, the window's keys gathered (fp32) and masked.
+
+    Writes ``rotation`` [B, r/2], ``keys`` [B, W, d] and ``hidden`` [B, W] (keys the row must
+    not see); reads x, wkv, kv_norm, the cache and the position inputs.
+    """
+    x, wkv, kv_norm, cache, positions, kv_start, table = (inputs[i] for i in (0, 4, 5, 9, 10, 11, 12))
+    d, r = int(attrs["head_dim"]), int(attrs["rope_dim"])
+    n, b, window = d - r, x.shape[0], int(attrs["window"])
+    rope_rotation(positions, r, float(attrs["rope_theta"]), out=rotation)
+
+    # The one latent kv (K = V): normed, RoPE on its tail, optionally FP8-rounded head, all
+    # in fp32 and rounded to the cache dtype once (a bf16 rounding before the FP8 one would
+    # move values that sit near an FP8 tie by a whole FP8 step).
+    kv = F.rms_norm((x @ wkv.t()).float(), (d,), kv_norm.float(), float(attrs["eps"]))  # [B, d] fp32
+    rotate_pairs_(kv[:, n:], rotation)
+    if attrs.get("kv_fp8_round", False):
+        fp8_round_blocks_(kv[:, :n])
+    kv = kv.to(cache.dtype)
+
+    block_size = int(attrs.get("block_size", 16))
+    slot, ok, in_window = _window_slots(positions, kv_start, table, window, block_size, cache.shape[0])
+    alive = ok[:, -1]  # [B]: the row's own slot exists (so p >= 0)
+    _write_kv(cache, kv, slot[:, -1], alive)
+
+    # Keys of the window, fp32; invalid ones zeroed: unwritten or poisoned rows (NaN/inf)
+    # must not leak through 0 * x.
+    torch.logical_not(ok & in_window & alive.unsqueeze(1), out=hidden)  # [B, W]
+    gathered = cache.index_select(0, slot.flatten()).view(b, window, d)
+    keys.copy_(gathered.masked_fill_(hidden.unsqueeze(-1), 0))  # in place: out of place clones first
 
 
 SWA_ATTENTION = register(

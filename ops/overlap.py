@@ -1,21 +1,25 @@
-"""Side-stream overlap: part of an op runs on a second CUDA stream, beside other work.
+"""Side-stream overlap: part of an op runs on a side CUDA stream (a lane), beside other work.
 
 Why: hc_pre's Sinkhorn is 79 launches of tiny kernels with the torch ops (about 115 us at
 B=1 on an H200), and its result, comb, is read only by hc_post, after the whole attention
-or MoE. Queued on a side stream, it runs while those run; captured, it becomes a parallel
+or MoE. Queued on a side lane, it runs while those run; captured, it becomes a parallel
 branch of the CUDA graph. Likewise the MoE's shared expert runs beside the router and the
-routed experts. The fused kernels do these inside their own kernels and never fork.
+routed experts, and the attention's kv path (cache write, window gather) beside its query
+path. The fused kernels do these inside their own kernels and never fork.
 
 The contract, for an op's implementation:
 
-- ``with side_stream():`` runs its block on the executor's side stream, after everything
-  queued on the main stream so far. Without one (CPU, no executor, a debug run, a gated
-  step, or inside torch.compile) the block runs inline, in order.
-- ``join_side_stream()`` makes the main stream wait for every block queued so far. A block
-  joined this way inside the op may read the op's inputs and write tensors the op
-  allocated before the block (their bytes are the main stream's, which reads them after
-  the join); its own temporaries it allocates inside the block (on the side stream: the
-  caching allocator hands those bytes back to that stream alone).
+- ``with side_stream():`` runs its block on one of the executor's side lanes, after
+  everything queued on the main stream so far; all blocks of one step share a lane, in
+  order. Without lanes (CPU, no executor, a debug run, a gated step, or inside
+  torch.compile) the block runs inline, in order.
+- ``join_side_stream()`` makes the main stream wait for every block the step queued so
+  far. A block joined this way inside the op may read the op's inputs and write tensors
+  the op allocated before the block (their bytes are the main stream's, which reads them
+  after the join); its own temporaries it allocates inside the block (on the lane: the
+  caching allocator hands those bytes back to that lane alone). The main stream may read
+  such a temporary after the join: the lane reuses its bytes only in a later block, which
+  is queued after everything the main stream queued before that block.
 - A block still running when the op returns writes only the outputs the op lists in
   ``OpDef.deferred`` and reads only those, its own temporaries and weights: an input's
   planned bytes may be reused by the very next step. The executor makes the main stream
@@ -35,40 +39,84 @@ import torch
 _ACTIVE: contextvars.ContextVar[SideStream | None] = contextvars.ContextVar("side_stream", default=None)
 
 
-class SideStream:
-    """One executor's second stream, and whether the step now running forked onto it."""
+class SideWork:
+    """What one step left queued on one lane: the main stream joins it by waiting on ``event``."""
 
-    def __init__(self, device: torch.device) -> None:
+    __slots__ = ("event", "lane")
+
+    def __init__(self, lane: int, event: torch.cuda.Event) -> None:
+        self.lane, self.event = lane, event
+
+
+class SideStream:
+    """One executor's side lanes (extra CUDA streams), and the lane the running step forked onto.
+
+    Why lanes: a deferred block (hc_pre's Sinkhorn) stays queued until a later step joins it;
+    a step that forks meanwhile (the MoE's shared expert, the attention's kv path) would queue
+    behind it on a single side stream and its join would wait for both. A step takes the first
+    lane with no unjoined work (the least recently forked busy one when every lane is busy),
+    and keeps it for all its blocks, so blocks of one step stay in order.
+    """
+
+    def __init__(self, device: torch.device, lanes: int = 2) -> None:
+        if lanes < 1:
+            raise ValueError(f"SideStream lanes: expected >= 1, got {lanes}")
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
-        self.forked = False
+        self.streams = [torch.cuda.Stream(device=device) for _ in range(lanes)]
+        self.forked = False  # whether the running step queued work not joined yet
+        self.lane: int | None = None  # the lane of the running step, once it forked
+        self._unjoined: list[SideWork] = []  # deferred work the main stream has not waited for, oldest first
+
+    @property
+    def stream(self) -> torch.cuda.Stream:
+        """The lane of the running step (lane 0 before it forks)."""
+        return self.streams[self.lane or 0]
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[None]:
-        """Offer this stream to ``side_stream()`` blocks while one step runs."""
+        """Offer the lanes to ``side_stream()`` blocks while one step runs."""
         token = _ACTIVE.set(self)
+        self.lane = None
         try:
             yield
         finally:
             _ACTIVE.reset(token)
+            self.lane = None
 
     @contextlib.contextmanager
     def fork(self) -> Iterator[None]:
-        """Queue the block on the side stream, after everything on the main stream so far."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        """Queue the block on the step's lane, after everything on the main stream so far."""
+        if self.lane is None:
+            self.lane = pick_lane(len(self.streams), [work.lane for work in self._unjoined])
+        stream = self.streams[self.lane]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         self.forked = True  # before the block: a block that fails part way has queued work to join too
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(stream):
             yield
 
-    def join_event(self) -> torch.cuda.Event:
-        """An event after everything forked so far; the main stream waits on it to join."""
+    def join_event(self) -> SideWork:
+        """The step's work forked so far; the main stream waits on it (``wait``) to join."""
         event = torch.cuda.Event()
         event.record(self.stream)
         self.forked = False
-        return event
+        work = SideWork(self.lane or 0, event)
+        self._unjoined.append(work)
+        return work
 
-    def wait(self, event: torch.cuda.Event) -> None:
-        torch.cuda.current_stream(self.device).wait_event(event)
+    def wait(self, work: SideWork) -> None:
+        """The main stream waits for ``work``; its lane is free again for the next step that forks."""
+        torch.cuda.current_stream(self.device).wait_event(work.event)
+        if work in self._unjoined:
+            self._unjoined.remove(work)
+
+
+def pick_lane(lanes: int, busy: list[int]) -> int:
+    """The first lane with no unjoined work; when all have some, the one forked longest ago.
+
+    ``busy`` lists the lanes of the unjoined work, oldest first.
+    """
+    free = [lane for lane in range(lanes) if lane not in busy]
+    return free[0] if free else busy[0]
 
 
 def side_stream() -> contextlib.AbstractContextManager:
@@ -86,4 +134,4 @@ def join_side_stream() -> None:
         side.wait(side.join_event())
 
 
-__all__ = ["SideStream", "join_side_stream", "side_stream"]
+__all__ = ["SideStream", "SideWork", "join_side_stream", "pick_lane", "side_stream"]

@@ -14,7 +14,8 @@ import pytest
 from proposer_fixtures import SMALL, hidden, make_proposer
 from v4_op_cases import gen, hc_pre_case
 
-from ops.overlap import SideStream, side_stream
+from ops.moe import can_grouped_mm
+from ops.overlap import SideStream, pick_lane, side_stream
 from runtime.builder import GraphBuilder
 from runtime.errors import ExecutionError
 from runtime.executor import EagerExecutor
@@ -100,12 +101,33 @@ def test_each_hc_pre_forks_and_joins_right_before_its_hc_post():
     assert executor._pending == {}
 
 
-def test_moe_forks_its_shared_expert_and_joins_inside_the_step():
-    _, _, _, log, _ = propose_logged(2, overlap=True)
+def joined_inside(log: list[str], at: int) -> int:
+    """The forks of the step logged at ``at``, checked to be joined before the step ends."""
+    forks = 0
+    while log[at + 1 + forks] == "fork":
+        forks += 1
+    event = log[at + 1 + forks]
+    assert forks >= 1 and event.startswith("event"), log[at : at + 4]
+    assert log[at + 2 + forks] == f"wait {event.split()[1]}", log[at : at + 4 + forks]
+    return forks
+
+
+def test_moe_forks_its_shared_expert_and_up_gemm_and_joins_inside_the_step():
+    _, _, _, log, executor = propose_logged(2, overlap=True)
     moe_at = [i for i, entry in enumerate(log) if entry.startswith(("moe ", "moe_hash "))]
     assert len(moe_at) == 2
-    for i in moe_at:  # forked before the router's first kernel, joined before the sum
-        assert log[i + 1 : i + 4] == ["fork", log[i + 2], f"wait {log[i + 2].split()[1]}"], log[i : i + 4]
+    x = executor.steps[[s.node.op for s in executor.steps].index("moe")].inputs[0]
+    grouped = can_grouped_mm(x, *(executor.bound[f"mtp.0.ffn.experts.stacked.{w}"] for w in ("w1", "w2", "w3")))
+    for i in moe_at:  # the shared expert before the router's first kernel, the up GEMM beside the gate GEMM
+        assert joined_inside(log, i) == (2 if grouped else 1)
+
+
+def test_attention_forks_its_kv_path_and_joins_inside_the_step():
+    _, _, _, log, _ = propose_logged(2, overlap=True)
+    attention_at = [i for i, entry in enumerate(log) if entry.startswith("swa_attention ")]
+    assert len(attention_at) == 2
+    for i in attention_at:
+        assert joined_inside(log, i) == 1
 
 
 def hc_pre_graph(read_comb: bool):
@@ -148,3 +170,15 @@ def test_a_run_ends_joined_and_a_failing_block_leaves_nothing_pending():
         executor.run({"x": X})
     assert log == ["hc_pre pre", "fork", "event 2", "wait 2"]  # what it queued is joined all the same
     assert executor._pending == {} and not executor.side.forked
+
+
+@pytest.mark.parametrize("lanes,busy,picked", [
+    (2, [], 0),
+    (2, [0], 1),  # the shared expert's lane while the Sinkhorn holds lane 0
+    (2, [0, 1], 0),  # all busy: the one forked longest ago
+    (2, [1, 0], 1),
+    (3, [0, 1], 2),
+    (1, [0], 0),
+])
+def test_a_step_forks_onto_the_first_lane_without_unjoined_work(lanes, busy, picked):
+    assert pick_lane(lanes, busy) == picked

@@ -22,7 +22,8 @@ bandwidth measured in the same run. Rows, each as ms and the ratio to the floor:
 "host µs" is the CPU time of a propose up to the launch (median of 50). Also: the
 capture time, the device memory the first propose added (arena, staging and graph
 pool), and CUDA-graph kernel nodes per draft step. ``--profile`` adds, for each case,
-each captured variant's kernels by name (tools/profile_step.py).
+each captured variant's kernels by name and, at K=1, each step's time alone
+(tools/profile_step.py).
 """
 
 from __future__ import annotations
@@ -283,6 +284,10 @@ def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, ke
             rows, busy = kernel_table(ex, k)
             print_kernel_table(f"B={batch} K={k} captured, kernels={kernels}", rows, busy,
                                row["replay_ms"] * 1e3 / k)
+            if k == 1:
+                from tools.profile_step import op_table, print_op_table
+
+                print_op_table(f"B={batch} K=1 steps alone, kernels={kernels}", op_table(ex), row["replay_ms"] * 1e3)
     else:
         row["replay_ms"] = row["propose_ms"]  # an eager run is its launches
     for s in states:
