@@ -150,7 +150,7 @@ def _hc_pre_impl(inputs, outputs, attrs, workspace):
     # nothing else of the arena (ops.overlap), and hc_post, its one reader, comes much later.
     # Forked as soon as its logits exist, ahead of y, pre and post.
     torch.addcmul(base[2 * c :], m[:, 2 * c :], scale[2], out=comb.view(-1, c * c))
-    with side_stream():  # ~80 tiny kernels with the torch ops: beside the attention / MoE, not before it
+    with side_stream(urgent=True):  # ~80 tiny kernels with the torch ops: beside the attention / MoE, not before it
         sinkhorn(comb, int(attrs["iters"]), hc_eps, out=comb)
     # pre and post logits in one op: [B, 2, C] * scale[:2] per group + base.
     gates = torch.sigmoid(torch.addcmul(base[: 2 * c].view(2, c), m[:, : 2 * c].view(-1, 2, c), scale[:2, None]))

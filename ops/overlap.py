@@ -11,7 +11,8 @@ The contract, for an op's implementation:
 
 - ``with side_stream():`` runs its block on one of the executor's side lanes, after
   everything queued on the main stream so far; all blocks of one step share a lane, in
-  order. Without lanes (CPU, no executor, a debug run, a gated step, or inside
+  order. ``side_stream(urgent=True)`` asks for the high-priority lane (the longer branch
+  of a fork). Without lanes (CPU, no executor, a debug run, a gated step, or inside
   torch.compile) the block runs inline, in order.
 - ``join_side_stream()`` makes the main stream wait for every block the step queued so
   far. A block joined this way inside the op may read the op's inputs and write tensors
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from collections.abc import Iterator
 
 import torch
@@ -53,16 +55,24 @@ class SideStream:
 
     Why lanes: a deferred block (hc_pre's Sinkhorn) stays queued until a later step joins it;
     a step that forks meanwhile (the MoE's shared expert, the attention's kv path) would queue
-    behind it on a single side stream and its join would wait for both. A step takes the first
-    lane with no unjoined work (the least recently forked busy one when every lane is busy),
-    and keeps it for all its blocks, so blocks of one step stay in order.
+    behind it on a single side stream and its join would wait for both. A step takes a lane
+    with no unjoined work (the least recently forked busy one when every lane is busy), and
+    keeps it for all its blocks, so blocks of one step stay in order.
+
+    Why an urgent lane: lane 0 has the device's highest stream priority (``DRAFTGRAPH_LANE_PRIORITY=0``
+    turns it off). A Sinkhorn is ~80 one-block kernels in a row; beside the MoE its next kernel
+    waits, at normal priority, behind every pending tile of a grouped GEMM (an H200 trace: 300
+    us against 110 alone), and the chain waits for it at hc_post. With priority the block
+    scheduler places its one block first. Captured, kernel nodes keep their stream's priority,
+    which the raw launch's exec honours (``runtime.raw_launch.node_priority_exec``).
     """
 
     def __init__(self, device: torch.device, lanes: int = 2) -> None:
         if lanes < 1:
             raise ValueError(f"SideStream lanes: expected >= 1, got {lanes}")
         self.device = device
-        self.streams = [torch.cuda.Stream(device=device) for _ in range(lanes)]
+        urgent = torch.cuda.Stream.priority_range()[1] if lane_priority_enabled() else 0  # lower is higher
+        self.streams = [torch.cuda.Stream(device=device, priority=urgent if lane == 0 else 0) for lane in range(lanes)]
         self.forked = False  # whether the running step queued work not joined yet
         self.lane: int | None = None  # the lane of the running step, once it forked
         self._unjoined: list[SideWork] = []  # deferred work the main stream has not waited for, oldest first
@@ -84,10 +94,10 @@ class SideStream:
             self.lane = None
 
     @contextlib.contextmanager
-    def fork(self) -> Iterator[None]:
+    def fork(self, urgent: bool = False) -> Iterator[None]:
         """Queue the block on the step's lane, after everything on the main stream so far."""
         if self.lane is None:
-            self.lane = pick_lane(len(self.streams), [work.lane for work in self._unjoined])
+            self.lane = pick_lane(len(self.streams), [work.lane for work in self._unjoined], urgent)
         stream = self.streams[self.lane]
         stream.wait_stream(torch.cuda.current_stream(self.device))
         self.forked = True  # before the block: a block that fails part way has queued work to join too
@@ -110,21 +120,36 @@ class SideStream:
             self._unjoined.remove(work)
 
 
-def pick_lane(lanes: int, busy: list[int]) -> int:
-    """The first lane with no unjoined work; when all have some, the one forked longest ago.
+def pick_lane(lanes: int, busy: list[int], urgent: bool = False) -> int:
+    """A lane with no unjoined work; when all have some, the one forked longest ago.
 
-    ``busy`` lists the lanes of the unjoined work, oldest first.
+    ``busy`` lists the lanes of the unjoined work, oldest first. An urgent block takes lane 0
+    (the high-priority one) when it is free; other blocks take the other lanes first, keeping
+    lane 0 free for the next urgent one.
     """
     free = [lane for lane in range(lanes) if lane not in busy]
-    return free[0] if free else busy[0]
+    if not free:
+        return busy[0]
+    if urgent or len(free) == 1:
+        return free[0]
+    return free[1] if free[0] == 0 else free[0]
 
 
-def side_stream() -> contextlib.AbstractContextManager:
-    """Run the block on the executor's side stream when it offers one, else inline (see the module doc)."""
+def lane_priority_enabled() -> bool:
+    """Whether lane 0 gets the device's highest stream priority (``DRAFTGRAPH_LANE_PRIORITY=0``: no)."""
+    return os.environ.get("DRAFTGRAPH_LANE_PRIORITY", "1") != "0"
+
+
+def side_stream(urgent: bool = False) -> contextlib.AbstractContextManager:
+    """Run the block on one of the executor's side lanes when it offers them, else inline (see the module doc).
+
+    ``urgent``: the block is the longer branch of its fork (a Sinkhorn beside the attention or
+    the MoE): it goes on the high-priority lane when that is free.
+    """
     if torch.compiler.is_compiling():  # first: a traced function sees a plain nullcontext
         return contextlib.nullcontext()
     side = _ACTIVE.get()
-    return contextlib.nullcontext() if side is None else side.fork()
+    return contextlib.nullcontext() if side is None else side.fork(urgent)
 
 
 def join_side_stream() -> None:
@@ -134,4 +159,4 @@ def join_side_stream() -> None:
         side.wait(side.join_event())
 
 
-__all__ = ["SideStream", "SideWork", "join_side_stream", "pick_lane", "side_stream"]
+__all__ = ["SideStream", "SideWork", "join_side_stream", "lane_priority_enabled", "pick_lane", "side_stream"]

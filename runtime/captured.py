@@ -85,6 +85,7 @@ class CapturedExecutor:
         # How a replay launches (runtime/raw_launch.py): through torch until the first replay has
         # shown that the graph draws no random numbers, then its exec handle through cuda-python.
         self._replayed, self._exec = False, None
+        self._own_exec: raw_launch.NodePriorityExec | None = None
 
     @property
     def arena(self) -> torch.Tensor:
@@ -93,14 +94,16 @@ class CapturedExecutor:
     def capture(self) -> None:
         """Warm up on a side stream, then capture every step into one CUDA graph."""
         start = time.perf_counter()
-        self._replayed, self._exec = False, None  # a handle of an earlier capture's graph must never launch
+        self._drop_exec()  # a handle of an earlier capture's graph must never launch
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(self.warmup_runs):
                 self._run_steps()
         torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph(keep_graph=self.keep_graph) if self.keep_graph else torch.cuda.CUDAGraph()
+        # Kept for the raw launch too: its own exec is instantiated from the graph (node priorities).
+        keep = self.keep_graph or raw_launch.is_enabled
+        graph = torch.cuda.CUDAGraph(keep_graph=True) if keep else torch.cuda.CUDAGraph()
         tracer, self.eager.tracer = self.eager.tracer, None  # host hooks must not run inside a capture
         if self.is_gated and self.pool is None:  # a conditional node's body allocates from the capture's pool
             self.pool = torch.cuda.graph_pool_handle()
@@ -113,7 +116,7 @@ class CapturedExecutor:
         finally:
             self.eager.tracer = tracer
             self.eager.run_gated = run_if_flag_set
-        if self.keep_graph:
+        if keep:
             graph.instantiate()
         torch.cuda.synchronize(self.device)
         self.cuda_graph = graph
@@ -165,25 +168,43 @@ class CapturedExecutor:
         if self.cuda_graph is None:
             self.capture()
         start = time.perf_counter_ns()
+        self.replay()
+        if self.tracer is not None:
+            self.tracer.slice(f"replay {self.graph_ir.name} B={self.batch}", start, time.perf_counter_ns() - start)
+        return self.outputs
+
+    def replay(self) -> None:
+        """Launch the captured graph as ``run`` does, on the inputs already staged (what benchmarks time)."""
+        if self.cuda_graph is None:
+            raise CaptureError(f"{self.graph_ir.name} B={self.batch}: nothing captured to replay (run it first)")
         if self._exec is not None and raw_launch.is_enabled and torch.cuda.current_device() == self._device_index:
             raw_launch.launch(self._exec, self._device_index)
         elif not self._replayed:
             self._first_replay()
         else:
             self.cuda_graph.replay()
-        if self.tracer is not None:
-            self.tracer.slice(f"replay {self.graph_ir.name} B={self.batch}", start, time.perf_counter_ns() - start)
-        return self.outputs
 
     def _first_replay(self) -> None:
-        """Replay through torch; from then on launch directly when that replay drew no random numbers."""
+        """Replay through torch; from then on launch directly when that replay drew no random numbers.
+
+        The direct launch runs an exec of its own that keeps the kernel nodes' captured
+        priorities (``raw_launch.node_priority_exec``: the urgent side lane's Sinkhorn ahead of
+        GEMM tiles); torch's exec where that one cannot be made.
+        """
         index, self._replayed = self._device_index, True
         if raw_launch.is_enabled and torch.cuda.current_device() == index:
             handle = raw_launch.exec_handle(self.cuda_graph)
             if raw_launch.draws_no_random_numbers(self.cuda_graph, index):
-                self._exec = handle
+                self._own_exec = raw_launch.node_priority_exec(self.cuda_graph)
+                self._exec = self._own_exec.handle if self._own_exec is not None else handle
         else:
             self.cuda_graph.replay()
+
+    def _drop_exec(self) -> None:
+        self._replayed, self._exec = False, None
+        if self._own_exec is not None:
+            self._own_exec.close()
+            self._own_exec = None
 
     def poison(self, byte: int = 0xFF) -> None:
         self.eager.poison(byte)
@@ -193,6 +214,6 @@ class CapturedExecutor:
         if self.cuda_graph is not None:
             self.cuda_graph.reset()
         self.cuda_graph = None
-        self._replayed, self._exec = False, None
+        self._drop_exec()
         self.outputs = {}
         self.is_released = True

@@ -8,6 +8,11 @@ counts. A draft chain draws no random numbers (greedy drafting), and for such a 
 launch alone is the whole replay. :class:`runtime.captured.CapturedExecutor` takes this path
 only after its first replay (through torch) left the device's default generator where it
 was, so a graph that did consume random numbers keeps torch's replay.
+
+It launches an exec handle of its own (:class:`NodePriorityExec`), instantiated with
+``cudaGraphInstantiateFlagUseNodePriority``: kernel nodes keep the priority of the stream they
+were captured on (:mod:`ops.overlap`'s urgent lane), where torch's exec runs every node at the
+priority of the launch stream.
 """
 
 from __future__ import annotations
@@ -32,6 +37,44 @@ def exec_handle(cuda_graph: torch.cuda.CUDAGraph):
         return _cudart.cudaGraphExec_t(init_value=int(raw()))
     except Exception:  # not instantiated, or a torch without the accessor's backing
         return None
+
+
+class NodePriorityExec:
+    """A ``cudaGraphExec_t`` of a kept graph that runs kernel nodes at their captured priorities.
+
+    Owned here: ``close()`` (or the collector) destroys it. The graph it came from may be
+    reset before or after; an exec does not refer to its graph.
+    """
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def close(self) -> None:
+        handle, self.handle = self.handle, None
+        if handle is not None and _cudart is not None:
+            _cudart.cudaGraphExecDestroy(handle)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the context may be gone with the exec
+            pass
+
+
+def node_priority_exec(cuda_graph: torch.cuda.CUDAGraph) -> NodePriorityExec | None:
+    """Instantiate a graph captured with ``keep_graph=True`` to use node priorities; None where unavailable."""
+    raw = getattr(cuda_graph, "raw_cuda_graph", None)
+    if not is_enabled or raw is None:
+        return None
+    try:
+        graph = _cudart.cudaGraph_t(init_value=int(raw()))
+    except Exception:  # not kept (keep_graph=False), or reset
+        return None
+    flags = _cudart.cudaGraphInstantiateFlags.cudaGraphInstantiateFlagUseNodePriority
+    err, handle = _cudart.cudaGraphInstantiateWithFlags(graph, int(flags))
+    if err != _cudart.cudaError_t.cudaSuccess:
+        raise RawLaunchError(f"cudaGraphInstantiateWithFlags(UseNodePriority) failed: {err.name}")
+    return NodePriorityExec(handle)
 
 
 def draws_no_random_numbers(cuda_graph: torch.cuda.CUDAGraph, device_index: int) -> bool:

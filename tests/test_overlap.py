@@ -31,7 +31,7 @@ class FakeSide:
         self.log, self.forked, self.events = log, False, 0
 
     @contextlib.contextmanager
-    def fork(self):
+    def fork(self, urgent: bool = False):
         self.log.append("fork")
         self.forked = True
         yield
@@ -172,13 +172,18 @@ def test_a_run_ends_joined_and_a_failing_block_leaves_nothing_pending():
     assert executor._pending == {} and not executor.side.forked
 
 
-@pytest.mark.parametrize("lanes,busy,picked", [
-    (2, [], 0),
-    (2, [0], 1),  # the shared expert's lane while the Sinkhorn holds lane 0
-    (2, [0, 1], 0),  # all busy: the one forked longest ago
-    (2, [1, 0], 1),
-    (3, [0, 1], 2),
-    (1, [0], 0),
+@pytest.mark.parametrize("lanes,busy,urgent,picked", [
+    (2, [], True, 0),  # a Sinkhorn: the high-priority lane
+    (2, [], False, 1),  # anything else keeps lane 0 free for the next Sinkhorn
+    (2, [0], False, 1),  # the shared expert's lane while the Sinkhorn holds lane 0
+    (2, [0], True, 1),  # lane 0 busy: an urgent block still never queues behind it
+    (2, [1], False, 0),
+    (2, [0, 1], False, 0),  # all busy: the one forked longest ago
+    (2, [1, 0], True, 1),
+    (3, [0, 1], False, 2),
+    (3, [], False, 1),
+    (1, [], False, 0),
+    (1, [0], True, 0),
 ])
-def test_a_step_forks_onto_the_first_lane_without_unjoined_work(lanes, busy, picked):
-    assert pick_lane(lanes, busy) == picked
+def test_a_step_forks_onto_a_lane_without_unjoined_work(lanes, busy, urgent, picked):
+    assert pick_lane(lanes, busy, urgent) == picked

@@ -105,3 +105,26 @@ def test_memory_is_flat_over_300_overlapped_proposes():
         prop.after_verify(0, state)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
+
+
+@pytest.mark.parametrize("priority", ["1", "0"])
+def test_sinkhorns_are_captured_at_high_priority_and_launched_with_node_priorities(priority, monkeypatch):
+    from runtime import raw_launch
+    from tools.capture_dump import kernel_priorities, recapture
+
+    monkeypatch.setenv("DRAFTGRAPH_LANE_PRIORITY", priority)
+    prop = proposer("captured", True, random_mtp_weights(SMALL, seed=6))
+    hidden = torch.randn(SMALL.hc_mult, SMALL.hidden_size, device="cuda").bfloat16()
+    state = prop.alloc_state()
+    first = prop.propose(5, hidden, 30, 1, state)
+    prop.after_verify(0, state)
+    assert prop.propose(5, hidden, 30, 1, state) == first  # the second propose: the node-priority exec
+    executor = prop._executor(1, 1, False)
+    if raw_launch.is_enabled:
+        assert executor._own_exec is not None and executor._exec is executor._own_exec.handle
+    urgent = sum(n for level, n in kernel_priorities(recapture(executor).cuda_graph).items() if level < 0)
+    # Two Sinkhorns (attention, FFN) of four kernels per iteration after the first.
+    assert urgent >= 2 * 4 * (SMALL.hc_sinkhorn_iters - 1) if priority == "1" else urgent == 0
+    own = executor._own_exec
+    executor.release()
+    assert executor._own_exec is None and (own is None or own.handle is None)  # destroyed, not leaked

@@ -212,14 +212,23 @@ def kernel_nodes_per_step(executor, k: int) -> int | None:
 
 VARIANTS = ("torch", "compiled", "fused")
 # variant -> ProposerOptions.kernels; "fused-nopdl" is "fused" with programmatic dependent launch off,
-# "torch-serial" is "torch" on one stream (no side-stream overlap: ops.overlap)
-KERNELS_OPTION = {"torch": "torch", "torch-serial": "torch", "compiled": "compiled", "fused": "auto",
-                  "fused-nopdl": "auto"}
+# "torch-serial" is "torch" on one stream (no side-stream overlap: ops.overlap), "torch-noprio" is
+# "torch" with every side lane at normal priority (DRAFTGRAPH_LANE_PRIORITY=0)
+KERNELS_OPTION = {"torch": "torch", "torch-serial": "torch", "torch-noprio": "torch", "compiled": "compiled",
+                  "fused": "auto", "fused-nopdl": "auto"}
 
 
 @contextlib.contextmanager
 def pdl_setting(kernels: str):
-    """PDL off for the "fused-nopdl" variant (read at launch: its capture keeps plain launches)."""
+    """PDL off for the "fused-nopdl" variant (read at launch: its capture keeps plain launches);
+    lanes at normal priority for "torch-noprio" (read when the executor makes its lanes)."""
+    if kernels == "torch-noprio":
+        os.environ["DRAFTGRAPH_LANE_PRIORITY"] = "0"
+        try:
+            yield
+        finally:
+            del os.environ["DRAFTGRAPH_LANE_PRIORITY"]
+        return
     if kernels != "fused-nopdl":
         yield
         return
@@ -276,7 +285,7 @@ def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, ke
     if executor == "captured":
         ex = next(iter(prop._executors.values()))
         row["capture_s"] = ex.capture_seconds
-        row["replay_ms"], row["replay_spread"] = time_replays(ex.cuda_graph.replay)
+        row["replay_ms"], row["replay_spread"] = time_replays(ex.replay)
         row["nodes_per_step"] = kernel_nodes_per_step(ex, k)
         if profile:
             from tools.profile_step import kernel_table, print_kernel_table
@@ -352,7 +361,7 @@ def main() -> int:
     ap.add_argument("--cases", default=",".join(f"{b}x{k}" for b, k in CASES), help="BxK cases, e.g. 1x1,1x3")
     ap.add_argument("--kernels", default=",".join(VARIANTS),
                     help="captured variants: torch,compiled,fused (and fused-nopdl: PDL off; "
-                         "torch-serial: the torch ops on one stream)")
+                         "torch-serial: the torch ops on one stream; torch-noprio: side lanes at normal priority)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--compile-cases", default=",".join(f"{b}x{k}" for b, k in CASES),
                     help="cases that get the torch.compile baseline (100-200 s of compiling per batch size)")

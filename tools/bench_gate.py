@@ -38,7 +38,7 @@ def replay_ms(cfg, weights, batch: int, k: int, tau: float) -> tuple[float, floa
     states = [prop.alloc_state() for _ in range(batch)]
     drafts = prop.propose_batch(list(range(1, batch + 1)), hiddens, [200] * batch, k, states)
     executor = next(iter(prop._executors.values()))
-    ms, spread = time_replays(executor.cuda_graph.replay)
+    ms, spread = time_replays(executor.replay)
     for state in states:
         prop.free_state(state)
     return ms, spread, drafts

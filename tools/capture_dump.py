@@ -7,7 +7,8 @@ are attributed to IR ops by capture order: each op is also captured on its own i
 throwaway graph (the same kernels, since no op branches on data), and so is the staging
 prologue (the copy from pinned memory and the hidden gather); the last line prints their sum
 beside the whole graph's count, which it must equal. The first line also gives the nodes on
-the critical path: ops that fork work onto a side stream (``ops.overlap``) shorten it.
+the critical path: ops that fork work onto a side stream (``ops.overlap``) shorten it; and how
+many kernel nodes were captured at high priority (the urgent side lane's).
 """
 
 from __future__ import annotations
@@ -101,6 +102,19 @@ def node_types(cuda_graph: torch.cuda.CUDAGraph) -> Counter:
     return types
 
 
+def kernel_priorities(cuda_graph: torch.cuda.CUDAGraph) -> Counter:
+    """Kernel nodes by the priority they were captured at (their stream's; lower is more urgent)."""
+    cudart = _cudart()
+    attr_ids = getattr(cudart, "cudaLaunchAttributeID", None) or cudart.cudaKernelNodeAttrID
+    priority = getattr(attr_ids, "cudaLaunchAttributePriority", None) or attr_ids.cudaKernelNodeAttributePriority
+    counts: Counter = Counter()
+    for node in graph_nodes(cuda_graph):
+        if _check(cudart.cudaGraphNodeGetType(node)) != cudart.cudaGraphNodeType.cudaGraphNodeTypeKernel:
+            continue
+        counts[int(_check(cudart.cudaGraphKernelNodeGetAttribute(node, priority)).priority)] += 1
+    return counts
+
+
 def recapture(executor, keep_graph: bool = True):
     """A CapturedExecutor over the same graph, inputs and weights, keeping its cudaGraph_t."""
     from runtime.captured import CapturedExecutor
@@ -164,8 +178,9 @@ def run(args) -> int:
     for _, op, n in per_op:
         by_op[op] += n
     total = sum(by_op.values())
+    urgent = sum(n for level, n in kernel_priorities(kept.cuda_graph).items() if level < 0)
     print(f"wrote {args.out}: {sum(types.values())} nodes ({', '.join(f'{k} {v}' for k, v in types.most_common())}),"
-          f" {critical_path(kept.cuda_graph)} on the critical path")
+          f" {critical_path(kept.cuda_graph)} on the critical path; {urgent} kernels at high priority")
     print(f"{'op':<18} {'kernels':>8} {'per step':>9}")
     for op, n in by_op.most_common():
         print(f"{op:<18} {n:>8} {n / args.num_drafts:>9.1f}")
