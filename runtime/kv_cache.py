@@ -25,6 +25,7 @@ import itertools
 import math
 import threading
 from dataclasses import dataclass, field
+from operator import le
 from typing import NamedTuple
 
 import torch
@@ -220,6 +221,8 @@ class PagedLatentCache:
         """
         self._check_range(first_pos, last_pos)
         with self._lock:
+            if not self._unheld_rows([table], [first_pos], [last_pos]):
+                return []  # design note "held rows"
             self._check_table(table)
             missing = self._missing(table, first_pos, last_pos)
             self._check_free(len(missing), f"positions {first_pos}..{last_pos}")
@@ -230,18 +233,52 @@ class PagedLatentCache:
 
         Raises CacheError (pool exhausted, with needed / free counts) and changes nothing when
         the pool cannot supply every block of every range (a batched propose's host path).
+        A row whose range is held already (design note "held rows") is left as it is.
         """
-        if len({id(t) for t in tables}) != len(tables):
+        if len(set(map(id, tables))) != len(tables):
             raise InputError(describe("ensure_batch tables", "distinct tables", "the same table twice"))
+        self._check_ranges(first_positions, last_positions)
+        with self._lock:
+            todo = self._unheld_rows(tables, first_positions, last_positions)
+            missing = {}
+            for i in todo:
+                self._check_table(tables[i])
+                missing[i] = self._missing(tables[i], first_positions[i], last_positions[i])
+            if missing:
+                self._check_free(sum(map(len, missing.values())), f"{len(tables)} sequences")
+            added = [[] for _ in tables]
+            for i, m in missing.items():
+                added[i] = self._allocate(tables[i], m)
+            return added
+
+    def _check_ranges(self, first_positions: list[int], last_positions: list[int]) -> None:
+        """``_check_range`` of every row: three passes of builtins prove the usual batch good."""
+        if not first_positions or (min(first_positions) >= 0 and max(last_positions) < self.max_seq_len
+                                   and all(map(le, first_positions, last_positions))):
+            return
         for first_pos, last_pos in zip(first_positions, last_positions):
             self._check_range(first_pos, last_pos)
-        with self._lock:
-            missing = []
-            for table, first_pos, last_pos in zip(tables, first_positions, last_positions):
-                self._check_table(table)
-                missing.append(self._missing(table, first_pos, last_pos))
-            self._check_free(sum(len(m) for m in missing), f"{len(tables)} sequences")
-            return [self._allocate(table, m) for table, m in zip(tables, missing)]
+
+    # Design note "held rows": in a decode step most rows write inside blocks they hold already,
+    # and for such a row ensure allocates nothing: checking its whole table (held(), a pass over
+    # thousands of entries for a long sequence, ~1 us) is all ensure would do. A row counts as
+    # held when its range spans at most two entries, both mapping blocks of this cache in state
+    # OWNED; one inline loop over the batch finds the rows that are not. Only those go through
+    # the full ensure; the rest of a held row's table is checked by ``trim_windows`` after the
+    # propose, as every table is.
+    def _unheld_rows(self, tables: list[BlockTable], first_positions: list[int],
+                     last_positions: list[int]) -> list[int]:
+        """Indices of the rows not held (design note "held rows"): the rows ensure may change or refuse."""
+        bs, states, cache_id, unheld = self.block_size, self._state, self.cache_id, []
+        for i, table in enumerate(tables):
+            blocks, first, last = table.blocks, first_positions[i] // bs, last_positions[i] // bs
+            try:
+                if (last - first > 1 or last >= len(blocks) or table.cache_id != cache_id or blocks[first] < 0
+                        or blocks[last] < 0 or states[blocks[first]] != OWNED or states[blocks[last]] != OWNED):
+                    unheld.append(i)
+            except IndexError:  # an entry past the pool (a table edited by hand)
+                unheld.append(i)
+        return unheld
 
     def _check_free(self, needed: int, what: str) -> None:
         if needed > len(self._free):

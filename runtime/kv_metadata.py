@@ -144,14 +144,28 @@ CheckedRow = tuple[int, int, Sequence[int], int]  # (pos, kv_start, block ids, b
 
 def check_rows(rows: Sequence[Row], max_blocks_per_seq: int) -> list[CheckedRow | None]:
     """Every row of a batch checked (the errors of :func:`pack_metadata`), nothing written."""
-    return [None if row is None else _checked_row(i, row, max_blocks_per_seq) for i, row in enumerate(rows)]
+    checked: list[CheckedRow | None] = []
+    for i, row in enumerate(rows):  # inline, not a call per row: a propose stages B rows each time
+        if row is None:
+            checked.append(None)
+            continue
+        pos, kv_start, table = row
+        try:  # a BlockTable: plain attribute loads, cheaper than getattr with a default
+            blocks, block_size = table.blocks, table.block_size
+        except AttributeError:  # a list of block ids
+            blocks, block_size = getattr(table, "blocks", table), getattr(table, "block_size", 16)
+        if not isinstance(blocks, list):  # a list is only read: no copy of a long table per propose
+            blocks = list(blocks)
+        if (not 0 <= kv_start <= pos or len(blocks) > max_blocks_per_seq or pos // block_size >= len(blocks)
+                or blocks[pos // block_size] < 0):
+            _raise_row_error(i, pos, kv_start, blocks, block_size, max_blocks_per_seq)
+        checked.append((pos, kv_start, blocks, block_size))
+    return checked
 
 
-def _checked_row(i: int, row, max_blocks_per_seq: int) -> CheckedRow:
-    pos, kv_start, table = row
-    blocks = getattr(table, "blocks", table)
-    if not isinstance(blocks, list):  # a list is only read: no copy of a long table per propose
-        blocks = list(blocks)
+def _raise_row_error(i: int, pos: int, kv_start: int, blocks: list[int], block_size: int,
+                     max_blocks_per_seq: int) -> None:
+    """The error of row ``i``, which failed a check of :func:`check_rows`."""
     if not 0 <= kv_start <= pos:
         raise InputError(describe(f"metadata row {i} kv_start", f"0 <= kv_start <= pos ({pos})", kv_start))
     if len(blocks) > max_blocks_per_seq:
@@ -163,18 +177,14 @@ def _checked_row(i: int, row, max_blocks_per_seq: int) -> CheckedRow:
                 "max_blocks_per_seq comes from max_seq_len",
             )
         )
-    block_size = getattr(table, "block_size", 16)
-    j = pos // block_size
-    if j >= len(blocks) or blocks[j] < 0:
-        raise CacheError(
-            describe(
-                f"metadata row {i} position {pos}",
-                "an allocated block",
-                f"table {blocks}",
-                "call cache.ensure() before packing",
-            )
+    raise CacheError(
+        describe(
+            f"metadata row {i} position {pos}",
+            "an allocated block",
+            f"table {blocks}",
+            "call cache.ensure() before packing",
         )
-    return pos, kv_start, blocks, block_size
+    )
 
 
 _SCALARS = struct.Struct("<qqii")  # pos, slot, seq_len, kv_start at POS_OFFSET..KV_START_OFFSET + 4
@@ -221,29 +231,38 @@ class MetadataWriter:
             raise InputError(describe("pack_metadata out", f"uint8 [>= {len(rows)}, {width}]",
                                       f"torch.uint8[{self.batch}, {width}]"))
         try:
-            for i, row in enumerate(rows):
-                if row is None:
-                    self._write_dead(i)
-                else:
-                    self._write_live(i, *row)
+            self._write_rows(rows)
             for i in range(len(rows), self.batch):
                 self._write_dead(i)
         except BaseException:
             self.reset()  # the records may no longer say what the buffer holds
             raise
 
-    def _write_live(self, i: int, pos: int, kv_start: int, blocks: Sequence[int], block_size: int) -> None:
-        slot = blocks[pos // block_size] * block_size + pos % block_size
-        _SCALARS.pack_into(self._mem, i * self._row_bytes, pos, slot, pos + 1, kv_start)
-        lo = 0 if self.window is None else max(kv_start, pos - self.window + 1, 0) // block_size
-        entries = blocks[lo:]
-        table = (lo, entries)
-        if self._tables[i] != table:
-            self._clear_table(i)
-            if entries:
-                at = i * self._row_bytes + BLOCK_TABLE_OFFSET + 4 * lo
-                struct.pack_into(f"<{len(entries)}i", self._mem, at, *entries)
-            self._tables[i] = table
+    def _write_rows(self, rows: Sequence[CheckedRow | None]) -> None:
+        mem, row_bytes, pack, window = self._mem, self._row_bytes, _SCALARS.pack_into, self.window
+        written = self._tables
+        for i, row in enumerate(rows):  # inline, not a call per row: a propose stages B rows each time
+            if row is None:
+                self._write_dead(i)
+                continue
+            pos, kv_start, blocks, block_size = row
+            pack(mem, i * row_bytes, pos, blocks[pos // block_size] * block_size + pos % block_size, pos + 1, kv_start)
+            if window is None:
+                lo = 0
+            else:  # max(kv_start, pos - window + 1, 0) // block_size, without the calls (kv_start >= 0: checked)
+                oldest = pos - window + 1
+                lo = (kv_start if kv_start > oldest else oldest) // block_size
+            table = written[i]
+            if table is _DEAD_TABLE or table[0] != lo or table[1] != blocks[lo:]:
+                self._write_table(i, lo, blocks[lo:])
+
+    def _write_table(self, i: int, lo: int, entries: list[int]) -> None:
+        """Row ``i``'s block table: ``entries`` from entry ``lo`` on, -1 elsewhere."""
+        self._clear_table(i)
+        if entries:
+            at = i * self._row_bytes + BLOCK_TABLE_OFFSET + 4 * lo
+            struct.pack_into(f"<{len(entries)}i", self._mem, at, *entries)
+        self._tables[i] = (lo, entries)
 
     def _write_dead(self, i: int) -> None:
         if self._tables[i] is _DEAD_TABLE:

@@ -44,10 +44,14 @@ from runtime.proposer_checks import (
     check_batch,
     check_bitmask,
     check_hidden,
+    check_hiddens,
     check_num_drafts,
     check_position,
+    check_positions,
     check_state,
+    check_states,
     check_token,
+    check_tokens,
 )
 from runtime.proposer_state import MtpProposerState
 from runtime.runners.base import RunnerNode, load_runner, runner_name
@@ -200,19 +204,20 @@ class DeepseekV4MtpProposer:
         n = len(tokens)
         vocab, shape, words = self._propose_constants()
         k = check_num_drafts(num_drafts, self.options.max_num_drafts)
-        states = [check_state(s, self.id) for s in states]
-        if n > 1 and len({id(s) for s in states}) != n:
+        states = check_states(states, self.id)
+        if n > 1 and len(set(map(id, states))) != n:
             raise InputError(describe("states", "distinct states", "the same state twice"))
-        tokens = [check_token(t, vocab) for t in tokens]
-        positions = [check_position(p, k, s) for p, s in zip(positions, states)]
-        hiddens = [check_hidden(h, shape, self.device) for h in hiddens]
+        tokens = check_tokens(tokens, vocab)
+        positions = check_positions(positions, k, states)
+        hiddens = check_hiddens(hiddens, shape, self.device)
         mask = self._checked_mask(bitmask, words)
         bucket = self._bucket(n)
+        tables = [state.table for state in states]
         # All checks passed: allocate blocks for every sequence, all or nothing.
         undo: list[tuple] = []
         try:
-            undo = self._ensure_undoable(states, positions, k)
-            rows = [(p, self._next_kv_start(state, p), state.table) for state, p in zip(states, positions)]
+            undo = self._ensure_undoable(states, tables, positions, k)
+            rows = self._metadata_rows(states, positions, tables)
             start = time.perf_counter()
             executor = self._executor(bucket, k, mask is not None)
             staging = self._staging_for(bucket)
@@ -236,7 +241,7 @@ class DeepseekV4MtpProposer:
             state.kv_start, state.seq_len, state.last_num_drafted = kv_start, p + len(row), len(row)
             if len(row) < k:  # the blocks ensured for the drafts the chain did not make go back
                 self.cache.truncate(state.table, state.seq_len)
-        self.cache.trim_windows([state.table for state in states], positions)
+        self.cache.trim_windows(tables, positions)
         probs = outputs["probs"][:n]
         if self.options.draft_conf_tau > 0:
             self._last_confidence = self._chain_confidence(probs, [len(row) for row in drafted])
@@ -273,40 +278,39 @@ class DeepseekV4MtpProposer:
         return mask
 
     @staticmethod
-    def _next_kv_start(state: MtpProposerState, position: int) -> int:
-        """A propose not continuing the state's rows (a jump ahead, or back before them) starts them afresh."""
-        if position > state.seq_len or position < state.kv_start:
-            return position
-        return state.kv_start
+    def _metadata_rows(states: list[MtpProposerState], positions: list[int], tables: list[BlockTable]) -> list:
+        """(p, kv_start after this propose, table) per sequence: the rows to stage.
 
-    def _ensure_undoable(self, states: list[MtpProposerState], positions: list[int], k: int) -> list[tuple]:
+        A propose continuing the state's rows (kv_start <= p <= seq_len) keeps its kv_start; one
+        that jumps ahead, or back before them, starts the rows afresh at p.
+        """
+        return [(p, s.kv_start if s.kv_start <= p <= s.seq_len else p, t) for s, p, t in zip(states, positions, tables)]
+
+    def _ensure_undoable(self, states: list[MtpProposerState], tables: list[BlockTable], positions: list[int],
+                         k: int) -> list[tuple]:
         """``cache.ensure`` of positions p..p+k-1 for every state (all or nothing), and the undo records.
 
-        A record holds only the entries ensure may touch (a few), not the whole table: a long
-        sequence's table is thousands of entries, and copying it costs microseconds per propose.
+        Only a row that got blocks has a record: its table's old length and the new block ids, not
+        a copy of the table (a long sequence's table is thousands of entries). In the usual step
+        every range is held already (design note "held rows" in :mod:`runtime.kv_cache`).
         """
-        size = self.cache.block_size
-        records = []
-        for state, p in zip(states, positions):
-            blocks = state.table.blocks
-            first, last = p // size, (p + k - 1) // size
-            records.append((state, len(blocks), first, last, blocks[first : last + 1], _scalars(state)))
         if len(states) == 1:  # one sequence: the plain ensure (no batch bookkeeping)
-            self.cache.ensure(states[0].table, positions[0], positions[0] + k - 1)
-        else:
-            self.cache.ensure_batch([state.table for state in states], positions, [p + k - 1 for p in positions])
-        return records
+            state, length, p = states[0], len(tables[0].blocks), positions[0]
+            new = self.cache.ensure(tables[0], p, p + k - 1)
+            return [(state, length, new, _scalars(state))] if new else []
+        lengths = [len(table.blocks) for table in tables]
+        added = self.cache.ensure_batch(tables, positions, [p + k - 1 for p in positions] if k > 1 else positions)
+        if not any(added):
+            return []
+        return [(state, length, new, _scalars(state)) for state, length, new in zip(states, lengths, added) if new]
 
-    def _undo_ensure(self, state: MtpProposerState, length: int, first: int, last: int, before: list[int],
-                     scalars: tuple) -> None:
-        """Give back the blocks ensure added (only entries first..last can be new) and the table's old length."""
+    def _undo_ensure(self, state: MtpProposerState, length: int, new: list[int], scalars: tuple) -> None:
+        """Give back the blocks ensure added and the table's old length."""
         blocks = state.table.blocks
-        new = [j for j in range(first, min(last + 1, len(blocks)))
-               if blocks[j] >= 0 and (j - first >= len(before) or before[j - first] < 0)]
-        self.cache._release(state.table, new)
+        self.cache._release(state.table, [blocks.index(b) for b in new])  # each id is in one entry only
         del blocks[length:]
-        restored = (len(blocks), blocks[first : last + 1], _scalars(state))
-        assert restored == (length, before, scalars), f"state not restored: {restored} != {(length, before, scalars)}"
+        restored = (len(blocks), [b for b in new if b in blocks], _scalars(state))
+        assert restored == (length, [], scalars), f"state not restored: {restored} != {(length, [], scalars)}"
 
     def last_hidden(self, n: int = 1) -> torch.Tensor:
         """A copy of the last propose's final hidden (streams or h_out) for its first ``n`` rows.

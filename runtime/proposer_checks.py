@@ -10,6 +10,13 @@ import torch
 from runtime.errors import InputError, describe
 from runtime.proposer_state import MtpProposerState
 
+# Design note "bulk checks": a batch is checked in one inline loop per kind of input, which
+# proves the usual batch good as a whole; a call of the single-item check per item costs
+# ~0.2 us more an item (~6 us at B = 32 for each kind). A loop with plain attribute loads is
+# also cheaper than passes of map / attrgetter: the interpreter specializes the loads. Only when
+# the loop finds something does the batch go item by item through the single-item checks, so
+# the error (type and message) is the one of the first bad item, as it always was.
+
 
 def check_token(token: object, vocab: int, what: str = "last_token") -> int:
     if isinstance(token, torch.Tensor) and token.numel() == 1:
@@ -17,6 +24,14 @@ def check_token(token: object, vocab: int, what: str = "last_token") -> int:
     if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
         raise InputError(describe(what, f"an int token id in [0, {vocab})", repr(token)))
     return token
+
+
+def check_tokens(tokens: Sequence, vocab: int) -> list[int]:
+    """``check_token`` of every token (design note "bulk checks")."""
+    for token in tokens:
+        if type(token) is not int or not 0 <= token < vocab:  # a bool, a tensor: item by item
+            return [check_token(t, vocab) for t in tokens]
+    return list(tokens)
 
 
 def check_position(position: object, num_drafts: int, state: MtpProposerState, what: str = "position") -> int:
@@ -28,6 +43,14 @@ def check_position(position: object, num_drafts: int, state: MtpProposerState, w
                      "the sequence's budget (alloc_state_for) or max_seq_len is reached")
         )
     return position
+
+
+def check_positions(positions: Sequence, num_drafts: int, states: Sequence[MtpProposerState]) -> list[int]:
+    """``check_position`` of every position against its (checked) state (design note "bulk checks")."""
+    for position, state in zip(positions, states):
+        if type(position) is not int or position < 0 or position + num_drafts > state.max_positions:
+            return [check_position(p, num_drafts, s) for p, s in zip(positions, states)]
+    return list(positions)
 
 
 def check_num_drafts(num_drafts: object, max_drafts: int) -> int:
@@ -49,6 +72,26 @@ def check_hidden(hidden: object, shape: tuple[int, ...], device: torch.device, w
     if not _is_on(hidden, device):
         raise InputError(describe(f"{what} device", device, hidden.device))
     return hidden if got == shape else hidden.reshape(shape)  # a reshape is a dispatch (~1 us): only if needed
+
+
+def check_hiddens(hiddens: Sequence, shape: tuple[int, ...], device: torch.device) -> list[torch.Tensor]:
+    """``check_hidden`` of every hidden (design note "bulk checks")."""
+    if _are_ready(hiddens, shape, device):
+        return list(hiddens)
+    return [check_hidden(h, shape, device) for h in hiddens]
+
+
+def _are_ready(hiddens: Sequence, shape: tuple[int, ...], device: torch.device) -> bool:
+    """Whether every hidden is a plain bf16 tensor of exactly ``shape`` on ``device`` (check_hidden's no-op)."""
+    kind, index = _device_key(device)
+    if kind not in ("cpu", "cuda"):
+        return False
+    tensor, bf16, on_cpu = torch.Tensor, torch.bfloat16, kind == "cpu"
+    for hidden in hiddens:  # a subclass, a [1, ...] shape: item by item
+        if (type(hidden) is not tensor or hidden.shape != shape or hidden.dtype is not bf16 or not (
+                hidden.is_cpu if on_cpu else hidden.is_cuda and (index is None or hidden.get_device() == index))):
+            return False
+    return True
 
 
 def _is_on(tensor: torch.Tensor, device: torch.device) -> bool:
@@ -91,6 +134,14 @@ def check_state(state: object, owner: int) -> MtpProposerState:
     if state.is_freed:
         raise InputError(describe("state", "a live state", "a freed state", "alloc_state() a new one"))
     return state
+
+
+def check_states(states: Sequence, owner: int) -> list[MtpProposerState]:
+    """``check_state`` of every state (design note "bulk checks")."""
+    for state in states:
+        if type(state) is not MtpProposerState or state.owner != owner or state.is_freed:
+            return [check_state(s, owner) for s in states]
+    return list(states)
 
 
 def check_batch(name: str, items: Sequence, n: int) -> None:
