@@ -102,7 +102,9 @@ class CapturedExecutor:
                 self._run_steps()
         torch.cuda.current_stream(self.device).wait_stream(side)
         # Kept for the raw launch too: its own exec is instantiated from the graph (node priorities).
-        keep = self.keep_graph or raw_launch.is_enabled
+        # Not a gated graph (conditional nodes): the gated-chain GPU tests failed on that path
+        # (H200, 3d9146f); it keeps torch's exec.
+        keep = self.keep_graph or (raw_launch.is_enabled and not self.is_gated)
         graph = torch.cuda.CUDAGraph(keep_graph=True) if keep else torch.cuda.CUDAGraph()
         tracer, self.eager.tracer = self.eager.tracer, None  # host hooks must not run inside a capture
         if self.is_gated and self.pool is None:  # a conditional node's body allocates from the capture's pool
