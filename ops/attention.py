@@ -94,7 +94,7 @@ def fp8_round_blocks_(v: torch.Tensor, block: int = FP8_BLOCK) -> None:
 
     scale = 2^ceil(log2(max(amax, 1e-4) / 448)) (UE8M0), exactly: by bit arithmetic on the
     fp32 word, as the fused kernel does, not through a rounded log2. Ten kernels at
-    V4-Flash's n = 448 (seven whole blocks, a strided view: no padded copy).
+    V4-Flash's n = 448 with ``kv_fp8_round`` on (seven whole blocks, a strided view: no padded copy).
     """
     b, n = v.shape
     if n % block:  # a partial last block: round a zero-padded copy

@@ -219,9 +219,9 @@ KERNELS_OPTION = {"torch": "torch", "torch-serial": "torch", "torch-noprio": "to
 
 
 @contextlib.contextmanager
-def pdl_setting(kernels: str):
-    """PDL off for the "fused-nopdl" variant (read at launch: its capture keeps plain launches);
-    lanes at normal priority for "torch-noprio" (read when the executor makes its lanes)."""
+def variant_setting(kernels: str):
+    """The switches a variant turns: PDL off for "fused-nopdl" (read at launch: its capture keeps
+    plain launches), lanes at normal priority for "torch-noprio" (read when the executor makes its lanes)."""
     if kernels == "torch-noprio":
         os.environ["DRAFTGRAPH_LANE_PRIORITY"] = "0"
         try:
@@ -415,7 +415,7 @@ def main() -> int:
             if kernels == "compiled" and f"{batch}x{k}" not in args.compiled_cases.split(","):
                 continue
             try:
-                with pdl_setting(kernels):
+                with variant_setting(kernels):
                     row, captured = measure_proposer(cfg, weights, device, batch, k, "captured", kernels,
                                                      args.profile)
                 del captured
