@@ -123,8 +123,8 @@ def test_sinkhorns_are_captured_at_high_priority_and_launched_with_node_prioriti
     if raw_launch.is_enabled:
         assert executor._own_exec is not None and executor._exec is executor._own_exec.handle
     urgent = sum(n for level, n in kernel_priorities(recapture(executor).cuda_graph).items() if level < 0)
-    # Two Sinkhorns (attention, FFN) of four kernels per iteration after the first.
-    assert urgent >= 2 * 4 * (SMALL.hc_sinkhorn_iters - 1) if priority == "1" else urgent == 0
+    # Two Sinkhorns (attention, FFN), each of one kernel per normalisation (2 * iters - 1).
+    assert urgent >= 2 * (2 * SMALL.hc_sinkhorn_iters - 1) if priority == "1" else urgent == 0
     own = executor._own_exec
     executor.release()
     assert executor._own_exec is None and (own is None or own.handle is None)  # destroyed, not leaked
