@@ -170,15 +170,25 @@ def _attn_impl(inputs, outputs, attrs, workspace):
     window = int(attrs["window"])
     b = x.shape[0]
     # What the kv path hands over, allocated here, on the main stream, before the fork
-    # (ops.overlap): the rotation (shared by q, kv and o), the window's keys and their mask.
+    # (ops.overlap): the rotation (shared by q, kv and o), the window's keys and their mask,
+    # and the latent kv between its two blocks.
     rotation = torch.empty(b, r // 2, dtype=torch.complex64, device=x.device)
     keys = torch.empty(b, window, d, dtype=torch.float32, device=x.device)
     hidden = torch.empty(b, window, dtype=torch.bool, device=x.device)
-    # The kv path (about 45 small kernels with the torch ops, one 4 MB GEMV) needs only x and
-    # the positions; the query path (two GEMVs of 72 MB) needs only x. On a side lane the
-    # two run at once, the join before the scores.
+    kv = torch.empty(b, d, dtype=cache.dtype, device=x.device)
+    # Three paths: the latent kv (one 4 MB GEMV and ~20 small kernels), the window's slots
+    # (~15 index kernels on positions and tables alone) and the query (two GEMVs of 72 MB).
+    # The kv runs on a side lane while the main stream computes the slots; then the lane
+    # writes the cache and gathers the keys (which needs both) while the main stream runs
+    # the query path; the join comes before the scores. The slots stay referenced here
+    # until that join: the lane reads them.
     with side_stream():
-        _kv_path(inputs, attrs, rotation, keys, hidden)
+        _latent_kv(inputs, attrs, rotation, kv)
+    slot, alive = _window_mask(inputs, attrs, hidden)
+    with side_stream():
+        _write_kv(cache, kv, slot[:, -1], alive)
+        gathered = cache.index_select(0, slot.flatten()).view(b, window, d)
+        keys.copy_(gathered.masked_fill_(hidden.unsqueeze(-1), 0))  # in place: out of place clones first
 
     # Query: low-rank, normed, then per-head weightless RMS norm (fp32) and RoPE on the last r dims.
     eps = float(attrs["eps"])
@@ -199,36 +209,37 @@ def _attn_impl(inputs, outputs, attrs, workspace):
     torch.matmul(z.view(b, -1), wo_b.t(), out=outputs[0])
 
 
-def _kv_path(inputs, attrs, rotation, keys, hidden) -> None:
-    """RoPE rotation, the latent kv written into the cache, the window's keys gathered (fp32) and masked.
+def _latent_kv(inputs, attrs, rotation, kv) -> None:
+    """The RoPE rotation into ``rotation`` [B, r/2] and the latent kv into ``kv`` [B, d] (cache dtype).
 
-    Writes ``rotation`` [B, r/2], ``keys`` [B, W, d] and ``hidden`` [B, W] (keys the row must
-    not see); reads x, wkv, kv_norm, the cache and the position inputs.
+    K = V, one vector: normed, RoPE on its tail, optionally FP8-rounded head, all in fp32 and
+    rounded to the cache dtype once (a bf16 rounding before the FP8 one would move values
+    that sit near an FP8 tie by a whole FP8 step). Reads x, wkv, kv_norm and the positions.
     """
-    x, wkv, kv_norm, cache, positions, kv_start, table = (inputs[i] for i in (0, 4, 5, 9, 10, 11, 12))
+    x, wkv, kv_norm, positions = (inputs[i] for i in (0, 4, 5, 10))
     d, r = int(attrs["head_dim"]), int(attrs["rope_dim"])
-    n, b, window = d - r, x.shape[0], int(attrs["window"])
     rope_rotation(positions, r, float(attrs["rope_theta"]), out=rotation)
-
-    # The one latent kv (K = V): normed, RoPE on its tail, optionally FP8-rounded head, all
-    # in fp32 and rounded to the cache dtype once (a bf16 rounding before the FP8 one would
-    # move values that sit near an FP8 tie by a whole FP8 step).
-    kv = F.rms_norm((x @ wkv.t()).float(), (d,), kv_norm.float(), float(attrs["eps"]))  # [B, d] fp32
-    rotate_pairs_(kv[:, n:], rotation)
+    latent = F.rms_norm((x @ wkv.t()).float(), (d,), kv_norm.float(), float(attrs["eps"]))  # [B, d] fp32
+    rotate_pairs_(latent[:, d - r :], rotation)
     if attrs.get("kv_fp8_round", False):
-        fp8_round_blocks_(kv[:, :n])
-    kv = kv.to(cache.dtype)
+        fp8_round_blocks_(latent[:, : d - r])
+    kv.copy_(latent)
 
-    block_size = int(attrs.get("block_size", 16))
+
+def _window_mask(inputs, attrs, hidden) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window's cache slots [B, W] and whether each row is alive [B]; writes ``hidden`` [B, W].
+
+    ``hidden`` marks keys the row must not see: outside the cache or the table, before
+    kv_start, or any key of a dead row. Index math on positions and tables only.
+    """
+    cache, positions, kv_start, table = (inputs[i] for i in (9, 10, 11, 12))
+    window, block_size = int(attrs["window"]), int(attrs.get("block_size", 16))
     slot, ok, in_window = _window_slots(positions, kv_start, table, window, block_size, cache.shape[0])
     alive = ok[:, -1]  # [B]: the row's own slot exists (so p >= 0)
-    _write_kv(cache, kv, slot[:, -1], alive)
-
-    # Keys of the window, fp32; invalid ones zeroed: unwritten or poisoned rows (NaN/inf)
-    # must not leak through 0 * x.
-    torch.logical_not(ok & in_window & alive.unsqueeze(1), out=hidden)  # [B, W]
-    gathered = cache.index_select(0, slot.flatten()).view(b, window, d)
-    keys.copy_(gathered.masked_fill_(hidden.unsqueeze(-1), 0))  # in place: out of place clones first
+    # Invalid keys are zeroed after the gather: unwritten or poisoned rows (NaN/inf) must
+    # not leak through 0 * x.
+    torch.logical_not(ok & in_window & alive.unsqueeze(1), out=hidden)
+    return slot, alive
 
 
 SWA_ATTENTION = register(

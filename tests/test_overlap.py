@@ -122,12 +122,14 @@ def test_moe_forks_its_shared_expert_and_up_gemm_and_joins_inside_the_step():
         assert joined_inside(log, i) == (2 if grouped else 1)
 
 
-def test_attention_forks_its_kv_path_and_joins_inside_the_step():
+def test_attention_forks_its_kv_blocks_and_joins_inside_the_step():
     _, _, _, log, _ = propose_logged(2, overlap=True)
     attention_at = [i for i, entry in enumerate(log) if entry.startswith("swa_attention ")]
     assert len(attention_at) == 2
     for i in attention_at:
-        assert joined_inside(log, i) == 1
+        # Two blocks on one lane: the latent kv, then (after the main stream's slot math)
+        # the cache write and the key gather; joined before the scores.
+        assert joined_inside(log, i) == 2
 
 
 def hc_pre_graph(read_comb: bool):
