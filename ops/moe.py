@@ -129,11 +129,14 @@ def routed_grouped(x, idx, weights, w1, w2, w3, limit: float) -> torch.Tensor:
     # V4-Flash's top-6, too few to stream 100 MB at full bandwidth. The up GEMM on a side
     # lane runs beside the gate GEMM, the two filling the GPU together; joined before the
     # SwiGLU, while rows and ends are still alive (their bytes are the main stream's).
+    # The routing weights in expert order too, on the lane ahead of the up GEMM: that GEMM
+    # waits for SMs the gate GEMM holds anyway, and off the main stream they cost nothing.
     with side_stream():
+        weights_sorted = weights.flatten().index_select(0, order).unsqueeze(-1)  # [N, 1]
         up = torch._grouped_mm(rows, w3.transpose(1, 2), offs=ends)  # [N, I]
     gate = torch._grouped_mm(rows, w1.transpose(1, 2), offs=ends)
     join_side_stream()
-    act = _weighted_into(weights.flatten().index_select(0, order).unsqueeze(-1), _swiglu(gate, up, limit), x.dtype)
+    act = _weighted_into(weights_sorted, _swiglu(gate, up, limit), x.dtype)
     out = torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)  # [N, D], expert order
     # Back to (row, k) order by a permutation (no atomics: the sum over k stays deterministic).
     routed = torch.empty_like(out).index_copy_(0, order, out).view(b, k, -1)  # [B, K, D]
