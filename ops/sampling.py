@@ -13,6 +13,7 @@ import functools
 
 import torch
 
+from ops.overlap import join_side_stream, side_stream
 from ops.registry import OpDef, expect, expect_count, expect_rank, register
 from ops.v4_shapes import batch_of, expect_spec, require_attrs
 from runtime.tensor_spec import TensorSpec
@@ -77,11 +78,14 @@ def _draft_argmax_impl(inputs, outputs, attrs, workspace):
     # -inf: id 0. A NaN logit wins, as in argmax.
     chunk_top, chunk_at = masked.view(b, chunks, vocab // chunks).max(-1)  # [B, chunks]
     top, which = chunk_top.max(-1, keepdim=True)  # [B, 1]
-    torch.add(chunk_at.gather(1, which).squeeze(1), which.squeeze(1), alpha=vocab // chunks, out=token)
     # top-1 softmax probability = 1 / sum_t exp(l_t - max) over allowed t. A row with nothing
     # allowed gives exp(-inf - -inf) = NaN (so would a NaN logit): its confidence is 0.
-    total = torch.exp(masked - top).view(b, chunks, vocab // chunks).sum(-1).sum(-1)  # [B]
-    torch.nan_to_num(total.reciprocal_(), nan=0.0, out=prob)
+    # On a side lane (ops.overlap) beside the token's two kernels; joined before the op ends.
+    with side_stream():
+        total = masked.sub_(top).exp_().sum(-1)  # [B]: one reduction (split over blocks at B = 1)
+        torch.nan_to_num(total.reciprocal_(), nan=0.0, out=prob)
+    torch.add(chunk_at.gather(1, which).squeeze(1), which.squeeze(1), alpha=vocab // chunks, out=token)
+    join_side_stream()
 
 
 DRAFT_ARGMAX = register(
