@@ -1,0 +1,85 @@
+"""Torch-ops chain at V4-Flash B=1 K=1, captured: replay time of a few variants (switched by
+environment variables), and the kernel timeline of one replay per stream.
+
+    python benchmarks/h200/scripts/timeline.py OUT_DIR      # from the repo root, on a GPU
+
+A scratch script kept for the numbers it gave. The timeline comes from a torch.profiler trace
+of the third of three replays through torch's exec (the profiler slows the raw launch).
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.getcwd())
+
+import torch  # noqa: E402
+
+from runtime.config import V4Config  # noqa: E402
+from runtime.draft_binding import prepare_weights  # noqa: E402
+from runtime.proposer import DeepseekV4MtpProposer  # noqa: E402
+from tools.bench_draft import random_weights, time_replays  # noqa: E402
+
+out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+dev = torch.device("cuda", 0)
+cfg = V4Config.flash().replace(max_position_embeddings=4096)
+weights = prepare_weights(cfg, random_weights(cfg, dev), dev)
+hidden = torch.randn(cfg.hc_mult, cfg.hidden_size, device=dev,
+                     generator=torch.Generator(device=dev).manual_seed(0)).bfloat16()
+
+
+def build(k=1):
+    prop = DeepseekV4MtpProposer(cfg, weights, device=dev, executor="captured", kernels="torch", buckets=(1,),
+                                 num_cache_blocks=16)
+    st = prop.alloc_state()
+    d = prop.propose(1, hidden, 200, k, st)
+    prop.after_verify(0, st)
+    prop.propose(1, hidden, 200, k, st)
+    return prop, next(iter(prop._executors.values())), d
+
+
+def timeline(launch, path: Path) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        launch()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(3):
+            launch()
+        torch.cuda.synchronize()
+    p.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    path.unlink()
+    ks = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e), key=lambda e: e["ts"])
+    per = len(ks) // 3
+    ks = ks[2 * per:]
+    t0 = ks[0]["ts"]
+    lines = [f"{len(ks)} kernels, {max(e['ts'] + e['dur'] for e in ks) - t0:.1f} us; start dur stream name"]
+    for e in ks:
+        lines.append(f"{e['ts'] - t0:8.1f} {e['dur']:6.1f} s{e.get('tid', '?')!s:>4} {e['name'][:90]}")
+    return "\n".join(lines)
+
+
+# (name, environment, trace): variants switched by environment variables, when a change has one.
+VARIANTS = [
+    ("base", {}, True),
+]
+KEYS = {key for _, env, _ in VARIANTS for key in env}
+ref = None
+for name, env, trace in VARIANTS:
+    for key in KEYS:
+        os.environ.pop(key, None)
+    os.environ.update(env)
+    prop, ex, d = build()
+    ms, spread = time_replays(ex.replay)
+    ms2, _ = time_replays(ex.replay)
+    ref = ref or d
+    print(f"{name:26s} replay {ms*1e3:7.1f} / {ms2*1e3:7.1f} us spread {spread:.3f}  "
+          f"drafts {'same' if d == ref else d}", flush=True)
+    if trace:
+        text = timeline(ex.cuda_graph.replay, out_dir / "trace.json")
+        (out_dir / f"timeline_{name.replace(' ', '_').replace('+', 'and')}.txt").write_text(text + "\n")
+    del prop, ex
+    torch.cuda.empty_cache()
