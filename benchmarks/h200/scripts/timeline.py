@@ -65,6 +65,7 @@ def timeline(launch, path: Path) -> str:
 # (name, environment, trace): variants switched by environment variables, when a change has one.
 VARIANTS = [
     ("base", {}, True),
+    ("base again", {}, False),
 ]
 KEYS = {key for _, env, _ in VARIANTS for key in env}
 ref = None
