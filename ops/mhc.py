@@ -90,24 +90,63 @@ def _hc_pre_infer(specs, attrs):
 def sinkhorn(logits: torch.Tensor, iters: int, hc_eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Spec section 2 step 4: row softmax + eps, column norm, then (iters - 1) x (row, column).
 
-    Each normalisation M / (sums + hc_eps) is one kernel: a norm kernel on square roots.
+    Two torch forms of the same math, picked by batch (an H200, V4-Flash K=1 chains,
+    benchmarks/h200/ab_batch_b8fcadc.txt): one norm kernel per normalisation
+    (``_sinkhorn_by_norms``, 48 kernels) for B <= NORMS_MAX_BATCH, where the launches are
+    the cost (B=1: 858 against 907 us a replay); a sum and a divide per normalisation
+    (``_sinkhorn_by_divisions``, 81 tiny kernels) above it, where the norm kernels' work
+    grows with the batch (B=32: 1448 against 1388 us). Under torch.compile, the elementwise
+    form. The last step writes ``out`` (when given) instead of a copy afterwards.
+    """
+    if torch.compiler.is_compiling():
+        m = _sinkhorn_elementwise(logits, iters, hc_eps)
+        return m if out is None else out.copy_(m)
+    if logits.shape[0] <= NORMS_MAX_BATCH:
+        return _sinkhorn_by_norms(logits, iters, hc_eps, out)
+    return _sinkhorn_by_divisions(logits, iters, hc_eps, out)
+
+
+# A/B-measured at B=1 (better) and B=32 (worse) only. B=8 with the norms ran 1.180 ms a chain
+# (bench_draft, b8fcadc) against 1.213 at e3096ef with the divisions, other changes between.
+NORMS_MAX_BATCH = 8
+
+
+def _sinkhorn_by_divisions(logits, iters: int, hc_eps: float, out=None) -> torch.Tensor:
+    """Each normalisation M / (sums + hc_eps) as a sum and an in-place divide: two kernels.
+
+    M lives in the top-left [C, C] block of a [B, C+1, C+1] buffer whose extra column and
+    row hold hc_eps: a row sum over all C+1 columns is then sum + hc_eps, a column sum over
+    all C+1 rows likewise, and dividing the [C, C] view in place leaves the eps border as
+    it was (three kernels otherwise: sum, add, div). The corner is never read. The eps
+    joins the sum as one more term: equal to sum + eps within fp32 rounding.
+    """
+    b, c = logits.shape[0], logits.shape[-1]
+    buf = logits.new_full((b, c + 1, c + 1), hc_eps)  # [B, C+1, C+1]
+    m = buf[:, :c, :c]  # [B, C, C], rows j, columns k
+    torch.add(torch.softmax(logits, dim=-1), hc_eps, out=m)
+    rows, cols = buf[:, :c, :], buf[:, :, :c]  # each with its eps border
+    for _ in range(iters - 1):  # a static count: unrolled identically in every capture
+        m.div_(cols.sum(-2, keepdim=True))
+        m.div_(rows.sum(-1, keepdim=True))
+    return torch.div(m, cols.sum(-2, keepdim=True), out=out)
+
+
+def _sinkhorn_by_norms(logits, iters: int, hc_eps: float, out=None) -> torch.Tensor:
+    """Each normalisation M / (sums + hc_eps) as one kernel: a norm kernel on square roots.
+
     With S = sqrt(M), a row of S scaled to S / sqrt(sum S^2 + eps) squares back to
     M / (sum M + eps); that is an RMS norm. Torch's norm kernels that reduce in one launch
     subtract the mean, so the state is the signed block matrix [[S, -S], [-S, S]]: every row
     and every column has mean 0, its variance is the sum of squares over C, and the signs
     survive each step. ``layer_norm`` over the last dim normalises rows; ``batch_norm`` with
     batch statistics, viewing the [2C, B, 2C] state as 2C samples of B*2C channels,
-    normalises columns. That makes 39 normalisations plus 9 setup kernels for iters = 20,
-    where a sum and a divide per normalisation made 81 (an H200 trace: 110 against 119 us
-    alone, and 39 us off the B=1 chain beside the MoE: benchmarks/h200/sm_carveout_283311b.txt).
+    normalises columns. That makes 39 normalisations plus 9 setup kernels for iters = 20
+    (an H200, B=1: 110 us alone against 119 for the divisions, and 39 us off the chain beside
+    the MoE: benchmarks/h200/sm_carveout_283311b.txt).
     The state carries a power-of-two scale SIGMA (exact): the norm eps, hc_eps * SIGMA^2 / C,
     stays above cuDNN's batch-norm minimum of 1e-5, below which torch falls back to two kernels.
     Equal to the divisions within fp32 rounding (tests/test_ops_mhc.py).
-    The last step writes ``out`` (when given) instead of a copy afterwards.
     """
-    if torch.compiler.is_compiling():
-        m = _sinkhorn_elementwise(logits, iters, hc_eps)
-        return m if out is None else out.copy_(m)
     b, c = logits.shape[0], logits.shape[-1]
     s = torch.softmax(logits, dim=-1).add_(hc_eps).sqrt_().permute(1, 0, 2)  # [C (row j), B, C (column k)]
     state = _signed_blocks(s, SINKHORN_SIGMA)  # [2C, B, 2C]

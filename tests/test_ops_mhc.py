@@ -145,10 +145,10 @@ def ref_sinkhorn(logits, iters, hc_eps):
     return M
 
 
-@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("batch", [1, 3, 8, 9, 32])  # norm kernels up to NORMS_MAX_BATCH, divisions above
 @pytest.mark.parametrize("iters", [1, 2, 20])
 @pytest.mark.parametrize("hc_eps", [1e-6, 1e-2])
-def test_sinkhorn_by_norm_kernels_equals_the_divisions_within_fp32_rounding(batch, iters, hc_eps):
+def test_sinkhorn_equals_the_spec_divisions_within_fp32_rounding(batch, iters, hc_eps):
     from ops.mhc import sinkhorn
 
     # Sharp logits: softmax entries far below hc_eps, where the eps terms decide the result.
@@ -160,3 +160,13 @@ def test_sinkhorn_by_norm_kernels_equals_the_divisions_within_fp32_rounding(batc
     torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-7)
     if hc_eps == 1e-2:  # the eps is honoured, not dropped: without it the result moves far past the tolerance
         assert (want - ref_sinkhorn(logits, iters, 0.0)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_both_torch_sinkhorn_forms_agree_at_every_batch(batch):
+    from ops.mhc import NORMS_MAX_BATCH, _sinkhorn_by_divisions, _sinkhorn_by_norms
+
+    assert 1 <= NORMS_MAX_BATCH < 32
+    logits = torch.randn(batch, 4, 4, generator=torch.Generator().manual_seed(batch)) * 5
+    torch.testing.assert_close(_sinkhorn_by_norms(logits, 20, 1e-6), _sinkhorn_by_divisions(logits, 20, 1e-6),
+                               rtol=2e-5, atol=2e-7)
