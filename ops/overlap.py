@@ -1,11 +1,12 @@
 """Side-stream overlap: part of an op runs on a side CUDA stream (a lane), beside other work.
 
-Why: hc_pre's Sinkhorn is 79 launches of tiny kernels with the torch ops (about 115 us at
-B=1 on an H200), and its result, comb, is read only by hc_post, after the whole attention
-or MoE. Queued on a side lane, it runs while those run; captured, it becomes a parallel
-branch of the CUDA graph. Likewise the MoE's shared expert runs beside the router and the
-routed experts, and the attention's kv path (cache write, window gather) beside its query
-path. The fused kernels do these inside their own kernels and never fork.
+Why: hc_pre's Sinkhorn is 48 launches of tiny kernels with the torch ops up to B=8 and 81
+above (about 110 us at B=1 on an H200), and its result, comb, is read only by hc_post, after
+the whole attention or MoE. Queued on a side lane, it runs while those run; captured, it
+becomes a parallel branch of the CUDA graph. Likewise the MoE's shared expert runs beside the
+router and the routed experts, the attention's latent kv, cache write and window gather
+beside its slot math and query path, and the argmax's confidence beside its token. The fused
+kernels do these inside their own kernels and never fork.
 
 The contract, for an op's implementation:
 
@@ -60,7 +61,7 @@ class SideStream:
     keeps it for all its blocks, so blocks of one step stay in order.
 
     Why an urgent lane: lane 0 has the device's highest stream priority (``DRAFTGRAPH_LANE_PRIORITY=0``
-    turns it off). A Sinkhorn is ~80 one-block kernels in a row; beside the MoE its next kernel
+    turns it off). A Sinkhorn is 48-81 one-block kernels in a row; beside the MoE its next kernel
     waits, at normal priority, behind every pending tile of a grouped GEMM (an H200 trace: 300
     us against 110 alone), and the chain waits for it at hc_post. With priority the block
     scheduler places its one block first. Captured, kernel nodes keep their stream's priority,
