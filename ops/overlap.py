@@ -16,9 +16,12 @@ The contract, for an op's implementation:
   of a fork). Without lanes (CPU, no executor, a debug run, a gated step, or inside
   torch.compile) the block runs inline, in order.
 - ``join_side_stream()`` makes the main stream wait for every block the step queued so
-  far. A block joined this way inside the op may read the op's inputs and write tensors
-  the op allocated before the block (their bytes are the main stream's, which reads them
-  after the join); its own temporaries it allocates inside the block (on the lane: the
+  far. A block joined this way inside the op may read the op's inputs and read or write
+  tensors the op allocated before the block (their bytes are the main stream's, which reads
+  them after the join). The op keeps such a tensor referenced until that join: freed
+  earlier, its bytes go at once to the main stream's next allocation, which may overwrite
+  them while the lane still reads (the attention's slots once did, in a helper that
+  returned before the join). Its own temporaries the block allocates inside it (on the lane: the
   caching allocator hands those bytes back to that lane alone). The main stream may read
   such a temporary after the join: the lane reuses its bytes only in a later block, which
   is queued after everything the main stream queued before that block.
