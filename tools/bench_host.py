@@ -169,10 +169,13 @@ class PhaseClock:
             else:
                 at[label] = t
         self.marks.clear()
+        # A propose that calls no ensure (a runtime whose cache skips it) has no ensure marks:
+        # its checks run up to the lookup, which then starts where the checks end.
+        checked = at.get("ensure<", at["stage<"])
         return {
-            "checks": at["ensure<"] - at["propose<"],
+            "checks": checked - at["propose<"],
             "ensure": ensure,
-            "lookup": at["stage<"] - at["ensure>"],
+            "lookup": at["stage<"] - at.get("ensure>", checked),
             "stage": at["stage>"] - at["stage<"],
             "run": at["run>"] - at["run<"],
             "after": at["propose>"] - at["run>"],

@@ -1,0 +1,28 @@
+"""tools/bench_host.py: splitting one propose's timestamps into phases."""
+
+from __future__ import annotations
+
+import pytest
+
+from tools.bench_host import PhaseClock
+
+
+def clock_with(marks: list[tuple[str, float]]) -> PhaseClock:
+    clock = PhaseClock.__new__(PhaseClock)  # the marks alone: no proposer to wrap
+    clock.marks = list(marks)
+    return clock
+
+
+def test_phases_split_a_propose_at_its_marks():
+    clock = clock_with([("propose<", 0.0), ("ensure<", 2.0), ("ensure>", 3.0), ("ensure<", 3.5), ("ensure>", 4.0),
+                        ("stage<", 6.0), ("stage>", 9.0), ("run<", 9.5), ("run>", 12.0), ("propose>", 20.0)])
+    assert clock.phases() == pytest.approx(
+        {"checks": 2.0, "ensure": 1.5, "lookup": 2.0, "stage": 3.0, "run": 2.5, "after": 8.0})
+    assert clock.marks == []
+
+
+def test_a_propose_without_ensure_has_its_checks_run_up_to_the_stage():
+    clock = clock_with([("propose<", 0.0), ("stage<", 6.0), ("stage>", 9.0), ("run<", 9.5), ("run>", 12.0),
+                        ("propose>", 20.0)])
+    assert clock.phases() == pytest.approx(
+        {"checks": 6.0, "ensure": 0.0, "lookup": 0.0, "stage": 3.0, "run": 2.5, "after": 8.0})
