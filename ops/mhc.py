@@ -144,7 +144,8 @@ def _sinkhorn_by_norms(logits, iters: int, hc_eps: float, out=None) -> torch.Ten
     (an H200, B=1: 110 us alone against 119 for the divisions, and 39 us off the chain beside
     the MoE: benchmarks/h200/sm_carveout_283311b.txt).
     The state carries a power-of-two scale SIGMA (exact): the norm eps, hc_eps * SIGMA^2 / C,
-    stays above cuDNN's batch-norm minimum of 1e-5, below which torch falls back to two kernels.
+    stays above cuDNN's batch-norm minimum eps of 1e-5 (below it torch takes its own batch norm,
+    not cuDNN's one-kernel path measured here; that fallback was not timed).
     Equal to the divisions within fp32 rounding (tests/test_ops_mhc.py).
     """
     b, c = logits.shape[0], logits.shape[-1]
@@ -218,7 +219,7 @@ def _hc_pre_impl(inputs, outputs, attrs, workspace):
     # nothing else of the arena (ops.overlap), and hc_post, its one reader, comes much later.
     # Forked as soon as its logits exist, ahead of y, pre and post.
     torch.addcmul(base[2 * c :], m[:, 2 * c :], scale[2], out=comb.view(-1, c * c))
-    with side_stream(urgent=True):  # ~48 tiny kernels with the torch ops: beside the attention / MoE, not before it
+    with side_stream(urgent=True):  # 48-81 tiny kernels with the torch ops: beside the attention / MoE, not before it
         sinkhorn(comb, int(attrs["iters"]), hc_eps, out=comb)
     # pre and post logits in one op: [B, 2, C] * scale[:2] per group + base.
     gates = torch.sigmoid(torch.addcmul(base[: 2 * c].view(2, c), m[:, : 2 * c].view(-1, 2, c), scale[:2, None]))
