@@ -205,24 +205,26 @@ class DeepseekV4MtpProposer:
         vocab, shape, words = self._propose_constants()
         k = check_num_drafts(num_drafts, self.options.max_num_drafts)
         states = check_states(states, self.id)
-        if n > 1 and len(set(map(id, states))) != n:
-            raise InputError(describe("states", "distinct states", "the same state twice"))
+        tables = [state.table for state in states]
+        are_distinct = self._are_tables_distinct(states, tables)
         tokens = check_tokens(tokens, vocab)
         positions = check_positions(positions, k, states)
         hiddens = check_hiddens(hiddens, shape, self.device)
         mask = self._checked_mask(bitmask, words)
         bucket = self._bucket(n)
-        tables = [state.table for state in states]
-        # All checks passed: allocate blocks for every sequence, all or nothing.
+        # All checks passed. Rows whose ranges are all held need no ensure and no further check.
+        rows = self._held_rows(states, positions, tables, k) if are_distinct else None
+        are_rows_checked = rows is not None
         undo: list[tuple] = []
         try:
-            undo = self._ensure_undoable(states, tables, positions, k)
-            rows = self._metadata_rows(states, positions, tables)
+            if rows is None:  # allocate blocks for every sequence, all or nothing; the staging checks the rows
+                undo = self._ensure_undoable(states, tables, positions, k)
+                rows = self._metadata_rows(states, positions, tables)
             start = time.perf_counter()
             executor = self._executor(bucket, k, mask is not None)
             staging = self._staging_for(bucket)
             staging.stage(rows, tokens, hiddens, self._vocab_limit(), [mask] * n if mask is not None else None,
-                          copy_in=not getattr(executor, "copies_staging", False))
+                          copy_in=not getattr(executor, "copies_staging", False), rows_checked=are_rows_checked)
             if self.options.poison_arena:
                 executor.poison()
             outputs = executor.run(staging.chain_inputs(words if mask is not None else None), check=False)
@@ -237,7 +239,7 @@ class DeepseekV4MtpProposer:
         drafted = drafts.tolist()
         if is_gated(self.options.draft_conf_tau, k):  # a cut draft is -1, and so are all after it
             drafted = [row[: row.index(CUT)] if CUT in row else row for row in drafted]
-        for state, p, (_, kv_start, _), row in zip(states, positions, rows, drafted):
+        for state, p, (_, kv_start, *_), row in zip(states, positions, rows, drafted):
             state.kv_start, state.seq_len, state.last_num_drafted = kv_start, p + len(row), len(row)
             if len(row) < k:  # the blocks ensured for the drafts the chain did not make go back
                 self.cache.truncate(state.table, state.seq_len)
@@ -276,6 +278,40 @@ class DeepseekV4MtpProposer:
             warnings.warn("grammar mask allows no token: the drafts are 0 (pad drafts, rejected at verify)",
                           stacklevel=4)
         return mask
+
+    @staticmethod
+    def _are_tables_distinct(states: list[MtpProposerState], tables: list[BlockTable]) -> bool:
+        """Whether no two (checked) states share a table; raises for a state given twice.
+
+        One set of the tables answers both for the usual batch: distinct tables are distinct
+        states. Distinct states sharing a table (one set by hand) are for ``ensure_batch`` to refuse.
+        """
+        if len(tables) == 1 or len(set(map(id, tables))) == len(tables):
+            return True
+        if len(set(map(id, states))) != len(states):
+            raise InputError(describe("states", "distinct states", "the same state twice"))
+        return False
+
+    def _held_rows(self, states: list[MtpProposerState], positions: list[int], tables: list[BlockTable],
+                   k: int) -> list | None:
+        """The rows to stage, checked (``check_rows``' form), when every range p..p+k-1 is held already.
+
+        Design note "held rows" (runtime.kv_cache): then ensure would do nothing, and every row's
+        position has a block of the cache's block size. None when a row needs a block, or fails a
+        check of ``check_rows``: then ensure and the staging's checks decide, as for any batch.
+        """
+        if not self.cache.are_held(tables, positions, k):
+            return None
+        block_size, max_blocks, rows = self.cache.block_size, self.geometry.max_blocks_per_seq, []
+        for state, p, table in zip(states, positions, tables):  # inline: _metadata_rows, checked
+            kv_start = state.kv_start
+            if not kv_start <= p <= state.seq_len:
+                kv_start = p
+            blocks = table.blocks
+            if kv_start < 0 or len(blocks) > max_blocks or type(blocks) is not list:
+                return None
+            rows.append((p, kv_start, blocks, block_size))
+        return rows
 
     @staticmethod
     def _metadata_rows(states: list[MtpProposerState], positions: list[int], tables: list[BlockTable]) -> list:

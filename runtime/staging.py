@@ -134,14 +134,18 @@ class ChainStaging:
         vocab_limit: int,
         masks: Sequence[Sequence[int] | torch.Tensor | None] | None = None,
         copy_in: bool = True,
+        rows_checked: bool = False,
     ) -> Mapping[str, torch.Tensor]:
         """Write one batch (rows past ``len(tokens)`` are padding) and return the graph inputs.
 
         ``copy_in=False``: the host buffer is left for the replay to copy (a graph captured
-        with :meth:`in_graph_copy` as its first node). The returned mapping is shared
+        with :meth:`in_graph_copy` as its first node). ``rows_checked``: the rows are
+        :func:`check_rows`' output for this bucket's ``max_blocks`` already (a propose whose
+        rows are all held checks them as it builds them). The returned mapping is shared
         between calls and read-only.
         """
-        checked = check_rows(rows, self.max_blocks)  # every row checked before anything is written
+        # every row checked before anything is written
+        checked = rows if rows_checked else check_rows(rows, self.max_blocks)
         if self._is_copy_pending:
             torch.cuda.synchronize(self.device)
             self._is_copy_pending = False
