@@ -2,9 +2,9 @@
 
 A ``Tensor.copy_`` costs microseconds of host time per call: dispatch, a TensorIterator,
 and for a pinned source the host allocator's event record. A run stages twice (the packed
-host buffer up, the target hidden across): in a captured chain the first is the graph's
-first node and the second a gather kernel after it (``ChainStaging.in_graph_copy``), so a
-propose queues neither; eager runs and catch-ups queue both. ``cudaMemcpyAsync`` on torch's current
+host buffer up, the target hidden across): a captured chain does both in its first kernel
+(``ChainStaging.in_graph_copy``; a memcpy node without triton), so a propose queues
+neither; eager runs and catch-ups queue both. ``cudaMemcpyAsync`` on torch's current
 stream is the same copy, ordered the same way, without that work. On an H200 host
 (``tools/bench_host.py --device cuda --copies raw,torch``) the staging phase of a B=1 K=1
 propose took 36-39 us this way against 39-47 us through ``copy_``; that host's noise is as

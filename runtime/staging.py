@@ -31,13 +31,13 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _gather_rows() -> Callable[[torch.Tensor, torch.Tensor], None] | None:
-    """ops.triton.rows.gather_rows, or None without triton."""
+def _triton_rows():
+    """ops.triton.rows (the hidden gather and the one-kernel staging), or None without triton."""
     try:
-        from ops.triton.rows import gather_rows
+        from ops.triton import rows
     except Exception:  # ImportError, or a broken triton install (as ops.triton.available)
         return None
-    return gather_rows
+    return rows
 
 
 class ChainStaging:
@@ -94,7 +94,8 @@ class ChainStaging:
         # Hiddens by address (a graph with in_graph_copy gathers them): None on the CPU, without
         # cuda-python or without triton; then a run with copy_in=False copies them as any other.
         wants_gather = self._device_index is not None if gather_hiddens is None else gather_hiddens
-        self._gather = _gather_rows() if wants_gather else None
+        rows = _triton_rows() if wants_gather else None
+        self._stage = rows.stage_from_host if rows is not None else None
         self._num_addresses = 0  # rows holding an address (the rest are 0: padding, gathered as zeros)
         self._kept: list[torch.Tensor] = []  # contiguous copies of strided hiddens, alive until the next stage
         self._chain_inputs: dict[int | None, Mapping[str, torch.Tensor]] = {}
@@ -153,13 +154,13 @@ class ChainStaging:
         self._write_tokens(tokens)
         _LIMIT.pack_into(self._mem, self._limit_at, int(vocab_limit))
         self._write_masks(masks)
-        if not copy_in and self._gather is not None:
+        if not copy_in and self._stage is not None:
             self._write_addresses(hiddens)
         if copy_in:
             self._copy_to_device()
         else:  # the replay reads the host buffer: it must not be rewritten before a sync
             self._is_copy_pending = True
-        if copy_in or self._gather is None:
+        if copy_in or self._stage is None:
             self._stage_hiddens(hiddens)
         return self.chain_inputs(self.mask_words)
 
@@ -225,22 +226,23 @@ class ChainStaging:
     def in_graph_copy(self, masked: bool) -> Callable[[], None] | None:
         """The staging copy as a function to capture at the head of a chain graph, or None.
 
-        Captured, the copy is a memcpy node reading this pinned host buffer at every replay,
-        then (with triton) a kernel gathering the hiddens from the addresses it brought: a
-        propose then makes no CUDA call before its launch. It copies what the chain reads:
-        everything with the grammar masks (``masked``), else everything before them. None
-        where the copy cannot be captured this way (CPU, no cuda-python).
+        Captured, it reads this pinned host buffer at every replay. With triton it is one
+        kernel that copies the buffer and gathers the hiddens from the addresses it holds
+        (``ops.triton.rows.stage_from_host``); without, a memcpy node. A propose then makes no
+        CUDA call before its launch. It copies what the chain reads: everything with the
+        grammar masks (``masked``), else everything before them. None where the copy cannot be
+        captured this way (CPU, no cuda-python).
         """
         if self._device_index is None or not raw_copy.is_enabled:
             return None
         dst, src = (self.device_buf, self.host_buf) if masked else (self._device_head, self._host_head)
-        index, gather = self._device_index, self._gather
-        addresses, hiddens = self.views["hidden_address"], self.hidden_buf
+        index, address_at, hiddens, stage = self._device_index, self._address_at, self.hidden_buf, self._stage
 
         def copy() -> None:
-            raw_copy.copy_async(dst, src, index)
-            if gather is not None:
-                gather(addresses, hiddens)
+            if stage is not None:
+                stage(src, dst, address_at, hiddens)
+            else:
+                raw_copy.copy_async(dst, src, index)
 
         return copy
 

@@ -24,12 +24,11 @@ def staging(bucket=4) -> ChainStaging:
                         device=torch.device("cpu"), gather_hiddens=True)
 
 
-def replay_prologue(st: ChainStaging) -> None:
-    """What in_graph_copy captures, done eagerly: the staging copy, then the gather."""
-    from ops.triton.rows import gather_rows
+def replay_prologue(st: ChainStaging, staged: torch.Tensor | None = None) -> None:
+    """What in_graph_copy captures, run eagerly: the one kernel copying the buffer and gathering."""
+    from ops.triton.rows import stage_from_host
 
-    st.device_buf.copy_(st.host_buf)
-    gather_rows(st.views["hidden_address"], st.hidden_buf)
+    stage_from_host(st.host_buf, st.device_buf if staged is None else staged, st._address_at, st.hidden_buf)
     st._is_copy_pending = False  # done, as a propose's read-back (a stream sync) tells it on CUDA
 
 
@@ -48,6 +47,19 @@ def test_rows_are_gathered_from_their_addresses_and_padding_is_zero():
     for i, h in enumerate(hiddens):
         assert torch.equal(st.hidden_buf[i], h)
     assert not st.hidden_buf[3].any()
+
+
+def test_the_kernel_copies_the_host_buffer_it_is_given():
+    st = staging()
+    st.stage(rows(2), [11, 12], [torch.randn(C, D).bfloat16() for _ in range(2)], 100, copy_in=False)
+    st.host_buf[st._mask_at:] = 9  # the masks' bytes: copied only with the whole buffer
+    st.device_buf.fill_(3)
+    replay_prologue(st, staged=st._device_head)  # an unmasked chain: the head only
+    assert torch.equal(st.device_buf[: st._mask_at], st.host_buf[: st._mask_at])
+    assert (st.device_buf[st._mask_at :] == 3).all()
+    assert st.views["token"][:2].tolist() == [11, 12]
+    replay_prologue(st)  # a masked chain: everything
+    assert torch.equal(st.device_buf, st.host_buf)
 
 
 def test_a_smaller_batch_clears_the_stale_addresses():
