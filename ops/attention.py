@@ -24,6 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ops import constants
 from ops.overlap import join_side_stream, side_stream
 from ops.registry import OpDef, expect, expect_count, expect_rank, register
 from ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
@@ -126,7 +127,7 @@ def _window_slots(positions, kv_start, table, window, block_size, num_slots):
     negative slot, so one clamp-and-compare checks both the entry and the cache bound.
     """
     max_blocks = table.shape[1]
-    j = positions.unsqueeze(1) + torch.arange(1 - window, 1, device=positions.device)  # [B, W]
+    j = positions.unsqueeze(1) + constants.arange(1 - window, 1, torch.int64, positions.device)  # [B, W]
     jb = torch.div(j, block_size, rounding_mode="floor")
     jb_in = jb.clamp(0, max_blocks - 1)
     slot = torch.add(j, table.gather(1, jb_in) - jb, alpha=block_size)  # [B, W]

@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ops import constants
 from ops.overlap import side_stream
 from ops.registry import OpDef, expect, expect_count, expect_rank, register
 from ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
@@ -92,7 +93,7 @@ def sinkhorn(logits: torch.Tensor, iters: int, hc_eps: float, out: torch.Tensor 
 
     Two torch forms of the same math, picked by batch (an H200, V4-Flash K=1 chains,
     benchmarks/h200/ab_batch_b8fcadc.txt): one norm kernel per normalisation
-    (``_sinkhorn_by_norms``, 48 kernels) for B <= NORMS_MAX_BATCH, where the launches are
+    (``_sinkhorn_by_norms``, 45 kernels) for B <= NORMS_MAX_BATCH, where the launches are
     the cost (B=1: 858 against 907 us a replay); a sum and a divide per normalisation
     (``_sinkhorn_by_divisions``, 81 tiny kernels) above it, where the norm kernels' work
     grows with the batch (B=32: 1448 against 1388 us). Under torch.compile, the elementwise
@@ -140,9 +141,10 @@ def _sinkhorn_by_norms(logits, iters: int, hc_eps: float, out=None) -> torch.Ten
     and every column has mean 0, its variance is the sum of squares over C, and the signs
     survive each step. ``layer_norm`` over the last dim normalises rows; ``batch_norm`` with
     batch statistics, viewing the [2C, B, 2C] state as 2C samples of B*2C channels,
-    normalises columns. That makes 39 normalisations plus 9 setup kernels for iters = 20
-    (an H200, B=1: 110 us alone against 119 for the divisions, and 39 us off the chain beside
-    the MoE: benchmarks/h200/sm_carveout_283311b.txt).
+    normalises columns. That makes 39 normalisations plus 6 setup kernels for iters = 20 (its
+    three constant vectors are made once: ops.constants); at 9 setup kernels it measured on an
+    H200, B=1: 110 us alone against 119 for the divisions, and 39 us off the chain beside the
+    MoE (benchmarks/h200/sm_carveout_283311b.txt).
     The state carries a power-of-two scale SIGMA (exact): the norm eps, hc_eps * SIGMA^2 / C,
     stays above cuDNN's batch-norm minimum eps of 1e-5 (below it torch takes its own batch norm,
     not cuDNN's one-kernel path measured here; that fallback was not timed).
@@ -152,9 +154,9 @@ def _sinkhorn_by_norms(logits, iters: int, hc_eps: float, out=None) -> torch.Ten
     s = torch.softmax(logits, dim=-1).add_(hc_eps).sqrt_().permute(1, 0, 2)  # [C (row j), B, C (column k)]
     state = _signed_blocks(s, SINKHORN_SIGMA)  # [2C, B, 2C]
     eps = hc_eps * SINKHORN_SIGMA**2 / c
-    gain = logits.new_full((b * 2 * c,), SINKHORN_SIGMA / math.sqrt(c))  # keeps the scale SIGMA
-    unscaled = logits.new_full((b * 2 * c,), 1 / math.sqrt(c))  # the last step drops it
-    zero = logits.new_zeros(b * 2 * c)
+    gain = constants.full(b * 2 * c, SINKHORN_SIGMA / math.sqrt(c), logits.dtype, logits.device)  # keeps SIGMA
+    unscaled = constants.full(b * 2 * c, 1 / math.sqrt(c), logits.dtype, logits.device)  # the last step drops it
+    zero = constants.full(b * 2 * c, 0.0, logits.dtype, logits.device)
 
     def normalise_columns(state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         samples = state.view(2 * c, b * 2 * c, 1)  # batch_norm: stats over dim 0 per channel
@@ -219,7 +221,7 @@ def _hc_pre_impl(inputs, outputs, attrs, workspace):
     # nothing else of the arena (ops.overlap), and hc_post, its one reader, comes much later.
     # Forked as soon as its logits exist, ahead of y, pre and post.
     torch.addcmul(base[2 * c :], m[:, 2 * c :], scale[2], out=comb.view(-1, c * c))
-    with side_stream(urgent=True):  # 48-81 tiny kernels with the torch ops: beside the attention / MoE, not before it
+    with side_stream(urgent=True):  # 45-81 tiny kernels with the torch ops: beside the attention / MoE, not before it
         sinkhorn(comb, int(attrs["iters"]), hc_eps, out=comb)
     # pre and post logits in one op: [B, 2, C] * scale[:2] per group + base.
     gates = torch.sigmoid(torch.addcmul(base[: 2 * c].view(2, c), m[:, : 2 * c].view(-1, 2, c), scale[:2, None]))

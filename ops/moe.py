@@ -29,6 +29,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ops import constants
 from ops.overlap import join_side_stream, side_stream
 from ops.registry import OpDef, expect, expect_count, expect_rank, register
 from ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
@@ -122,7 +123,7 @@ def routed_grouped(x, idx, weights, w1, w2, w3, limit: float) -> torch.Tensor:
     """sum_k w2[idx_k] (w_k * swiglu(w1[idx_k] x, w3[idx_k] x)) by grouped GEMMs: [B, D] fp32."""
     b, k = idx.shape
     expert, order = torch.sort(idx.flatten(), stable=True)  # [N = B*K] pairs grouped by expert
-    all_experts = torch.arange(w1.shape[0], device=idx.device)
+    all_experts = constants.arange(0, w1.shape[0], torch.int64, idx.device)
     ends = torch.searchsorted(expert, all_experts, right=True, out_int32=True)  # [E] end row of each group
     rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))  # [N, D]
     # At small N a grouped GEMM is one tile per (expert, 128 outputs): 96 tiles for w1 at

@@ -1,6 +1,6 @@
 """Side-stream overlap: part of an op runs on a side CUDA stream (a lane), beside other work.
 
-Why: hc_pre's Sinkhorn is 48 launches of tiny kernels with the torch ops up to B=8 and 81
+Why: hc_pre's Sinkhorn is 45 launches of tiny kernels with the torch ops up to B=8 and 81
 above (about 110 us at B=1 on an H200), and its result, comb, is read only by hc_post, after
 the whole attention or MoE. Queued on a side lane, it runs while those run; captured, it
 becomes a parallel branch of the CUDA graph. Likewise the MoE's shared expert runs beside the
@@ -64,7 +64,7 @@ class SideStream:
     keeps it for all its blocks, so blocks of one step stay in order.
 
     Why an urgent lane: lane 0 has the device's highest stream priority (``DRAFTGRAPH_LANE_PRIORITY=0``
-    turns it off). A Sinkhorn is 48-81 one-block kernels in a row; beside the MoE its next kernel
+    turns it off). A Sinkhorn is 45-81 one-block kernels in a row; beside the MoE its next kernel
     waits, at normal priority, behind every pending tile of a grouped GEMM (an H200 trace: 300
     us against 110 alone), and the chain waits for it at hc_post. With priority the block
     scheduler places its one block first. Captured, kernel nodes keep their stream's priority,

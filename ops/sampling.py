@@ -13,6 +13,7 @@ import functools
 
 import torch
 
+from ops import constants
 from ops.overlap import join_side_stream, side_stream
 from ops.registry import OpDef, expect, expect_count, expect_rank, register
 from ops.v4_shapes import batch_of, expect_spec, require_attrs
@@ -46,10 +47,10 @@ def blocked_tokens(vocab: int, limit: torch.Tensor, mask: torch.Tensor | None) -
     comes down as -1, and & 1 keeps it), then viewed as [B, W*32] and cut to V: no int64
     index math over [B, V].
     """
-    blocked = (torch.arange(vocab, device=limit.device, dtype=torch.int32) >= limit).unsqueeze(0)  # [1, V]
+    blocked = (constants.arange(0, vocab, torch.int32, limit.device) >= limit).unsqueeze(0)  # [1, V]
     if mask is None:
         return blocked
-    shifts = torch.arange(WORD_BITS, device=mask.device, dtype=torch.int32)  # [32]
+    shifts = constants.arange(0, WORD_BITS, torch.int32, mask.device)  # [32]
     clear = ((mask.unsqueeze(-1) >> shifts) & 1) == 0  # [B, W, 32]
     return clear.flatten(1)[:, :vocab] | blocked
 
