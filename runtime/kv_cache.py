@@ -240,16 +240,41 @@ class PagedLatentCache:
         self._check_ranges(first_positions, last_positions)
         with self._lock:
             todo = self._unheld_rows(tables, first_positions, last_positions)
-            missing = {}
-            for i in todo:
-                self._check_table(tables[i])
-                missing[i] = self._missing(tables[i], first_positions[i], last_positions[i])
-            if missing:
-                self._check_free(sum(map(len, missing.values())), f"{len(tables)} sequences")
             added = [[] for _ in tables]
-            for i, m in missing.items():
-                added[i] = self._allocate(tables[i], m)
+            for i, new in self._ensure_rows(tables, first_positions, last_positions, todo).items():
+                added[i] = new
             return added
+
+    def ensure_unheld(self, tables: list[BlockTable], first_positions: list[int],
+                      num_positions: int) -> list[tuple[int, int, list[int]]]:
+        """``ensure_batch`` of the ranges ``p .. p + num_positions - 1`` of tables the caller proved distinct.
+
+        A propose's host path: what it needs back is an undo record for each row that got blocks,
+        (row, the table's length before, the new ids), and [] when every row is held (design note
+        "held rows"), the usual step. Raises as ``ensure_batch`` does, and then changes nothing.
+        """
+        span = num_positions - 1
+        last_positions = [p + span for p in first_positions] if span else first_positions
+        if first_positions and (span < 0 or min(first_positions) < 0 or max(last_positions) >= self.max_seq_len):
+            self._check_ranges(first_positions, last_positions)  # raises for the first bad range
+        with self._lock:
+            todo = self._unheld_rows(tables, first_positions, last_positions)
+            if not todo:
+                return []
+            lengths = [len(tables[i].blocks) for i in todo]
+            added = self._ensure_rows(tables, first_positions, last_positions, todo)
+            return [(i, length, added[i]) for i, length in zip(todo, lengths) if added[i]]
+
+    def _ensure_rows(self, tables: list[BlockTable], first_positions: list[int], last_positions: list[int],
+                     todo: list[int]) -> dict[int, list[int]]:
+        """The new ids of each row in ``todo``, all or nothing (under the lock; what=the batch's size)."""
+        missing = {}
+        for i in todo:
+            self._check_table(tables[i])
+            missing[i] = self._missing(tables[i], first_positions[i], last_positions[i])
+        if missing:
+            self._check_free(sum(map(len, missing.values())), f"{len(tables)} sequences")
+        return {i: self._allocate(tables[i], m) for i, m in missing.items()}
 
     def _check_ranges(self, first_positions: list[int], last_positions: list[int]) -> None:
         """``_check_range`` of every row: three passes of builtins prove the usual batch good."""
@@ -265,9 +290,9 @@ class PagedLatentCache:
     # held when its range spans at most two entries, both mapping blocks of this cache in state
     # OWNED; one inline loop over the batch finds the rows that are not. Only those go through
     # the full ensure; the rest of a held row's table is checked by ``trim_windows`` after the
-    # propose, as every table is. A propose asks ``are_held`` first: when every row is held it
-    # calls no ensure at all (at B = 32, ensure_batch's distinct-table set, range passes, scan and
-    # result lists came to ~10 us), and stages rows whose block checks that scan already made.
+    # propose, as every table is. A propose calls ``ensure_unheld``: the proposer has proved its
+    # tables distinct, and when every row is held it gets [] back after two builtins and the scan
+    # (at B = 32, ensure_batch's distinct-table set, range passes and result lists came to ~10 us).
     def _unheld_rows(self, tables: list[BlockTable], first_positions: list[int],
                      last_positions: list[int]) -> list[int]:
         """Indices of the rows not held (design note "held rows"): the rows ensure may change or refuse."""
@@ -281,30 +306,6 @@ class PagedLatentCache:
             except IndexError:  # an entry past the pool (a table edited by hand)
                 unheld.append(i)
         return unheld
-
-    def are_held(self, tables: list[BlockTable], first_positions: list[int], num_positions: int) -> bool:
-        """Whether every row's range ``p .. p + num_positions - 1`` is held already (design note "held rows").
-
-        True means ``ensure_batch`` of these (distinct) tables would neither change nor raise
-        anything, and that each table is laid out with this cache's block size, so metadata
-        rows of these positions need no other check of their blocks. False: ask ``ensure_batch``.
-        """
-        bs, states, cache_id, span = self.block_size, self._state, self.cache_id, num_positions - 1
-        if not first_positions or min(first_positions) < 0 or max(first_positions) + span >= self.max_seq_len:
-            return not first_positions
-        with self._lock:
-            try:  # IndexError: a position past the table, or an entry past the pool (a table edited by hand)
-                for table, pos in zip(tables, first_positions):  # inline: a propose asks this for B rows
-                    blocks, first = table.blocks, pos // bs
-                    block = blocks[first]
-                    if block < 0 or states[block] != OWNED or table.cache_id != cache_id or table.block_size != bs:
-                        return False
-                    if span and (last := (pos + span) // bs) != first and (
-                            last - first > 1 or (block := blocks[last]) < 0 or states[block] != OWNED):
-                        return False
-            except IndexError:
-                return False
-        return True
 
     def _check_free(self, needed: int, what: str) -> None:
         if needed > len(self._free):

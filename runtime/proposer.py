@@ -212,13 +212,13 @@ class DeepseekV4MtpProposer:
         hiddens = check_hiddens(hiddens, shape, self.device)
         mask = self._checked_mask(bitmask, words)
         bucket = self._bucket(n)
-        # All checks passed. Rows whose ranges are all held need no ensure and no further check.
-        rows = self._held_rows(states, positions, tables, k) if are_distinct else None
-        are_rows_checked = rows is not None
+        # All checks passed: allocate blocks for every sequence, all or nothing.
         undo: list[tuple] = []
         try:
-            if rows is None:  # allocate blocks for every sequence, all or nothing; the staging checks the rows
-                undo = self._ensure_undoable(states, tables, positions, k)
+            undo = self._ensure_undoable(states, tables, positions, k, are_distinct)
+            rows = self._checked_rows(states, positions, tables)
+            are_rows_checked = rows is not None
+            if not are_rows_checked:  # a row the staging's checks refuse: they raise its error
                 rows = self._metadata_rows(states, positions, tables)
             start = time.perf_counter()
             executor = self._executor(bucket, k, mask is not None)
@@ -292,23 +292,21 @@ class DeepseekV4MtpProposer:
             raise InputError(describe("states", "distinct states", "the same state twice"))
         return False
 
-    def _held_rows(self, states: list[MtpProposerState], positions: list[int], tables: list[BlockTable],
-                   k: int) -> list | None:
-        """The rows to stage, checked (``check_rows``' form), when every range p..p+k-1 is held already.
+    def _checked_rows(self, states: list[MtpProposerState], positions: list[int],
+                      tables: list[BlockTable]) -> list | None:
+        """``_metadata_rows`` in ``check_rows``' form, checked as it does, or None when a row fails.
 
-        Design note "held rows" (runtime.kv_cache): then ensure would do nothing, and every row's
-        position has a block of the cache's block size. None when a row needs a block, or fails a
-        check of ``check_rows``: then ensure and the staging's checks decide, as for any batch.
+        After ensure every row passes, so a propose stages them unchecked: one loop that knows its
+        rows' types instead of check_rows' general one. None leaves the error to the staging's checks.
         """
-        if not self.cache.are_held(tables, positions, k):
-            return None
-        block_size, max_blocks, rows = self.cache.block_size, self.geometry.max_blocks_per_seq, []
-        for state, p, table in zip(states, positions, tables):  # inline: _metadata_rows, checked
+        max_blocks, rows = self.geometry.max_blocks_per_seq, []
+        for state, p, table in zip(states, positions, tables):  # inline: a propose stages B rows each time
             kv_start = state.kv_start
             if not kv_start <= p <= state.seq_len:
                 kv_start = p
-            blocks = table.blocks
-            if kv_start < 0 or len(blocks) > max_blocks or type(blocks) is not list:
+            blocks, block_size = table.blocks, table.block_size
+            if (kv_start < 0 or type(blocks) is not list or len(blocks) > max_blocks
+                    or p // block_size >= len(blocks) or blocks[p // block_size] < 0):
                 return None
             rows.append((p, kv_start, blocks, block_size))
         return rows
@@ -323,7 +321,7 @@ class DeepseekV4MtpProposer:
         return [(p, s.kv_start if s.kv_start <= p <= s.seq_len else p, t) for s, p, t in zip(states, positions, tables)]
 
     def _ensure_undoable(self, states: list[MtpProposerState], tables: list[BlockTable], positions: list[int],
-                         k: int) -> list[tuple]:
+                         k: int, are_distinct: bool = True) -> list[tuple]:
         """``cache.ensure`` of positions p..p+k-1 for every state (all or nothing), and the undo records.
 
         Only a row that got blocks has a record: its table's old length and the new block ids, not
@@ -334,11 +332,10 @@ class DeepseekV4MtpProposer:
             state, length, p = states[0], len(tables[0].blocks), positions[0]
             new = self.cache.ensure(tables[0], p, p + k - 1)
             return [(state, length, new, _scalars(state))] if new else []
-        lengths = [len(table.blocks) for table in tables]
-        added = self.cache.ensure_batch(tables, positions, [p + k - 1 for p in positions] if k > 1 else positions)
-        if not any(added):
-            return []
-        return [(state, length, new, _scalars(state)) for state, length, new in zip(states, lengths, added) if new]
+        if not are_distinct:  # distinct states sharing a table: ensure_batch refuses them, as it always did
+            self.cache.ensure_batch(tables, positions, [p + k - 1 for p in positions])
+        records = self.cache.ensure_unheld(tables, positions, k)
+        return [(states[i], length, new, _scalars(states[i])) for i, length, new in records]
 
     def _undo_ensure(self, state: MtpProposerState, length: int, new: list[int], scalars: tuple) -> None:
         """Give back the blocks ensure added and the table's old length."""

@@ -1,10 +1,11 @@
-"""The held-rows fast path of a propose gives what the general path gives.
+"""The host path of a batched propose: ensure_unheld and the rows the proposer checks itself.
 
-Design note "held rows" (runtime.kv_cache): a batch whose ranges are all held skips ensure and
-stages metadata rows it checked itself. Here ``are_held`` only says yes where ``ensure_batch``
-would change nothing, the staged bytes are those of a fresh pack, and a batch that the fast path
-hands back to the general one (states sharing a table, a negative kv_start, a table too long)
-raises the error it always raised and changes nothing.
+Design note "held rows" (runtime.kv_cache): a propose's ensure asks no distinct-table set and
+returns undo records, [] when every row is held; the proposer then stages rows it checked as
+``check_rows`` does. Here ``ensure_unheld`` equals ``ensure_batch`` (blocks, errors, pool), the
+staged bytes are those of a fresh pack, and a batch the proposer's row checks refuse (states
+sharing a table, a negative kv_start, a table too long) raises the error it always raised and
+changes nothing.
 """
 
 from __future__ import annotations
@@ -14,47 +15,45 @@ import random
 import pytest
 import torch
 from proposer_fixtures import TINY, hidden, make_proposer
-from test_host_fast_paths import assert_unchanged, frozen, held_by_scan
+from test_host_fast_paths import assert_unchanged, frozen
 
-from runtime.errors import InputError
-from runtime.kv_cache import OWNED, BlockTable, PagedLatentCache
+from runtime.errors import CacheError, InputError
+from runtime.kv_cache import BlockTable, PagedLatentCache
 from runtime.kv_metadata import pack_metadata
 
 B, K = 8, 2
 
 
-def test_are_held_says_yes_only_where_ensure_batch_would_do_nothing():
+def test_ensure_unheld_equals_ensure_batch_with_undo_records():
     rng = random.Random(6)
-    cache, stranger = (PagedLatentCache(8, num, window=32, max_seq_len=240) for num in (64, 4))
-    seen = set()
+    one, two = (PagedLatentCache(8, 40, window=32, max_seq_len=240) for _ in range(2))
+    ones, twos = [BlockTable() for _ in range(6)], [BlockTable() for _ in range(6)]
+    firsts, seen = [0] * len(ones), set()
     for _ in range(400):
-        tables = [BlockTable() for _ in range(rng.randrange(1, 9))]
-        firsts = []
-        for table in tables:
-            start, end = rng.randrange(0, 200), rng.randrange(0, 40)
-            owner = stranger if rng.random() < 0.05 else cache
-            if rng.random() < 0.95 and owner.can_ensure(table, start, start + end):
-                owner.ensure(table, start, start + end)
-                if rng.random() < 0.05 and table.held():  # a block freed behind the table's back
-                    owner._state[rng.choice(table.held())] = 0
-                if rng.random() < 0.03:  # a table laid out with another block size
-                    table.block_size = 8
-            firsts.append(rng.randrange(start, start + end + 1) if rng.random() < 0.9 else rng.randrange(-2, 240))
-        k = rng.choice([1, 1, 2, 5, 17, 40])
-        want = all(0 <= f and f + k - 1 < cache.max_seq_len and t.block_size == cache.block_size
-                   and held_by_scan(cache, t, f, f + k - 1) for t, f in zip(tables, firsts))
-        free = cache.num_free_blocks
-        assert cache.are_held(tables, firsts, k) == want
-        if want:  # ensure_batch agrees: nothing to add
-            assert cache.ensure_batch(tables, firsts, [f + k - 1 for f in firsts]) == [[] for _ in tables]
-            assert cache.num_free_blocks == free
-        seen.add(want)
-        for table in tables:  # back to a clean pool
-            owner = stranger if table.cache_id == stranger.cache_id else cache
-            for b in table.held():
-                owner._state[b] = OWNED
-            owner.free(table)
-    assert seen == {True, False}
+        firsts = [rng.choice([f, f + 1, f + 3, rng.randrange(-2, 240)]) for f in firsts]  # mostly on from the last
+        k = rng.choice([1, 1, 2, 7, 20])
+        lasts = [f + k - 1 for f in firsts]
+        try:
+            want = "ok", two.ensure_batch(twos, firsts, lasts)
+        except (CacheError, InputError) as error:
+            want = type(error), str(error)
+        before = [list(t.blocks) for t in ones]
+        try:
+            records = one.ensure_unheld(ones, firsts, k)
+            got = "ok", [next((new for i, _, new in records if i == row), []) for row in range(len(ones))]
+        except (CacheError, InputError) as error:
+            got, records = (type(error), str(error)), []
+        assert got == want
+        assert all(length == len(before[i]) and new for i, length, new in records)
+        assert [t.blocks for t in ones] == [t.blocks for t in twos]
+        assert one.num_free_blocks == two.num_free_blocks
+        seen.add((want[0], bool(records)))
+        for a, b in zip(ones, twos):
+            if rng.random() < 0.3:
+                at = rng.randrange(0, 240)
+                one.trim_window(a, at)
+                two.trim_window(b, at)
+    assert {("ok", True), ("ok", False), CacheError, InputError} <= {s if s[0] == "ok" else s[0] for s in seen}
 
 
 @pytest.fixture()
@@ -71,17 +70,16 @@ def batch():
     return prop, states, hiddens, [p + 1 for p in positions]
 
 
-def test_the_fast_path_takes_the_usual_batch_and_stages_the_bytes_of_a_fresh_pack(batch):
+def test_the_usual_step_allocates_nothing_and_stages_the_bytes_of_a_fresh_pack(batch):
     prop, states, hiddens, positions = batch
-    calls, inner = [], prop.cache.ensure_batch
-    prop.cache.ensure_batch = lambda *args: calls.append(args) or inner(*args)
+    calls, inner = [], prop.cache.ensure_unheld
+    prop.cache.ensure_unheld = lambda *args: calls.append(inner(*args)) or calls[-1]
     fast = 0
-    for _ in range(20):  # crossing block boundaries: new blocks come through ensure_batch
-        needs_blocks = any((p + K - 1) // 16 >= len(s.table.blocks) for p, s in zip(positions, states))
-        asked = len(calls)
+    for _ in range(20):  # crossing block boundaries: then the rows that cross get new blocks
+        needy = [i for i, (p, s) in enumerate(zip(positions, states)) if (p + K - 1) // 16 >= len(s.table.blocks)]
         prop.propose_batch(list(range(B)), hiddens, positions, K, states)
-        assert len(calls) - asked == needs_blocks
-        fast += not needs_blocks
+        assert [i for i, _, _ in calls[-1]] == needy
+        fast += not needy
         rows = [(p, s.kv_start, s.table) for p, s in zip(positions, states)]
         fresh = pack_metadata(rows, prop.cache.max_blocks_per_seq, window=TINY.sliding_window)
         assert torch.equal(prop._staging_for(B).host["meta"].buf, fresh)

@@ -197,28 +197,30 @@ def test_items_the_bulk_pass_leaves_to_the_single_checks_still_work(batch):
 # ---- ensure: only the rows that need blocks ---------------------------------------------------
 
 
-def recording_ensure_batch(prop) -> list:
-    """Wrap ``cache.ensure_batch``: each call appends (tables before, new ids, tables after)."""
-    calls, inner = [], prop.cache.ensure_batch
+def recording_ensure_unheld(prop) -> list:
+    """Wrap ``cache.ensure_unheld``: each call appends (tables before, undo records, tables after)."""
+    calls, inner = [], prop.cache.ensure_unheld
 
-    def ensure_batch(tables, firsts, lasts):
+    def ensure_unheld(tables, firsts, num_positions):
         before = [list(t.blocks) for t in tables]
-        added = inner(tables, firsts, lasts)
-        calls.append((before, added, [list(t.blocks) for t in tables]))
-        return added
+        records = inner(tables, firsts, num_positions)
+        calls.append((before, records, [list(t.blocks) for t in tables]))
+        return records
 
-    prop.cache.ensure_batch = ensure_batch
+    prop.cache.ensure_unheld = ensure_unheld
     return calls
 
 
 def test_only_the_rows_that_need_blocks_get_them(batch):
     prop, states, hiddens, positions = batch
-    calls = recording_ensure_batch(prop)
+    calls = recording_ensure_unheld(prop)
     needy = [i for i, p in enumerate(positions) if (p + K - 1) // 16 >= len(states[i].table.blocks)]
     assert 0 < len(needy) < B  # the batch mixes both
     propose_with(prop, states, hiddens, positions)
-    (before, added, after), = calls
-    assert [i for i, new in enumerate(added) if new] == needy
+    (before, records, after), = calls
+    added = {i: new for i, _, new in records}
+    assert sorted(added) == needy
+    assert all(length == len(before[i]) for i, length, _ in records)
     for i in range(B):
         if i in needy:
             assert [b for b in after[i] if b >= 0] == [b for b in before[i] if b >= 0] + added[i]
