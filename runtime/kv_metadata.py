@@ -275,5 +275,6 @@ class MetadataWriter:
         written = self._tables[i]
         if written is not _DEAD_TABLE and written[1]:
             lo, entries = written
-            first = BLOCK_TABLE_OFFSET // 4 + lo
-            self._i32[i, first : first + len(entries)] = -1
+            at = i * self._row_bytes + BLOCK_TABLE_OFFSET + 4 * lo
+            # -1 int32s as bytes on the memoryview: ~0.16 us, where a numpy slice setitem takes ~0.4
+            self._mem[at : at + 4 * len(entries)] = b"\xff" * (4 * len(entries))
