@@ -298,12 +298,15 @@ class PagedLatentCache:
         """Indices of the rows not held (design note "held rows"): the rows ensure may change or refuse."""
         bs, states, cache_id, unheld = self.block_size, self._state, self.cache_id, []
         for i, table in enumerate(tables):
-            blocks, first, last = table.blocks, first_positions[i] // bs, last_positions[i] // bs
-            try:
-                if (last - first > 1 or last >= len(blocks) or table.cache_id != cache_id or blocks[first] < 0
-                        or blocks[last] < 0 or states[blocks[first]] != OWNED or states[blocks[last]] != OWNED):
+            blocks, first = table.blocks, first_positions[i] // bs
+            try:  # one entry (the usual range) is one lookup; the second only when the range crosses
+                block = blocks[first]
+                if block < 0 or states[block] != OWNED or table.cache_id != cache_id:
                     unheld.append(i)
-            except IndexError:  # an entry past the pool (a table edited by hand)
+                elif (last := last_positions[i] // bs) != first and (
+                        last - first > 1 or (block := blocks[last]) < 0 or states[block] != OWNED):
+                    unheld.append(i)
+            except IndexError:  # past the table, or an entry past the pool (a table edited by hand)
                 unheld.append(i)
         return unheld
 

@@ -305,8 +305,8 @@ class DeepseekV4MtpProposer:
             if not kv_start <= p <= state.seq_len:
                 kv_start = p
             blocks, block_size = table.blocks, table.block_size
-            if (kv_start < 0 or type(blocks) is not list or len(blocks) > max_blocks
-                    or p // block_size >= len(blocks) or blocks[p // block_size] < 0):
+            j = p // block_size
+            if kv_start < 0 or type(blocks) is not list or not j < len(blocks) <= max_blocks or blocks[j] < 0:
                 return None
             rows.append((p, kv_start, blocks, block_size))
         return rows
