@@ -10,7 +10,8 @@ case B x K and start position, runs a decode-like loop: propose, accept every dr
 - ``host``: ``last_host_seconds``, entering ``_propose`` up to the (async) launch;
 - ``call``: the whole ``propose`` / ``propose_batch`` call, launch and read-back included;
 - the phases of the host path, from a second, instrumented pass (wrappers add ~0.3 us each):
-  ``checks`` (entry to the first ``cache.ensure`` / ``ensure_batch``), ``ensure`` (all of them), ``lookup``
+  ``checks`` (entry to the first ``cache.ensure`` / ``ensure_batch`` / ``ensure_unheld``), ``ensure`` (all of
+  them), ``lookup``
   (executor and staging lookup), ``stage`` (metadata, tokens, hiddens, the staging copy),
   ``run`` (the executor's ``run``: the replay launch on CUDA) and ``after`` (read-back and
   commit, from the end of ``run`` to the return).
@@ -127,6 +128,7 @@ class PhaseClock:
         self._wrap(prop, "_propose", "propose")
         self._wrap(prop.cache, "ensure", "ensure")
         self._wrap(prop.cache, "ensure_batch", "ensure")
+        self._wrap(prop.cache, "ensure_unheld", "ensure")
         for staging in prop._staging.values():
             self._wrap(staging, "stage", "stage")
         for key, executor in prop._executors.items():
