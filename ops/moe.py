@@ -146,6 +146,7 @@ def routed_grouped(x, idx, weights, w1, w2, w3, limit: float) -> torch.Tensor:
 
 def routed_gather(x, idx, weights, w1, w2, w3, limit: float) -> torch.Tensor:
     """The same sum by gathering each row's K experts (copies them) and batched matmuls: [B, D] fp32."""
+    join_side_stream()  # the weights may come from the side lane (_weights_beside)
     xc = x.unsqueeze(1).unsqueeze(-1)  # [B, 1, D, 1]
     gate = torch.matmul(w1[idx], xc).squeeze(-1)  # [B, K, I]
     up = torch.matmul(w3[idx], xc).squeeze(-1)
@@ -185,6 +186,17 @@ def _renormalised(scores: torch.Tensor, idx: torch.Tensor, scaling: float) -> to
     return chosen / chosen.sum(-1, keepdim=True) * scaling
 
 
+def _weights_beside(scores: torch.Tensor, idx: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The routing weights, computed on the side lane: four tiny kernels off the chain.
+
+    Nothing reads them before the SwiGLU, after the gate GEMM; routed_grouped reads them on the
+    same lane (blocks of one step run there in order) and routed_gather joins first. scores
+    and idx stay referenced by the op until its join (ops.overlap).
+    """
+    with side_stream():
+        return _renormalised(scores, idx, scaling)
+
+
 # ---- moe (score-routed) ------------------------------------------------------
 
 
@@ -203,7 +215,7 @@ def _moe_impl(inputs, outputs, attrs, workspace):
     shared = shared_expert_beside(x, sw1, sw2, sw3, float(attrs["swiglu_limit"]))
     scores = gate_scores(x, gate_w)  # [B, E]
     idx = torch.topk(scores + gate_bias, int(attrs["top_k"]), dim=-1).indices  # bias: selection only
-    weights = _renormalised(scores, idx, float(attrs["routed_scaling_factor"]))
+    weights = _weights_beside(scores, idx, float(attrs["routed_scaling_factor"]))
     _experts_into((x, w1, w2, w3), idx, weights, attrs, outputs[0], shared)
 
 
@@ -240,7 +252,8 @@ def _moe_hash_impl(inputs, outputs, attrs, workspace):
     x, token, tid2eid, gate_w, w1, w2, w3, sw1, sw2, sw3 = inputs
     shared = shared_expert_beside(x, sw1, sw2, sw3, float(attrs["swiglu_limit"]))
     idx = tid2eid.index_select(0, token).long()  # [B, K]
-    weights = _renormalised(gate_scores(x, gate_w), idx, float(attrs["routed_scaling_factor"]))
+    scores = gate_scores(x, gate_w)
+    weights = _weights_beside(scores, idx, float(attrs["routed_scaling_factor"]))
     _experts_into((x, w1, w2, w3), idx, weights, attrs, outputs[0], shared)
 
 

@@ -4,9 +4,10 @@ Why: hc_pre's Sinkhorn is 45 launches of tiny kernels with the torch ops up to B
 above (about 110 us at B=1 on an H200), and its result, comb, is read only by hc_post, after
 the whole attention or MoE. Queued on a side lane, it runs while those run; captured, it
 becomes a parallel branch of the CUDA graph. Likewise the MoE's shared expert runs beside the
-router and the routed experts, the attention's latent kv, cache write and window gather
-beside its slot math and query path, and the argmax's confidence beside its token. The fused
-kernels do these inside their own kernels and never fork.
+router and the routed experts (its routing weights beside the sort and the gate GEMM), the
+attention's latent kv, cache write and window gather beside its slot math and query path, and
+the argmax's confidence beside its token. The fused kernels do these inside their own kernels
+and never fork.
 
 The contract, for an op's implementation:
 

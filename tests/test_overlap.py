@@ -112,14 +112,16 @@ def joined_inside(log: list[str], at: int) -> int:
     return forks
 
 
-def test_moe_forks_its_shared_expert_and_up_gemm_and_joins_inside_the_step():
+def test_moe_forks_its_shared_expert_weights_and_up_gemm_and_joins_inside_the_step():
     _, _, _, log, executor = propose_logged(2, overlap=True)
     moe_at = [i for i, entry in enumerate(log) if entry.startswith(("moe ", "moe_hash "))]
     assert len(moe_at) == 2
     x = executor.steps[[s.node.op for s in executor.steps].index("moe")].inputs[0]
     grouped = can_grouped_mm(x, *(executor.bound[f"mtp.0.ffn.experts.stacked.{w}"] for w in ("w1", "w2", "w3")))
-    for i in moe_at:  # the shared expert before the router's first kernel, the up GEMM beside the gate GEMM
-        assert joined_inside(log, i) == (2 if grouped else 1)
+    # The shared expert before the router's first kernel, the routing weights after its top-k,
+    # the up GEMM beside the gate GEMM (the gather path joins before it reads the weights).
+    for i in moe_at:
+        assert joined_inside(log, i) == (3 if grouped else 2)
 
 
 def test_attention_forks_its_kv_blocks_and_joins_inside_the_step():
