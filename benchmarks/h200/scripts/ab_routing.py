@@ -16,15 +16,16 @@ import os
 import sys
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from scratch_common import warm_torch_proposer  # noqa: E402
 
 import ops.moe  # noqa: E402
 import ops.sampling  # noqa: E402
 from ops import registry  # noqa: E402
 from runtime.config import V4Config  # noqa: E402
 from runtime.draft_binding import prepare_weights  # noqa: E402
-from runtime.proposer import DeepseekV4MtpProposer  # noqa: E402
 from tools.bench_draft import random_weights, time_replays  # noqa: E402
 
 dev = torch.device("cuda", 0)
@@ -57,24 +58,11 @@ def variant(name):
         if "masked_fill" in name else real_argmax
 
 
-def build(batch):
-    prop = DeepseekV4MtpProposer(cfg, weights, device=dev, executor="captured", kernels="torch", buckets=(batch,),
-                                 num_cache_blocks=batch * 16)
-    gen = torch.Generator(device=dev).manual_seed(batch)
-    hs = [torch.randn(cfg.hc_mult, cfg.hidden_size, device=dev, generator=gen).bfloat16() for _ in range(batch)]
-    sts = [prop.alloc_state() for _ in range(batch)]
-    prop.propose_batch(list(range(1, batch + 1)), hs, [200] * batch, 1, sts)
-    for s in sts:
-        prop.after_verify(0, s)
-    d = prop.propose_batch(list(range(1, batch + 1)), hs, [200] * batch, 1, sts)
-    return prop, next(iter(prop._executors.values())), d
-
-
 first = None
 for name in ["current", "weights inline", "masked_fill argmax", "weights inline + masked_fill argmax",
              "current again"]:
     variant(name)
-    prop, ex, d = build(1)
+    prop, ex, d = warm_torch_proposer(cfg, weights, dev, 1)
     first = d if first is None else first
     ms, spread = time_replays(ex.replay)
     print(f"B= 1 {name:40s} replay {ms * 1e3:7.1f} us spread {spread:.3f} same drafts {d == first}", flush=True)

@@ -14,33 +14,21 @@ import os
 import sys
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from scratch_common import warm_torch_proposer  # noqa: E402
 
 import ops.constants  # noqa: E402
 import runtime.staging  # noqa: E402
 from runtime.config import V4Config  # noqa: E402
 from runtime.draft_binding import prepare_weights  # noqa: E402
-from runtime.proposer import DeepseekV4MtpProposer  # noqa: E402
 from tools.bench_draft import random_weights, time_replays  # noqa: E402
 
 dev = torch.device("cuda", 0)
 cfg = V4Config.flash().replace(max_position_embeddings=4096)
 weights = prepare_weights(cfg, random_weights(cfg, dev), dev)
 real_rows, real_kept = runtime.staging._triton_rows, ops.constants._kept
-
-
-def build(batch):
-    prop = DeepseekV4MtpProposer(cfg, weights, device=dev, executor="captured", kernels="torch", buckets=(batch,),
-                                 num_cache_blocks=batch * 16)
-    gen = torch.Generator(device=dev).manual_seed(batch)
-    hs = [torch.randn(cfg.hc_mult, cfg.hidden_size, device=dev, generator=gen).bfloat16() for _ in range(batch)]
-    sts = [prop.alloc_state() for _ in range(batch)]
-    prop.propose_batch(list(range(1, batch + 1)), hs, [200] * batch, 1, sts)
-    for s in sts:
-        prop.after_verify(0, s)
-    d = prop.propose_batch(list(range(1, batch + 1)), hs, [200] * batch, 1, sts)
-    return prop, next(iter(prop._executors.values())), d
 
 
 def variant(name):
@@ -55,7 +43,7 @@ for batch, names in CASES.items():
     first = None
     for name in names:
         variant(name)
-        prop, ex, d = build(batch)
+        prop, ex, d = warm_torch_proposer(cfg, weights, dev, batch)
         first = d if first is None else first
         ms, spread = time_replays(ex.replay)
         print(f"B={batch:2d} {name:32s} replay {ms * 1e3:7.1f} us spread {spread:.3f} same drafts {d == first}",

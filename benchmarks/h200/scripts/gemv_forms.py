@@ -8,7 +8,13 @@ problem w @ x^T (its [N, M] output is the same bytes as [M, N] when M = 1), and 
 Each case 20 per CUDA graph, best of 5 rounds; the outputs compared with today's.
 """
 
+import os
+import sys
+
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from scratch_common import best_in_graph  # noqa: E402
 
 torch.manual_seed(0)
 dev = "cuda"
@@ -21,31 +27,6 @@ SHAPES = [  # (name, N, K)
     ("shared w1 / w3", 2048, 4096),
     ("shared w2", 4096, 2048),
 ]
-
-
-def time_graph(fn, reps=20, n=50):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(5):
-        st.record()
-        for _ in range(n // 5):
-            g.replay()
-        en.record()
-        en.synchronize()
-        ts.append(st.elapsed_time(en) * 1e3 / (n // 5) / reps)
-    return min(ts)
 
 
 for name, n, k in SHAPES:
@@ -63,7 +44,7 @@ for name, n, k in SHAPES:
         ref = torch.mm(x, w.t())
         line = [f"{name:16s} M={m} {n * k * 2 / 1e6:6.1f} MB"]
         for form, fn in forms.items():
-            us = time_graph(fn)
+            us = best_in_graph(fn)
             fn()
             got = out_t.t() if form == "w @ x^T" else out
             diff = (got.float() - ref.float()).abs().max().item()

@@ -6,7 +6,13 @@ A scratch micro-benchmark kept for the numbers it gave (grouped_mm_1ac9c23.txt):
 w1 and w3 in a row, on two streams, merged into one [E, 2I, D] weight, split along K, and w2.
 """
 
+import os
+import sys
+
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from scratch_common import best_in_graph  # noqa: E402
 
 torch.manual_seed(0)
 dev = "cuda"
@@ -22,30 +28,6 @@ ends = torch.searchsorted(expert, torch.arange(E, device=dev), right=True, out_i
 rows = x.index_select(0, torch.div(order, K, rounding_mode="floor"))
 act = torch.randn(K, INTER, device=dev, dtype=torch.bfloat16)
 side = torch.cuda.Stream()
-
-def time_graph(fn, reps=20, n=50):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(5):
-        st.record()
-        for _ in range(n // 5):
-            g.replay()
-        en.record()
-        en.synchronize()
-        ts.append(st.elapsed_time(en) * 1e3 / (n // 5) / reps)
-    return min(ts)
 
 def gm(a, w):
     return torch._grouped_mm(a, w.transpose(1, 2), offs=ends)
@@ -89,7 +71,7 @@ CASES = [("w1 alone", lambda: gm(rows, w1), ONE), ("w1+w3 serial", serial, 2 * O
          ("dense 2048x4096 gemv", one_gemv, INTER * D * 2)]
 for name, fn, nbytes in CASES:
     try:
-        us = time_graph(fn)
+        us = best_in_graph(fn)
         print(f"{name:24s} {us:8.1f} us  {nbytes / us / 1e6:6.2f} TB/s", flush=True)
     except Exception as e:
         print(name, "failed", type(e).__name__, str(e)[:200])

@@ -10,7 +10,13 @@ along N): the weight rows become the M tiles. Same bytes, other tiles. B=1, 8, 3
 256 experts, V4-Flash shapes; each case 20 per CUDA graph, best of 5 rounds; results compared.
 """
 
+import os
+import sys
+
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from scratch_common import best_in_graph  # noqa: E402
 
 torch.manual_seed(0)
 dev = "cuda"
@@ -19,31 +25,6 @@ w1 = torch.randn(E, INTER, D, device=dev, dtype=torch.bfloat16) * 0.01
 w3 = torch.randn(E, INTER, D, device=dev, dtype=torch.bfloat16) * 0.01
 w2 = torch.randn(E, D, INTER, device=dev, dtype=torch.bfloat16) * 0.01
 side = torch.cuda.Stream()
-
-
-def time_graph(fn, reps=20, n=50):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(5):
-        st.record()
-        for _ in range(n // 5):
-            g.replay()
-        en.record()
-        en.synchronize()
-        ts.append(st.elapsed_time(en) * 1e3 / (n // 5) / reps)
-    return min(ts)
 
 
 for batch in (1, 8, 32):
@@ -92,7 +73,7 @@ for batch in (1, 8, 32):
     print(f"B={batch} rows={rows.shape[0]} experts={chosen}", flush=True)
     for name, fn, nbytes in cases:
         try:
-            us = time_graph(fn)
+            us = best_in_graph(fn)
             print(f"  {name:28s} {us:8.1f} us  {nbytes / us / 1e6:6.2f} TB/s", flush=True)
         except Exception as e:  # noqa: BLE001 - a scratch script reports and goes on
             print(f"  {name:28s} failed {type(e).__name__}: {str(e)[:200]}", flush=True)

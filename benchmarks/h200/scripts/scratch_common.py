@@ -1,0 +1,50 @@
+"""What the scratch scripts share: a callable timed inside a CUDA graph, and a warmed-up proposer.
+
+Imported by the scripts beside it (each puts this folder on sys.path); not part of the package.
+"""
+
+import torch
+
+
+def best_in_graph(fn, reps: int = 20, n: int = 50) -> float:
+    """Microseconds per call of ``fn``: ``reps`` calls captured in one CUDA graph, replayed ``n``
+    times in 5 rounds; the best round (the noise of a shared machine only adds time)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(5):
+        st.record()
+        for _ in range(n // 5):
+            g.replay()
+        en.record()
+        en.synchronize()
+        ts.append(st.elapsed_time(en) * 1e3 / (n // 5) / reps)
+    return min(ts)
+
+
+def warm_torch_proposer(cfg, weights, dev, batch: int):
+    """(proposer, its captured executor, the drafts of its second propose) for one bucket of
+    ``batch`` rows at position 200, torch ops: the first propose captured, the second replayed."""
+    from runtime.proposer import DeepseekV4MtpProposer
+
+    prop = DeepseekV4MtpProposer(cfg, weights, device=dev, executor="captured", kernels="torch", buckets=(batch,),
+                                 num_cache_blocks=batch * 16)
+    gen = torch.Generator(device=dev).manual_seed(batch)
+    hs = [torch.randn(cfg.hc_mult, cfg.hidden_size, device=dev, generator=gen).bfloat16() for _ in range(batch)]
+    sts = [prop.alloc_state() for _ in range(batch)]
+    prop.propose_batch(list(range(1, batch + 1)), hs, [200] * batch, 1, sts)
+    for s in sts:
+        prop.after_verify(0, s)
+    d = prop.propose_batch(list(range(1, batch + 1)), hs, [200] * batch, 1, sts)
+    return prop, next(iter(prop._executors.values())), d
