@@ -54,3 +54,16 @@ def copy_async(dst: torch.Tensor, src: torch.Tensor, device_index: int) -> None:
         _memcpy(dst.data_ptr(), src.data_ptr(), nbytes, _raw_stream(device_index))
     else:
         dst.copy_(src, non_blocking=True)
+
+
+def is_device_addressable(host: torch.Tensor) -> bool:
+    """Whether a kernel may read the pinned ``host`` tensor at its own address.
+
+    Under unified addressing the device maps pinned memory at its host address (what the
+    staging kernel reads, ``ops.triton.rows.stage_from_host``); memory pinned another way
+    (``cudaHostRegister`` without mapping) may not be. Asked of the driver, never assumed.
+    """
+    if _cudart is None or not host.is_pinned():
+        return False
+    err, device_ptr = _cudart.cudaHostGetDevicePointer(host.data_ptr(), 0)
+    return err == _cudart.cudaError_t.cudaSuccess and int(device_ptr) == host.data_ptr()

@@ -92,10 +92,12 @@ class ChainStaging:
         self._is_copy_pending = False
         self._hidden_row0 = self.hidden_buf[0]
         # Hiddens by address (a graph with in_graph_copy gathers them): None on the CPU, without
-        # cuda-python or without triton; then a run with copy_in=False copies them as any other.
+        # cuda-python or without triton, or where the device cannot read the pinned buffer at its
+        # host address; then a run with copy_in=False copies them as any other.
         wants_gather = self._device_index is not None if gather_hiddens is None else gather_hiddens
         rows = _triton_rows() if wants_gather else None
-        self._stage = rows.stage_from_host if rows is not None else None
+        readable = self._device_index is None or raw_copy.is_device_addressable(self.host_buf)
+        self._stage = rows.stage_from_host if rows is not None and readable else None
         self._num_addresses = 0  # rows holding an address (the rest are 0: padding, gathered as zeros)
         self._kept: list[torch.Tensor] = []  # contiguous copies of strided hiddens, alive until the next stage
         self._chain_inputs: dict[int | None, Mapping[str, torch.Tensor]] = {}

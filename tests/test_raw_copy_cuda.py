@@ -100,6 +100,29 @@ def test_the_captured_chain_starts_with_the_staging_kernel():
     assert kernels_per_op(recapture(executor))[0] == ("prologue", "(staging)", 1)
 
 
+def test_pinned_memory_is_addressable_at_its_host_address():
+    assert raw_copy.is_device_addressable(torch.zeros(64, dtype=torch.uint8, pin_memory=True))
+    assert not raw_copy.is_device_addressable(torch.zeros(64, dtype=torch.uint8))  # pageable
+
+
+def test_a_host_buffer_the_device_cannot_address_is_staged_by_a_memcpy_node(monkeypatch):
+    from tools.capture_dump import kernels_per_op, node_types, recapture
+
+    tensors = random_mtp_weights(SMALL, seed=3)
+    hidden = torch.randn(SMALL.hc_mult, SMALL.hidden_size, device="cuda").bfloat16()
+    eager = DeepseekV4MtpProposer(SMALL, tensors, device="cuda", executor="eager")
+    expected = eager.propose(5, hidden, 40, 2, eager.alloc_state())
+    monkeypatch.setattr(raw_copy, "is_device_addressable", lambda host: False)
+    prop = DeepseekV4MtpProposer(SMALL, tensors, device="cuda", executor="captured")
+    prop.propose(5, hidden, 40, 2, prop.alloc_state())  # captures
+    assert prop.propose(5, hidden, 40, 2, prop.alloc_state()) == expected
+    executor = prop._executor(1, 2, False)
+    assert executor.copies_staging
+    kept = recapture(executor)
+    assert kernels_per_op(kept)[0] == ("prologue", "(staging)", 0)  # the memcpy node, no kernel
+    assert node_types(kept.cuda_graph)["Memcpy"] >= 1
+
+
 def test_host_buffer_rewritten_between_replays_is_read_fresh():
     """Two proposes with other tokens and positions, each equal to an eager proposer's."""
     tensors = random_mtp_weights(SMALL, seed=4)
