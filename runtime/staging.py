@@ -32,7 +32,7 @@ def _align(n: int) -> int:
 
 
 def _triton_rows():
-    """ops.triton.rows (the hidden gather and the one-kernel staging), or None without triton."""
+    """ops.triton.rows (the one-kernel staging: the buffer's copy and the hidden gather), or None without triton."""
     try:
         from ops.triton import rows
     except Exception:  # ImportError, or a broken triton install (as ops.triton.available)

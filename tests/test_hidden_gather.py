@@ -1,8 +1,8 @@
 """Hiddens by address (ops.triton.rows): the host writes addresses, the graph gathers the rows.
 
-On the CPU the gather kernel runs under Triton's interpreter (TRITON_INTERPRET=1, set by
+On the CPU the staging kernel runs under Triton's interpreter (TRITON_INTERPRET=1, set by
 conftest.py), over a staging buffer whose "device" half is host memory: the same kernel,
-the same address arithmetic, what the captured graph's prologue does after its copy.
+the same address arithmetic, what the captured graph's prologue does.
 """
 
 from __future__ import annotations
