@@ -2,15 +2,15 @@
 
 One step (spec section 5; node names as in dumps)::
 
-    embed -> enorm -> e_proj -> hc_expand -+
-                        hnorm -> h_proj ---+-> combiner -> body -> hc_head -> lm_head -> argmax
+    embed -> combiner [-> hc_expand] -> body -> hc_head -> lm_head -> argmax
 
-``streams`` mode (DeepSeek reference, default): the hidden is the target's
-pre-hc_head streams [B, C, D]; h_proj acts per stream and e_proj(e) is
-broadcast over the C streams (by hc_expand), summed by the combiner. Later
-steps take the MTP's own pre-hc_head streams. ``collapsed`` mode (the seed):
-the hidden is [B, D]; the combiner sums the two projections and hc_expand
-replicates the sum; later steps take the MTP's collapsed h_out.
+The combiner is h_proj(hnorm(hidden)) + e_proj(enorm(embed)), one ``combine``
+node (ops/combine.py). ``streams`` mode (DeepSeek reference, default): the
+hidden is the target's pre-hc_head streams [B, C, D]; h_proj acts per stream
+and e_proj(e) is broadcast over the C streams. Later steps take the MTP's own
+pre-hc_head streams. ``collapsed`` mode (the seed): the hidden is [B, D]; the
+combiner sums the two projections and hc_expand replicates the sum; later
+steps take the MTP's collapsed h_out.
 
 The chain unrolls the step K times in one graph: each draft's argmax feeds the
 next embed, each step's hidden feeds the next combiner, and positions advance
@@ -142,21 +142,7 @@ def build_draft_chain(config: V4Config, geometry: CacheGeometry, spec: ChainSpec
 
 def _step(b, config, geometry, spec, ins, token, hidden, positions, body) -> tuple[Value, Value, Value]:
     d, eps = config.hidden_size, float(config.rms_norm_eps)
-    norm_attrs = {"eps": eps}
-    embed = b.op("embed", [token, b.weight("embed.weight", TensorSpec((config.vocab_size, d), BF16))])
-    enorm = b.op("rms_norm", [embed, b.weight("mtp.0.enorm.weight", TensorSpec((d,), BF16))], name="enorm",
-                 attrs=norm_attrs)
-    hnorm = b.op("rms_norm", [hidden, b.weight("mtp.0.hnorm.weight", TensorSpec((d,), BF16))], name="hnorm",
-                 attrs=norm_attrs)
-    e_proj = b.op("linear", [enorm, b.weight("mtp.0.e_proj.weight", TensorSpec((d, d), BF16))], name="e_proj")
-    h_proj = b.op("linear", [hnorm, b.weight("mtp.0.h_proj.weight", TensorSpec((d, d), BF16))], name="h_proj")
-    expand = {"hc_mult": config.hc_mult}
-    if spec.mode == "streams":
-        e_streams = b.op("hc_expand", [e_proj], name="hc_expand", attrs=expand)
-        streams = b.op("add", [h_proj, e_streams], name="combiner")
-    else:
-        h_in = b.op("add", [e_proj, h_proj], name="combiner")
-        streams = b.op("hc_expand", [h_in], name="hc_expand", attrs=expand)
+    streams = combiner(b, config, token, hidden, spec.mode)
     body_inputs = [streams, positions, ins["kv_start"], ins["block_table"]]
     if body is not None:
         out_streams = b.subgraph("body", body, body_inputs)
@@ -182,6 +168,26 @@ def _step(b, config, geometry, spec, ins, token, hidden, positions, body) -> tup
     return token, prob, next_hidden
 
 
+def combiner(b: GraphBuilder, config: V4Config, token: Value, hidden: Value, mode: str) -> Value:
+    """embed -> combiner (-> hc_expand in collapsed mode): the body's input streams [B, C, D].
+
+    The combiner is one ``combine`` node: both norms and projections and their sum (its
+    embedding half runs beside its hidden half: ops/combine.py).
+    """
+    d = config.hidden_size
+    embed = b.op("embed", [token, b.weight("embed.weight", TensorSpec((config.vocab_size, d), BF16))])
+    weights = [
+        b.weight("mtp.0.enorm.weight", TensorSpec((d,), BF16)),
+        b.weight("mtp.0.hnorm.weight", TensorSpec((d,), BF16)),
+        b.weight("mtp.0.e_proj.weight", TensorSpec((d, d), BF16)),
+        b.weight("mtp.0.h_proj.weight", TensorSpec((d, d), BF16)),
+    ]
+    combined = b.op("combine", [embed, hidden, *weights], name="combiner", attrs={"eps": float(config.rms_norm_eps)})
+    if mode == "streams":
+        return combined  # [B, C, D]: e's half was added to every stream
+    return b.op("hc_expand", [combined], name="hc_expand", attrs={"hc_mult": config.hc_mult})
+
+
 def runner_interface(config: V4Config, geometry: CacheGeometry) -> dict[str, TensorSpec]:
     """What a body runner receives (in order) and must return: streams [B, C, D] bf16."""
     return block_interface(config, geometry)
@@ -199,21 +205,8 @@ def build_drafter_prefill(config: V4Config, geometry: CacheGeometry, mode: str =
     b = GraphBuilder(f"mtp_prefill_{mode}")
     ins = {k: b.input(k, s) for k, s in chain_inputs(config, geometry, spec).items() if k != "vocab_limit"}
     body = build_block(config, geometry, prefix="mtp.0.", name="mtp_body") if runner == "builtin" else None
-    d, eps = config.hidden_size, float(config.rms_norm_eps)
     with b.scoped("p"):
-        embed = b.op("embed", [ins["token"], b.weight("embed.weight", TensorSpec((config.vocab_size, d), BF16))])
-        enorm = b.op("rms_norm", [embed, b.weight("mtp.0.enorm.weight", TensorSpec((d,), BF16))], name="enorm",
-                     attrs={"eps": eps})
-        hnorm = b.op("rms_norm", [ins["hidden"], b.weight("mtp.0.hnorm.weight", TensorSpec((d,), BF16))],
-                     name="hnorm", attrs={"eps": eps})
-        e_proj = b.op("linear", [enorm, b.weight("mtp.0.e_proj.weight", TensorSpec((d, d), BF16))], name="e_proj")
-        h_proj = b.op("linear", [hnorm, b.weight("mtp.0.h_proj.weight", TensorSpec((d, d), BF16))], name="h_proj")
-        if mode == "streams":
-            streams = b.op("add", [h_proj, b.op("hc_expand", [e_proj], attrs={"hc_mult": config.hc_mult})],
-                           name="combiner")
-        else:
-            streams = b.op("hc_expand", [b.op("add", [e_proj, h_proj], name="combiner")],
-                           attrs={"hc_mult": config.hc_mult})
+        streams = combiner(b, config, ins["token"], ins["hidden"], mode)
         body_inputs = [streams, ins["positions"], ins["kv_start"], ins["block_table"]]
         if body is not None:
             out = b.subgraph("body", body, body_inputs)

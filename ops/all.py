@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from ops import attention, basic, body_runner, draft_gate, embed, lm_head, mhc, moe, sampling  # noqa: F401
+from ops import attention, basic, body_runner, combine, draft_gate, embed, lm_head, mhc, moe, sampling  # noqa: F401
 
 # Fused kernels are chosen at bind time on CUDA (EagerExecutor.select_impl); the torch ops stay the
 # reference and the CPU path. DRAFTGRAPH_FUSED=0 keeps the torch ops on CUDA too (baselines, bisection).

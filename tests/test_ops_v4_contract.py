@@ -13,6 +13,7 @@ V4_OPS = sorted(CASES)
 
 DECLARED = {  # name: (output_names, inplace, mutates)
     "embed": (("out",), {}, ()),
+    "combine": (("out",), {}, ()),
     "hc_expand": (("out",), {}, ()),
     "hc_pre": (("y", "post", "comb"), {}, ()),
     "hc_post": (("out",), {0: 1}, ()),
@@ -28,6 +29,7 @@ DECLARED = {  # name: (output_names, inplace, mutates)
 
 EXPECTED_OUT = {  # name: output specs for batch B (small config)
     "embed": ["bf16[B,256]"],
+    "combine": ["bf16[B,4,256]"],
     "hc_expand": ["bf16[B,4,256]"],
     "hc_pre": ["bf16[B,256]", "f32[B,4]", "f32[B,4,4]"],
     "hc_post": ["bf16[B,4,256]"],

@@ -134,6 +134,14 @@ def test_attention_forks_its_kv_blocks_and_joins_inside_the_step():
         assert joined_inside(log, i) == 2
 
 
+def test_the_combiner_forks_its_embedding_half_and_joins_inside_the_step():
+    _, _, _, log, _ = propose_logged(2, overlap=True)
+    combine_at = [i for i, entry in enumerate(log) if entry.startswith("combine ")]
+    assert len(combine_at) == 2
+    for i in combine_at:
+        assert joined_inside(log, i) == 1  # enorm + e_proj, beside hnorm + h_proj; joined before the sum
+
+
 def hc_pre_graph(read_comb: bool):
     """hc_pre alone; comb either read by hc_post or dropped (then its bytes are free at once)."""
     inputs, attrs = hc_pre_case(gen(7))

@@ -51,6 +51,7 @@ if INTERPRET:
 
 from v4_op_cases import (  # noqa: E402
     attention_case,
+    combine_case,
     draft_argmax_case,
     gen,
     hc_head_case,
@@ -77,6 +78,7 @@ FUSED = {
     "swa_attention": K["attention"].swa_attention_impl,
     "linear": K["gemv"].linear_impl,
     "rms_norm": K["gemv"].rms_norm_impl,
+    "combine": K["gemv"].combine_impl,
     "draft_gate": K["gate"].draft_gate_impl,
     "cut_drafts": K["gate"].cut_drafts_impl,
 }
@@ -348,6 +350,12 @@ def test_linear_and_rms_norm(device):
     compare("rms_norm", [x.view(3, 1, 256).expand(3, 2, 256).contiguous(), nw], {"eps": 1e-6})
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("streams", [True, False])
+def test_combine(device, streams):
+    compare("combine", *to_device(combine_case(gen(117), streams=streams), device))
+
+
 # ---- the V4-Flash shapes, on the GPU ----------------------------------------------------------
 
 FLASH = V4Config.flash()
@@ -506,6 +514,7 @@ def test_fused_chain_at_batch_3_never_falls_back_to_a_torch_op(monkeypatch):
 
     import ops.attention
     import ops.basic
+    import ops.combine
     import ops.lm_head
     import ops.mhc
     import ops.moe
@@ -517,12 +526,13 @@ def test_fused_chain_at_batch_3_never_falls_back_to_a_torch_op(monkeypatch):
              "moe": K["moe"].moe_impl, "moe_hash": K["moe"].moe_hash_impl, "hc_pre": K["mhc"].hc_pre_impl,
              "hc_head": K["mhc"].hc_head_impl, "hc_post": K["mhc"].hc_post_impl,
              "swa_attention": K["attention"].swa_attention_impl, "linear": K["gemv"].linear_impl,
-             "rms_norm": K["gemv"].rms_norm_impl}
+             "rms_norm": K["gemv"].rms_norm_impl, "combine": K["gemv"].combine_impl}
     fallbacks = []
     for module, name in [(ops.moe, "_moe_impl"), (ops.moe, "_moe_hash_impl"), (ops.mhc, "_hc_pre_impl"),
                          (ops.mhc, "_hc_head_impl"), (ops.mhc, "_hc_post_impl"), (ops.attention, "_attn_impl"),
                          (ops.lm_head, "_lm_head_impl"), (ops.sampling, "_draft_argmax_impl"),
-                         (ops.basic, "_linear_impl"), (ops.basic, "_rms_norm_impl")]:
+                         (ops.basic, "_linear_impl"), (ops.basic, "_rms_norm_impl"),
+                         (ops.combine, "_combine_impl")]:
         monkeypatch.setattr(module, name, lambda *a, name=name: fallbacks.append(name))
     device = "cuda" if HAS_CUDA else "cpu"
     prop = make_proposer(kernels="torch", buckets=(3,), device=device)

@@ -62,6 +62,13 @@ def embed_case(g, batch=BATCH):
     return [token, randn(g, CFG.vocab_size, CFG.hidden_size)], {}
 
 
+def combine_case(g, batch=BATCH, streams=True):
+    d = CFG.hidden_size
+    h = randn(g, batch, CFG.hc_mult, d) if streams else randn(g, batch, d)
+    weights = [norm_weight(g, d), norm_weight(g, d), weight(g, d, d), weight(g, d, d)]
+    return [randn(g, batch, d), h, *weights], {"eps": CFG.rms_norm_eps}
+
+
 def hc_expand_case(g, batch=BATCH):
     return [randn(g, batch, CFG.hidden_size)], {"hc_mult": CFG.hc_mult}
 
@@ -205,6 +212,7 @@ def minimum_case(g, batch=BATCH):
 
 CASES = {
     "embed": embed_case,
+    "combine": combine_case,
     "hc_expand": hc_expand_case,
     "hc_pre": hc_pre_case,
     "hc_post": hc_post_case,

@@ -16,7 +16,8 @@ moe, moe_hash             ops.triton.moe    (gate split-K, w1/w3 + SwiGLU, w2;
                                              batch > 1: ops.triton.moe_grouped)
 hc_pre, hc_head, hc_post  ops.triton.mhc    (split mix + Sinkhorn finish; post)
 swa_attention             ops.triton.attention
-linear, rms_norm          ops.triton.gemv
+linear, rms_norm,         ops.triton.gemv   (combine: two normed GEMVs + the sum)
+combine
 draft_gate, cut_drafts    ops.triton.gate   (one program each: a few dozen ints)
 ========================  =========================================================
 
@@ -43,6 +44,7 @@ def _impls() -> dict:
         "hc_post": mhc.hc_post_impl,
         "swa_attention": attention.swa_attention_impl,
         "linear": gemv.linear_impl,
+        "combine": gemv.combine_impl,
         "rms_norm": gemv.rms_norm_impl,
     }
 

@@ -311,3 +311,21 @@ def rms_norm_impl(inputs, outputs, attrs, workspace):
     if x2 is None or o2 is None or x.shape[-1] > 16384 or not w.is_contiguous():
         return _rms_norm_impl(inputs, outputs, attrs, workspace)
     rms_norm_rows(x2, w, float(attrs["eps"]), o2)
+
+
+def combine_impl(inputs, outputs, attrs, workspace):
+    """The combiner as two normed GEMVs (the RMS norm in each one's prologue) and the sum: three kernels."""
+    from ops.combine import _combine_impl
+
+    e, h, e_norm, h_norm, e_proj, h_proj = inputs
+    (out,) = outputs
+    h2 = _rows_view(h)
+    if (e.dtype not in _HALF or h2 is None or e.stride(-1) != 1 or e.shape[-1] > 16384
+            or any(w.dtype != e.dtype or not w.is_contiguous() for w in (e_norm, h_norm, e_proj, h_proj))):
+        return _combine_impl(inputs, outputs, attrs, workspace)
+    eps = float(attrs["eps"])
+    e_part = torch.empty_like(e)
+    gemv(e, e_proj, e_part, norm_w=e_norm, eps=eps, config=LINEAR_CONFIG)
+    h_part = torch.empty_like(h2)
+    gemv(h2, h_proj, h_part, norm_w=h_norm, eps=eps, config=LINEAR_CONFIG)
+    torch.add(h_part.view(h.shape), e_part.unsqueeze(1) if h.dim() == 3 else e_part, out=out)

@@ -1,0 +1,65 @@
+"""combine: the MTP combiner, h_proj(hnorm(h)) + e_proj(enorm(e)) (spec section 5).
+
+One op, not five nodes (two norms, two projections, an add), because its two halves are
+independent: the embedding half (enorm, e_proj) runs on a side lane (ops.overlap) beside the
+hidden half (hnorm, h_proj), and the sum joins them. At batch 1 each half is a norm and a
+32 MB GEMV, about 20 us in a row on an H200; side by side the two GEMVs share the memory
+bandwidth instead of waiting for each other.
+
+Streams mode: h is the target's streams [B, C, D]; e_proj(enorm(e)) is added to every stream
+(a broadcast inside the add, not an hc_expand copy). Collapsed mode: h is [B, D] and so is
+the result (hc_expand follows). The arithmetic is the five nodes' own: the same norms, the
+same GEMMs, one rounding to the activation dtype each, and the sum rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ops.basic import rms_norm
+from ops.overlap import join_side_stream, side_stream
+from ops.registry import OpDef, expect, expect_count, register
+from ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
+
+
+def _combine_infer(specs, attrs):
+    expect_count(specs, 6, "combine")
+    require_attrs(attrs, ("eps",), "combine")
+    e, h, e_norm, h_norm, e_proj, h_proj = specs
+    expect(len(h.shape) in (2, 3), "combine h rank", "[B, D] or streams [B, C, D]", h.short())
+    b, d = batch_of(e, "combine e"), h.shape[-1]
+    expect_spec(e, (b, d), ACTIVATIONS, "combine e")
+    expect_spec(h, (b, *h.shape[1:]), e.dtype, "combine h")
+    for w, what in ((e_norm, "enorm"), (h_norm, "hnorm")):
+        expect_spec(w, (d,), e.dtype, f"combine {what}")
+    for w, what in ((e_proj, "e_proj"), (h_proj, "h_proj")):
+        expect_spec(w, (d, d), e.dtype, f"combine {what}")
+    return [h]
+
+
+def project(x: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
+    """proj(norm(x)) over the last dim: [..., D] in x's dtype."""
+    normed = rms_norm(x, norm_w, eps)
+    return torch.matmul(normed.reshape(-1, normed.shape[-1]), proj_w.t()).view(x.shape)
+
+
+def _combine_impl(inputs, outputs, attrs, workspace):
+    e, h, e_norm, h_norm, e_proj, h_proj = inputs
+    (out,) = outputs
+    eps = float(attrs["eps"])
+    with side_stream():  # its temporaries are the lane's; the main stream reads e_part after the join
+        e_part = project(e, e_norm, e_proj, eps)  # [B, D]
+    h_part = project(h, h_norm, h_proj, eps)  # [B, (C,) D]
+    join_side_stream()
+    torch.add(h_part, e_part.unsqueeze(1) if h.dim() == 3 else e_part, out=out)
+
+
+COMBINE = register(
+    OpDef(
+        name="combine",
+        family="linear",
+        infer=_combine_infer,
+        impl=_combine_impl,
+        doc="h_proj(hnorm(h)) + e_proj(enorm(e)), e broadcast over h's streams; e's half beside h's.",
+    )
+)
