@@ -119,12 +119,40 @@ def can_grouped_mm(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torc
     return x.device.type == "cpu" and _cpu_has_grouped_mm()
 
 
+# The expert order by ranks for this many (row, expert) pairs, by torch.sort outside it. Measured
+# end to end on an H200 (benchmarks/h200/ab_combine_c1c21d3.txt, K=1 replay): B=32 (192 pairs)
+# 1355 against 1372-1379 us, B=8 (48) 1163 against 1164-1166, B=1 (6) 838 against 828-829. The
+# upper bound keeps the [N, N] compare small (4 MB at 2048 pairs).
+RANKS_MIN_PAIRS, RANKS_MAX_PAIRS = 64, 2048
+
+
+def sorted_by_expert(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, ends) of the B*K (row, expert) pairs, stably sorted by expert.
+
+    order[j] is the pair (row * K + k) at sorted position j; ends[e] (int32) is the end of
+    expert e's group. torch.sort and searchsorted, or between RANKS_MIN_PAIRS and
+    RANKS_MAX_PAIRS pairs the ranks: pair i goes to position #{pairs with a smaller key},
+    key = expert * N + i (distinct, so the order is the stable one), and ends[e] =
+    #{pairs with expert <= e}. Both give the same order.
+    """
+    flat = idx.flatten()
+    n = flat.numel()
+    experts = constants.arange(0, num_experts, torch.int64, idx.device)
+    if not RANKS_MIN_PAIRS <= n <= RANKS_MAX_PAIRS:
+        expert, order = torch.sort(flat, stable=True)
+        return order, torch.searchsorted(expert, experts, right=True, out_int32=True)
+    pair = constants.arange(0, n, torch.int64, idx.device)
+    key = torch.add(pair, flat, alpha=n)
+    rank = (key.unsqueeze(0) < key.unsqueeze(1)).sum(1)  # [N]: row i counts the keys below key i
+    order = torch.empty_like(rank).index_copy_(0, rank, pair)
+    ends = (flat.unsqueeze(0) <= experts.unsqueeze(1)).sum(1, dtype=torch.int32)  # [E]
+    return order, ends
+
+
 def routed_grouped(x, idx, weights, w1, w2, w3, limit: float) -> torch.Tensor:
     """sum_k w2[idx_k] (w_k * swiglu(w1[idx_k] x, w3[idx_k] x)) by grouped GEMMs: [B, D] fp32."""
     b, k = idx.shape
-    expert, order = torch.sort(idx.flatten(), stable=True)  # [N = B*K] pairs grouped by expert
-    all_experts = constants.arange(0, w1.shape[0], torch.int64, idx.device)
-    ends = torch.searchsorted(expert, all_experts, right=True, out_int32=True)  # [E] end row of each group
+    order, ends = sorted_by_expert(idx, w1.shape[0])  # [N = B*K] pairs grouped by expert, [E] group ends
     rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))  # [N, D]
     # At small N a grouped GEMM is one tile per (expert, 128 outputs): 96 tiles for w1 at
     # V4-Flash's top-6, too few to stream 100 MB at full bandwidth. The up GEMM on a side

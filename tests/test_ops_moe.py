@@ -152,3 +152,21 @@ def test_swiglu_clamps_up_exactly_with_a_limit_bf16_cannot_hold():
     for limit in (7.3, 10.0):
         want = F.silu(gate.float()) * up.float().clamp(-limit, limit)
         assert torch.equal(_swiglu(gate, up, limit), want)
+
+
+@pytest.mark.parametrize("batch", [1, 5, 40])
+def test_the_expert_order_by_ranks_is_the_stable_sort(monkeypatch, batch):
+    """sorted_by_expert's two forms give one order and one set of group ends, ties by pair order."""
+    import ops.moe
+
+    g, e, k = gen(39), 9, 3
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(batch)])  # rows share experts
+    monkeypatch.setattr(ops.moe, "RANKS_MIN_PAIRS", batch * k + 1)  # the sort
+    sorted_order, sorted_ends = ops.moe.sorted_by_expert(idx, e)
+    monkeypatch.setattr(ops.moe, "RANKS_MIN_PAIRS", 1)  # the ranks
+    ranked_order, ranked_ends = ops.moe.sorted_by_expert(idx, e)
+    assert torch.equal(ranked_order, sorted_order) and torch.equal(ranked_ends, sorted_ends)
+    flat = idx.flatten()
+    assert torch.equal(flat[ranked_order], flat.sort(stable=True).values)
+    assert ranked_ends.dtype == torch.int32 and int(ranked_ends[-1]) == batch * k
+    assert torch.equal(ranked_ends, torch.tensor([int((flat <= x).sum()) for x in range(e)], dtype=torch.int32))

@@ -16,7 +16,7 @@ moe, moe_hash             ops.triton.moe    (gate split-K, w1/w3 + SwiGLU, w2;
                                              batch > 1: ops.triton.moe_grouped)
 hc_pre, hc_head, hc_post  ops.triton.mhc    (split mix + Sinkhorn finish; post)
 swa_attention             ops.triton.attention
-linear, rms_norm,         ops.triton.gemv   (combine: two normed GEMVs + the sum)
+linear, rms_norm,         ops.triton.gemv   (combine: a norm and a GEMV per half + the sum)
 combine
 draft_gate, cut_drafts    ops.triton.gate   (one program each: a few dozen ints)
 ========================  =========================================================
