@@ -44,9 +44,7 @@ def routed_variant(swiglu_lane: bool, mm_unsort: bool):
     def routed(x, idx, weights, w1, w2, w3, limit):
         b, k = idx.shape
         n = b * k
-        expert, order = torch.sort(idx.flatten(), stable=True)
-        all_experts = constants.arange(0, w1.shape[0], torch.int64, idx.device)
-        ends = torch.searchsorted(expert, all_experts, right=True, out_int32=True)
+        order, ends = ops.moe.sorted_by_expert(idx, w1.shape[0])
         rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
         with side_stream():
             weights_sorted = weights.flatten().index_select(0, order).unsqueeze(-1)
