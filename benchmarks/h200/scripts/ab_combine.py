@@ -89,21 +89,26 @@ def variant(name):
     ops.moe.routed_grouped = routed_by_ranks if "rank" in name else REAL["routed"]
 
 
-dev = torch.device("cuda", 0)
-cfg = V4Config.flash().replace(max_position_embeddings=4096)
-weights = prepare_weights(cfg, random_weights(cfg, dev), dev)
-ALL = ["combine", "five nodes", "mix fn@x", "gate w@x", "rank routing", "mix+gate+rank", "combine again"]
-CASES = {1: ALL, 8: ["combine", "five nodes", "rank routing", "combine again"],
-         32: ["combine", "five nodes", "rank routing", "combine again"]}
-for batch, names in CASES.items():
-    first = None
-    for name in names:
-        variant(name)
-        prop, ex, d = warm_torch_proposer(cfg, weights, dev, batch)
-        first = d if first is None else first
-        ms, spread = time_replays(ex.replay)
-        print(f"B={batch:2d} {name:16s} replay {ms * 1e3:7.1f} us spread {spread:.3f} same drafts {d == first}",
-              flush=True)
-        del prop, ex
-        torch.cuda.empty_cache()
-variant("combine")
+def main():
+    dev = torch.device("cuda", 0)
+    cfg = V4Config.flash().replace(max_position_embeddings=4096)
+    weights = prepare_weights(cfg, random_weights(cfg, dev), dev)
+    ALL = ["combine", "five nodes", "mix fn@x", "gate w@x", "rank routing", "mix+gate+rank", "combine again"]
+    CASES = {1: ALL, 8: ["combine", "five nodes", "rank routing", "combine again"],
+             32: ["combine", "five nodes", "rank routing", "combine again"]}
+    for batch, names in CASES.items():
+        first = None
+        for name in names:
+            variant(name)
+            prop, ex, d = warm_torch_proposer(cfg, weights, dev, batch)
+            first = d if first is None else first
+            ms, spread = time_replays(ex.replay)
+            print(f"B={batch:2d} {name:16s} replay {ms * 1e3:7.1f} us spread {spread:.3f} same drafts {d == first}",
+                  flush=True)
+            del prop, ex
+            torch.cuda.empty_cache()
+    variant("combine")
+
+
+if __name__ == "__main__":  # ab_combine_fork.py imports five_nodes
+    main()

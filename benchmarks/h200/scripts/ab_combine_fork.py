@@ -1,0 +1,69 @@
+"""Scratch A/B (H200, V4-Flash shapes, B=1 K=1, torch ops, captured replay us): the combine op with
+its embedding half on a side lane (as it is), inline (no fork), and the five nodes it replaced;
+with the first kernels of one replay of each under torch.profiler (the 7866740 timeline shows the
+embedding starting ~9 us after the staging kernel, where cb891d0's started at once).
+
+    python benchmarks/h200/scripts/ab_combine_fork.py
+"""
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from ab_combine import five_nodes  # noqa: E402
+from scratch_common import warm_torch_proposer  # noqa: E402
+
+import graphs.draft_chain as chain  # noqa: E402
+import ops.combine  # noqa: E402
+from runtime.config import V4Config  # noqa: E402
+from runtime.draft_binding import prepare_weights  # noqa: E402
+from tools.bench_draft import random_weights, time_replays  # noqa: E402
+
+REAL = {"combiner": chain.combiner, "side": ops.combine.side_stream}
+
+
+def variant(name):
+    chain.combiner = five_nodes if "five" in name else REAL["combiner"]
+    ops.combine.side_stream = (lambda: contextlib.nullcontext()) if "inline" in name else REAL["side"]
+
+
+def first_kernels(replay, n=8) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        replay()
+        torch.cuda.synchronize()
+    path = Path(tempfile.mkdtemp()) / "trace.json"
+    p.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    ks = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
+                key=lambda e: e["ts"])
+    t0 = ks[0]["ts"]
+    return [f"    {e['ts'] - t0:7.1f} {e['dur']:5.1f} s{e.get('tid', '?')!s:>4} {e['name'][:70]}" for e in ks[:n]]
+
+
+dev = torch.device("cuda", 0)
+cfg = V4Config.flash().replace(max_position_embeddings=4096)
+weights = prepare_weights(cfg, random_weights(cfg, dev), dev)
+first = None
+for name in ["combine (lane)", "combine inline", "five nodes", "combine (lane) again", "combine inline again"]:
+    variant(name)
+    prop, ex, d = warm_torch_proposer(cfg, weights, dev, 1)
+    first = d if first is None else first
+    ms, spread = time_replays(ex.replay)
+    print(f"B= 1 {name:22s} replay {ms * 1e3:7.1f} us spread {spread:.3f} same drafts {d == first}", flush=True)
+    if "again" not in name:
+        print("\n".join(first_kernels(ex.cuda_graph.replay)), flush=True)
+    del prop, ex
+    torch.cuda.empty_cache()
+variant("combine (lane)")
