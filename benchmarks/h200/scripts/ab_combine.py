@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from scratch_common import warm_torch_proposer  # noqa: E402
+from scratch_common import print_variants  # noqa: E402
 
 import graphs.draft_chain as chain  # noqa: E402
 import ops.mhc  # noqa: E402
@@ -29,7 +29,7 @@ from ops.overlap import join_side_stream, side_stream  # noqa: E402
 from runtime.config import V4Config  # noqa: E402
 from runtime.draft_binding import prepare_weights  # noqa: E402
 from runtime.tensor_spec import TensorSpec  # noqa: E402
-from tools.bench_draft import random_weights, time_replays  # noqa: E402
+from tools.bench_draft import random_weights  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -96,17 +96,7 @@ def main():
     ALL = ["combine", "five nodes", "mix fn@x", "gate w@x", "rank routing", "mix+gate+rank", "combine again"]
     CASES = {1: ALL, 8: ["combine", "five nodes", "rank routing", "combine again"],
              32: ["combine", "five nodes", "rank routing", "combine again"]}
-    for batch, names in CASES.items():
-        first = None
-        for name in names:
-            variant(name)
-            prop, ex, d = warm_torch_proposer(cfg, weights, dev, batch)
-            first = d if first is None else first
-            ms, spread = time_replays(ex.replay)
-            print(f"B={batch:2d} {name:16s} replay {ms * 1e3:7.1f} us spread {spread:.3f} same drafts {d == first}",
-                  flush=True)
-            del prop, ex
-            torch.cuda.empty_cache()
+    print_variants(cfg, weights, dev, CASES, variant)
     variant("combine")
 
 

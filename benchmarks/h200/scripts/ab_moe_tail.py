@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from scratch_common import warm_torch_proposer  # noqa: E402
+from ab_combine import gate_swapped, mix_swapped  # noqa: E402
+from scratch_common import print_variants  # noqa: E402
 
 import ops.mhc  # noqa: E402
 import ops.moe  # noqa: E402
@@ -28,16 +29,7 @@ from ops import constants  # noqa: E402
 from ops.overlap import join_side_stream, side_stream  # noqa: E402
 from runtime.config import V4Config  # noqa: E402
 from runtime.draft_binding import prepare_weights  # noqa: E402
-from tools.bench_draft import random_weights, time_replays  # noqa: E402
-
-
-def mix_swapped(Xf, fn, eps):
-    x = Xf.flatten(1)
-    return (fn @ F.rms_norm(x, x.shape[-1:], eps=eps).t()).t()
-
-
-def gate_swapped(x, gate_w):
-    return torch.sqrt(F.softplus(torch.mm(gate_w, x.t(), out_dtype=torch.float32).t()))
+from tools.bench_draft import random_weights  # noqa: E402
 
 
 def routed_variant(swiglu_lane: bool, mm_unsort: bool):
@@ -86,15 +78,5 @@ dev = torch.device("cuda", 0)
 cfg = V4Config.flash().replace(max_position_embeddings=4096)
 weights = prepare_weights(cfg, random_weights(cfg, dev), dev)
 NAMES = ["current", "swiglu lane", "mm unsort", "mix+gate", "all", "current again"]
-for batch in (1, 8, 32):
-    first = None
-    for name in NAMES:
-        variant(name)
-        prop, ex, d = warm_torch_proposer(cfg, weights, dev, batch)
-        first = d if first is None else first
-        ms, spread = time_replays(ex.replay)
-        print(f"B={batch:2d} {name:14s} replay {ms * 1e3:7.1f} us spread {spread:.3f} same drafts {d == first}",
-              flush=True)
-        del prop, ex
-        torch.cuda.empty_cache()
+print_variants(cfg, weights, dev, {batch: NAMES for batch in (1, 8, 32)}, variant, width=14)
 variant("current")

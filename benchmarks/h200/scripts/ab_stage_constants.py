@@ -17,13 +17,13 @@ sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from scratch_common import warm_torch_proposer  # noqa: E402
+from scratch_common import print_variants  # noqa: E402
 
 import ops.constants  # noqa: E402
 import runtime.staging  # noqa: E402
 from runtime.config import V4Config  # noqa: E402
 from runtime.draft_binding import prepare_weights  # noqa: E402
-from tools.bench_draft import random_weights, time_replays  # noqa: E402
+from tools.bench_draft import random_weights  # noqa: E402
 
 dev = torch.device("cuda", 0)
 cfg = V4Config.flash().replace(max_position_embeddings=4096)
@@ -39,15 +39,5 @@ def variant(name):
 
 CASES = {1: ["current", "memcpy staging", "no constants", "memcpy staging + no constants", "current again"],
          32: ["current", "memcpy staging + no constants", "current again"]}
-for batch, names in CASES.items():
-    first = None
-    for name in names:
-        variant(name)
-        prop, ex, d = warm_torch_proposer(cfg, weights, dev, batch)
-        first = d if first is None else first
-        ms, spread = time_replays(ex.replay)
-        print(f"B={batch:2d} {name:32s} replay {ms * 1e3:7.1f} us spread {spread:.3f} same drafts {d == first}",
-              flush=True)
-        del prop, ex
-        torch.cuda.empty_cache()
+print_variants(cfg, weights, dev, CASES, variant, width=32)
 variant("current")

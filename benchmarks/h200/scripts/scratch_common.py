@@ -48,3 +48,22 @@ def warm_torch_proposer(cfg, weights, dev, batch: int):
         prop.after_verify(0, s)
     d = prop.propose_batch(list(range(1, batch + 1)), hs, [200] * batch, 1, sts)
     return prop, next(iter(prop._executors.values())), d
+
+
+def print_variants(cfg, weights, dev, cases: dict, variant, width: int = 16) -> None:
+    """For each batch and variant name in ``cases`` ({batch: [names]}): ``variant(name)`` puts it in,
+    then one line of its captured replay time and whether its drafts equal the batch's first."""
+    from tools.bench_draft import time_replays
+
+    for batch, names in cases.items():
+        first = None
+        for name in names:
+            variant(name)
+            prop, ex, d = warm_torch_proposer(cfg, weights, dev, batch)
+            first = d if first is None else first
+            ms, spread = time_replays(ex.replay)
+            same = d == first
+            print(f"B={batch:2d} {name:{width}s} replay {ms * 1e3:7.1f} us spread {spread:.3f} same drafts {same}",
+                  flush=True)
+            del prop, ex
+            torch.cuda.empty_cache()
