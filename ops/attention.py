@@ -69,11 +69,14 @@ def _attn_infer(specs, attrs):
 
 def rope_rotation(positions: torch.Tensor, rope_dim: int, theta: float,
                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """exp(i * p * theta^(-2k/r)) for the r/2 pairs k: complex64 [B, r/2] (into ``out``), built once per op call."""
-    r = rope_dim
-    inv_freq = torch.logspace(0.0, -(r - 2) / r, r // 2, base=theta, device=positions.device)  # theta^(-2k/r)
+    """exp(i * p * theta^(-2k/r)) for the r/2 pairs k: complex64 [B, r/2] (into ``out``), built once per op call.
+
+    The frequencies and the unit modulus are constants (ops.constants): two kernels fewer a step.
+    """
+    r, device = rope_dim, positions.device
+    inv_freq = constants.logspace(-(r - 2) / r, r // 2, theta, torch.float32, device)  # theta^(-2k/r)
     angle = positions.unsqueeze(1) * inv_freq  # [B, r/2] fp32
-    return torch.polar(angle.new_ones(()).expand_as(angle), angle, out=out)
+    return torch.polar(constants.full(1, 1.0, torch.float32, device).expand_as(angle), angle, out=out)
 
 
 def rotate_pairs_(x: torch.Tensor, rotation: torch.Tensor, inverse: bool = False) -> None:

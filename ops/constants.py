@@ -47,4 +47,11 @@ def full(n: int, value: float, dtype: torch.dtype, device: torch.device) -> torc
                  lambda: torch.full((n,), value, dtype=dtype, device=device))
 
 
-__all__ = ["arange", "full"]
+def logspace(end: float, steps: int, base: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.logspace(0, end, steps, base)``, made once per (end, steps, base, dtype, device); read-only."""
+    device = torch.device(device)
+    return _kept(("logspace", end, steps, base, dtype, device), device,
+                 lambda: torch.logspace(0.0, end, steps, base=base, dtype=dtype, device=device))
+
+
+__all__ = ["arange", "full", "logspace"]

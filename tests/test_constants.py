@@ -17,6 +17,10 @@ def test_a_constant_is_made_once_per_key_with_the_values_asked_for():
     assert halves.tolist() == [0.5] * 4
     assert constants.full(4, 0.5, torch.float32, "cpu") is halves
     assert constants.full(4, 0.25, torch.float32, "cpu") is not halves
+    freqs = constants.logspace(-0.75, 4, 10000.0, torch.float32, "cpu")
+    assert torch.equal(freqs, torch.logspace(0.0, -0.75, 4, base=10000.0))
+    assert constants.logspace(-0.75, 4, 10000.0, torch.float32, "cpu") is freqs
+    assert constants.logspace(-0.75, 4, 500.0, torch.float32, "cpu") is not freqs
 
 
 @pytest.mark.cuda

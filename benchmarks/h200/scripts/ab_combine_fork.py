@@ -1,7 +1,9 @@
 """Scratch A/B (H200, V4-Flash shapes, B=1 K=1, torch ops, captured replay us): the combine op with
 its embedding half on a side lane (as it is), inline (no fork), and the five nodes it replaced;
 with the first kernels of one replay of each under torch.profiler (the 7866740 timeline shows the
-embedding starting ~9 us after the staging kernel, where cb891d0's started at once).
+embedding starting ~9 us after the staging kernel, where cb891d0's started at once). And the
+RoPE frequencies and unit modulus made per call again ("rope per call"), as before ops.constants
+held them.
 
     python benchmarks/h200/scripts/ab_combine_fork.py
 """
@@ -21,17 +23,27 @@ from ab_combine import five_nodes  # noqa: E402
 from scratch_common import warm_torch_proposer  # noqa: E402
 
 import graphs.draft_chain as chain  # noqa: E402
+import ops.attention  # noqa: E402
 import ops.combine  # noqa: E402
 from runtime.config import V4Config  # noqa: E402
 from runtime.draft_binding import prepare_weights  # noqa: E402
 from tools.bench_draft import random_weights, time_replays  # noqa: E402
 
-REAL = {"combiner": chain.combiner, "side": ops.combine.side_stream}
+
+def rope_per_call(positions, rope_dim, theta, out=None):
+    r = rope_dim
+    inv_freq = torch.logspace(0.0, -(r - 2) / r, r // 2, base=theta, device=positions.device)
+    angle = positions.unsqueeze(1) * inv_freq
+    return torch.polar(angle.new_ones(()).expand_as(angle), angle, out=out)
+
+
+REAL = {"combiner": chain.combiner, "side": ops.combine.side_stream, "rope": ops.attention.rope_rotation}
 
 
 def variant(name):
     chain.combiner = five_nodes if "five" in name else REAL["combiner"]
     ops.combine.side_stream = (lambda: contextlib.nullcontext()) if "inline" in name else REAL["side"]
+    ops.attention.rope_rotation = rope_per_call if "rope" in name else REAL["rope"]
 
 
 def first_kernels(replay, n=8) -> list[str]:
@@ -56,7 +68,8 @@ dev = torch.device("cuda", 0)
 cfg = V4Config.flash().replace(max_position_embeddings=4096)
 weights = prepare_weights(cfg, random_weights(cfg, dev), dev)
 first = None
-for name in ["combine (lane)", "combine inline", "five nodes", "combine (lane) again", "combine inline again"]:
+for name in ["combine (lane)", "combine inline", "five nodes", "rope per call", "combine (lane) again",
+             "combine inline again"]:
     variant(name)
     prop, ex, d = warm_torch_proposer(cfg, weights, dev, 1)
     first = d if first is None else first
