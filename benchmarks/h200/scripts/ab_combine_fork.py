@@ -3,7 +3,9 @@ its embedding half on a side lane (as it is), inline (no fork), and the five nod
 with the first kernels of one replay of each under torch.profiler (the 7866740 timeline shows the
 embedding starting ~9 us after the staging kernel, where cb891d0's started at once). And the
 RoPE frequencies and unit modulus made per call again ("rope per call"), as before ops.constants
-held them.
+held them (its first run, ab_combine_fork_5e4d57c.txt). Its second run tries two placements of
+the fork: "hnorm first" (hnorm on the main stream before the fork: more kernels ahead of the
+first fork) and "swapped" (the hidden half on the lane).
 
     python benchmarks/h200/scripts/ab_combine_fork.py
 """
@@ -25,6 +27,8 @@ from scratch_common import warm_torch_proposer  # noqa: E402
 import graphs.draft_chain as chain  # noqa: E402
 import ops.attention  # noqa: E402
 import ops.combine  # noqa: E402
+from ops.basic import rms_norm  # noqa: E402
+from ops.overlap import join_side_stream  # noqa: E402
 from runtime.config import V4Config  # noqa: E402
 from runtime.draft_binding import prepare_weights  # noqa: E402
 from tools.bench_draft import random_weights, time_replays  # noqa: E402
@@ -37,13 +41,40 @@ def rope_per_call(positions, rope_dim, theta, out=None):
     return torch.polar(angle.new_ones(()).expand_as(angle), angle, out=out)
 
 
-REAL = {"combiner": chain.combiner, "side": ops.combine.side_stream, "rope": ops.attention.rope_rotation}
+def combine_hnorm_first(inputs, outputs, attrs, workspace):
+    """hnorm on the main stream before the fork: a longer chain of kernels ahead of the first fork."""
+    e, h, e_norm, h_norm, e_proj, h_proj = inputs
+    eps = float(attrs["eps"])
+    h_normed = rms_norm(h, h_norm, eps)
+    with REAL["side"]():
+        e_part = ops.combine.project(e, e_norm, e_proj, eps)
+    h_part = torch.matmul(h_normed.reshape(-1, h.shape[-1]), h_proj.t()).view(h.shape)
+    join_side_stream()
+    torch.add(h_part, e_part.unsqueeze(1) if h.dim() == 3 else e_part, out=outputs[0])
+
+
+def combine_swapped(inputs, outputs, attrs, workspace):
+    """The hidden half on the lane, the embedding half on the main stream."""
+    e, h, e_norm, h_norm, e_proj, h_proj = inputs
+    eps = float(attrs["eps"])
+    with REAL["side"]():
+        h_part = ops.combine.project(h, h_norm, h_proj, eps)
+    e_part = ops.combine.project(e, e_norm, e_proj, eps)
+    join_side_stream()
+    torch.add(h_part, e_part.unsqueeze(1) if h.dim() == 3 else e_part, out=outputs[0])
+
+
+REAL = {"combiner": chain.combiner, "side": ops.combine.side_stream, "rope": ops.attention.rope_rotation,
+        "impl": ops.combine.COMBINE.impl}
+FORMS = {"hnorm first": combine_hnorm_first, "swapped": combine_swapped}
 
 
 def variant(name):
     chain.combiner = five_nodes if "five" in name else REAL["combiner"]
     ops.combine.side_stream = (lambda: contextlib.nullcontext()) if "inline" in name else REAL["side"]
     ops.attention.rope_rotation = rope_per_call if "rope" in name else REAL["rope"]
+    form = next((impl for key, impl in FORMS.items() if key in name), REAL["impl"])
+    object.__setattr__(ops.combine.COMBINE, "impl", form)  # an OpDef may be frozen
 
 
 def first_kernels(replay, n=8) -> list[str]:
@@ -68,8 +99,8 @@ dev = torch.device("cuda", 0)
 cfg = V4Config.flash().replace(max_position_embeddings=4096)
 weights = prepare_weights(cfg, random_weights(cfg, dev), dev)
 first = None
-for name in ["combine (lane)", "combine inline", "five nodes", "rope per call", "combine (lane) again",
-             "combine inline again"]:
+for name in ["combine (lane)", "combine inline", "hnorm first", "swapped", "combine (lane) again",
+             "hnorm first again", "swapped again"]:
     variant(name)
     prop, ex, d = warm_torch_proposer(cfg, weights, dev, 1)
     first = d if first is None else first
