@@ -183,10 +183,19 @@ class DeepseekV4MtpProposer:
     def propose_batch(self, last_tokens, target_hiddens, positions, num_drafts, states, out_conf=None):
         """B sequences in one chain run (weights read once per draft position); equals B ``propose`` calls.
 
+        ``target_hiddens`` is either a sequence of B hiddens, each as ``propose`` takes it, or
+        one bf16 tensor [B, C, D] (streams) or [B, D] (collapsed) on the proposer's device, as
+        vLLM and SGLang hold them: checked once and staged as one block, with no work per row.
         ``out_conf``, a list, receives each sequence's per-draft top-1 probabilities.
+
+        Example
+        -------
+        >>> prop.propose_batch([5, 17], torch.stack([h0, h1]), [40, 9], 3, [s0, s1])  # doctest: +SKIP
         """
         n = len(last_tokens)
-        for name, items in (("target_hiddens", target_hiddens), ("positions", positions), ("states", states)):
+        if not isinstance(target_hiddens, torch.Tensor):  # a tensor's [B, ...] shape is checked in _propose
+            check_batch("target_hiddens", target_hiddens, n)
+        for name, items in (("positions", positions), ("states", states)):
             check_batch(name, items, n)
         if not 1 <= n <= self.propose_batch_max():
             raise InputError(describe("batch size", f"1..{self.propose_batch_max()} (propose_batch_max)", n))
@@ -209,7 +218,7 @@ class DeepseekV4MtpProposer:
         are_distinct = self._are_tables_distinct(states, tables)
         tokens = check_tokens(tokens, vocab)
         positions = check_positions(positions, k, states)
-        hiddens = check_hiddens(hiddens, shape, self.device)
+        hiddens = check_hiddens(hiddens, shape, self.device, n)  # a list, or one [n, ...] tensor
         mask = self._checked_mask(bitmask, words)
         bucket = self._bucket(n)
         # All checks passed: allocate blocks for every sequence, all or nothing.

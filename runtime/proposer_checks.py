@@ -74,11 +74,34 @@ def check_hidden(hidden: object, shape: tuple[int, ...], device: torch.device, w
     return hidden if got == shape else hidden.reshape(shape)  # a reshape is a dispatch (~1 us): only if needed
 
 
-def check_hiddens(hiddens: Sequence, shape: tuple[int, ...], device: torch.device) -> list[torch.Tensor]:
-    """``check_hidden`` of every hidden (design note "bulk checks")."""
+def check_hiddens(hiddens: Sequence | torch.Tensor, shape: tuple[int, ...], device: torch.device,
+                  n: int | None = None) -> list[torch.Tensor] | torch.Tensor:
+    """``check_hidden`` of every hidden (design note "bulk checks"), or one check of a batched tensor.
+
+    A tensor must be exactly ``[n, *shape]`` (no leading 1 per row): one bf16 block on ``device``,
+    returned as it is. ``n`` is the batch (a tensor's leading size when None).
+    """
+    if isinstance(hiddens, torch.Tensor):  # one check for the batch, not one per row
+        if n is None:
+            n = hiddens.shape[0] if hiddens.dim() else 1
+        return check_hidden_batch(hiddens, shape, device, n)
     if _are_ready(hiddens, shape, device):
         return list(hiddens)
     return [check_hidden(h, shape, device) for h in hiddens]
+
+
+def check_hidden_batch(hiddens: torch.Tensor, shape: tuple[int, ...], device: torch.device, n: int,
+                       what: str = "target_hiddens") -> torch.Tensor:
+    """A bf16 tensor of exactly ``[n, *shape]`` on the proposer's device: the batch's hiddens in one block."""
+    got, want = hiddens.shape, (n, *shape)
+    if got != want:
+        raise InputError(describe(f"{what} shape", list(want), list(got),
+                                  "one row per sequence: streams mode takes [B, C, D], collapsed mode [B, D]"))
+    if hiddens.dtype != torch.bfloat16:
+        raise InputError(describe(f"{what} dtype", torch.bfloat16, hiddens.dtype))
+    if not _is_on(hiddens, device):
+        raise InputError(describe(f"{what} device", device, hiddens.device))
+    return hiddens
 
 
 def _are_ready(hiddens: Sequence, shape: tuple[int, ...], device: torch.device) -> bool:

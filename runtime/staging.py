@@ -81,6 +81,9 @@ class ChainStaging:
         self._mask_words_np = self.host["grammar_mask"].numpy()  # [B, W] int32, the host buffer's memory
         self._hidden_rows = [self.hidden_buf[:i] for i in range(bucket + 1)]  # views made once, not per call
         self._hidden_shape = self.hidden_buf.shape[1:]
+        # A batched hidden tensor whose rows have these strides has each row contiguous: its rows'
+        # addresses are base + i * stride(0), with no copy.
+        self._row_strides, self._row_bytes = self.hidden_buf[0].stride(), self.hidden_buf[0].nbytes
         # Everything before the masks: the one copy when the masks did not change since the last one.
         self._host_head, self._device_head = self.host_buf[: self._mask_at], self.device_buf[: self._mask_at]
         self._num_tokens = self._num_hiddens = 0  # rows holding a token / a hidden (the rest are zeros)
@@ -133,7 +136,7 @@ class ChainStaging:
         self,
         rows: Sequence,
         tokens: Sequence[int],
-        hiddens: Sequence[torch.Tensor],
+        hiddens: Sequence[torch.Tensor] | torch.Tensor,
         vocab_limit: int,
         masks: Sequence[Sequence[int] | torch.Tensor | None] | None = None,
         copy_in: bool = True,
@@ -141,6 +144,8 @@ class ChainStaging:
     ) -> Mapping[str, torch.Tensor]:
         """Write one batch (rows past ``len(tokens)`` are padding) and return the graph inputs.
 
+        ``hiddens`` is one hidden per row, or one [n, ...] tensor of them (staged as a block:
+        one copy, or addresses by arithmetic, with no work per row).
         ``copy_in=False``: the host buffer is left for the replay to copy (a graph captured
         with :meth:`in_graph_copy` as its first node). ``rows_checked``: the rows are
         :func:`check_rows`' output for this bucket's ``max_blocks`` already (a propose whose
@@ -248,19 +253,22 @@ class ChainStaging:
 
         return copy
 
-    def _write_addresses(self, hiddens: Sequence[torch.Tensor]) -> None:
+    def _write_addresses(self, hiddens: Sequence[torch.Tensor] | torch.Tensor) -> None:
         """Each hidden's device address into the host buffer (0 for padding): the graph gathers them.
 
         A strided hidden is made contiguous first and kept alive until the next stage, which
         comes after the replay has read it (a stage waits for the last copy to finish).
         """
         self._kept.clear()
-        addresses = []
-        for hidden in hiddens:
-            if not hidden.is_contiguous():
-                hidden = hidden.contiguous()
-                self._kept.append(hidden)
-            addresses.append(hidden.data_ptr())
+        if isinstance(hiddens, torch.Tensor):
+            addresses = self._block_addresses(hiddens)
+        else:
+            addresses = []
+            for hidden in hiddens:
+                if not hidden.is_contiguous():
+                    hidden = hidden.contiguous()
+                    self._kept.append(hidden)
+                addresses.append(hidden.data_ptr())
         n = len(addresses)
         if n:
             struct.pack_into(f"<{n}q", self._mem, self._address_at, *addresses)
@@ -269,6 +277,21 @@ class ChainStaging:
             self._mem[self._address_at + 8 * n : self._address_at + 8 * n + stale] = bytes(stale)
         self._num_addresses = n
         self._num_hiddens = n  # the gather writes every row: the rest become zeros
+
+    def _block_addresses(self, block: torch.Tensor) -> Sequence[int]:
+        """The row addresses of an [n, ...] hiddens tensor: base + i * row stride, no call per row.
+
+        Rows apart but each contiguous (a slice with a step) are read where they are; a block
+        whose rows are strided inside is made contiguous once and kept as a strided hidden is.
+        """
+        if block.stride()[1:] == self._row_strides:
+            step = block.stride(0) * block.element_size()  # 0 for an expanded row: every address the same
+        else:
+            block = block.contiguous()
+            self._kept.append(block)
+            step = self._row_bytes
+        base, n = block.data_ptr(), block.shape[0]
+        return range(base, base + n * step, step) if step else [base] * n
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self._device_index is None:
@@ -284,9 +307,13 @@ class ChainStaging:
             self._is_mask_copied = True
         self._is_copy_pending = self._device_index is not None  # on CUDA
 
-    def _stage_hiddens(self, hiddens: Sequence[torch.Tensor]) -> None:
-        n, shape = len(hiddens), self._hidden_shape
-        if n == 1:
+    def _stage_hiddens(self, hiddens: Sequence[torch.Tensor] | torch.Tensor) -> None:
+        is_block = isinstance(hiddens, torch.Tensor)
+        n, shape = hiddens.shape[0] if is_block else len(hiddens), self._hidden_shape
+        if is_block:  # [n, ...]: one copy for the batch, whatever its strides
+            if n:
+                self._copy(self._hidden_rows[n], hiddens)
+        elif n == 1:
             hidden = hiddens[0]
             self._copy(self._hidden_row0, hidden if hidden.shape == shape else hidden.reshape(shape))
         elif n:

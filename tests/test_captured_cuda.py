@@ -125,6 +125,31 @@ def test_padded_rows_write_no_cache_row():
             assert torch.equal(prop.cache.kv[s.table.slot(p + j)], other.cache.kv[o.table.slot(p + j)])
 
 
+def test_a_batched_hiddens_tensor_replays_as_the_list():
+    """B = 3 in a bucket of 4, the hiddens as one [3, C, D] tensor: contiguous, its rows apart
+    (gathered where they are), then strided inside its rows (copied once): the list's drafts and cache."""
+    gen = torch.Generator().manual_seed(6)
+    tensors = random_mtp_weights(SMALL, seed=6)
+    props = [DeepseekV4MtpProposer(SMALL, tensors, device="cuda", executor="captured", buckets=(1, 4))
+             for _ in range(2)]
+    states = [[prop.alloc_state() for _ in range(3)] for prop in props]
+    positions = [20, 40, 60]
+    for layout in ("contiguous", "step", "transposed"):
+        tokens = [int(x) for x in torch.randint(SMALL.vocab_size, (3,), generator=gen)]
+        block = hid(SMALL, gen, "streams", n=6)
+        block = block[::2] if layout == "step" else block[:3]
+        if layout == "transposed":
+            block = block.transpose(0, -1).contiguous().transpose(0, -1)
+        listed = props[0].propose_batch(tokens, [row.clone() for row in block], positions, 3, states[0])
+        batched = props[1].propose_batch(tokens, block, positions, 3, states[1])
+        assert batched == listed, layout
+        assert torch.equal(props[0].cache.kv, props[1].cache.kv), layout
+        for prop, st in zip(props, states):
+            for s in st:
+                prop.after_verify(1, s)
+        positions = [p + 1 for p in positions]
+
+
 def test_no_device_allocation_after_warmup():
     gen = torch.Generator().manual_seed(4)
     prop = DeepseekV4MtpProposer(TINY, random_mtp_weights(TINY, seed=3), device="cuda", executor="captured",

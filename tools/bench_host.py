@@ -1,7 +1,7 @@
 """Host time per propose: everything the CPU does from entering ``_propose`` to the graph launch.
 
     python tools/bench_host.py [--device cpu|cuda] [--iters N] [--positions 200,3000] [--cases 1x1,1x3,32x1,32x3]
-                               [--copies raw,torch]
+                               [--copies raw,torch] [--hiddens list|tensor]
 
 Builds a small-config proposer (``V4Config.small()``, random MTP weights) and, for each
 case B x K and start position, runs a decode-like loop: propose, accept every draft
@@ -22,7 +22,9 @@ what is timed is the proposer's own host work (on CPU an eager run would take mi
 and hide it). ``--device cuda`` times a real captured proposer: ``run`` is the replay launch.
 ``--copies raw,torch`` times each case twice: the staging copies and the graph launch through
 cuda-python (:mod:`runtime.raw_copy`, :mod:`runtime.raw_launch`, the default), and through
-``Tensor.copy_`` and ``CUDAGraph.replay()``.
+``Tensor.copy_`` and ``CUDAGraph.replay()``. ``--hiddens tensor`` hands ``propose_batch`` the
+hiddens as one [B, C, D] tensor (as vLLM and SGLang hold them) instead of a list of B (B=1
+proposes one row either way).
 """
 
 from __future__ import annotations
@@ -55,12 +57,14 @@ def make_proposer(device: str) -> DeepseekV4MtpProposer:
 class DecodeLoop:
     """B sequences proposing K drafts each round, every draft accepted, positions moving on."""
 
-    def __init__(self, prop: DeepseekV4MtpProposer, batch: int, num_drafts: int, position: int):
+    def __init__(self, prop: DeepseekV4MtpProposer, batch: int, num_drafts: int, position: int,
+                 hiddens: str = "list"):
         self.prop, self.batch, self.k = prop, batch, num_drafts
         cfg, device = prop.config, prop.device
         gen = torch.Generator().manual_seed(batch)
-        self.hiddens = [torch.randn(cfg.hc_mult, cfg.hidden_size, generator=gen).bfloat16().to(device)
-                        for _ in range(batch)]
+        rows = [torch.randn(cfg.hc_mult, cfg.hidden_size, generator=gen).bfloat16().to(device) for _ in range(batch)]
+        self.hidden0 = rows[0]  # what a B=1 propose takes, in either form
+        self.hiddens = torch.stack(rows) if hiddens == "tensor" else rows  # stacked once, not per step
         self.tokens = [(7 * i + 1) % cfg.vocab_size for i in range(batch)]
         self.states = [prop.alloc_state() for _ in range(batch)]
         self.start = position
@@ -74,7 +78,7 @@ class DecodeLoop:
             self.states = [prop.alloc_state() for _ in range(self.batch)]
             self.positions = [self.start] * self.batch
         if self.batch == 1:
-            prop.propose(self.tokens[0], self.hiddens[0], self.positions[0], self.k, self.states[0])
+            prop.propose(self.tokens[0], self.hidden0, self.positions[0], self.k, self.states[0])
         else:
             prop.propose_batch(self.tokens, self.hiddens, self.positions, self.k, self.states)
         for state in self.states:
@@ -210,6 +214,8 @@ def main(argv=None) -> None:
     parser.add_argument("--cases", default="1x1,1x3,32x1,32x3", help="BxK, comma separated")
     parser.add_argument("--copies", default="raw",
                         help="staging copies and graph launch: raw (cuda-python), torch, or both: raw,torch")
+    parser.add_argument("--hiddens", choices=("list", "tensor"), default="list",
+                        help="propose_batch's hiddens: a list of B [C, D] tensors, or one [B, C, D] tensor")
     args = parser.parse_args(argv)
     copies = args.copies.split(",")
     if not set(copies) <= {"raw", "torch"}:
@@ -219,7 +225,8 @@ def main(argv=None) -> None:
     prop = make_proposer(args.device)
     stub = args.device == "cpu"
     print(f"host path per propose, median us over {args.iters} rounds, device {args.device}"
-          f"{' (executor run stubbed: host work only)' if stub else ' (captured replay)'}")
+          f"{' (executor run stubbed: host work only)' if stub else ' (captured replay)'}"
+          f", hiddens as {'one [B, C, D] tensor' if args.hiddens == 'tensor' else 'a list of B [C, D] tensors'}")
     if "raw" in copies and not raw_available:
         print("  (no cuda-python or no CUDA build of torch: the raw rows use torch copies)")
     print(f"{'B':>3} {'K':>2} {'pos':>5} {'copies':>6} {'host':>7} {'call':>7}  " + " ".join(f"{p:>7}" for p in PHASES))
@@ -229,7 +236,7 @@ def main(argv=None) -> None:
                 for mode in copies:
                     raw_copy.is_enabled = raw_available and mode == "raw"
                     raw_launch.is_enabled = launch_available and mode == "raw"
-                    loop = DecodeLoop(prop, batch, k, position)
+                    loop = DecodeLoop(prop, batch, k, position, args.hiddens)
                     host, call = time_loop(loop, args.iters, stub)
                     phases = time_phases(loop.prop, loop.step, args.iters)
                     print(f"{batch:>3} {k:>2} {position:>5} {mode:>6} {host:7.1f} {call:7.1f}  "
