@@ -67,11 +67,15 @@ def check_hidden(hidden: object, shape: tuple[int, ...], device: torch.device, w
     if got != shape and got != (1, *shape):
         raise InputError(describe(f"{what} shape", list(shape), list(got),
                                   "streams mode takes [C, D], collapsed mode [D]"))
+    _check_bf16_on(hidden, device, what)
+    return hidden if got == shape else hidden.reshape(shape)  # a reshape is a dispatch (~1 us): only if needed
+
+
+def _check_bf16_on(hidden: torch.Tensor, device: torch.device, what: str) -> None:
     if hidden.dtype != torch.bfloat16:
         raise InputError(describe(f"{what} dtype", torch.bfloat16, hidden.dtype))
     if not _is_on(hidden, device):
         raise InputError(describe(f"{what} device", device, hidden.device))
-    return hidden if got == shape else hidden.reshape(shape)  # a reshape is a dispatch (~1 us): only if needed
 
 
 def check_hiddens(hiddens: Sequence | torch.Tensor, shape: tuple[int, ...], device: torch.device,
@@ -97,10 +101,7 @@ def check_hidden_batch(hiddens: torch.Tensor, shape: tuple[int, ...], device: to
     if got != want:
         raise InputError(describe(f"{what} shape", list(want), list(got),
                                   "one row per sequence: streams mode takes [B, C, D], collapsed mode [B, D]"))
-    if hiddens.dtype != torch.bfloat16:
-        raise InputError(describe(f"{what} dtype", torch.bfloat16, hiddens.dtype))
-    if not _is_on(hiddens, device):
-        raise InputError(describe(f"{what} device", device, hiddens.device))
+    _check_bf16_on(hiddens, device, what)
     return hiddens
 
 
