@@ -47,9 +47,12 @@ def _combine_impl(inputs, outputs, attrs, workspace):
     e, h, e_norm, h_norm, e_proj, h_proj = inputs
     (out,) = outputs
     eps = float(attrs["eps"])
+    # hnorm before the fork: captured, a fork right after the graph's first two kernels made the
+    # second one start ~9 us late on an H200 (benchmarks/h200/ab_combine_fork_5e4d57c.txt).
+    h_normed = rms_norm(h, h_norm, eps)
     with side_stream():  # its temporaries are the lane's; the main stream reads e_part after the join
         e_part = project(e, e_norm, e_proj, eps)  # [B, D]
-    h_part = project(h, h_norm, h_proj, eps)  # [B, (C,) D]
+    h_part = torch.matmul(h_normed.reshape(-1, h.shape[-1]), h_proj.t()).view(h.shape)  # [B, (C,) D]
     join_side_stream()
     torch.add(h_part, e_part.unsqueeze(1) if h.dim() == 3 else e_part, out=out)
 

@@ -3,9 +3,10 @@ its embedding half on a side lane (as it is), inline (no fork), and the five nod
 with the first kernels of one replay of each under torch.profiler (the 7866740 timeline shows the
 embedding starting ~9 us after the staging kernel, where cb891d0's started at once). And the
 RoPE frequencies and unit modulus made per call again ("rope per call"), as before ops.constants
-held them (its first run, ab_combine_fork_5e4d57c.txt). Two placements of the fork: "hnorm first"
-(hnorm on the main stream before the fork: more kernels ahead of the first fork) and "swapped"
-(the hidden half on the lane). In their run (ab_combine_fork_071baa6.txt) the patch went to the
+held them (its first run, ab_combine_fork_5e4d57c.txt). Placements of the fork: "fork first" (5e4d57c's form: the fork
+right after the embedding, both norms after it), "hnorm first (as is)" (hnorm on the main stream
+before the fork: more kernels ahead of the first fork; ops/combine.py since) and "swapped" (the
+hidden half on the lane). In their run (ab_combine_fork_071baa6.txt) the patch went to the
 OpDef that ops.triton's registration had already replaced in the registry, so both ran the
 lane form: that run is six timings of one form, the noise of a replay time across proposers.
 
@@ -29,7 +30,6 @@ from scratch_common import warm_torch_proposer  # noqa: E402
 import graphs.draft_chain as chain  # noqa: E402
 import ops.attention  # noqa: E402
 import ops.combine  # noqa: E402
-from ops.basic import rms_norm  # noqa: E402
 from ops.overlap import join_side_stream  # noqa: E402
 from ops.registry import get_op  # noqa: E402
 from runtime.config import V4Config  # noqa: E402
@@ -44,14 +44,13 @@ def rope_per_call(positions, rope_dim, theta, out=None):
     return torch.polar(angle.new_ones(()).expand_as(angle), angle, out=out)
 
 
-def combine_hnorm_first(inputs, outputs, attrs, workspace):
-    """hnorm on the main stream before the fork: a longer chain of kernels ahead of the first fork."""
+def combine_fork_first(inputs, outputs, attrs, workspace):
+    """The form of 5e4d57c: the fork first, both norms after it (one on each stream)."""
     e, h, e_norm, h_norm, e_proj, h_proj = inputs
     eps = float(attrs["eps"])
-    h_normed = rms_norm(h, h_norm, eps)
     with REAL["side"]():
         e_part = ops.combine.project(e, e_norm, e_proj, eps)
-    h_part = torch.matmul(h_normed.reshape(-1, h.shape[-1]), h_proj.t()).view(h.shape)
+    h_part = ops.combine.project(h, h_norm, h_proj, eps)
     join_side_stream()
     torch.add(h_part, e_part.unsqueeze(1) if h.dim() == 3 else e_part, out=outputs[0])
 
@@ -69,7 +68,7 @@ def combine_swapped(inputs, outputs, attrs, workspace):
 
 REAL = {"combiner": chain.combiner, "side": ops.combine.side_stream, "rope": ops.attention.rope_rotation,
         "impl": get_op("combine").impl}
-FORMS = {"hnorm first": combine_hnorm_first, "swapped": combine_swapped}
+FORMS = {"fork first": combine_fork_first, "swapped": combine_swapped}
 
 
 def variant(name):
@@ -103,14 +102,14 @@ dev = torch.device("cuda", 0)
 cfg = V4Config.flash().replace(max_position_embeddings=4096)
 weights = prepare_weights(cfg, random_weights(cfg, dev), dev)
 first = None
-for name in ["combine (lane)", "combine inline", "hnorm first", "swapped", "combine (lane) again",
-             "hnorm first again", "swapped again"]:
+NAMES = ["hnorm first (as is)", "fork first", "combine inline", "swapped"]
+for name in NAMES + [f"{n} again" for n in NAMES] + [f"{n} third" for n in NAMES[:2]]:
     variant(name)
     prop, ex, d = warm_torch_proposer(cfg, weights, dev, 1)
     first = d if first is None else first
     ms, spread = time_replays(ex.replay)
     print(f"B= 1 {name:22s} replay {ms * 1e3:7.1f} us spread {spread:.3f} same drafts {d == first}", flush=True)
-    if "again" not in name:
+    if "again" not in name and "third" not in name:
         print("\n".join(first_kernels(ex.cuda_graph.replay)), flush=True)
     del prop, ex
     torch.cuda.empty_cache()
