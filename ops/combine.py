@@ -2,7 +2,7 @@
 
 One op, not five nodes (two norms, two projections, an add), because its two halves are
 independent: the embedding half (enorm, e_proj) runs on a side lane (ops.overlap) beside the
-hidden half (hnorm, h_proj), and the sum joins them. At batch 1 each half is a norm and a
+hidden half's projection (after hnorm, which runs first), and the sum joins them. At batch 1 each half is a norm and a
 32 MB GEMV, about 20 us in a row on an H200; side by side the two GEMVs share the memory
 bandwidth instead of waiting for each other.
 
@@ -48,7 +48,8 @@ def _combine_impl(inputs, outputs, attrs, workspace):
     (out,) = outputs
     eps = float(attrs["eps"])
     # hnorm before the fork: captured, a fork right after the graph's first two kernels made the
-    # second one start ~9 us late on an H200 (benchmarks/h200/ab_combine_fork_5e4d57c.txt).
+    # second one start ~9 us late on an H200 (benchmarks/h200/ab_combine_fork_5e4d57c.txt); with
+    # hnorm first it starts at once and the combiner ends ~5 us sooner (ab_combine_fork_9dd546b.txt).
     h_normed = rms_norm(h, h_norm, eps)
     with side_stream():  # its temporaries are the lane's; the main stream reads e_part after the join
         e_part = project(e, e_norm, e_proj, eps)  # [B, D]
