@@ -2,9 +2,9 @@
 
 One op, not five nodes (two norms, two projections, an add), because its two halves are
 independent: the embedding half (enorm, e_proj) runs on a side lane (ops.overlap) beside the
-hidden half's projection (after hnorm, which runs first), and the sum joins them. At batch 1 each half is a norm and a
-32 MB GEMV, about 20 us in a row on an H200; side by side the two GEMVs share the memory
-bandwidth instead of waiting for each other.
+hidden half's projection (hnorm runs first), and the sum joins them. At batch 1 each half is
+a norm and a 32 MB GEMV, about 20 us in a row on an H200; side by side the two GEMVs share
+the memory bandwidth instead of waiting for each other.
 
 Streams mode: h is the target's streams [B, C, D]; e_proj(enorm(e)) is added to every stream
 (a broadcast inside the add, not an hc_expand copy). Collapsed mode: h is [B, D] and so is
