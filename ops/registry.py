@@ -52,7 +52,7 @@ class OpDef:
     mutates: tuple[int, ...] = ()  # input indices written in place (state)
     workspace: WorkspaceRule | None = None  # bytes of scratch for a concrete batch
     deferred: tuple[int, ...] = ()  # outputs a side_stream() block may still write after the step (ops.overlap)
-    fused: Mapping[str, Impl] = field(default_factory=dict)  # device type -> implementation
+    fused: dict[str, Impl] = field(default_factory=dict)  # device type -> implementation (register_fused)
     doc: str = ""
 
     def workspace_bytes(self, specs: Sequence[TensorSpec], attrs: Mapping[str, Any], batch: int) -> int:
@@ -75,11 +75,13 @@ def register(op: OpDef) -> OpDef:
 
 
 def register_fused(op_name: str, device_type: str, impl: Impl) -> None:
-    """Attach a fused implementation (selected at bind time on ``device_type``)."""
-    op = get_op(op_name)
-    fused = dict(op.fused)
-    fused[device_type] = impl
-    _REGISTRY[op_name] = OpDef(**{**op.__dict__, "fused": fused})
+    """Attach a fused implementation (selected at bind time on ``device_type``).
+
+    To the registered OpDef itself (its ``fused`` mapping), not to a copy put in its place:
+    ``ops.<module>.<OP>`` stays the object ``get_op`` returns on every device. (A copy once made
+    a monkeypatch of ``ops.combine.COMBINE.impl`` silently miss the CUDA path.)
+    """
+    get_op(op_name).fused[device_type] = impl
 
 
 def get_op(name: str) -> OpDef:

@@ -158,3 +158,22 @@ def test_inplace_outputs_are_correct_when_aliased(name):
     op.impl(aliased_inputs, outputs, attrs, None)
     for a, b in zip(outputs, separate):
         assert torch.equal(a, b), name
+
+
+def test_a_fused_impl_is_attached_to_the_registered_opdef_itself():
+    """``register_fused`` keeps ``ops.<module>.<OP>`` the object ``get_op`` returns: a patch of it
+    reaches every device (a copy in the registry once made one miss the CUDA path)."""
+    import ops.combine
+    from ops.registry import register_fused
+
+    op = get_op("combine")
+    assert op is ops.combine.COMBINE
+    fused = object()
+    try:
+        register_fused("combine", "meta", fused)
+        assert get_op("combine") is ops.combine.COMBINE
+        assert op.select_impl(torch.device("meta")) is fused
+        assert op.select_impl(torch.device("cpu")) is op.impl
+        assert op.select_impl(torch.device("meta"), use_fused=False) is op.impl
+    finally:
+        op.fused.pop("meta", None)

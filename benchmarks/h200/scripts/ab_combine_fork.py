@@ -76,7 +76,7 @@ def variant(name):
     ops.combine.side_stream = (lambda: contextlib.nullcontext()) if "inline" in name else REAL["side"]
     ops.attention.rope_rotation = rope_per_call if "rope" in name else REAL["rope"]
     form = next((impl for key, impl in FORMS.items() if key in name), REAL["impl"])
-    # The registry's OpDef (register_fused replaces it on CUDA), not ops.combine.COMBINE; it is frozen.
+    # The registry's OpDef (register_fused once replaced it on CUDA with a copy); it is frozen.
     object.__setattr__(get_op("combine"), "impl", form)
 
 
