@@ -44,31 +44,28 @@ def rope_per_call(positions, rope_dim, theta, out=None):
     return torch.polar(angle.new_ones(()).expand_as(angle), angle, out=out)
 
 
-def combine_fork_first(inputs, outputs, attrs, workspace):
-    """The form of 5e4d57c: the fork first, both norms after it (one on each stream)."""
-    e, h, e_norm, h_norm, e_proj, h_proj = inputs
-    eps = float(attrs["eps"])
-    with REAL["side"]():
-        e_part = ops.combine.project(e, e_norm, e_proj, eps)
-    h_part = ops.combine.project(h, h_norm, h_proj, eps)
-    join_side_stream()
-    torch.add(h_part, e_part.unsqueeze(1) if h.dim() == 3 else e_part, out=outputs[0])
+def combine_fork_first(lane_half: str):
+    """The combine impl with the fork before both norms, the ``lane_half`` ("e" or "h") on the lane.
 
+    "e" is the form of 5e4d57c; "h" swaps the halves.
+    """
+    def impl(inputs, outputs, attrs, workspace):
+        e, h, e_norm, h_norm, e_proj, h_proj = inputs
+        eps = float(attrs["eps"])
+        halves = {"e": (e, e_norm, e_proj), "h": (h, h_norm, h_proj)}
+        main_half = "h" if lane_half == "e" else "e"
+        with REAL["side"]():
+            parts = {lane_half: ops.combine.project(*halves[lane_half], eps)}
+        parts[main_half] = ops.combine.project(*halves[main_half], eps)
+        join_side_stream()
+        torch.add(parts["h"], parts["e"].unsqueeze(1) if h.dim() == 3 else parts["e"], out=outputs[0])
 
-def combine_swapped(inputs, outputs, attrs, workspace):
-    """The hidden half on the lane, the embedding half on the main stream."""
-    e, h, e_norm, h_norm, e_proj, h_proj = inputs
-    eps = float(attrs["eps"])
-    with REAL["side"]():
-        h_part = ops.combine.project(h, h_norm, h_proj, eps)
-    e_part = ops.combine.project(e, e_norm, e_proj, eps)
-    join_side_stream()
-    torch.add(h_part, e_part.unsqueeze(1) if h.dim() == 3 else e_part, out=outputs[0])
+    return impl
 
 
 REAL = {"combiner": chain.combiner, "side": ops.combine.side_stream, "rope": ops.attention.rope_rotation,
         "impl": get_op("combine").impl}
-FORMS = {"fork first": combine_fork_first, "swapped": combine_swapped}
+FORMS = {"fork first": combine_fork_first("e"), "swapped": combine_fork_first("h")}
 
 
 def variant(name):
