@@ -39,8 +39,12 @@ def _combine_infer(specs, attrs):
 
 def project(x: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
     """proj(norm(x)) over the last dim: [..., D] in x's dtype."""
-    normed = rms_norm(x, norm_w, eps)
-    return torch.matmul(normed.reshape(-1, normed.shape[-1]), proj_w.t()).view(x.shape)
+    return projected(rms_norm(x, norm_w, eps), proj_w)
+
+
+def projected(normed: torch.Tensor, proj_w: torch.Tensor) -> torch.Tensor:
+    """normed @ proj_w^T over the last dim, as one GEMM over the flattened rows: [..., D]."""
+    return torch.matmul(normed.reshape(-1, normed.shape[-1]), proj_w.t()).view(*normed.shape[:-1], proj_w.shape[0])
 
 
 def _combine_impl(inputs, outputs, attrs, workspace):
@@ -53,7 +57,7 @@ def _combine_impl(inputs, outputs, attrs, workspace):
     h_normed = rms_norm(h, h_norm, eps)
     with side_stream():  # its temporaries are the lane's; the main stream reads e_part after the join
         e_part = project(e, e_norm, e_proj, eps)  # [B, D]
-    h_part = torch.matmul(h_normed.reshape(-1, h.shape[-1]), h_proj.t()).view(h.shape)  # [B, (C,) D]
+    h_part = projected(h_normed, h_proj)  # [B, (C,) D]
     join_side_stream()
     torch.add(h_part, e_part.unsqueeze(1) if h.dim() == 3 else e_part, out=out)
 
