@@ -73,9 +73,18 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, out: torch.Tenso
     of up. The product can round straight into a bf16 ``out`` (one kernel on CUDA) instead
     of a separate cast.
     """
-    if not _exact_in(limit, up.dtype):
-        up = up.float()
-    return torch.mul(F.silu(gate.float().clamp(max=limit)), up.clamp(-limit, limit), out=out)
+    return torch.mul(_gated(gate, limit), _clamped_up(up, limit), out=out)
+
+
+def _gated(gate: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, limit)) in fp32: the min against an fp32 [1] limit widens gate itself (no copy first)."""
+    cap = constants.full(1, limit, torch.float32, gate.device)
+    return F.silu(torch.minimum(gate, cap), inplace=True)
+
+
+def _clamped_up(up: torch.Tensor, limit: float) -> torch.Tensor:
+    """clamp(up, -limit, limit), in up's dtype when that is exact (a mixed multiply widens it), else in fp32."""
+    return up.clamp(-limit, limit) if _exact_in(limit, up.dtype) else up.float().clamp_(-limit, limit)
 
 
 SIGNIFICANT_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24, torch.float64: 53}
@@ -137,39 +146,83 @@ def sorted_by_expert(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
     """
     flat = idx.flatten()
     n = flat.numel()
-    experts = constants.arange(0, num_experts, torch.int64, idx.device)
     if not RANKS_MIN_PAIRS <= n <= RANKS_MAX_PAIRS:
+        experts = constants.arange(0, num_experts, torch.int64, idx.device)
         expert, order = torch.sort(flat, stable=True)
         return order, torch.searchsorted(expert, experts, right=True, out_int32=True)
     pair = constants.arange(0, n, torch.int64, idx.device)
-    key = torch.add(pair, flat, alpha=n)
-    rank = (key.unsqueeze(0) < key.unsqueeze(1)).sum(1)  # [N]: row i counts the keys below key i
-    order = torch.empty_like(rank).index_copy_(0, rank, pair)
-    ends = (flat.unsqueeze(0) <= experts.unsqueeze(1)).sum(1, dtype=torch.int32)  # [E]
-    return order, ends
+    order = torch.empty_like(pair).index_copy_(0, pair_ranks(idx), pair)
+    return order, group_ends(idx, num_experts)
 
 
-def routed_grouped(x, idx, weights, w1, w2, w3, limit: float) -> torch.Tensor:
-    """sum_k w2[idx_k] (w_k * swiglu(w1[idx_k] x, w3[idx_k] x)) by grouped GEMMs: [B, D] fp32."""
+def pair_ranks(idx: torch.Tensor) -> torch.Tensor:
+    """[N] int64: each (row, expert) pair's position in the stable by-expert order.
+
+    Pair i's rank is #{pairs with a smaller key}, key = expert * N + i: distinct keys, so
+    ranks are a permutation and ties keep pair order. An [N, N] compare and a sum.
+    """
+    flat = idx.flatten()
+    n = flat.numel()
+    key = torch.add(constants.arange(0, n, torch.int64, idx.device), flat, alpha=n)
+    return (key.unsqueeze(0) < key.unsqueeze(1)).sum(1)  # row i counts the keys below key i
+
+
+def group_ends(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int32: ends[e] = #{pairs with expert <= e}, the grouped GEMMs' group ends. An [E, N] compare and a sum."""
+    experts = constants.arange(0, num_experts, torch.int64, idx.device)
+    return (idx.flatten().unsqueeze(0) <= experts.unsqueeze(1)).sum(1, dtype=torch.int32)
+
+
+def one_row_pairs(x: torch.Tensor, k: int) -> torch.Tensor | None:
+    """For one row, its K (row, expert) pairs' rows, [K, D]: K copies of x, whatever the order; else None.
+
+    Made before the routing, so the routed experts' chain has no gather of rows after the sort.
+    """
+    return x.expand(k, x.shape[1]).contiguous() if x.shape[0] == 1 else None
+
+
+def routed_grouped(x, idx, weights, w1, w2, w3, limit: float, rows=None) -> torch.Tensor:
+    """sum_k w2[idx_k] (w_k * swiglu(w1[idx_k] x, w3[idx_k] x)) by grouped GEMMs: [B, D] fp32.
+
+    ``rows``: ``one_row_pairs(x, K)`` when x is one row, made ahead (else gathered here).
+    """
     b, k = idx.shape
-    order, ends = sorted_by_expert(idx, w1.shape[0])  # [N = B*K] pairs grouped by expert, [E] group ends
-    rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))  # [N, D]
+    if b == 1:
+        # One row: its pairs' rows are all x, so the GEMMs need only the group ends (two small
+        # kernels), not the pairs' order (a sort: six); the weights go to their ranks on the lane.
+        rows, order = one_row_pairs(x, k) if rows is None else rows, None
+        ends = group_ends(idx, w1.shape[0])
+    else:
+        order, ends = sorted_by_expert(idx, w1.shape[0])  # [N = B*K] pairs grouped by expert, [E] group ends
+        rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))  # [N, D]
+    # The routing weights in expert order go on the lane ahead of the up GEMM: that GEMM waits
+    # for SMs the gate GEMM holds anyway, and off the main stream they cost nothing.
     # At small N a grouped GEMM is one tile per (expert, 128 outputs): 96 tiles for w1 at
     # V4-Flash's top-6, too few to stream 100 MB at full bandwidth. The up GEMM on a side
     # lane runs beside the gate GEMM, the two filling the GPU together; joined before the
-    # SwiGLU, while rows and ends are still alive (their bytes are the main stream's).
-    # The routing weights in expert order too, on the lane ahead of the up GEMM: that GEMM
-    # waits for SMs the gate GEMM holds anyway, and off the main stream they cost nothing.
+    # product, while rows and ends are still alive (their bytes are the main stream's).
+    # Each half of the SwiGLU right after its own GEMM (the gate's on SMs the up GEMM's tiles
+    # leave free): three kernels after the later GEMM, not five.
     with side_stream():
-        weights_sorted = weights.flatten().index_select(0, order).unsqueeze(-1)  # [N, 1]
-        up = torch._grouped_mm(rows, w3.transpose(1, 2), offs=ends)  # [N, I]
-    gate = torch._grouped_mm(rows, w1.transpose(1, 2), offs=ends)
+        weights_sorted = _in_expert_order(weights, idx, order)  # [N, 1]
+        up = _clamped_up(torch._grouped_mm(rows, w3.transpose(1, 2), offs=ends), limit)  # [N, I]
+    gated = _gated(torch._grouped_mm(rows, w1.transpose(1, 2), offs=ends), limit)  # [N, I] fp32
     join_side_stream()
-    act = _weighted_into(weights_sorted, _swiglu(gate, up, limit), x.dtype)
+    act = _weighted_into(weights_sorted, gated.mul_(up), x.dtype)
     out = torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)  # [N, D], expert order
+    if b == 1:  # every pair is the one row's: sum them as they lie, no permutation back
+        return out.sum(0, keepdim=True, dtype=torch.float32)
     # Back to (row, k) order by a permutation (no atomics: the sum over k stays deterministic).
     routed = torch.empty_like(out).index_copy_(0, order, out).view(b, k, -1)  # [B, K, D]
     return routed.sum(1, dtype=torch.float32)
+
+
+def _in_expert_order(weights: torch.Tensor, idx: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """[N, 1]: the pairs' routing weights in the by-expert order (``order`` None: sent to their ranks)."""
+    flat = weights.flatten()
+    if order is None:
+        return torch.empty_like(flat).index_copy_(0, pair_ranks(idx), flat).unsqueeze(-1)
+    return flat.index_select(0, order).unsqueeze(-1)
 
 
 def routed_gather(x, idx, weights, w1, w2, w3, limit: float) -> torch.Tensor:
@@ -199,11 +252,17 @@ def shared_expert_beside(x, sw1, sw2, sw3, limit: float) -> torch.Tensor:
     return shared
 
 
-def _experts_into(inputs, idx, weights, attrs, out, shared):
-    """out = sum_k w2[idx_k] (w_k * swiglu) + shared: idx [B, K] i64, weights [B, K] fp32."""
+def _experts_into(inputs, idx, weights, attrs, out, shared, rows=None):
+    """out = sum_k w2[idx_k] (w_k * swiglu) + shared: idx [B, K] i64, weights [B, K] fp32.
+
+    ``rows``: the pairs' rows made ahead for one row (``one_row_pairs``), used by the grouped path.
+    """
     x, w1, w2, w3 = inputs[:4]
-    routed = routed_grouped if can_grouped_mm(x, w1, w2, w3) else routed_gather
-    total = routed(x, idx, weights, w1, w2, w3, float(attrs["swiglu_limit"]))  # [B, D] fp32
+    limit = float(attrs["swiglu_limit"])
+    if can_grouped_mm(x, w1, w2, w3):
+        total = routed_grouped(x, idx, weights, w1, w2, w3, limit, rows)  # [B, D] fp32
+    else:
+        total = routed_gather(x, idx, weights, w1, w2, w3, limit)
     join_side_stream()
     # The fp32 sum rounds once into out: one add, no fp32 accumulator copied out afterwards.
     torch.add(total, shared, out=out)
@@ -240,11 +299,15 @@ def _moe_infer(specs, attrs):
 
 def _moe_impl(inputs, outputs, attrs, workspace):
     x, gate_w, gate_bias, w1, w2, w3, sw1, sw2, sw3 = inputs
+    k = int(attrs["top_k"])
     shared = shared_expert_beside(x, sw1, sw2, sw3, float(attrs["swiglu_limit"]))
+    rows = one_row_pairs(x, k) if can_grouped_mm(x, w1, w2, w3) else None
     scores = gate_scores(x, gate_w)  # [B, E]
-    idx = torch.topk(scores + gate_bias, int(attrs["top_k"]), dim=-1).indices  # bias: selection only
+    # Bias: selection only. Unsorted: the experts are sorted by id next, so the k winners' own
+    # sort by score (one more kernel) would be undone.
+    idx = torch.topk(scores + gate_bias, k, dim=-1, sorted=False).indices
     weights = _weights_beside(scores, idx, float(attrs["routed_scaling_factor"]))
-    _experts_into((x, w1, w2, w3), idx, weights, attrs, outputs[0], shared)
+    _experts_into((x, w1, w2, w3), idx, weights, attrs, outputs[0], shared, rows)
 
 
 MOE = register(
@@ -279,10 +342,11 @@ def _moe_hash_infer(specs, attrs):
 def _moe_hash_impl(inputs, outputs, attrs, workspace):
     x, token, tid2eid, gate_w, w1, w2, w3, sw1, sw2, sw3 = inputs
     shared = shared_expert_beside(x, sw1, sw2, sw3, float(attrs["swiglu_limit"]))
+    rows = one_row_pairs(x, tid2eid.shape[1]) if can_grouped_mm(x, w1, w2, w3) else None
     idx = tid2eid.index_select(0, token).long()  # [B, K]
     scores = gate_scores(x, gate_w)
     weights = _weights_beside(scores, idx, float(attrs["routed_scaling_factor"]))
-    _experts_into((x, w1, w2, w3), idx, weights, attrs, outputs[0], shared)
+    _experts_into((x, w1, w2, w3), idx, weights, attrs, outputs[0], shared, rows)
 
 
 MOE_HASH = register(

@@ -132,6 +132,30 @@ def test_grouped_path_runs_on_cpu_and_equals_the_gather_path():
     assert rel_err(grouped, ref) < 1e-2
 
 
+def test_one_row_grouped_path_needs_no_gather_or_unsort():
+    # One row: its pairs' rows are K copies made before the routing, and the sum over k runs in
+    # expert order. Both must give the gather path's result, rows made ahead or not.
+    from ops.moe import can_grouped_mm, one_row_pairs, routed_gather, routed_grouped
+
+    inputs, attrs = moe_case(gen(40), batch=1)
+    x, _, _, w1, w2, w3 = inputs[:6]
+    if not can_grouped_mm(x, w1, w2, w3):
+        pytest.skip(f"torch {torch.__version__} has no CPU _grouped_mm: the gather path runs")
+    e, k = CFG.n_routed_experts, CFG.num_experts_per_tok
+    idx = torch.tensor([[e - 1, 0, 3][:k]])  # out of expert order
+    weights = torch.rand(1, k, generator=gen(41)) + 0.5
+    limit = float(attrs["swiglu_limit"])
+    rows = one_row_pairs(x, k)
+    assert rows.shape == (k, x.shape[1]) and torch.equal(rows, x.expand(k, -1))
+    assert one_row_pairs(torch.cat([x, x]), k) is None
+    for experts in (idx, torch.tensor([[3] * k])):  # out of order; one expert twice (a hash table may)
+        gathered = routed_gather(x, experts, weights, w1, w2, w3, limit)
+        for ahead in (rows, None):
+            grouped = routed_grouped(x, experts, weights, w1, w2, w3, limit, ahead)
+            assert grouped.shape == (1, x.shape[1]) and grouped.dtype == torch.float32
+            assert rel_err(grouped, gathered) < 1e-3, rel_err(grouped, gathered)
+
+
 def test_moe_without_grouped_mm_takes_the_gather_path(monkeypatch):
     import ops.moe
 
