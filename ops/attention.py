@@ -141,6 +141,11 @@ def _window_slots(positions, kv_start, table, window, block_size, num_slots):
 
 def _write_kv(cache, kv, slot, alive) -> None:
     """Write kv [B, d] at slot [B] of each live row (see "dead rows")."""
+    if slot.shape[0] == 1:
+        # One row: no other write to collide with. Dead, it writes slot 0's own value back to
+        # slot 0 (read before the copy, in the where): three kernels where the donor takes ten.
+        cache.index_copy_(0, slot * alive, torch.where(alive.unsqueeze(1), kv, cache[:1]))
+        return
     # The max runs on int32, not bool: inductor's CPU code for a bool max does not compile.
     any_alive, first = alive.to(torch.int32).max(0, keepdim=True)  # the first live row, if any
     donor_slot = slot.index_select(0, first) * any_alive  # [1]; slot 0 when no row is live
@@ -192,7 +197,8 @@ def _attn_impl(inputs, outputs, attrs, workspace):
     with side_stream():
         _write_kv(cache, kv, slot[:, -1], alive)
         gathered = cache.index_select(0, slot.flatten()).view(b, window, d)
-        keys.copy_(gathered.masked_fill_(hidden.unsqueeze(-1), 0))  # in place: out of place clones first
+        # Hidden keys zeroed and the rest widened in one kernel: the fp32 [1] zero makes the where fp32.
+        torch.where(hidden.unsqueeze(-1), constants.full(1, 0.0, torch.float32, x.device), gathered, out=keys)
 
     # Query: low-rank, normed, then per-head weightless RMS norm (fp32) and RoPE on the last r dims.
     eps = float(attrs["eps"])

@@ -220,6 +220,22 @@ def test_all_rows_padded_leave_the_cache_untouched():
     assert torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.parametrize("dead", [False, True])
+def test_one_row_writes_its_slot_or_nothing(dead):
+    # One row takes its own write path (no donor): live, it writes its slot; padded, nothing.
+    inputs, attrs = attention_case(gen(22), batch=1, positions=[20])
+    if dead:
+        inputs[12].fill_(-1)
+    ref_out, written = ref_attention(inputs, attrs)
+    out, before = run_attention(inputs, attrs)
+    assert len(written) == (0 if dead else 1)
+    assert_cache_changed_only_at(inputs[9], before, written)
+    if dead:
+        assert torch.equal(inputs[9], before) and torch.equal(out, torch.zeros_like(out))
+    else:
+        assert rel_err(out, ref_out) < 1e-2
+
+
 @pytest.mark.parametrize("positions", [[0, 15, 16], [63, 1, 47]])
 def test_block_boundaries_and_first_position(positions):
     inputs, attrs = attention_case(gen(21), positions=positions)
