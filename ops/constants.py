@@ -54,4 +54,10 @@ def logspace(end: float, steps: int, base: float, dtype: torch.dtype, device: to
                  lambda: torch.logspace(0.0, end, steps, base=base, dtype=dtype, device=device))
 
 
-__all__ = ["arange", "full", "logspace"]
+def values(data: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(data)`` for a nested tuple of numbers, made once per (data, dtype, device); read-only."""
+    device = torch.device(device)
+    return _kept(("values", data, dtype, device), device, lambda: torch.tensor(data, dtype=dtype, device=device))
+
+
+__all__ = ["arange", "full", "logspace", "values"]

@@ -141,7 +141,7 @@ def _sinkhorn_by_norms(logits, iters: int, hc_eps: float, out=None) -> torch.Ten
     and every column has mean 0, its variance is the sum of squares over C, and the signs
     survive each step. ``layer_norm`` over the last dim normalises rows; ``batch_norm`` with
     batch statistics, viewing the [2C, B, 2C] state as 2C samples of B*2C channels,
-    normalises columns. That makes 39 normalisations plus 6 setup kernels for iters = 20 (its
+    normalises columns. That makes 39 normalisations plus 5 setup kernels for iters = 20 (its
     three constant vectors are made once: ops.constants); at 9 setup kernels it measured on an
     H200, B=1: 110 us alone against 119 for the divisions, and 39 us off the chain beside the
     MoE (benchmarks/h200/sm_carveout_283311b.txt).
@@ -174,17 +174,14 @@ SINKHORN_SIGMA = 8.0
 
 
 def _signed_blocks(s: torch.Tensor, scale: float) -> torch.Tensor:
-    """[[S, -S], [-S, S]] * scale as [2C, B, 2C] from S [C, B, C]: two kernels, one per sign.
+    """[[S, -S], [-S, S]] * scale as [2C, B, 2C] from S [C, B, C]: one broadcast multiply.
 
-    Laid out as [2 (block row), C, B, 2 (block column), C]: the diagonal blocks are a
-    diagonal view over dims 0 and 3, the off-diagonal ones a strided view of the same shape.
+    Laid out as [2 (block row), C, B, 2 (block column), C]: S broadcast over the block dims
+    times a constant [2, 1, 1, 2, 1] of signed scales (two kernels when each sign was its own).
     """
     c, b = s.shape[0], s.shape[1]
-    blocks = s.new_empty(2, c, b, 2, c)
-    torch.mul(s.unsqueeze(-1).expand(c, b, c, 2), scale, out=blocks.diagonal(dim1=0, dim2=3))
-    st = blocks.stride()
-    off = blocks.as_strided((2, c, b, c), (st[0] - st[3], st[1], st[2], st[4]), blocks.storage_offset() + st[3])
-    torch.mul(s.unsqueeze(0).expand(2, c, b, c), -scale, out=off)
+    signs = constants.values(((scale, -scale), (-scale, scale)), s.dtype, s.device).view(2, 1, 1, 2, 1)
+    blocks = torch.mul(s.unsqueeze(0).unsqueeze(3), signs, out=s.new_empty(2, c, b, 2, c))  # contiguous
     return blocks.view(2 * c, b, 2 * c)
 
 
@@ -259,11 +256,12 @@ def _hc_post_infer(specs, attrs):
 def _hc_post_impl(inputs, outputs, attrs, workspace):
     y, X, post, comb = inputs
     (out,) = outputs
-    # out may alias X: the whole fp32 result exists before the first byte of out is written.
     # X'[:, k] = post_k y + sum_j comb[j, k] X[:, j]: the residual is mixed by comb TRANSPOSED.
-    mixed = post.unsqueeze(-1) * y.unsqueeze(1)  # [B, C, D] fp32 (bf16 y promoted in the same op)
-    mixed.baddbmm_(comb.transpose(1, 2), X.float())  # += comb^T @ X, in the GEMM's epilogue
-    out.copy_(mixed)
+    # The mix in fp32, then one addcmul adds post_k y (bf16 y promoted inside) and rounds into
+    # out: three kernels, where a product, the GEMM on it and a copy out took four. out may
+    # alias X: X is read (widened) by the first kernel, out written by the last.
+    mixed = torch.bmm(comb.transpose(1, 2), X.float())  # [B, C, D] fp32
+    torch.addcmul(mixed, post.unsqueeze(-1), y.unsqueeze(1), out=out)
 
 
 HC_POST = register(

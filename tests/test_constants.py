@@ -21,6 +21,10 @@ def test_a_constant_is_made_once_per_key_with_the_values_asked_for():
     assert torch.equal(freqs, torch.logspace(0.0, -0.75, 4, base=10000.0))
     assert constants.logspace(-0.75, 4, 10000.0, torch.float32, "cpu") is freqs
     assert constants.logspace(-0.75, 4, 500.0, torch.float32, "cpu") is not freqs
+    signs = constants.values(((1.0, -2.0), (-2.0, 1.0)), torch.float32, "cpu")
+    assert signs.tolist() == [[1.0, -2.0], [-2.0, 1.0]]
+    assert constants.values(((1.0, -2.0), (-2.0, 1.0)), torch.float32, "cpu") is signs
+    assert constants.values(((1.0, -2.0), (-2.0, 1.0)), torch.float64, "cpu") is not signs
 
 
 @pytest.mark.cuda
