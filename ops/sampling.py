@@ -41,8 +41,9 @@ def _draft_argmax_infer(specs, attrs):
 def blocked_tokens(vocab: int, limit: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """[B or 1, V] bool: t >= limit, or bit t % 32 of word t // 32 clear when a mask is given.
 
-    The tokens a draft must not pick, so that one masked_fill with a scalar -inf applies
-    them (a where against -inf would first fill a tensor with it: one more kernel). The words
+    The tokens a draft must not pick, so that one where against a constant [1] -inf applies
+    them into a new tensor (an out-of-place masked_fill clones first, and a where against a
+    Python -inf fills a device scalar first: one more kernel either way). The words
     are unpacked by one broadcast shift over [B, W, 32] in int32 (an arithmetic shift: bit 31
     comes down as -1, and & 1 keeps it), then viewed as [B, W*32] and cut to V: no int64
     index math over [B, V].
@@ -75,7 +76,7 @@ def _draft_argmax_impl(inputs, outputs, attrs, workspace):
     b, vocab = logits.shape
     chunks = vocab_chunks(vocab)
     blocked = blocked_tokens(vocab, inputs[1], inputs[2] if len(inputs) > 2 else None)
-    masked = logits.masked_fill(blocked, float("-inf"))  # [B, V]
+    masked = torch.where(blocked, constants.full(1, float("-inf"), logits.dtype, logits.device), logits)  # [B, V]
     # argmax keeps the lowest id among ties: max keeps the first of equal values within a
     # chunk and then among the chunks, whose ids ascend. A row with nothing allowed is all
     # -inf: id 0. A NaN logit wins, as in argmax.
