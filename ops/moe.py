@@ -187,16 +187,21 @@ def routed_grouped(x, idx, weights, w1, w2, w3, limit: float, rows=None) -> torc
     ``rows``: ``one_row_pairs(x, K)`` when x is one row, made ahead (else gathered here).
     """
     b, k = idx.shape
+    # The routing weights in expert order go on the lane, ahead of the up GEMM and off the main
+    # stream. For one row they are forked before the group ends: their five small kernels run
+    # beside those two, not behind the gate GEMM's tiles, which would hold the up GEMM back.
     if b == 1:
         # One row: its pairs' rows are all x, so the GEMMs need only the group ends (two small
-        # kernels), not the pairs' order (a sort: six); the weights go to their ranks on the lane.
-        rows, order = one_row_pairs(x, k) if rows is None else rows, None
+        # kernels), not the pairs' order (a sort: six); the weights go to their ranks.
+        rows = one_row_pairs(x, k) if rows is None else rows
+        with side_stream():
+            weights_sorted = _in_expert_order(weights, idx, None)  # [K, 1]
         ends = group_ends(idx, w1.shape[0])
     else:
         order, ends = sorted_by_expert(idx, w1.shape[0])  # [N = B*K] pairs grouped by expert, [E] group ends
         rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))  # [N, D]
-    # The routing weights in expert order go on the lane ahead of the up GEMM: that GEMM waits
-    # for SMs the gate GEMM holds anyway, and off the main stream they cost nothing.
+        with side_stream():
+            weights_sorted = _in_expert_order(weights, idx, order)  # [N, 1]
     # At small N a grouped GEMM is one tile per (expert, 128 outputs): 96 tiles for w1 at
     # V4-Flash's top-6, too few to stream 100 MB at full bandwidth. The up GEMM on a side
     # lane runs beside the gate GEMM, the two filling the GPU together; joined before the
@@ -204,7 +209,6 @@ def routed_grouped(x, idx, weights, w1, w2, w3, limit: float, rows=None) -> torc
     # Each half of the SwiGLU right after its own GEMM (the gate's on SMs the up GEMM's tiles
     # leave free): three kernels after the later GEMM, not five.
     with side_stream():
-        weights_sorted = _in_expert_order(weights, idx, order)  # [N, 1]
         up = _clamped_up(torch._grouped_mm(rows, w3.transpose(1, 2), offs=ends), limit)  # [N, I]
     gated = _gated(torch._grouped_mm(rows, w1.transpose(1, 2), offs=ends), limit)  # [N, I] fp32
     join_side_stream()

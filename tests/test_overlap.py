@@ -119,9 +119,10 @@ def test_moe_forks_its_shared_expert_weights_and_up_gemm_and_joins_inside_the_st
     x = executor.steps[[s.node.op for s in executor.steps].index("moe")].inputs[0]
     grouped = can_grouped_mm(x, *(executor.bound[f"mtp.0.ffn.experts.stacked.{w}"] for w in ("w1", "w2", "w3")))
     # The shared expert before the router's first kernel, the routing weights after its top-k,
-    # the up GEMM beside the gate GEMM (the gather path joins before it reads the weights).
+    # those weights in expert order, the up GEMM beside the gate GEMM (the gather path joins
+    # before it reads the weights).
     for i in moe_at:
-        assert joined_inside(log, i) == (3 if grouped else 2)
+        assert joined_inside(log, i) == (4 if grouped else 2)
 
 
 def test_attention_forks_its_kv_blocks_and_joins_inside_the_step():
