@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ops import constants
-from ops.overlap import join_side_stream, side_stream
+from ops.overlap import join_side_stream, side_stream, sms_left_for_lanes
 from ops.registry import OpDef, expect, expect_count, expect_rank, register
 from ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
 from runtime.tensor_spec import TensorSpec
@@ -173,6 +173,11 @@ def _sink_softmax(q, keys, hidden, sink, scale: float) -> torch.Tensor:
 
 
 def _attn_impl(inputs, outputs, attrs, workspace):
+    with sms_left_for_lanes():  # its GEMVs leave SMs to the Sinkhorn beside it (ops.overlap)
+        _attend(inputs, outputs, attrs)
+
+
+def _attend(inputs, outputs, attrs):
     x, wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, sink, cache, positions, kv_start, table = inputs
     h, d, r = int(attrs["num_heads"]), int(attrs["head_dim"]), int(attrs["rope_dim"])
     g, n = int(attrs["o_groups"]), d - r

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ops import constants
-from ops.overlap import join_side_stream, side_stream
+from ops.overlap import join_side_stream, side_stream, sms_left_for_lanes
 from ops.registry import OpDef, expect, expect_count, expect_rank, register
 from ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
 from runtime.tensor_spec import TensorSpec
@@ -209,16 +209,22 @@ def routed_grouped(x, idx, weights, w1, w2, w3, limit: float, rows=None) -> torc
     # Each half of the SwiGLU right after its own GEMM (the gate's on SMs the up GEMM's tiles
     # leave free): three kernels after the later GEMM, not five.
     with side_stream():
-        up = _clamped_up(torch._grouped_mm(rows, w3.transpose(1, 2), offs=ends), limit)  # [N, I]
-    gated = _gated(torch._grouped_mm(rows, w1.transpose(1, 2), offs=ends), limit)  # [N, I] fp32
+        up = _clamped_up(_grouped(rows, w3, ends), limit)  # [N, I]
+    gated = _gated(_grouped(rows, w1, ends), limit)  # [N, I] fp32
     join_side_stream()
     act = _weighted_into(weights_sorted, gated.mul_(up), x.dtype)
-    out = torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)  # [N, D], expert order
+    out = _grouped(act, w2, ends)  # [N, D], expert order
     if b == 1:  # every pair is the one row's: sum them as they lie, no permutation back
         return out.sum(0, keepdim=True, dtype=torch.float32)
     # Back to (row, k) order by a permutation (no atomics: the sum over k stays deterministic).
     routed = torch.empty_like(out).index_copy_(0, order, out).view(b, k, -1)  # [B, K, D]
     return routed.sum(1, dtype=torch.float32)
+
+
+def _grouped(rows: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """rows[group e] @ w[e]^T for each expert group (ends: the groups' ends), leaving SMs to the lanes."""
+    with sms_left_for_lanes():  # a persistent GEMM: the Sinkhorn beside it waits otherwise (ops.overlap)
+        return torch._grouped_mm(rows, w.transpose(1, 2), offs=ends)
 
 
 def _in_expert_order(weights: torch.Tensor, idx: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -164,4 +165,35 @@ def join_side_stream() -> None:
         side.wait(side.join_event())
 
 
-__all__ = ["SideStream", "SideWork", "join_side_stream", "lane_priority_enabled", "pick_lane", "side_stream"]
+# SMs a big GEMM leaves free while lanes run (``sms_left_for_lanes``).
+LANE_SMS = 2
+
+
+@contextlib.contextmanager
+def sms_left_for_lanes() -> Iterator[None]:
+    """GEMMs launched inside leave LANE_SMS SMs free, when the executor offers lanes; else nothing.
+
+    Why: a lane's Sinkhorn is 40 one-block kernels in a row, the critical path beside the
+    attention and the MoE. A persistent grouped GEMM keeps a block on every SM for its whole
+    run (40-50 us for an expert weight at V4-Flash B=1), and each of its launches held the
+    next Sinkhorn kernel back that long: ~100 us of stalls beside the MoE in an H200 timeline.
+    torch's grouped GEMM and cuBLAS read the SM carveout when they launch (a capture keeps
+    it); with 2 or 4 SMs left, the B=1 chain replayed in 809-814 us against 818-827 without
+    (benchmarks/h200/ab_carveout_1ef6330.txt). The carveout is global torch state: set for
+    the block only, and put back.
+    """
+    if torch.compiler.is_compiling() or _ACTIVE.get() is None:
+        yield
+        return
+    before = torch._C._get_sm_carveout_experimental()
+    with warnings.catch_warnings():  # torch warns once that the carveout is experimental
+        warnings.simplefilter("ignore")
+        torch._C._set_sm_carveout_experimental(LANE_SMS)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(before)
+
+
+__all__ = ["LANE_SMS", "SideStream", "SideWork", "join_side_stream", "lane_priority_enabled", "pick_lane",
+           "side_stream", "sms_left_for_lanes"]

@@ -200,3 +200,24 @@ def test_a_run_ends_joined_and_a_failing_block_leaves_nothing_pending():
 ])
 def test_a_step_forks_onto_a_lane_without_unjoined_work(lanes, busy, urgent, picked):
     assert pick_lane(lanes, busy, urgent) == picked
+
+
+def test_sms_are_left_for_lanes_only_while_lanes_run_and_always_put_back():
+    import torch
+
+    import ops.overlap as overlap
+
+    get = torch._C._get_sm_carveout_experimental
+    assert get() is None
+    with overlap.sms_left_for_lanes():  # no executor offers lanes: nothing changes
+        assert get() is None
+    token = overlap._ACTIVE.set(object())  # what a step with lanes sees
+    try:
+        with overlap.sms_left_for_lanes():
+            assert get() == overlap.LANE_SMS
+        assert get() is None
+        with pytest.raises(ZeroDivisionError), overlap.sms_left_for_lanes():
+            raise ZeroDivisionError
+        assert get() is None  # put back on the error path too
+    finally:
+        overlap._ACTIVE.reset(token)
