@@ -187,6 +187,17 @@ def routed_grouped(x, idx, weights, w1, w2, w3, limit: float, rows=None) -> torc
     ``rows``: ``one_row_pairs(x, K)`` when x is one row, made ahead (else gathered here).
     """
     b, k = idx.shape
+    pairs, order = routed_grouped_pairs(x, idx, weights, w1, w2, w3, limit, rows)
+    if b == 1:  # every pair is the one row's: sum them as they lie, no permutation back
+        return pairs.sum(0, keepdim=True, dtype=torch.float32)
+    # Back to (row, k) order by a permutation (no atomics: the sum over k stays deterministic).
+    routed = torch.empty_like(pairs).index_copy_(0, order, pairs).view(b, k, -1)  # [B, K, D]
+    return routed.sum(1, dtype=torch.float32)
+
+
+def routed_grouped_pairs(x, idx, weights, w1, w2, w3, limit: float, rows=None):
+    """(w2[e] (w * swiglu) per (row, expert) pair in by-expert order [N, D], that order; None for one row)."""
+    b, k = idx.shape
     # The routing weights in expert order go on the lane, ahead of the up GEMM and off the main
     # stream. For one row they are forked before the group ends: their five small kernels run
     # beside those two, not behind the gate GEMM's tiles, which would hold the up GEMM back.
@@ -213,12 +224,7 @@ def routed_grouped(x, idx, weights, w1, w2, w3, limit: float, rows=None) -> torc
     gated = _gated(_grouped(rows, w1, ends), limit)  # [N, I] fp32
     join_side_stream()
     act = _weighted_into(weights_sorted, gated.mul_(up), x.dtype)
-    out = _grouped(act, w2, ends)  # [N, D], expert order
-    if b == 1:  # every pair is the one row's: sum them as they lie, no permutation back
-        return out.sum(0, keepdim=True, dtype=torch.float32)
-    # Back to (row, k) order by a permutation (no atomics: the sum over k stays deterministic).
-    routed = torch.empty_like(out).index_copy_(0, order, out).view(b, k, -1)  # [B, K, D]
-    return routed.sum(1, dtype=torch.float32)
+    return _grouped(act, w2, ends), (None if b == 1 else order)  # [N, D], expert order
 
 
 def _grouped(rows: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -246,36 +252,42 @@ def routed_gather(x, idx, weights, w1, w2, w3, limit: float) -> torch.Tensor:
     return routed.sum(1, dtype=torch.float32)
 
 
-def shared_expert_beside(x, sw1, sw2, sw3, limit: float) -> torch.Tensor:
-    """shared(x) = sw2 swiglu(sw1 x, sw3 x), [B, D] in x's dtype, queued on the side stream.
+def shared_expert_into(x, sw1, sw2, sw3, limit: float, out: torch.Tensor) -> None:
+    """out = sw2 swiglu(sw1 x, sw3 x), [B, D] in x's dtype, queued on the side stream.
 
     It does not depend on the routing: on the executor's side stream (ops.overlap) its three
-    GEMVs run beside the router and the routed experts; read it after ``join_side_stream()``.
-    The result's bytes come from the main stream, which reads them after the join (a block
-    on the side stream keeps to tensors it allocates itself otherwise).
+    GEMVs run beside the router and the routed experts; read ``out`` after ``join_side_stream()``.
+    ``out`` is the op's output, whose bytes the main stream reads after the join.
     """
-    shared = torch.empty(x.shape[0], sw2.shape[0], dtype=x.dtype, device=x.device)
     with side_stream():
         gate = x @ sw1.t()
         act = _swiglu(gate, x @ sw3.t(), limit, out=torch.empty_like(gate))  # [B, I] in x's dtype
-        torch.mm(act, sw2.t(), out=shared)
-    return shared
+        torch.mm(act, sw2.t(), out=out)
 
 
-def _experts_into(inputs, idx, weights, attrs, out, shared, rows=None):
-    """out = sum_k w2[idx_k] (w_k * swiglu) + shared: idx [B, K] i64, weights [B, K] fp32.
+def _experts_into(inputs, idx, weights, attrs, out, rows=None):
+    """out += sum_k w2[idx_k] (w_k * swiglu): idx [B, K] i64, weights [B, K] fp32.
 
-    ``rows``: the pairs' rows made ahead for one row (``one_row_pairs``), used by the grouped path.
+    ``out`` holds the shared expert (``shared_expert_into``, on the lane); the routed sum is
+    added in fp32 and rounded once. ``rows``: the pairs' rows made ahead for one row
+    (``one_row_pairs``), used by the grouped path.
     """
     x, w1, w2, w3 = inputs[:4]
     limit = float(attrs["swiglu_limit"])
-    if can_grouped_mm(x, w1, w2, w3):
-        total = routed_grouped(x, idx, weights, w1, w2, w3, limit, rows)  # [B, D] fp32
-    else:
+    if not can_grouped_mm(x, w1, w2, w3):
         total = routed_gather(x, idx, weights, w1, w2, w3, limit)
+    elif x.shape[0] == 1:
+        pairs, _ = routed_grouped_pairs(x, idx, weights, w1, w2, w3, limit, rows)  # [K, D]
+        join_side_stream()
+        # One row: its K pairs summed onto the shared expert by one GEMM, ones [1, K] @ pairs,
+        # accumulated in fp32 with out itself (beta = 1) and rounded once: a sum and an add otherwise.
+        out.addmm_(constants.full(pairs.shape[0], 1.0, pairs.dtype, pairs.device).view(1, -1), pairs)
+        return
+    else:
+        total = routed_grouped(x, idx, weights, w1, w2, w3, limit, rows)  # [B, D] fp32
     join_side_stream()
     # The fp32 sum rounds once into out: one add, no fp32 accumulator copied out afterwards.
-    torch.add(total, shared, out=out)
+    torch.add(total, out, out=out)
 
 
 def _renormalised(scores: torch.Tensor, idx: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -310,14 +322,14 @@ def _moe_infer(specs, attrs):
 def _moe_impl(inputs, outputs, attrs, workspace):
     x, gate_w, gate_bias, w1, w2, w3, sw1, sw2, sw3 = inputs
     k = int(attrs["top_k"])
-    shared = shared_expert_beside(x, sw1, sw2, sw3, float(attrs["swiglu_limit"]))
+    shared_expert_into(x, sw1, sw2, sw3, float(attrs["swiglu_limit"]), outputs[0])
     rows = one_row_pairs(x, k) if can_grouped_mm(x, w1, w2, w3) else None
     scores = gate_scores(x, gate_w)  # [B, E]
     # Bias: selection only. Unsorted: the experts are sorted by id next, so the k winners' own
     # sort by score (one more kernel) would be undone.
     idx = torch.topk(scores + gate_bias, k, dim=-1, sorted=False).indices
     weights = _weights_beside(scores, idx, float(attrs["routed_scaling_factor"]))
-    _experts_into((x, w1, w2, w3), idx, weights, attrs, outputs[0], shared, rows)
+    _experts_into((x, w1, w2, w3), idx, weights, attrs, outputs[0], rows)
 
 
 MOE = register(
@@ -351,12 +363,12 @@ def _moe_hash_infer(specs, attrs):
 
 def _moe_hash_impl(inputs, outputs, attrs, workspace):
     x, token, tid2eid, gate_w, w1, w2, w3, sw1, sw2, sw3 = inputs
-    shared = shared_expert_beside(x, sw1, sw2, sw3, float(attrs["swiglu_limit"]))
+    shared_expert_into(x, sw1, sw2, sw3, float(attrs["swiglu_limit"]), outputs[0])
     rows = one_row_pairs(x, tid2eid.shape[1]) if can_grouped_mm(x, w1, w2, w3) else None
     idx = tid2eid.index_select(0, token).long()  # [B, K]
     scores = gate_scores(x, gate_w)
     weights = _weights_beside(scores, idx, float(attrs["routed_scaling_factor"]))
-    _experts_into((x, w1, w2, w3), idx, weights, attrs, outputs[0], shared, rows)
+    _experts_into((x, w1, w2, w3), idx, weights, attrs, outputs[0], rows)
 
 
 MOE_HASH = register(

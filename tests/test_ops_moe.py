@@ -156,6 +156,16 @@ def test_one_row_grouped_path_needs_no_gather_or_unsort():
             assert rel_err(grouped, gathered) < 1e-3, rel_err(grouped, gathered)
 
 
+@pytest.mark.parametrize("op", ["moe", "moe_hash"])
+def test_one_row_op_matches_float64_reference(op):
+    # One row sums its pairs onto the shared expert with one GEMM (out.addmm_): the op's output
+    # must still be the reference's.
+    inputs, attrs = (moe_case if op == "moe" else moe_hash_case)(gen(42), batch=1)
+    (out,) = run_op(op, inputs, attrs)
+    ref = ref_moe(inputs, attrs)[0] if op == "moe" else ref_moe_hash(inputs, attrs)
+    assert out.shape == (1, CFG.hidden_size) and rel_err(out, ref) < 1e-2, rel_err(out, ref)
+
+
 def test_moe_without_grouped_mm_takes_the_gather_path(monkeypatch):
     import ops.moe
 

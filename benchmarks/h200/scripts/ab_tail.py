@@ -9,6 +9,8 @@ timeline of a replay of the chain as it is and with both.
   a masked_fill (two kernels).
 
     python benchmarks/h200/scripts/ab_tail.py OUT_DIR
+
+Run on d28d096 (ab_tail_d28d096.txt); the MoE variant has since followed ops.moe's API.
 """
 
 import os
@@ -32,11 +34,11 @@ from tools.bench_draft import random_weights, time_replays  # noqa: E402
 
 def moe_topk_unsorted(inputs, outputs, attrs, workspace):
     x, gate_w, gate_bias, w1, w2, w3, sw1, sw2, sw3 = inputs
-    shared = ops.moe.shared_expert_beside(x, sw1, sw2, sw3, float(attrs["swiglu_limit"]))
+    ops.moe.shared_expert_into(x, sw1, sw2, sw3, float(attrs["swiglu_limit"]), outputs[0])
     scores = ops.moe.gate_scores(x, gate_w)
     idx = torch.topk(scores + gate_bias, int(attrs["top_k"]), dim=-1, sorted=False).indices
     weights = ops.moe._weights_beside(scores, idx, float(attrs["routed_scaling_factor"]))
-    ops.moe._experts_into((x, w1, w2, w3), idx, weights, attrs, outputs[0], shared)
+    ops.moe._experts_into((x, w1, w2, w3), idx, weights, attrs, outputs[0])
 
 
 def argmax_where(inputs, outputs, attrs, workspace):
