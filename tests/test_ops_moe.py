@@ -109,19 +109,26 @@ def test_moe_hash_routes_by_token_not_by_score():
     assert rel_err(out, ref_moe_hash(inputs, attrs)) < 1e-2
 
 
-def test_grouped_path_runs_on_cpu_and_equals_the_gather_path():
-    # torch >= 2.13 has a CPU _grouped_mm: the op takes the grouped path there, as on sm90.
-    from ops.moe import can_grouped_mm, routed_gather, routed_grouped
+def grouped_case(seed: int, batch: int):
+    """(x, w1, w2, w3, swiglu limit) of a moe case, skipped where this torch has no CPU _grouped_mm."""
+    from ops.moe import can_grouped_mm
 
-    inputs, attrs = moe_case(gen(36), batch=5)
+    inputs, attrs = moe_case(gen(seed), batch=batch)
     x, _, _, w1, w2, w3 = inputs[:6]
     if not can_grouped_mm(x, w1, w2, w3):
         pytest.skip(f"torch {torch.__version__} has no CPU _grouped_mm: the gather path runs")
+    return x, w1, w2, w3, float(attrs["swiglu_limit"])
+
+
+def test_grouped_path_runs_on_cpu_and_equals_the_gather_path():
+    # torch >= 2.13 has a CPU _grouped_mm: the op takes the grouped path there, as on sm90.
+    from ops.moe import routed_gather, routed_grouped
+
+    x, w1, w2, w3, limit = grouped_case(36, batch=5)
     e, k = CFG.n_routed_experts, CFG.num_experts_per_tok
     # Shared experts across rows, a row's experts out of order, most experts unused (empty groups).
     idx = torch.tensor([[3, 1], [1, 3], [e - 1, 0], [3, 0], [1, e - 1]])[:, :k]
     weights = torch.rand(5, k, generator=gen(37)) + 0.5
-    limit = float(attrs["swiglu_limit"])
     grouped = routed_grouped(x, idx, weights, w1, w2, w3, limit)
     gathered = routed_gather(x, idx, weights, w1, w2, w3, limit)
     assert grouped.dtype == gathered.dtype == torch.float32
@@ -135,16 +142,12 @@ def test_grouped_path_runs_on_cpu_and_equals_the_gather_path():
 def test_one_row_grouped_path_needs_no_gather_or_unsort():
     # One row: its pairs' rows are K copies made before the routing, and the sum over k runs in
     # expert order. Both must give the gather path's result, rows made ahead or not.
-    from ops.moe import can_grouped_mm, one_row_pairs, routed_gather, routed_grouped
+    from ops.moe import one_row_pairs, routed_gather, routed_grouped
 
-    inputs, attrs = moe_case(gen(40), batch=1)
-    x, _, _, w1, w2, w3 = inputs[:6]
-    if not can_grouped_mm(x, w1, w2, w3):
-        pytest.skip(f"torch {torch.__version__} has no CPU _grouped_mm: the gather path runs")
+    x, w1, w2, w3, limit = grouped_case(40, batch=1)
     e, k = CFG.n_routed_experts, CFG.num_experts_per_tok
     idx = torch.tensor([[e - 1, 0, 3][:k]])  # out of expert order
     weights = torch.rand(1, k, generator=gen(41)) + 0.5
-    limit = float(attrs["swiglu_limit"])
     rows = one_row_pairs(x, k)
     assert rows.shape == (k, x.shape[1]) and torch.equal(rows, x.expand(k, -1))
     assert one_row_pairs(torch.cat([x, x]), k) is None

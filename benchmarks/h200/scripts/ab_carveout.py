@@ -22,12 +22,12 @@ sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from scratch_common import replay_timeline, warm_torch_proposer  # noqa: E402
+from scratch_common import print_variants  # noqa: E402
 
 from ops.registry import get_op  # noqa: E402
 from runtime.config import V4Config  # noqa: E402
 from runtime.draft_binding import prepare_weights  # noqa: E402
-from tools.bench_draft import random_weights, time_replays  # noqa: E402
+from tools.bench_draft import random_weights  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -65,19 +65,5 @@ cfg = V4Config.flash().replace(max_position_embeddings=4096)
 weights = prepare_weights(cfg, random_weights(cfg, dev), dev)
 B1 = ["base", "moe 2", "moe 4", "moe 2 attn 2", "moe 4 attn 4"]
 CASES = {1: B1 + [f"{n} again" for n in B1], 32: ["base", "moe 2 attn 2"]}
-for batch, names in CASES.items():
-    first = None
-    for name in names:
-        variant(name)
-        prop, ex, d = warm_torch_proposer(cfg, weights, dev, batch)
-        first = d if first is None else first
-        ms, spread = time_replays(ex.replay)
-        ms2, _ = time_replays(ex.replay)
-        print(f"B={batch:2d} {name:20s} replay {ms * 1e3:7.1f} / {ms2 * 1e3:7.1f} us spread {spread:.3f} "
-              f"same drafts {d == first}", flush=True)
-        if batch == 1 and "again" not in name and name in ("base", "moe 2 attn 2"):
-            text = replay_timeline(ex.cuda_graph.replay, out_dir / "trace.json")
-            (out_dir / f"timeline_b1_{name.replace(' ', '_')}.txt").write_text(text + "\n")
-        del prop, ex
-        torch.cuda.empty_cache()
+print_variants(cfg, weights, dev, CASES, variant, width=20, repeats=2, traced=("base", "moe 2 attn 2"), out_dir=out_dir)
 variant("base")

@@ -21,7 +21,7 @@ sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from scratch_common import replay_timeline, warm_torch_proposer  # noqa: E402
+from scratch_common import print_variants  # noqa: E402
 
 import ops.moe  # noqa: E402
 import ops.sampling as sampling  # noqa: E402
@@ -29,7 +29,7 @@ from ops.overlap import join_side_stream, side_stream  # noqa: E402
 from ops.registry import get_op  # noqa: E402
 from runtime.config import V4Config  # noqa: E402
 from runtime.draft_binding import prepare_weights  # noqa: E402
-from tools.bench_draft import random_weights, time_replays  # noqa: E402
+from tools.bench_draft import random_weights  # noqa: E402
 
 
 def moe_topk_unsorted(inputs, outputs, attrs, workspace):
@@ -72,19 +72,5 @@ dev = torch.device("cuda", 0)
 cfg = V4Config.flash().replace(max_position_embeddings=4096)
 weights = prepare_weights(cfg, random_weights(cfg, dev), dev)
 CASES = {1: ["base", "topk unsorted", "where", "both", "base again", "both again"], 32: ["base", "both"]}
-for batch, names in CASES.items():
-    first = None
-    for name in names:
-        variant(name)
-        prop, ex, d = warm_torch_proposer(cfg, weights, dev, batch)
-        first = d if first is None else first
-        ms, spread = time_replays(ex.replay)
-        ms2, _ = time_replays(ex.replay)
-        print(f"B={batch:2d} {name:14s} replay {ms * 1e3:7.1f} / {ms2 * 1e3:7.1f} us spread {spread:.3f} "
-              f"same drafts {d == first}", flush=True)
-        if batch == 1 and "again" not in name and name in ("base", "both"):
-            text = replay_timeline(ex.cuda_graph.replay, out_dir / "trace.json")
-            (out_dir / f"timeline_b1_{name}.txt").write_text(text + "\n")
-        del prop, ex
-        torch.cuda.empty_cache()
+print_variants(cfg, weights, dev, CASES, variant, width=20, repeats=2, traced=("base", "both"), out_dir=out_dir)
 variant("base")

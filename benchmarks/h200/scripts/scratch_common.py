@@ -50,9 +50,12 @@ def warm_torch_proposer(cfg, weights, dev, batch: int):
     return prop, next(iter(prop._executors.values())), d
 
 
-def print_variants(cfg, weights, dev, cases: dict, variant, width: int = 16) -> None:
+def print_variants(cfg, weights, dev, cases: dict, variant, width: int = 16, repeats: int = 1,
+                   traced: tuple = (), out_dir=None) -> None:
     """For each batch and variant name in ``cases`` ({batch: [names]}): ``variant(name)`` puts it in,
-    then one line of its captured replay time and whether its drafts equal the batch's first."""
+    then one line of its captured replay time (``repeats`` timings) and whether its drafts equal
+    the batch's first. A B=1 variant named in ``traced`` also writes its replay's kernel timeline
+    to ``out_dir``/timeline_b1_<name>.txt."""
     from tools.bench_draft import time_replays
 
     for batch, names in cases.items():
@@ -61,10 +64,13 @@ def print_variants(cfg, weights, dev, cases: dict, variant, width: int = 16) -> 
             variant(name)
             prop, ex, d = warm_torch_proposer(cfg, weights, dev, batch)
             first = d if first is None else first
-            ms, spread = time_replays(ex.replay)
-            same = d == first
-            print(f"B={batch:2d} {name:{width}s} replay {ms * 1e3:7.1f} us spread {spread:.3f} same drafts {same}",
+            times = [time_replays(ex.replay) for _ in range(repeats)]
+            replay = " / ".join(f"{ms * 1e3:7.1f}" for ms, _ in times)
+            print(f"B={batch:2d} {name:{width}s} replay {replay} us spread {times[0][1]:.3f} same drafts {d == first}",
                   flush=True)
+            if batch == 1 and name in traced:
+                text = replay_timeline(ex.cuda_graph.replay, out_dir / "trace.json")
+                (out_dir / f"timeline_b1_{name.replace(' ', '_')}.txt").write_text(text + "\n")
             del prop, ex
             torch.cuda.empty_cache()
 

@@ -7,14 +7,15 @@ A scratch script kept for the numbers it gave. The timeline comes from a torch.p
 of the third of three replays through torch's exec (the profiler slows the raw launch).
 """
 
-import json
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from scratch_common import replay_timeline  # noqa: E402
 
 from runtime.config import V4Config  # noqa: E402
 from runtime.draft_binding import prepare_weights  # noqa: E402
@@ -39,29 +40,6 @@ def build(k=1):
     return prop, next(iter(prop._executors.values())), d
 
 
-def timeline(launch, path: Path) -> str:
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        launch()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(3):
-            launch()
-        torch.cuda.synchronize()
-    p.export_chrome_trace(str(path))
-    events = json.loads(path.read_text())["traceEvents"]
-    path.unlink()
-    ks = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e), key=lambda e: e["ts"])
-    per = len(ks) // 3
-    ks = ks[2 * per:]
-    t0 = ks[0]["ts"]
-    lines = [f"{len(ks)} kernels, {max(e['ts'] + e['dur'] for e in ks) - t0:.1f} us; start dur stream name"]
-    for e in ks:
-        lines.append(f"{e['ts'] - t0:8.1f} {e['dur']:6.1f} s{e.get('tid', '?')!s:>4} {e['name'][:90]}")
-    return "\n".join(lines)
-
-
 # (name, environment, trace): variants switched by environment variables, when a change has one.
 VARIANTS = [
     ("base", {}, True),
@@ -80,7 +58,7 @@ for name, env, trace in VARIANTS:
     print(f"{name:26s} replay {ms*1e3:7.1f} / {ms2*1e3:7.1f} us spread {spread:.3f}  "
           f"drafts {'same' if d == ref else d}", flush=True)
     if trace:
-        text = timeline(ex.cuda_graph.replay, out_dir / "trace.json")
+        text = replay_timeline(ex.cuda_graph.replay, out_dir / "trace.json")
         (out_dir / f"timeline_{name.replace(' ', '_').replace('+', 'and')}.txt").write_text(text + "\n")
     del prop, ex
     torch.cuda.empty_cache()
