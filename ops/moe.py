@@ -176,18 +176,15 @@ def group_ends(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
 def one_row_pairs(x: torch.Tensor, k: int) -> torch.Tensor | None:
     """For one row, its K (row, expert) pairs' rows, [K, D]: K copies of x, whatever the order; else None.
 
-    Made before the routing, so the routed experts' chain has no gather of rows after the sort.
+    One copy that needs no routing: the chain has no gather of rows after a sort.
     """
     return x.expand(k, x.shape[1]).contiguous() if x.shape[0] == 1 else None
 
 
-def routed_grouped(x, idx, weights, w1, w2, w3, limit: float, rows=None) -> torch.Tensor:
-    """sum_k w2[idx_k] (w_k * swiglu(w1[idx_k] x, w3[idx_k] x)) by grouped GEMMs: [B, D] fp32.
-
-    ``rows``: ``one_row_pairs(x, K)`` when x is one row, made ahead (else gathered here).
-    """
+def routed_grouped(x, idx, weights, w1, w2, w3, limit: float) -> torch.Tensor:
+    """sum_k w2[idx_k] (w_k * swiglu(w1[idx_k] x, w3[idx_k] x)) by grouped GEMMs: [B, D] fp32."""
     b, k = idx.shape
-    pairs, order = routed_grouped_pairs(x, idx, weights, w1, w2, w3, limit, rows)
+    pairs, order = routed_grouped_pairs(x, idx, weights, w1, w2, w3, limit)
     if b == 1:  # every pair is the one row's: sum them as they lie, no permutation back
         return pairs.sum(0, keepdim=True, dtype=torch.float32)
     # Back to (row, k) order by a permutation (no atomics: the sum over k stays deterministic).
@@ -195,7 +192,7 @@ def routed_grouped(x, idx, weights, w1, w2, w3, limit: float, rows=None) -> torc
     return routed.sum(1, dtype=torch.float32)
 
 
-def routed_grouped_pairs(x, idx, weights, w1, w2, w3, limit: float, rows=None):
+def routed_grouped_pairs(x, idx, weights, w1, w2, w3, limit: float):
     """(w2[e] (w * swiglu) per (row, expert) pair in by-expert order [N, D], that order; None for one row)."""
     b, k = idx.shape
     # The routing weights in expert order go on the lane, ahead of the up GEMM and off the main
@@ -204,7 +201,7 @@ def routed_grouped_pairs(x, idx, weights, w1, w2, w3, limit: float, rows=None):
     if b == 1:
         # One row: its pairs' rows are all x, so the GEMMs need only the group ends (two small
         # kernels), not the pairs' order (a sort: six); the weights go to their ranks.
-        rows = one_row_pairs(x, k) if rows is None else rows
+        rows = one_row_pairs(x, k)
         with side_stream():
             weights_sorted = _in_expert_order(weights, idx, None)  # [K, 1]
         ends = group_ends(idx, w1.shape[0])
@@ -265,26 +262,25 @@ def shared_expert_into(x, sw1, sw2, sw3, limit: float, out: torch.Tensor) -> Non
         torch.mm(act, sw2.t(), out=out)
 
 
-def _experts_into(inputs, idx, weights, attrs, out, rows=None):
+def _experts_into(inputs, idx, weights, attrs, out):
     """out += sum_k w2[idx_k] (w_k * swiglu): idx [B, K] i64, weights [B, K] fp32.
 
     ``out`` holds the shared expert (``shared_expert_into``, on the lane); the routed sum is
-    added in fp32 and rounded once. ``rows``: the pairs' rows made ahead for one row
-    (``one_row_pairs``), used by the grouped path.
+    added in fp32 and rounded once.
     """
     x, w1, w2, w3 = inputs[:4]
     limit = float(attrs["swiglu_limit"])
     if not can_grouped_mm(x, w1, w2, w3):
         total = routed_gather(x, idx, weights, w1, w2, w3, limit)
     elif x.shape[0] == 1:
-        pairs, _ = routed_grouped_pairs(x, idx, weights, w1, w2, w3, limit, rows)  # [K, D]
+        pairs, _ = routed_grouped_pairs(x, idx, weights, w1, w2, w3, limit)  # [K, D]
         join_side_stream()
         # One row: its K pairs summed onto the shared expert by one GEMM, ones [1, K] @ pairs,
         # accumulated in fp32 with out itself (beta = 1) and rounded once: a sum and an add otherwise.
         out.addmm_(constants.full(pairs.shape[0], 1.0, pairs.dtype, pairs.device).view(1, -1), pairs)
         return
     else:
-        total = routed_grouped(x, idx, weights, w1, w2, w3, limit, rows)  # [B, D] fp32
+        total = routed_grouped(x, idx, weights, w1, w2, w3, limit)  # [B, D] fp32
     join_side_stream()
     # The fp32 sum rounds once into out: one add, no fp32 accumulator copied out afterwards.
     torch.add(total, out, out=out)
@@ -323,13 +319,12 @@ def _moe_impl(inputs, outputs, attrs, workspace):
     x, gate_w, gate_bias, w1, w2, w3, sw1, sw2, sw3 = inputs
     k = int(attrs["top_k"])
     shared_expert_into(x, sw1, sw2, sw3, float(attrs["swiglu_limit"]), outputs[0])
-    rows = one_row_pairs(x, k) if can_grouped_mm(x, w1, w2, w3) else None
     scores = gate_scores(x, gate_w)  # [B, E]
     # Bias: selection only. Unsorted: the experts are sorted by id next, so the k winners' own
     # sort by score (one more kernel) would be undone.
     idx = torch.topk(scores + gate_bias, k, dim=-1, sorted=False).indices
     weights = _weights_beside(scores, idx, float(attrs["routed_scaling_factor"]))
-    _experts_into((x, w1, w2, w3), idx, weights, attrs, outputs[0], rows)
+    _experts_into((x, w1, w2, w3), idx, weights, attrs, outputs[0])
 
 
 MOE = register(
@@ -364,11 +359,10 @@ def _moe_hash_infer(specs, attrs):
 def _moe_hash_impl(inputs, outputs, attrs, workspace):
     x, token, tid2eid, gate_w, w1, w2, w3, sw1, sw2, sw3 = inputs
     shared_expert_into(x, sw1, sw2, sw3, float(attrs["swiglu_limit"]), outputs[0])
-    rows = one_row_pairs(x, tid2eid.shape[1]) if can_grouped_mm(x, w1, w2, w3) else None
     idx = tid2eid.index_select(0, token).long()  # [B, K]
     scores = gate_scores(x, gate_w)
     weights = _weights_beside(scores, idx, float(attrs["routed_scaling_factor"]))
-    _experts_into((x, w1, w2, w3), idx, weights, attrs, outputs[0], rows)
+    _experts_into((x, w1, w2, w3), idx, weights, attrs, outputs[0])
 
 
 MOE_HASH = register(

@@ -140,8 +140,8 @@ def test_grouped_path_runs_on_cpu_and_equals_the_gather_path():
 
 
 def test_one_row_grouped_path_needs_no_gather_or_unsort():
-    # One row: its pairs' rows are K copies made before the routing, and the sum over k runs in
-    # expert order. Both must give the gather path's result, rows made ahead or not.
+    # One row: its pairs' rows are K copies of x (no gather after a sort), and the sum over k
+    # runs in expert order. Both must give the gather path's result.
     from ops.moe import one_row_pairs, routed_gather, routed_grouped
 
     x, w1, w2, w3, limit = grouped_case(40, batch=1)
@@ -153,10 +153,9 @@ def test_one_row_grouped_path_needs_no_gather_or_unsort():
     assert one_row_pairs(torch.cat([x, x]), k) is None
     for experts in (idx, torch.tensor([[3] * k])):  # out of order; one expert twice (a hash table may)
         gathered = routed_gather(x, experts, weights, w1, w2, w3, limit)
-        for ahead in (rows, None):
-            grouped = routed_grouped(x, experts, weights, w1, w2, w3, limit, ahead)
-            assert grouped.shape == (1, x.shape[1]) and grouped.dtype == torch.float32
-            assert rel_err(grouped, gathered) < 1e-3, rel_err(grouped, gathered)
+        grouped = routed_grouped(x, experts, weights, w1, w2, w3, limit)
+        assert grouped.shape == (1, x.shape[1]) and grouped.dtype == torch.float32
+        assert rel_err(grouped, gathered) < 1e-3, rel_err(grouped, gathered)
 
 
 @pytest.mark.parametrize("op", ["moe", "moe_hash"])
