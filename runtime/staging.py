@@ -102,6 +102,9 @@ class ChainStaging:
         readable = self._device_index is None or raw_copy.is_device_addressable(self.host_buf)
         self._stage = rows.stage_from_host if rows is not None and readable else None
         self._num_addresses = 0  # rows holding an address (the rest are 0: padding, gathered as zeros)
+        # (base, step, n) of the hiddens tensor whose row addresses the buffer holds, None when a
+        # list's: a stage of the same rows rewrites nothing (design note "incremental staging").
+        self._span_written: tuple[int, int, int] | None = None
         self._kept: list[torch.Tensor] = []  # contiguous copies of strided hiddens, alive until the next stage
         self._chain_inputs: dict[int | None, Mapping[str, torch.Tensor]] = {}
         self._read_bufs: dict[tuple, torch.Tensor] = {}  # pinned host copies of outputs, per (shape, dtype)
@@ -261,9 +264,13 @@ class ChainStaging:
         """
         self._kept.clear()
         if isinstance(hiddens, torch.Tensor):
-            addresses = self._block_addresses(hiddens)
+            span = self._block_span(hiddens)
+            if span == self._span_written:  # the rows the last stage wrote (a serving loop's own buffer)
+                return
+            base, step, n = span
+            addresses = range(base, base + n * step, step) if step else [base] * n
         else:
-            addresses = []
+            span, addresses = None, []
             for hidden in hiddens:
                 if not hidden.is_contiguous():
                     hidden = hidden.contiguous()
@@ -277,21 +284,22 @@ class ChainStaging:
             self._mem[self._address_at + 8 * n : self._address_at + 8 * n + stale] = bytes(stale)
         self._num_addresses = n
         self._num_hiddens = n  # the gather writes every row: the rest become zeros
+        self._span_written = span
 
-    def _block_addresses(self, block: torch.Tensor) -> Sequence[int]:
-        """The row addresses of an [n, ...] hiddens tensor: base + i * row stride, no call per row.
+    def _block_span(self, block: torch.Tensor) -> tuple[int, int, int]:
+        """(base, row step in bytes, n) of an [n, ...] hiddens tensor: its rows are base + i * step.
 
         Rows apart but each contiguous (a slice with a step) are read where they are; a block
         whose rows are strided inside is made contiguous once and kept as a strided hidden is.
+        A step of 0 is an expanded row: every address the same.
         """
         if block.stride()[1:] == self._row_strides:
-            step = block.stride(0) * block.element_size()  # 0 for an expanded row: every address the same
+            step = block.stride(0) * block.element_size()
         else:
             block = block.contiguous()
             self._kept.append(block)
             step = self._row_bytes
-        base, n = block.data_ptr(), block.shape[0]
-        return range(base, base + n * step, step) if step else [base] * n
+        return block.data_ptr(), step, block.shape[0]
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self._device_index is None:

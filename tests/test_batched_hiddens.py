@@ -202,3 +202,32 @@ def test_a_tensor_gives_row_addresses_by_arithmetic_and_the_gather_reads_its_row
     assert st._kept == [] and st.host["hidden_address"].tolist()[1:] == [0, 0, 0]
     gather(st)
     assert torch.equal(st.hidden_buf[0], only[0]) and not st.hidden_buf[1:].any()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs where there is no CUDA")
+def test_the_same_tensor_again_keeps_its_addresses_and_anything_else_rewrites_them():
+    # A serving loop stages its own hiddens buffer every step: its row addresses are written once.
+    # Every other stage (a list, another tensor, fewer rows) must leave exactly its own addresses.
+    pytest.importorskip("triton")
+    st, _ = staging_pair(4, gather_hiddens=True)
+    row_bytes = 2 * 3 * 2
+    first, other = torch.randn(3, 2, 3).bfloat16(), torch.randn(3, 2, 3).bfloat16()
+    listed = [torch.randn(2, 3).bfloat16() for _ in range(3)]
+    rows = [(p, 0, [i]) for i, p in enumerate((3, 5, 7))]
+
+    def staged(hiddens, n=3) -> list[int]:
+        st.stage(rows[:n], [1] * n, hiddens, 100, copy_in=False)
+        st._is_copy_pending = False  # what the replay's read-back does (no replay here)
+        return st.host["hidden_address"].tolist()
+
+    def block_addresses(block, n=3) -> list[int]:
+        return [block.data_ptr() + i * row_bytes for i in range(n)] + [0] * (4 - n)
+
+    assert staged(first) == block_addresses(first)
+    first.normal_()  # new values in the same rows: the same addresses
+    assert staged(first) == block_addresses(first)
+    assert staged(listed) == [h.data_ptr() for h in listed] + [0]
+    assert staged(first) == block_addresses(first)  # rewritten after the list
+    assert staged(other) == block_addresses(other)
+    assert staged(other[:2], n=2) == block_addresses(other, n=2)
+    assert staged(other) == block_addresses(other)
