@@ -14,7 +14,6 @@ lane form: that run is six timings of one form, the noise of a replay time acros
 """
 
 import contextlib
-import json
 import os
 import sys
 import tempfile
@@ -25,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 from ab_combine import five_nodes  # noqa: E402
-from scratch_common import warm_torch_proposer  # noqa: E402
+from scratch_common import profiled_kernels, warm_torch_proposer  # noqa: E402
 
 import graphs.draft_chain as chain  # noqa: E402
 import ops.attention  # noqa: E402
@@ -78,19 +77,7 @@ def variant(name):
 
 
 def first_kernels(replay, n=8) -> list[str]:
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        replay()
-        torch.cuda.synchronize()
-    path = Path(tempfile.mkdtemp()) / "trace.json"
-    p.export_chrome_trace(str(path))
-    events = json.loads(path.read_text())["traceEvents"]
-    ks = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
-                key=lambda e: e["ts"])
+    ks = profiled_kernels(replay, Path(tempfile.mkdtemp()) / "trace.json")
     t0 = ks[0]["ts"]
     return [f"    {e['ts'] - t0:7.1f} {e['dur']:5.1f} s{e.get('tid', '?')!s:>4} {e['name'][:70]}" for e in ks[:n]]
 

@@ -5,14 +5,15 @@
 A scratch script kept for the numbers it gave (lane_priority_e3096ef.txt).
 """
 
-import json
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from scratch_common import profiled_kernels  # noqa: E402
 
 from runtime.config import V4Config  # noqa: E402
 from runtime.draft_binding import prepare_weights  # noqa: E402
@@ -35,18 +36,7 @@ def build(k=1):
     return prop, next(iter(prop._executors.values())), d
 
 def lm_head_start(ex, launch):
-    from torch.profiler import ProfilerActivity, profile
-    for _ in range(3):
-        launch()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        launch()
-        torch.cuda.synchronize()
-    path = Path(os.environ.get("OUT", ".")) / "trace_tmp.json"
-    p.export_chrome_trace(str(path))
-    events = json.loads(path.read_text())["traceEvents"]
-    ks = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e]
-    ks.sort(key=lambda e: e["ts"])
+    ks = profiled_kernels(launch, Path(os.environ.get("OUT", ".")) / "trace_tmp.json")
     t0 = ks[0]["ts"]
     lm = next(e for e in ks if "nvjet_sm90_tss_128x8" in e["name"])
     end = max(e["ts"] + e["dur"] for e in ks)

@@ -75,26 +75,32 @@ def print_variants(cfg, weights, dev, cases: dict, variant, width: int = 16, rep
             torch.cuda.empty_cache()
 
 
-def replay_timeline(replay, path) -> str:
-    """The kernels of one replay (the third of three under torch.profiler), a line each:
-    start us, duration us, stream, name; ``path`` is a scratch file for the trace."""
+def profiled_kernels(launch, path, replays: int = 1) -> list[dict]:
+    """The kernel and copy events of the last of ``replays`` launches under torch.profiler (after
+    three unprofiled ones), sorted by start; ``path`` is a scratch file for the trace."""
     import json
 
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
-        replay()
+        launch()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(3):
-            replay()
+        for _ in range(replays):
+            launch()
         torch.cuda.synchronize()
     p.export_chrome_trace(str(path))
     events = json.loads(path.read_text())["traceEvents"]
     path.unlink()
     ks = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
                 key=lambda e: e["ts"])
-    ks = ks[2 * (len(ks) // 3):]
+    return ks[(replays - 1) * (len(ks) // replays):]
+
+
+def replay_timeline(replay, path) -> str:
+    """The kernels of one replay (the third of three under torch.profiler), a line each:
+    start us, duration us, stream, name; ``path`` is a scratch file for the trace."""
+    ks = profiled_kernels(replay, path, replays=3)
     t0 = ks[0]["ts"]
     lines = [f"{len(ks)} kernels, {max(e['ts'] + e['dur'] for e in ks) - t0:.1f} us; start dur stream name"]
     lines += [f"{e['ts'] - t0:8.1f} {e['dur']:6.1f} s{e.get('tid', '?')!s:>4} {e['name'][:90]}" for e in ks]
