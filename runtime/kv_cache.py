@@ -187,6 +187,15 @@ class PagedLatentCache:
         return len(self._state)
 
     @property
+    def block_states(self) -> list[int]:
+        """FREE / OWNED / LOOSE per physical block: the pool's own list, to read, never to write.
+
+        Read as it is by the one-pass held test of a propose (:mod:`runtime.decode_pass`), where a
+        copy or a call per row would cost what the pass saves.
+        """
+        return self._state
+
+    @property
     def num_free_blocks(self) -> int:
         with self._lock:
             return len(self._free)
@@ -245,20 +254,26 @@ class PagedLatentCache:
                 added[i] = new
             return added
 
-    def ensure_unheld(self, tables: list[BlockTable], first_positions: list[int],
-                      num_positions: int) -> list[tuple[int, int, list[int]]]:
+    def ensure_unheld(self, tables: list[BlockTable], first_positions: list[int], num_positions: int,
+                      rows: list[int] | None = None) -> list[tuple[int, int, list[int]]]:
         """``ensure_batch`` of the ranges ``p .. p + num_positions - 1`` of tables the caller proved distinct.
 
         A propose's host path: what it needs back is an undo record for each row that got blocks,
         (row, the table's length before, the new ids), and [] when every row is held (design note
-        "held rows"), the usual step. Raises as ``ensure_batch`` does, and then changes nothing.
+        "held rows"), the usual step. ``rows``: the only rows that may be unheld, when the caller
+        found the others held in its own pass (:mod:`runtime.decode_pass`). Raises as
+        ``ensure_batch`` does, and then changes nothing.
         """
         span = num_positions - 1
         last_positions = [p + span for p in first_positions] if span else first_positions
-        if first_positions and (span < 0 or min(first_positions) < 0 or max(last_positions) >= self.max_seq_len):
-            self._check_ranges(first_positions, last_positions)  # raises for the first bad range
+        candidates = range(len(tables)) if rows is None else rows
+        firsts, lasts = (first_positions, last_positions) if rows is None else (
+            [first_positions[i] for i in rows], [last_positions[i] for i in rows])
+        if firsts and (span < 0 or min(firsts) < 0 or max(lasts) >= self.max_seq_len):
+            self._check_ranges(firsts, lasts)  # raises for the first bad range
         with self._lock:
-            todo = self._unheld_rows(tables, first_positions, last_positions)
+            found = self._unheld_rows(tables if rows is None else [tables[i] for i in rows], firsts, lasts)
+            todo = found if rows is None else [candidates[i] for i in found]
             if not todo:
                 return []
             lengths = [len(tables[i].blocks) for i in todo]

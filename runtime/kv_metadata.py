@@ -187,7 +187,7 @@ def _raise_row_error(i: int, pos: int, kv_start: int, blocks: list[int], block_s
     )
 
 
-_SCALARS = struct.Struct("<qqii")  # pos, slot, seq_len, kv_start at POS_OFFSET..KV_START_OFFSET + 4
+SCALARS = struct.Struct("<qqii")  # pos, slot, seq_len, kv_start at POS_OFFSET..KV_START_OFFSET + 4
 _DEAD_TABLE = None  # a row's record while it is padding: all -1, nothing staged
 
 
@@ -213,6 +213,8 @@ class MetadataWriter:
         self._i32 = buf.numpy().view(np.int32)  # [B, row_bytes / 4]
         self._mem = memoryview(buf.numpy().reshape(-1))
         self._tables: list[tuple[int, Sequence[int]] | None] = []
+        self._scalars = self._i32[:, : KV_START_OFFSET // 4 + 1]  # [B, 6] int32: pos, slot, seq_len, kv_start
+        self._saved: tuple[np.ndarray, list] = (np.empty_like(self._scalars), [])
         self.reset()
 
     def reset(self) -> None:
@@ -231,17 +233,55 @@ class MetadataWriter:
             raise InputError(describe("pack_metadata out", f"uint8 [>= {len(rows)}, {width}]",
                                       f"torch.uint8[{self.batch}, {width}]"))
         try:
-            self._write_rows(rows)
-            for i in range(len(rows), self.batch):
-                self._write_dead(i)
+            self.write_rows_at(range(len(rows)), rows)
+            self.write_padding_from(len(rows))
         except BaseException:
             self.reset()  # the records may no longer say what the buffer holds
             raise
 
-    def _write_rows(self, rows: Sequence[CheckedRow | None]) -> None:
-        mem, row_bytes, pack, window = self._mem, self._row_bytes, _SCALARS.pack_into, self.window
+    def save(self) -> None:
+        """Remember what the rows hold now; :meth:`restore` puts it back (a batch refused after writing).
+
+        ~1 us: the rows' scalars (one strided numpy copy) and the list of table records (the
+        records are replaced, never changed in place).
+        """
+        scalars, _ = self._saved
+        np.copyto(scalars, self._scalars)
+        self._saved = (scalars, self._tables.copy())
+
+    def restore(self) -> None:
+        """The rows as :meth:`save` found them: every scalar, and every block table written since."""
+        scalars, tables = self._saved
+        np.copyto(self._scalars, scalars)
+        for i, (now, then) in enumerate(zip(self._tables, tables)):
+            if now is not then:
+                if then is _DEAD_TABLE:
+                    self._clear_table(i)
+                    self._tables[i] = _DEAD_TABLE
+                else:
+                    self.write_table(i, *then)
+
+    def write_padding_from(self, first: int) -> None:
+        """Rows ``first`` .. the end become padding (rows that are padding already cost a check)."""
+        for i in range(first, self.batch):
+            self._write_dead(i)
+
+    def row_sink(self) -> tuple[memoryview, int, list]:
+        """(buffer bytes, row bytes, per-row table records) for the one other writer of rows.
+
+        :mod:`runtime.decode_pass` writes the usual decode batch's rows inline, in the loop that
+        checks them (a call per row costs what the pass saves). It writes exactly what
+        :meth:`write_rows_at` writes and keeps the records as it does, calling
+        :meth:`write_table` when a row's staged entries moved; the equality of the bytes is
+        tested (``tests/test_decode_pass.py``).
+        """
+        return self._mem, self._row_bytes, self._tables
+
+    def write_rows_at(self, indices: Sequence[int], rows: Sequence[CheckedRow | None]) -> None:
+        """Checked rows (from :func:`check_rows`) at rows ``indices`` of the buffer; the others stay."""
+        mem, row_bytes, pack, window = self._mem, self._row_bytes, SCALARS.pack_into, self.window
         written = self._tables
-        for i, row in enumerate(rows):  # inline, not a call per row: a propose stages B rows each time
+        for i, row in zip(indices, rows):  # inline, not a call per row: a propose stages B rows each time
             if row is None:
                 self._write_dead(i)
                 continue
@@ -254,9 +294,9 @@ class MetadataWriter:
                 lo = (kv_start if kv_start > oldest else oldest) // block_size
             table = written[i]
             if table is _DEAD_TABLE or table[0] != lo or table[1] != blocks[lo:]:
-                self._write_table(i, lo, blocks[lo:])
+                self.write_table(i, lo, blocks[lo:])
 
-    def _write_table(self, i: int, lo: int, entries: list[int]) -> None:
+    def write_table(self, i: int, lo: int, entries: list[int]) -> None:
         """Row ``i``'s block table: ``entries`` from entry ``lo`` on, -1 elsewhere."""
         self._clear_table(i)
         if entries:
@@ -267,7 +307,7 @@ class MetadataWriter:
     def _write_dead(self, i: int) -> None:
         if self._tables[i] is _DEAD_TABLE:
             return
-        _SCALARS.pack_into(self._mem, i * self._row_bytes, 0, -1, 0, 1)
+        SCALARS.pack_into(self._mem, i * self._row_bytes, 0, -1, 0, 1)
         self._clear_table(i)
         self._tables[i] = _DEAD_TABLE
 

@@ -36,10 +36,12 @@ from graphs.v4_block import CacheGeometry, block_interface
 from ops.draft_gate import CUT
 from ops.kernels import check_kernels
 from runtime.config import V4Config
+from runtime.decode_pass import kv_start_after, stage_unheld_rows, stage_usual_batch
 from runtime.draft_binding import DraftBinding, prepare_weights
 from runtime.errors import InputError, describe
 from runtime.executor import EagerExecutor, concrete_device
 from runtime.kv_cache import BlockTable, PagedLatentCache
+from runtime.kv_metadata import check_rows
 from runtime.proposer_checks import (
     check_batch,
     check_bitmask,
@@ -213,27 +215,37 @@ class DeepseekV4MtpProposer:
         n = len(tokens)
         vocab, shape, words = self._propose_constants()
         k = check_num_drafts(num_drafts, self.options.max_num_drafts)
-        states = check_states(states, self.id)
-        tables = [state.table for state in states]
-        are_distinct = self._are_tables_distinct(states, tables)
-        tokens = check_tokens(tokens, vocab)
-        positions = check_positions(positions, k, states)
-        hiddens = check_hiddens(hiddens, shape, self.device, n)  # a list, or one [n, ...] tensor
-        mask = self._checked_mask(bitmask, words)
         bucket = self._bucket(n)
-        # All checks passed: allocate blocks for every sequence, all or nothing.
+        staging = self._staging_for(bucket)
+        staging.wait_for_copy()  # the host buffer is written from here on
+        # Design note "one pass" (runtime.decode_pass): the usual batch is checked and its rows
+        # staged in one loop; anything else goes item by item, as it always did.
+        usual = stage_usual_batch(staging.writer, self.cache, states, tokens, positions, k, self.id, vocab)
         undo: list[tuple] = []
+        if usual is None:
+            states = check_states(states, self.id)
+            tables = [state.table for state in states]
+            are_distinct = self._are_tables_distinct(states, tables)
+            tokens = check_tokens(tokens, vocab)
+            positions = check_positions(positions, k, states)
         try:
-            undo = self._ensure_undoable(states, tables, positions, k, are_distinct)
-            rows = self._checked_rows(states, positions, tables)
-            are_rows_checked = rows is not None
-            if not are_rows_checked:  # a row the staging's checks refuse: they raise its error
-                rows = self._metadata_rows(states, positions, tables)
+            hiddens = check_hiddens(hiddens, shape, self.device, n)  # a list, or one [n, ...] tensor
+            mask = self._checked_mask(bitmask, words)
+            # All checks passed: allocate blocks for every sequence, all or nothing.
+            if usual is None:
+                undo = self._ensure_undoable(states, tables, positions, k, are_distinct)
+                self._stage_rows(staging, states, positions, tables)
+            else:
+                tables = usual.tables
+                if usual.unheld:
+                    undo = self._ensure_undoable(states, tables, positions, k, rows=usual.unheld)
+                    if not stage_unheld_rows(staging.writer, usual, states, positions):
+                        self._stage_rows(staging, states, positions, tables)  # raises the row's error
+                staging.writer.write_padding_from(n)
             start = time.perf_counter()
             executor = self._executor(bucket, k, mask is not None)
-            staging = self._staging_for(bucket)
-            staging.stage(rows, tokens, hiddens, self._vocab_limit(), [mask] * n if mask is not None else None,
-                          copy_in=not getattr(executor, "copies_staging", False), rows_checked=are_rows_checked)
+            staging.stage_after_rows(tokens, hiddens, self._vocab_limit(), [mask] * n if mask is not None else None,
+                                     copy_in=not getattr(executor, "copies_staging", False))
             if self.options.poison_arena:
                 executor.poison()
             outputs = executor.run(staging.chain_inputs(words if mask is not None else None), check=False)
@@ -244,12 +256,15 @@ class DeepseekV4MtpProposer:
         except BaseException:
             for record in reversed(undo):
                 self._undo_ensure(*record)
+            if usual is not None:  # the rows the pass staged, as they were (once no copy reads them)
+                staging.wait_for_copy()
+                staging.writer.restore()
             raise
         drafted = drafts.tolist()
         if is_gated(self.options.draft_conf_tau, k):  # a cut draft is -1, and so are all after it
             drafted = [row[: row.index(CUT)] if CUT in row else row for row in drafted]
-        for state, p, (_, kv_start, *_), row in zip(states, positions, rows, drafted):
-            state.kv_start, state.seq_len, state.last_num_drafted = kv_start, p + len(row), len(row)
+        for state, p, row in zip(states, positions, drafted):
+            state.kv_start, state.seq_len, state.last_num_drafted = kv_start_after(state, p), p + len(row), len(row)
             if len(row) < k:  # the blocks ensured for the drafts the chain did not make go back
                 self.cache.truncate(state.table, state.seq_len)
         self.cache.trim_windows(tables, positions)
@@ -301,6 +316,15 @@ class DeepseekV4MtpProposer:
             raise InputError(describe("states", "distinct states", "the same state twice"))
         return False
 
+    def _stage_rows(self, staging: ChainStaging, states: list[MtpProposerState], positions: list[int],
+                    tables: list[BlockTable]) -> None:
+        """Stage every row's metadata (the general path)."""
+        rows = self._checked_rows(states, positions, tables)
+        are_rows_checked = rows is not None
+        if not are_rows_checked:  # a row the staging's checks refuse: they raise its error
+            rows = self._metadata_rows(states, positions, tables)
+        staging.writer.write(rows if are_rows_checked else check_rows(rows, staging.max_blocks))
+
     def _checked_rows(self, states: list[MtpProposerState], positions: list[int],
                       tables: list[BlockTable]) -> list | None:
         """``_metadata_rows`` in ``check_rows``' form, checked as it does, or None when a row fails.
@@ -309,10 +333,8 @@ class DeepseekV4MtpProposer:
         rows' types instead of check_rows' general one. None leaves the error to the staging's checks.
         """
         max_blocks, rows = self.geometry.max_blocks_per_seq, []
-        for state, p, table in zip(states, positions, tables):  # inline: a propose stages B rows each time
-            kv_start = state.kv_start
-            if not kv_start <= p <= state.seq_len:
-                kv_start = p
+        for state, p, table in zip(states, positions, tables):
+            kv_start = kv_start_after(state, p)
             blocks, block_size = table.blocks, table.block_size
             j = p // block_size
             if kv_start < 0 or type(blocks) is not list or not j < len(blocks) <= max_blocks or blocks[j] < 0:
@@ -322,15 +344,11 @@ class DeepseekV4MtpProposer:
 
     @staticmethod
     def _metadata_rows(states: list[MtpProposerState], positions: list[int], tables: list[BlockTable]) -> list:
-        """(p, kv_start after this propose, table) per sequence: the rows to stage.
-
-        A propose continuing the state's rows (kv_start <= p <= seq_len) keeps its kv_start; one
-        that jumps ahead, or back before them, starts the rows afresh at p.
-        """
-        return [(p, s.kv_start if s.kv_start <= p <= s.seq_len else p, t) for s, p, t in zip(states, positions, tables)]
+        """(p, kv_start after this propose, table) per sequence: the rows to stage (``kv_start_after``)."""
+        return [(p, kv_start_after(s, p), t) for s, p, t in zip(states, positions, tables)]
 
     def _ensure_undoable(self, states: list[MtpProposerState], tables: list[BlockTable], positions: list[int],
-                         k: int, are_distinct: bool = True) -> list[tuple]:
+                         k: int, are_distinct: bool = True, rows: list[int] | None = None) -> list[tuple]:
         """``cache.ensure`` of positions p..p+k-1 for every state (all or nothing), and the undo records.
 
         Only a row that got blocks has a record: its table's old length and the new block ids, not
@@ -343,7 +361,7 @@ class DeepseekV4MtpProposer:
             return [(state, length, new, _scalars(state))] if new else []
         if not are_distinct:  # distinct states sharing a table: ensure_batch refuses them, as it always did
             self.cache.ensure_batch(tables, positions, [p + k - 1 for p in positions])
-        records = self.cache.ensure_unheld(tables, positions, k)
+        records = self.cache.ensure_unheld(tables, positions, k, rows)
         return [(states[i], length, new, _scalars(states[i])) for i, length, new in records]
 
     def _undo_ensure(self, state: MtpProposerState, length: int, new: list[int], scalars: tuple) -> None:

@@ -76,7 +76,7 @@ class ChainStaging:
         self._row = row
         self.host = self._views(self.host_buf)
         self.views = self._views(self.device_buf)
-        self._writer = MetadataWriter(self.host["meta"].buf, max_blocks_per_seq, window)
+        self.writer = MetadataWriter(self.host["meta"].buf, max_blocks_per_seq, window)
         self._mem = memoryview(self.host_buf.numpy())
         self._mask_words_np = self.host["grammar_mask"].numpy()  # [B, W] int32, the host buffer's memory
         self._hidden_rows = [self.hidden_buf[:i] for i in range(bucket + 1)]  # views made once, not per call
@@ -143,24 +143,40 @@ class ChainStaging:
         vocab_limit: int,
         masks: Sequence[Sequence[int] | torch.Tensor | None] | None = None,
         copy_in: bool = True,
-        rows_checked: bool = False,
     ) -> Mapping[str, torch.Tensor]:
         """Write one batch (rows past ``len(tokens)`` are padding) and return the graph inputs.
 
         ``hiddens`` is one hidden per row, or one [n, ...] tensor of them (staged as a block:
         one copy, or addresses by arithmetic, with no work per row).
         ``copy_in=False``: the host buffer is left for the replay to copy (a graph captured
-        with :meth:`in_graph_copy` as its first node). ``rows_checked``: the rows are
-        :func:`check_rows`' output for this bucket's ``max_blocks`` already (a propose whose
-        rows are all held checks them as it builds them). The returned mapping is shared
-        between calls and read-only.
+        with :meth:`in_graph_copy` as its first node). The returned mapping is shared
+        between calls and read-only. A propose stages its rows itself and the rest with
+        :meth:`stage_after_rows`.
         """
-        # every row checked before anything is written
-        checked = rows if rows_checked else check_rows(rows, self.max_blocks)
+        checked = check_rows(rows, self.max_blocks)  # every row checked before anything is written
+        self.wait_for_copy()
+        self.writer.write(checked)
+        return self.stage_after_rows(tokens, hiddens, vocab_limit, masks, copy_in)
+
+    def wait_for_copy(self) -> None:
+        """Wait for the last staging copy (or replay) to have read the host buffer: call before writing it."""
         if self._is_copy_pending:
             torch.cuda.synchronize(self.device)
             self._is_copy_pending = False
-        self._writer.write(checked)
+
+    def stage_after_rows(
+        self,
+        tokens: Sequence[int],
+        hiddens: Sequence[torch.Tensor] | torch.Tensor,
+        vocab_limit: int,
+        masks: Sequence[Sequence[int] | torch.Tensor | None] | None = None,
+        copy_in: bool = True,
+    ) -> Mapping[str, torch.Tensor]:
+        """``stage`` of a batch whose metadata rows ``writer`` holds already (after ``wait_for_copy``).
+
+        The tokens must be checked ints. A propose stages its rows in the loop that checks them
+        (:mod:`runtime.decode_pass`) and the rest here.
+        """
         self._write_tokens(tokens)
         _LIMIT.pack_into(self._mem, self._limit_at, int(vocab_limit))
         self._write_masks(masks)

@@ -14,22 +14,24 @@ def clock_with(marks: list[tuple[str, float]]) -> PhaseClock:
 
 
 def test_phases_split_a_propose_at_its_marks():
-    clock = clock_with([("propose<", 0.0), ("ensure<", 2.0), ("ensure>", 3.0), ("ensure<", 3.5), ("ensure>", 4.0),
-                        ("stage<", 6.0), ("stage>", 9.0), ("run<", 9.5), ("run>", 12.0), ("propose>", 20.0)])
+    clock = clock_with([("propose<", 0.0), ("pass<", 1.0), ("pass>", 2.5), ("ensure<", 3.0), ("ensure>", 3.5),
+                        ("ensure<", 4.0), ("ensure>", 5.0), ("stage<", 6.0), ("stage>", 9.0), ("run<", 9.5),
+                        ("run>", 12.0), ("propose>", 20.0)])
     assert clock.phases() == pytest.approx(
-        {"checks": 2.0, "ensure": 1.5, "rows": 0.0, "lookup": 2.0, "stage": 3.0, "run": 2.5, "after": 8.0})
+        {"pass": 1.5, "ensure": 1.5, "rows": 0.0, "other": 3.0, "stage": 3.0, "run": 2.5, "after": 8.0})
     assert clock.marks == []
 
 
-def test_a_propose_without_ensure_has_its_checks_run_up_to_the_stage():
+def test_a_propose_without_pass_or_ensure_counts_all_before_the_stage_as_other():
     clock = clock_with([("propose<", 0.0), ("stage<", 6.0), ("stage>", 9.0), ("run<", 9.5), ("run>", 12.0),
                         ("propose>", 20.0)])
     assert clock.phases() == pytest.approx(
-        {"checks": 6.0, "ensure": 0.0, "rows": 0.0, "lookup": 0.0, "stage": 3.0, "run": 2.5, "after": 8.0})
+        {"pass": 0.0, "ensure": 0.0, "rows": 0.0, "other": 6.0, "stage": 3.0, "run": 2.5, "after": 8.0})
 
 
-def test_the_row_checks_are_their_own_phase_not_the_lookup():
-    clock = clock_with([("propose<", 0.0), ("ensure<", 2.0), ("ensure>", 3.0), ("rows<", 3.2), ("rows>", 5.2),
-                        ("stage<", 6.0), ("stage>", 9.0), ("run<", 9.5), ("run>", 12.0), ("propose>", 20.0)])
+def test_the_general_paths_rows_are_their_own_phase():
+    clock = clock_with([("propose<", 0.0), ("pass<", 0.5), ("pass>", 1.0), ("ensure<", 2.0), ("ensure>", 3.0),
+                        ("rows<", 3.2), ("rows>", 5.2), ("stage<", 6.0), ("stage>", 9.0), ("run<", 9.5), ("run>", 12.0),
+                        ("propose>", 20.0)])
     assert clock.phases() == pytest.approx(
-        {"checks": 2.0, "ensure": 1.0, "rows": 2.0, "lookup": 1.0, "stage": 3.0, "run": 2.5, "after": 8.0})
+        {"pass": 0.5, "ensure": 1.0, "rows": 2.0, "other": 2.5, "stage": 3.0, "run": 2.5, "after": 8.0})

@@ -201,9 +201,9 @@ def recording_ensure_unheld(prop) -> list:
     """Wrap ``cache.ensure_unheld``: each call appends (tables before, undo records, tables after)."""
     calls, inner = [], prop.cache.ensure_unheld
 
-    def ensure_unheld(tables, firsts, num_positions):
+    def ensure_unheld(tables, firsts, num_positions, rows=None):
         before = [list(t.blocks) for t in tables]
-        records = inner(tables, firsts, num_positions)
+        records = inner(tables, firsts, num_positions, rows)
         calls.append((before, records, [list(t.blocks) for t in tables]))
         return records
 

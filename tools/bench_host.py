@@ -10,11 +10,13 @@ case B x K and start position, runs a decode-like loop: propose, accept every dr
 - ``host``: ``last_host_seconds``, entering ``_propose`` up to the (async) launch;
 - ``call``: the whole ``propose`` / ``propose_batch`` call, launch and read-back included;
 - the phases of the host path, from a second, instrumented pass (wrappers add ~0.3 us each):
-  ``checks`` (entry to the first ``cache.ensure`` / ``ensure_batch`` / ``ensure_unheld``), ``ensure`` (all of
-  them), ``rows`` (the proposer's ``_checked_rows``: building and checking the B metadata rows), ``lookup``
-  (executor and staging lookup), ``stage`` (metadata, tokens, hiddens, the staging copy),
-  ``run`` (the executor's ``run``: the replay launch on CUDA) and ``after`` (read-back and
-  commit, from the end of ``run`` to the return).
+  ``pass`` (:func:`runtime.decode_pass.stage_usual_batch`: the usual batch's checks, held test and
+  metadata rows in one loop), ``ensure`` (every ``cache.ensure`` / ``ensure_batch`` /
+  ``ensure_unheld``), ``rows`` (the general path's row staging, ``_stage_rows``: a batch the pass
+  gave up on), ``other`` (the rest before the stage: entry, hidden and mask checks, the general
+  path's checks, executor and staging lookup), ``stage`` (tokens, hiddens' addresses or copy, the
+  staging copy), ``run`` (the executor's ``run``: the replay launch on CUDA) and ``after``
+  (read-back and commit, from the end of ``run`` to the return).
 
 The harness that isolates host work (``--device cpu``): the chain executor's ``run`` is
 replaced by a function that returns the outputs of one real run, so no graph executes and
@@ -39,12 +41,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from runtime import proposer as proposer_module  # noqa: E402
 from runtime import raw_copy, raw_launch  # noqa: E402
 from runtime.config import V4Config  # noqa: E402
 from runtime.proposer import DeepseekV4MtpProposer  # noqa: E402
 from runtime.synthetic_weights import random_mtp_weights  # noqa: E402
 
-PHASES = ("checks", "ensure", "rows", "lookup", "stage", "run", "after")
+PHASES = ("pass", "ensure", "rows", "other", "stage", "run", "after")
 WARMUP_ROUNDS = 100
 
 
@@ -130,14 +133,14 @@ class PhaseClock:
         self.marks: list[tuple[str, float]] = []
         self._wrapped: list[tuple[object, str, object]] = []  # (object, attribute, its own value or None)
         self._wrap(prop, "_propose", "propose")
+        self._wrap(proposer_module, "stage_usual_batch", "pass")
         self._wrap(prop.cache, "ensure", "ensure")
         self._wrap(prop.cache, "ensure_batch", "ensure")
         self._wrap(prop.cache, "ensure_unheld", "ensure")
-        # Its own phase: between the ensure and the stage, it used to be counted as lookup, which
-        # then grew with B (3.4 us at B=1, 9.7 at B=32) though the lookups are two dict gets.
-        self._wrap(prop, "_checked_rows", "rows")
+        # An older runtime (a baseline run) has no pass: its row checks are _checked_rows, its stage stage.
+        self._wrap(prop, "_stage_rows" if hasattr(prop, "_stage_rows") else "_checked_rows", "rows")
         for staging in prop._staging.values():
-            self._wrap(staging, "stage", "stage")
+            self._wrap(staging, "stage_after_rows" if hasattr(staging, "stage_after_rows") else "stage", "stage")
         for key, executor in prop._executors.items():
             if key[0] == "chain":
                 self._wrap(executor, "run", "run")
@@ -166,29 +169,22 @@ class PhaseClock:
                 setattr(obj, attr, own)
 
     def phases(self) -> dict[str, float]:
-        at = {}
-        ensure = 0.0
+        """One propose's marks as phase durations; a phase that did not happen (no ensure, no pass) is 0."""
+        at, spent = {}, dict.fromkeys(("pass", "ensure", "rows"), 0.0)
         for label, t in self.marks:
-            if label == "ensure<":
-                at.setdefault("ensure<", t)
-                began = t
-            elif label == "ensure>":
-                ensure += t - began
-                at["ensure>"] = t
+            name, edge = label[:-1], label[-1]
+            if name in spent:  # ensure may come more than once
+                if edge == "<":
+                    began = t
+                else:
+                    spent[name] += t - began
             else:
                 at[label] = t
         self.marks.clear()
-        # A propose that calls no ensure (a runtime whose cache skips it) has no ensure marks:
-        # its checks run up to the lookup, which then starts where the checks end. One without
-        # row marks (a runtime without _checked_rows) has its rows counted in the lookup.
-        checked = at.get("ensure<", at["stage<"])
-        ensured = at.get("ensure>", checked)
-        rows = at["rows>"] - at["rows<"] if "rows<" in at else 0.0
+        before_stage = at["stage<"] - at["propose<"]
         return {
-            "checks": checked - at["propose<"],
-            "ensure": ensure,
-            "rows": rows,
-            "lookup": at["stage<"] - ensured - rows,
+            **spent,
+            "other": before_stage - sum(spent.values()),
             "stage": at["stage>"] - at["stage<"],
             "run": at["run>"] - at["run<"],
             "after": at["propose>"] - at["run>"],

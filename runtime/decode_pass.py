@@ -1,0 +1,134 @@
+"""The usual decode batch in one pass: its checks, its held blocks and its metadata rows.
+
+Design note "one pass": a propose of B sequences went over its batch once per kind of work:
+the states, the tables' distinctness, the tokens and the positions (design note "bulk checks"
+in :mod:`runtime.proposer_checks`), the held-block scan (design note "held rows" in
+:mod:`runtime.kv_cache`), the metadata rows, and the staging writes (design note "incremental
+staging" in :mod:`runtime.kv_metadata`): seven loops, ~1.4 us a row on these machines' CPUs,
+most of a propose's host time at B = 32. The usual batch (every item well formed, every table
+distinct, most rows writing inside blocks they hold) needs one loop: each row is checked and,
+when it is held, staged as it is read.
+
+The pass gives up (returns None) at the first thing it does not expect, and puts back the rows
+it wrote (``MetadataWriter.save`` / ``restore``): the general path then checks item by item
+and raises the error of the first bad item, as it always did, with the staging buffer as it
+was. Rows that need blocks are only listed: the proposer ensures them (all or nothing) and
+stages them after, with :func:`stage_unheld_rows`. A propose refused after the pass restores
+the rows too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from operator import attrgetter
+from typing import NamedTuple
+
+from runtime.kv_cache import OWNED, BlockTable, PagedLatentCache
+from runtime.kv_metadata import SCALARS, MetadataWriter
+from runtime.proposer_state import MtpProposerState
+
+
+class UsualBatch(NamedTuple):
+    """What one pass found: every row's table, and the rows still to stage."""
+
+    tables: list[BlockTable]
+    unheld: list[int]  # rows whose range needs blocks: ensure, then stage_unheld_rows
+
+
+_table_of = attrgetter("table")
+
+
+def kv_start_after(state: MtpProposerState, position: int) -> int:
+    """The state's kv_start once a propose at ``position`` staged its rows.
+
+    A propose continuing the state's rows (kv_start <= p <= seq_len) keeps its kv_start; one
+    that jumps ahead, or back before them, starts the rows afresh at p.
+    """
+    kv_start = state.kv_start
+    return kv_start if kv_start <= position <= state.seq_len else position
+
+
+def stage_usual_batch(writer: MetadataWriter, cache: PagedLatentCache, states: Sequence, tokens: Sequence,
+                      positions: Sequence, num_drafts: int, owner: int, vocab: int) -> UsualBatch | None:
+    """Check the batch and stage the metadata rows of its held rows, in one loop; None when it is unusual.
+
+    Passes exactly the batches the general path passes without raising, except for those it
+    leaves to that path (None): a state, token or position of another type, a table shared by
+    two rows, a writer without a window. Rows past the batch are not touched (padding is the
+    caller's, with ``writer.write_padding_from``). A caller that refuses the batch after the
+    pass calls ``writer.restore()``.
+    """
+    window, max_blocks = writer.window, writer.max_blocks
+    if window is None:
+        return None
+    mem, row_bytes, written = writer.row_sink()
+    bs, block_states, cache_id = cache.block_size, cache.block_states, cache.cache_id
+    span, pack = num_drafts - 1, SCALARS.pack_into
+    first_too_far = cache.max_seq_len - span  # p + span < max_seq_len: the cache's range check
+    unheld: list[int] = []
+    writer.save()
+    try:
+        for i, (state, token, p) in enumerate(zip(states, tokens, positions)):  # inline: B rows every propose
+            if type(state) is not MtpProposerState or state.owner != owner or state.is_freed:
+                break
+            if type(token) is not int or not 0 <= token < vocab:
+                break
+            if type(p) is not int or not 0 <= p < first_too_far or p + num_drafts > state.max_positions:
+                break
+            table, kv_start = state.table, state.kv_start
+            if not 0 <= kv_start <= p <= state.seq_len:
+                if kv_start <= p <= state.seq_len:  # continuing rows from a kv_start < 0: refused
+                    break
+                kv_start = p  # a propose that does not continue the rows starts them afresh at p
+            blocks, j = table.blocks, p // bs
+            if table.block_size != bs:
+                break
+            try:  # held: as PagedLatentCache._unheld_rows (design note "held rows")
+                block = blocks[j]
+                if block < 0 or block_states[block] != OWNED or table.cache_id != cache_id or (
+                        (last := (p + span) // bs) != j
+                        and (last - j > 1 or (other := blocks[last]) < 0 or block_states[other] != OWNED)):
+                    unheld.append(i)
+                    continue
+            except IndexError:
+                unheld.append(i)
+                continue
+            # as MetadataWriter.write_rows_at (the bytes are tested equal)
+            pack(mem, i * row_bytes, p, block * bs + p % bs, p + 1, kv_start)
+            oldest = p - window + 1
+            lo = (kv_start if kv_start > oldest else oldest) // bs
+            record = written[i]
+            if record is None or record[0] != lo or record[1] != blocks[lo:]:
+                # A table that moved (or was never staged here): only then its length and type
+                # are checked, since any change to them changes the staged entries.
+                if type(blocks) is not list or len(blocks) > max_blocks:
+                    break
+                writer.write_table(i, lo, blocks[lo:])
+        else:
+            tables = list(map(_table_of, states))
+            # No state or table twice: the general path refuses that with its own error.
+            if len(tables) == len(tokens) and len(set(map(id, tables))) == len(tables):
+                return UsualBatch(tables, unheld)
+    except BaseException:
+        writer.reset()  # not expected; the records must stay true whatever happened
+        raise
+    writer.restore()  # a row broke the loop: the staging buffer as it was
+    return None
+
+
+def stage_unheld_rows(writer: MetadataWriter, batch: UsualBatch, states: Sequence[MtpProposerState],
+                      positions: Sequence[int]) -> bool:
+    """Stage the rows the pass left (after the proposer ensured their blocks); False when one fails a check.
+
+    The checks are :func:`runtime.kv_metadata.check_rows`'; a row that fails them (a table
+    edited by hand) is left to the general path's ``check_rows``, which raises its error.
+    """
+    rows = []
+    for i in batch.unheld:
+        p, table = positions[i], batch.tables[i]
+        blocks, j = table.blocks, p // table.block_size
+        if type(blocks) is not list or not j < len(blocks) <= writer.max_blocks or blocks[j] < 0:
+            return False
+        rows.append((p, kv_start_after(states[i], p), blocks, table.block_size))
+    writer.write_rows_at(batch.unheld, rows)
+    return True
