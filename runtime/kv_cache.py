@@ -52,6 +52,8 @@ class BlockTable:
     blocks: list[int] = field(default_factory=list)
     block_size: int = 16
     cache_id: int = 0  # the cache whose blocks it maps; 0 while it maps none
+    # Entries below it are -1 (design note "trimmed front"): kept by the cache, never too high.
+    num_trimmed: int = 0
 
     def block_of(self, pos: int) -> int:
         """Physical block id of position ``pos``, or -1."""
@@ -304,10 +306,11 @@ class PagedLatentCache:
     # thousands of entries for a long sequence, ~1 us) is all ensure would do. A row counts as
     # held when its range spans at most two entries, both mapping blocks of this cache in state
     # OWNED; one inline loop over the batch finds the rows that are not. Only those go through
-    # the full ensure; the rest of a held row's table is checked by ``trim_windows`` after the
-    # propose, as every table is. A propose calls ``ensure_unheld``: the proposer has proved its
-    # tables distinct, and when every row is held it gets [] back after two builtins and the scan
-    # (at B = 32, ensure_batch's distinct-table set, range passes and result lists came to ~10 us).
+    # the full ensure, which checks the whole table; the rest of a held row's table is checked
+    # when a trim gives its blocks back (design note "trimmed front"). Nothing a propose writes
+    # goes outside the held entries: its other entries are only read (the window's keys). A
+    # propose's own pass (runtime.decode_pass) tests its rows this way inline and calls
+    # ``ensure_unheld`` for the rest only; the proposer has proved its tables distinct.
     def _unheld_rows(self, tables: list[BlockTable], first_positions: list[int],
                      last_positions: list[int]) -> list[int]:
         """Indices of the rows not held (design note "held rows"): the rows ensure may change or refuse."""
@@ -341,6 +344,7 @@ class PagedLatentCache:
             return []
         new = [self._free.pop() for _ in missing]
         last = max(missing)
+        table.num_trimmed = min(table.num_trimmed, min(missing))  # design note "trimmed front"
         table.blocks.extend([-1] * (last + 1 - len(table.blocks)))
         for j, block in zip(missing, new):
             table.blocks[j] = block
@@ -357,20 +361,40 @@ class PagedLatentCache:
         return self.trim_windows([table], [next_pos])[0]
 
     def trim_windows(self, tables: list[BlockTable], next_positions: list[int]) -> list[list[int]]:
-        """``trim_window`` for several tables under one lock; every table is checked before any change."""
-        for next_pos in next_positions:
-            if next_pos < 0:
-                raise InputError(describe("trim_window next_pos", ">= 0", next_pos))
+        """``trim_window`` for several tables under one lock; every table that gives blocks back is checked first."""
+        released = [[] for _ in tables]
+        for i, blocks in self.trim_batch(tables, next_positions).items():
+            released[i] = blocks
+        return released
+
+    # Design note "trimmed front": a long sequence's table is thousands of given-back -1 and then
+    # the window's handful of blocks, and every propose trims every row. Each table keeps how many
+    # of its entries are known -1 (``num_trimmed``): a trim whose window starts at or before that
+    # has nothing to give back and costs two compares, whatever the table's length (a scan of
+    # it, and the check of every held block, cost ~1 us a row at B = 32). The cache keeps the
+    # count at or below the truth: only an ensure and an install map entries, and both lower it
+    # (an ensure to the lowest entry it fills, an install to 0). A table edited by hand below its
+    # count is not trimmed there (``free`` and ``truncate`` still give its blocks back).
+    def trim_batch(self, tables: list[BlockTable], next_positions: list[int]) -> dict[int, list[int]]:
+        """``trim_windows``' work: the rows that gave blocks back, and their ids (none, the usual propose)."""
+        if next_positions and min(next_positions) < 0:
+            raise InputError(describe("trim_window next_pos", ">= 0", min(next_positions)))
+        shift, bs = self.window - 1, self.block_size
         with self._lock:
-            held = [self._check_table(table) for table in tables]
-            released = []
-            for table, table_held, next_pos in zip(tables, held, next_positions):
-                stop = max(next_pos - self.window + 1, 0) // self.block_size
-                first = table.first_held()  # a long table's front is thousands of given-back -1
-                if table_held and first >= stop:
-                    released.append([])  # nothing held before the window (the usual propose): no change
-                    continue
-                released.append(self._release_checked(table, range(min(first, stop), stop)))
+            todo = []
+            for i, (table, next_pos) in enumerate(zip(tables, next_positions)):
+                stop = (next_pos - shift) // bs  # blocks wholly before the window (<= 0: none)
+                if stop > table.num_trimmed:
+                    todo.append((i, stop))
+            for i, _ in todo:  # every table checked before any change
+                self._check_table(tables[i])
+            released = {}
+            for i, stop in todo:
+                table = tables[i]
+                freed = self._release_checked(table, range(table.num_trimmed, min(stop, len(table.blocks))))
+                table.num_trimmed = stop
+                if freed:
+                    released[i] = freed
             return released
 
     def truncate(self, table: BlockTable, length: int) -> list[int]:
@@ -422,6 +446,7 @@ class PagedLatentCache:
                 self._state[block] = OWNED
                 del self._taken_by[block]
             table.blocks[:] = list(taken.blocks)
+            table.num_trimmed = 0  # the first trim finds its front again (design note "trimmed front")
             table.cache_id, table.block_size = self.cache_id, self.block_size
 
     def free_blocks(self, block_ids: TakenBlocks | list[int] | tuple[int, ...]) -> None:

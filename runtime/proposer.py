@@ -267,7 +267,7 @@ class DeepseekV4MtpProposer:
             state.kv_start, state.seq_len, state.last_num_drafted = kv_start_after(state, p), p + len(row), len(row)
             if len(row) < k:  # the blocks ensured for the drafts the chain did not make go back
                 self.cache.truncate(state.table, state.seq_len)
-        self.cache.trim_windows(tables, positions)
+        self.cache.trim_batch(tables, positions)
         probs = outputs["probs"][:n]
         if self.options.draft_conf_tau > 0:
             self._last_confidence = self._chain_confidence(probs, [len(row) for row in drafted])

@@ -179,6 +179,8 @@ def _check_invariants(cache, tables, loose, model):
             owners[block] = f"table {i}"
         held_logical = {j for j, b in enumerate(table.blocks) if b >= 0}
         assert held_logical == model[i], (i, sorted(held_logical), sorted(model[i]))
+        # design note "trimmed front": the count a trim trusts is never above the truth
+        assert all(b < 0 for b in table.blocks[: table.num_trimmed]), (i, table.num_trimmed, table.blocks)
     for taken in loose:
         for block in taken.block_ids:
             assert block not in owners, f"loose block {block} also owned by {owners[block]}"
