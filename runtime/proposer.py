@@ -263,9 +263,11 @@ class DeepseekV4MtpProposer:
         drafted = drafts.tolist()
         if is_gated(self.options.draft_conf_tau, k):  # a cut draft is -1, and so are all after it
             drafted = [row[: row.index(CUT)] if CUT in row else row for row in drafted]
-        for state, p, row in zip(states, positions, drafted):
-            state.kv_start, state.seq_len, state.last_num_drafted = kv_start_after(state, p), p + len(row), len(row)
-            if len(row) < k:  # the blocks ensured for the drafts the chain did not make go back
+        for state, p, row in zip(states, positions, drafted):  # kv_start_after, inline: B rows every propose
+            kv_start, num_drafted = state.kv_start, len(row)
+            state.kv_start = kv_start if kv_start <= p <= state.seq_len else p
+            state.seq_len, state.last_num_drafted = p + num_drafted, num_drafted
+            if num_drafted < k:  # the blocks ensured for the drafts the chain did not make go back
                 self.cache.truncate(state.table, state.seq_len)
         self.cache.trim_batch(tables, positions)
         probs = outputs["probs"][:n]
