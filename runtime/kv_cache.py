@@ -54,6 +54,8 @@ class BlockTable:
     cache_id: int = 0  # the cache whose blocks it maps; 0 while it maps none
     # Entries below it are -1 (design note "trimmed front"): kept by the cache, never too high.
     num_trimmed: int = 0
+    # The serial of the last propose pass that read it (runtime.decode_pass): not the table's state.
+    pass_mark: int = field(default=0, compare=False, repr=False)
 
     def block_of(self, pos: int) -> int:
         """Physical block id of position ``pos``, or -1."""

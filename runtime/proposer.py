@@ -236,8 +236,9 @@ class DeepseekV4MtpProposer:
                 undo = self._ensure_undoable(states, tables, positions, k, are_distinct)
                 self._stage_rows(staging, states, positions, tables)
             else:
-                tables = usual.tables
+                tables = None  # made after the launch, for the trim (host time)
                 if usual.unheld:
+                    tables = [state.table for state in states]
                     undo = self._ensure_undoable(states, tables, positions, k, rows=usual.unheld)
                     if not stage_unheld_rows(staging.writer, usual, states, positions):
                         self._stage_rows(staging, states, positions, tables)  # raises the row's error
@@ -269,7 +270,7 @@ class DeepseekV4MtpProposer:
             state.seq_len, state.last_num_drafted = p + num_drafted, num_drafted
             if num_drafted < k:  # the blocks ensured for the drafts the chain did not make go back
                 self.cache.truncate(state.table, state.seq_len)
-        self.cache.trim_batch(tables, positions)
+        self.cache.trim_batch(tables if tables is not None else [state.table for state in states], positions)
         probs = outputs["probs"][:n]
         if self.options.draft_conf_tau > 0:
             self._last_confidence = self._chain_confidence(probs, [len(row) for row in drafted])
