@@ -199,8 +199,9 @@ class MetadataWriter:
     rows stay padding. The writer keeps, per row, the block-table entries it last wrote, and
     writes with ``struct.pack_into`` on the buffer's memory (~0.1 us a field, where a torch
     setitem costs microseconds of dispatch). The bytes are exactly those a fresh
-    :func:`pack_metadata` writes. Only the writer may write the buffer; after anything else
-    did, call ``reset()``.
+    :func:`pack_metadata` writes. Only the writer may write the buffer (and the one pass of a
+    propose, through :meth:`row_sink`); after anything else did, call ``reset()``. ``save`` and
+    ``restore`` put back the rows of a batch refused after it was written.
     """
 
     def __init__(self, buf: torch.Tensor, max_blocks_per_seq: int, window: int | None = None) -> None:
@@ -216,6 +217,7 @@ class MetadataWriter:
         self._scalars = self._i32[:, : KV_START_OFFSET // 4 + 1]  # [B, 6] int32: pos, slot, seq_len, kv_start
         self._saved: tuple[np.ndarray, list] = (np.empty_like(self._scalars), [])
         self.reset()
+        self.save()  # a restore before any save gives the padding back
 
     def reset(self) -> None:
         """Rewrite every row as padding: pos 0, slot -1, seq_len 0, kv_start 1, table all -1."""
