@@ -24,6 +24,8 @@ from runtime.kv_metadata import MetadataView, MetadataWriter, check_rows, row_by
 from runtime.tensor_spec import TensorSpec
 
 ALIGN = 256
+Hiddens = Sequence[torch.Tensor] | torch.Tensor  # one [C, D] / [D] per row, or one [n, ...] block
+Masks = Sequence[Sequence[int] | torch.Tensor | None] | None  # one grammar mask (int32 words) or None per row
 _LIMIT = struct.Struct("<i")
 
 
@@ -139,9 +141,9 @@ class ChainStaging:
         self,
         rows: Sequence,
         tokens: Sequence[int],
-        hiddens: Sequence[torch.Tensor] | torch.Tensor,
+        hiddens: Hiddens,
         vocab_limit: int,
-        masks: Sequence[Sequence[int] | torch.Tensor | None] | None = None,
+        masks: Masks = None,
         copy_in: bool = True,
     ) -> Mapping[str, torch.Tensor]:
         """Write one batch (rows past ``len(tokens)`` are padding) and return the graph inputs.
@@ -164,14 +166,8 @@ class ChainStaging:
             torch.cuda.synchronize(self.device)
             self._is_copy_pending = False
 
-    def stage_after_rows(
-        self,
-        tokens: Sequence[int],
-        hiddens: Sequence[torch.Tensor] | torch.Tensor,
-        vocab_limit: int,
-        masks: Sequence[Sequence[int] | torch.Tensor | None] | None = None,
-        copy_in: bool = True,
-    ) -> Mapping[str, torch.Tensor]:
+    def stage_after_rows(self, tokens: Sequence[int], hiddens: Hiddens, vocab_limit: int, masks: Masks = None,
+                         copy_in: bool = True) -> Mapping[str, torch.Tensor]:
         """``stage`` of a batch whose metadata rows ``writer`` holds already (after ``wait_for_copy``).
 
         The tokens must be checked ints. A propose stages its rows in the loop that checks them
