@@ -4,10 +4,10 @@ Design note "one pass": a propose of B sequences went over its batch once per ki
 the states, the tables' distinctness, the tokens and the positions (design note "bulk checks"
 in :mod:`runtime.proposer_checks`), the held-block scan (design note "held rows" in
 :mod:`runtime.kv_cache`), the metadata rows, and the staging writes (design note "incremental
-staging" in :mod:`runtime.kv_metadata`): seven loops, ~1.4 us a row on these machines' CPUs,
-most of a propose's host time at B = 32. The usual batch (every item well formed, every table
-distinct, most rows writing inside blocks they hold) needs one loop: each row is checked and,
-when it is held, staged as it is read.
+staging" in :mod:`runtime.kv_metadata`): seven loops, ~0.9 us a row on the 2-core CI machine
+and ~2.3 on the H200 hosts, most of a propose's host time at B = 32. The usual batch (every
+item well formed, every table distinct, most rows writing inside blocks they hold) needs one
+loop: each row is checked and, when it is held, staged as it is read.
 
 The pass gives up (returns None) at the first thing it does not expect, and puts back the rows
 it wrote (``MetadataWriter.save`` / ``restore``): the general path then checks item by item
@@ -36,7 +36,7 @@ class UsualBatch(NamedTuple):
 
 # Each pass marks the tables it reads with a serial of its own: a table marked already is one
 # two rows share (the same state twice, or two states given one table), found with one compare a
-# row instead of a set of the batch's tables after the loop (~2.7 us at B = 32 on these CPUs).
+# row instead of a set of the batch's tables after the loop (~2.7 us at B = 32 on the CI machine).
 _passes = itertools.count(1)
 
 

@@ -55,7 +55,7 @@ class BlockTable:
     # Entries below it are -1 (design note "trimmed front"): kept by the cache, never too high.
     num_trimmed: int = 0
     # The serial of the last propose pass that read it (runtime.decode_pass): not the table's state.
-    pass_mark: int = field(default=0, compare=False, repr=False)
+    pass_mark: int = field(default=0, init=False, compare=False, repr=False)
 
     def block_of(self, pos: int) -> int:
         """Physical block id of position ``pos``, or -1."""
@@ -89,14 +89,6 @@ class BlockTable:
         if not tail or min(tail) >= 0:
             return tail
         return [b for b in blocks if b >= 0]
-
-    def first_held(self) -> int:
-        """Index of the first entry that maps a block (``len(blocks)`` when none does)."""
-        blocks = self.blocks
-        num_free = blocks.count(-1)
-        if num_free == len(blocks) or min(blocks[num_free:]) >= 0:  # every -1 in front (see held)
-            return num_free
-        return next((j for j, b in enumerate(blocks) if b >= 0), len(blocks))
 
     @property
     def is_empty(self) -> bool:
