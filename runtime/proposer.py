@@ -177,10 +177,10 @@ class DeepseekV4MtpProposer:
         With ``draft_embed_target`` the last draft's embedding row is left there (on
         the device) and ``read_deferred_draft_token()`` returns its id.
         """
-        out = self._propose([last_token], [target_hidden], [position], num_drafts, [state], grammar_bitmask)
+        drafted = self._propose([last_token], [target_hidden], [position], num_drafts, [state], grammar_bitmask)
         if draft_embed_target is not None:  # the last draft kept (fewer than K when confidence gated)
-            self._leave_embedding(out[1][:1, len(out[0][0]) - 1], draft_embed_target)
-        return out[0][0]
+            self._leave_embedding(self.last_outputs["drafts"][:1, len(drafted[0]) - 1], draft_embed_target)
+        return drafted[0]
 
     def propose_batch(self, last_tokens, target_hiddens, positions, num_drafts, states, out_conf=None):
         """B sequences in one chain run (weights read once per draft position); equals B ``propose`` calls.
@@ -201,8 +201,9 @@ class DeepseekV4MtpProposer:
             check_batch(name, items, n)
         if not 1 <= n <= self.propose_batch_max():
             raise InputError(describe("batch size", f"1..{self.propose_batch_max()} (propose_batch_max)", n))
-        drafts, _, probs = self._propose(last_tokens, target_hiddens, positions, num_drafts, states, None)
+        drafts = self._propose(last_tokens, target_hiddens, positions, num_drafts, states, None)
         if out_conf is not None:
+            probs = self.last_outputs["probs"]
             out_conf.clear()
             out_conf.extend(probs[i, : len(row)].tolist() for i, row in enumerate(drafts))
         return drafts
@@ -271,12 +272,11 @@ class DeepseekV4MtpProposer:
             if num_drafted < k:  # the blocks ensured for the drafts the chain did not make go back
                 self.cache.truncate(state.table, state.seq_len)
         self.cache.trim_batch(tables if tables is not None else [state.table for state in states], positions)
-        probs = outputs["probs"][:n]
         if self.options.draft_conf_tau > 0:
-            self._last_confidence = self._chain_confidence(probs, [len(row) for row in drafted])
+            self._last_confidence = self._chain_confidence(outputs["probs"][:n], [len(row) for row in drafted])
         else:
             self._last_confidence = None
-        return drafted, outputs["drafts"][:n], probs
+        return drafted  # the device outputs stay in last_outputs (slicing them costs a dispatch each)
 
     @staticmethod
     def _chain_confidence(probs: torch.Tensor, kept: list[int]) -> float:

@@ -88,9 +88,7 @@ class OracleProposer(DeepseekV4MtpProposer):
         return state
 
     def _propose(self, tokens, hiddens, positions, num_drafts, states, bitmask):
-        drafts, device_drafts, probs = super()._propose(
-            tokens, hiddens, positions, num_drafts, states, bitmask
-        )
+        drafts = super()._propose(tokens, hiddens, positions, num_drafts, states, bitmask)
         self.calls += 1
         for row, (state, p) in enumerate(zip(states, positions)):
             seq = self._owner_of[id(state)]
@@ -99,7 +97,7 @@ class OracleProposer(DeepseekV4MtpProposer):
             right = (self.calls + seq) % (num_drafts + 1)  # leading drafts that are right
             wrong = [(t + 1) % self.config.vocab_size for t in truth]
             drafts[row] = truth[:right] + wrong[right:]
-        return drafts, device_drafts, probs
+        return drafts
 
 
 class FailingRunner:
