@@ -13,8 +13,8 @@ The pass gives up (returns None) at the first thing it does not expect, and puts
 it wrote (``MetadataWriter.save`` / ``restore``): the general path then checks item by item
 and raises the error of the first bad item, as it always did, with the staging buffer as it
 was. Rows that need blocks are only listed: the proposer ensures them (all or nothing) and
-stages them after, with :func:`stage_unheld_rows`. A propose refused after the pass restores
-the rows too.
+stages them after, checked as its general path checks rows. A propose refused after the pass
+restores the rows too.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from runtime.proposer_state import MtpProposerState
 class UsualBatch(NamedTuple):
     """What one pass found: the rows still to stage."""
 
-    unheld: list[int]  # rows whose range needs blocks: ensure, then stage_unheld_rows
+    unheld: list[int]  # rows whose range needs blocks: ensure them, then stage them
 
 
 # Each pass marks the tables it reads with a serial of its own: a table marked already is one
@@ -118,21 +118,3 @@ def stage_usual_batch(writer: MetadataWriter, cache: PagedLatentCache, states: S
         raise
     writer.restore()  # a row broke the loop: the staging buffer as it was
     return None
-
-
-def stage_unheld_rows(writer: MetadataWriter, batch: UsualBatch, states: Sequence[MtpProposerState],
-                      positions: Sequence[int]) -> bool:
-    """Stage the rows the pass left (after the proposer ensured their blocks); False when one fails a check.
-
-    The checks are :func:`runtime.kv_metadata.check_rows`'; a row that fails them (a table
-    edited by hand) is left to the general path's ``check_rows``, which raises its error.
-    """
-    rows = []
-    for i in batch.unheld:
-        p, table = positions[i], states[i].table
-        blocks, j = table.blocks, p // table.block_size
-        if type(blocks) is not list or not j < len(blocks) <= writer.max_blocks or blocks[j] < 0:
-            return False
-        rows.append((p, kv_start_after(states[i], p), blocks, table.block_size))
-    writer.write_rows_at(batch.unheld, rows)
-    return True

@@ -262,14 +262,13 @@ class PagedLatentCache:
         """
         span = num_positions - 1
         last_positions = [p + span for p in first_positions] if span else first_positions
-        candidates = range(len(tables)) if rows is None else rows
         firsts, lasts = (first_positions, last_positions) if rows is None else (
             [first_positions[i] for i in rows], [last_positions[i] for i in rows])
         if firsts and (span < 0 or min(firsts) < 0 or max(lasts) >= self.max_seq_len):
             self._check_ranges(firsts, lasts)  # raises for the first bad range
         with self._lock:
             found = self._unheld_rows(tables if rows is None else [tables[i] for i in rows], firsts, lasts)
-            todo = found if rows is None else [candidates[i] for i in found]
+            todo = found if rows is None else [rows[i] for i in found]
             if not todo:
                 return []
             lengths = [len(tables[i].blocks) for i in todo]

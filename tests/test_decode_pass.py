@@ -146,3 +146,15 @@ def test_restore_puts_back_the_rows_and_records_save_found():
         writer.restore()
         assert torch.equal(buf, kept)
         assert writer._tables == records
+
+
+class TrackedBlocks(list):
+    """A table's block list of another type (as an engine's own bookkeeping might hand in)."""
+
+
+def test_an_unheld_row_whose_table_the_fast_checks_refuse_is_staged_by_the_general_path(decoding):
+    prop, states, positions, tokens, hiddens = decoding
+    table = states[5].table  # row 5 needs a new block this step
+    table.blocks = TrackedBlocks(table.blocks)
+    prop.propose_batch(tokens, hiddens, positions, 2, states)
+    assert torch.equal(staged_meta(prop), fresh_pack(prop, states, positions))
