@@ -15,6 +15,15 @@ and raises the error of the first bad item, as it always did, with the staging b
 was. Rows that need blocks are only listed: the proposer ensures them (all or nothing) and
 stages them after, checked as its general path checks rows. A propose refused after the pass
 restores the rows too.
+
+Design note "compiled pass": on the lent H200 hosts this loop still cost 33-63 us at B = 32
+(their Python runs it 2-2.6x slower than the CI machine's). ``decode_pass.c`` is the same loop
+in C (built on first use by :mod:`runtime.native_build`): ~0.2 us a row instead of ~0.6 on the
+CI machine. It reads only exact ints, lists, tuples and bools, as the Python loop reads them,
+and leaves anything else to the Python loop (it answers NotImplemented; the rows it wrote are
+restored first), so the two never decide differently; ``tests/test_decode_pass_compiled.py``
+spoils batches at random and compares both. Without a C compiler, or with
+``DRAFTGRAPH_NATIVE=0``, the Python loop is the pass.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from runtime import native_build
 from runtime.kv_cache import OWNED, PagedLatentCache
 from runtime.kv_metadata import SCALARS, MetadataWriter
 from runtime.proposer_state import MtpProposerState
@@ -38,6 +48,8 @@ class UsualBatch(NamedTuple):
 # two rows share (the same state twice, or two states given one table), found with one compare a
 # row instead of a set of the batch's tables after the loop (~2.7 us at B = 32 on the CI machine).
 _passes = itertools.count(1)
+_UNLOADED = object()
+_native = _UNLOADED  # native_loop(): the compiled loop, loaded on first use
 
 
 def kv_start_after(state: MtpProposerState, position: int) -> int:
@@ -60,61 +72,89 @@ def stage_usual_batch(writer: MetadataWriter, cache: PagedLatentCache, states: S
     caller's, with ``writer.write_padding_from``). A caller that refuses the batch after the
     pass calls ``writer.restore()``.
     """
-    window, max_blocks = writer.window, writer.max_blocks
+    window = writer.window
     if window is None:
         return None
+    writer.save()
+    try:
+        native = native_loop()
+        if native is not None:  # design note "compiled pass"
+            mem, row_bytes, written = writer.row_sink()
+            unheld = native.stage_rows(states, tokens, positions, num_drafts, owner, vocab, next(_passes),
+                                       MtpProposerState, mem, row_bytes, written, cache.block_states,
+                                       cache.block_size, cache.cache_id, cache.max_seq_len, window,
+                                       writer.max_blocks, writer.write_table, OWNED)
+            if unheld is not NotImplemented:
+                if unheld is not None:
+                    return UsualBatch(unheld)
+                writer.restore()
+                return None
+            writer.restore()  # it left the batch to the Python loop, which decides from the same rows
+        unheld = _stage_rows_python(writer, cache, states, tokens, positions, num_drafts, owner, vocab)
+    except BaseException:
+        writer.reset()  # not expected; the records must stay true whatever happened
+        raise
+    if unheld is None:
+        writer.restore()  # a row broke the loop: the staging buffer as it was
+        return None
+    return UsualBatch(unheld)
+
+
+def native_loop():
+    """The compiled loop (:mod:`runtime.native_build`), or None where it cannot be built."""
+    global _native
+    if _native is _UNLOADED:
+        _native = native_build.load("decode_pass")
+    return _native
+
+
+def _stage_rows_python(writer: MetadataWriter, cache: PagedLatentCache, states: Sequence, tokens: Sequence,
+                       positions: Sequence, num_drafts: int, owner: int, vocab: int) -> list[int] | None:
+    """The pass's loop, in Python: the unheld rows, or None when a row breaks it (the caller restores)."""
+    window, max_blocks = writer.window, writer.max_blocks
     mem, row_bytes, written = writer.row_sink()
     bs, block_states, cache_id = cache.block_size, cache.block_states, cache.cache_id
     span, pack = num_drafts - 1, SCALARS.pack_into
     first_too_far = cache.max_seq_len - span  # p + span < max_seq_len: the cache's range check
     unheld: list[int] = []
     serial = next(_passes)
-    writer.save()
-    try:
-        for i, (state, token, p) in enumerate(zip(states, tokens, positions)):  # inline: B rows every propose
-            if type(state) is not MtpProposerState or state.owner != owner or state.is_freed:
-                break
-            if type(token) is not int or not 0 <= token < vocab:
-                break
-            if type(p) is not int or not 0 <= p < first_too_far or p + num_drafts > state.max_positions:
-                break
-            table, kv_start = state.table, state.kv_start
-            if table.pass_mark == serial:  # a table two rows share: the general path refuses it
-                break
-            table.pass_mark = serial
-            if not 0 <= kv_start <= p <= state.seq_len:
-                if kv_start <= p <= state.seq_len:  # continuing rows from a kv_start < 0: refused
-                    break
-                kv_start = p  # a propose that does not continue the rows starts them afresh at p
-            blocks, j = table.blocks, p // bs
-            if table.block_size != bs:
-                break
-            try:  # held: as PagedLatentCache._unheld_rows (design note "held rows")
-                block = blocks[j]
-                if block < 0 or block_states[block] != OWNED or table.cache_id != cache_id or (
-                        (last := (p + span) // bs) != j
-                        and (last - j > 1 or (other := blocks[last]) < 0 or block_states[other] != OWNED)):
-                    unheld.append(i)
-                    continue
-            except IndexError:
+    for i, (state, token, p) in enumerate(zip(states, tokens, positions)):  # inline: B rows every propose
+        if type(state) is not MtpProposerState or state.owner != owner or state.is_freed:
+            return None
+        if type(token) is not int or not 0 <= token < vocab:
+            return None
+        if type(p) is not int or not 0 <= p < first_too_far or p + num_drafts > state.max_positions:
+            return None
+        table, kv_start = state.table, state.kv_start
+        if table.pass_mark == serial:  # a table two rows share: the general path refuses it
+            return None
+        table.pass_mark = serial
+        if not 0 <= kv_start <= p <= state.seq_len:
+            if kv_start <= p <= state.seq_len:  # continuing rows from a kv_start < 0: refused
+                return None
+            kv_start = p  # a propose that does not continue the rows starts them afresh at p
+        blocks, j = table.blocks, p // bs
+        if table.block_size != bs:
+            return None
+        try:  # held: as PagedLatentCache._unheld_rows (design note "held rows")
+            block = blocks[j]
+            if block < 0 or block_states[block] != OWNED or table.cache_id != cache_id or (
+                    (last := (p + span) // bs) != j
+                    and (last - j > 1 or (other := blocks[last]) < 0 or block_states[other] != OWNED)):
                 unheld.append(i)
                 continue
-            # as MetadataWriter.write_rows_at (the bytes are tested equal)
-            pack(mem, i * row_bytes, p, block * bs + p % bs, p + 1, kv_start)
-            oldest = p - window + 1
-            lo = (kv_start if kv_start > oldest else oldest) // bs
-            record = written[i]
-            if record is None or record[0] != lo or record[1] != blocks[lo:]:
-                # A table that moved (or was never staged here): only then its length and type
-                # are checked, since any change to them changes the staged entries.
-                if type(blocks) is not list or len(blocks) > max_blocks:
-                    break
-                writer.write_table(i, lo, blocks[lo:])
-        else:
-            if len(states) == len(tokens):
-                return UsualBatch(unheld)
-    except BaseException:
-        writer.reset()  # not expected; the records must stay true whatever happened
-        raise
-    writer.restore()  # a row broke the loop: the staging buffer as it was
-    return None
+        except IndexError:
+            unheld.append(i)
+            continue
+        # as MetadataWriter.write_rows_at (the bytes are tested equal)
+        pack(mem, i * row_bytes, p, block * bs + p % bs, p + 1, kv_start)
+        oldest = p - window + 1
+        lo = (kv_start if kv_start > oldest else oldest) // bs
+        record = written[i]
+        if record is None or record[0] != lo or record[1] != blocks[lo:]:
+            # A table that moved (or was never staged here): only then its length and type
+            # are checked, since any change to them changes the staged entries.
+            if type(blocks) is not list or len(blocks) > max_blocks:
+                return None
+            writer.write_table(i, lo, blocks[lo:])
+    return unheld if len(states) == len(tokens) else None

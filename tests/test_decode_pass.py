@@ -10,17 +10,53 @@ any point after the pass leaves the staging buffer byte for byte as it was.
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
 from proposer_fixtures import TINY, hidden, make_proposer
 
+import runtime.decode_pass as decode_pass
 import runtime.proposer as proposer_module
+from runtime import native_build
 from runtime.errors import CacheError, InputError
 from runtime.kv_cache import BlockTable
 from runtime.kv_metadata import MetadataWriter, pack_metadata, row_bytes_for
 
 BUCKET = 8
+
+
+def compiled_loop():
+    """The compiled loop; skips only where the machine has no C compiler at all (a failed build fails)."""
+    native = decode_pass.native_loop()
+    if native is None:
+        if shutil.which(native_build._compiler()[0]) is None or not native_build.is_enabled():
+            pytest.skip(f"no compiled loop here: {native_build.why_not('decode_pass')}")
+        pytest.fail(f"the compiled loop did not build: {native_build.why_not('decode_pass')}")
+    return native
+
+
+class RecordedLoop:
+    """The compiled loop, recording what it answered (a list, None, or NotImplemented: left to Python)."""
+
+    def __init__(self, native) -> None:
+        self.native, self.answers = native, []
+
+    def stage_rows(self, *args):
+        answer = self.native.stage_rows(*args)
+        self.answers.append(answer)
+        return answer
+
+
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def loop(request, monkeypatch):
+    """Every test here runs on both loops of the pass (design note "compiled pass")."""
+    if request.param == "python":
+        monkeypatch.setattr(decode_pass, "_native", None)
+        return None
+    recorded = RecordedLoop(compiled_loop())
+    monkeypatch.setattr(decode_pass, "_native", recorded)
+    return recorded
 
 
 def staged_meta(prop, bucket: int = BUCKET) -> torch.Tensor:
@@ -46,7 +82,7 @@ def count_passes(monkeypatch) -> list:
     return seen
 
 
-def test_random_decode_steps_stage_the_bytes_of_a_fresh_pack(monkeypatch):
+def test_random_decode_steps_stage_the_bytes_of_a_fresh_pack(monkeypatch, loop):
     rng, gen = random.Random(3), torch.Generator().manual_seed(3)
     prop = make_proposer(TINY, buckets=(BUCKET,))
     seen = count_passes(monkeypatch)
@@ -71,6 +107,8 @@ def test_random_decode_steps_stage_the_bytes_of_a_fresh_pack(monkeypatch):
     # Most steps are the one pass; some need blocks first; a step of a fresh state's first rows too.
     assert seen.count("pass") > 15 and seen.count("unheld") > 15, seen
     assert "general" not in seen
+    if loop is not None:  # the compiled loop took every step itself
+        assert len(loop.answers) == len(seen) and NotImplemented not in loop.answers
 
 
 def refused_before(prop, states, positions, k, tokens, hiddens, error):

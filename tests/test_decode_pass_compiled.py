@@ -1,0 +1,183 @@
+"""The compiled loop of the one pass decides as the Python loop does (design note "compiled pass").
+
+Batches of a decoding proposer, each with a few rows spoiled at random (tokens, positions and
+states of other types or out of range, freed or foreign states, tables shared, resized, of
+other types or edited by hand, sequences that are not lists): both loops, from the same staging
+buffer, give the same answer (the unheld rows, None, or the same exception), the same bytes and
+the same per-row records. The compiled loop must also take the usual batch itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from proposer_fixtures import TINY, hidden, make_proposer
+
+import runtime.decode_pass as decode_pass
+from runtime import native_build
+from runtime.kv_cache import OWNED
+
+BUCKET = 8
+
+
+@pytest.fixture(scope="module")
+def native():
+    loaded = decode_pass.native_loop()
+    if loaded is None:
+        if shutil.which(native_build._compiler()[0]) is None or not native_build.is_enabled():
+            pytest.skip(f"no compiled loop here: {native_build.why_not('decode_pass')}")
+        pytest.fail(f"the compiled loop did not build: {native_build.why_not('decode_pass')}")
+    return loaded
+
+
+class TrackedBlocks(list):
+    """A block list of another type."""
+
+
+def spoil(rng: random.Random, prop, states, tokens, positions, i: int) -> str:
+    """Spoil row ``i`` one way; returns what was done (for the failure message)."""
+    state = states[i]
+    if not hasattr(state, "table"):  # spoiled already as a whole
+        return "spoiled already"
+    kind = rng.choice([
+        "token_range", "token_bool", "token_float", "token_numpy", "position_range", "position_float",
+        "position_numpy", "position_bool", "foreign_state", "freed_state", "twin", "kv_start_negative",
+        "kv_start_ahead", "owner_float", "is_freed_int", "max_positions", "blocks_tuple", "blocks_subclass",
+        "blocks_numpy", "block_size", "cache_id", "shared_table", "table_edited", "seq_len_behind",
+        "not_a_state", "position_huge", "ensured_ahead", "ensured_ahead",
+    ])
+    if kind == "token_range":
+        tokens[i] = rng.choice([-1, TINY.vocab_size, 2**70])
+    elif kind == "token_bool":
+        tokens[i] = True
+    elif kind == "token_float":
+        tokens[i] = float(tokens[i])
+    elif kind == "token_numpy":
+        tokens[i] = np.int64(tokens[i])
+    elif kind == "position_range":
+        positions[i] = rng.choice([-1, TINY.max_position_embeddings, TINY.max_position_embeddings - 1])
+    elif kind == "position_float":
+        positions[i] = float(positions[i])
+    elif kind == "position_numpy":
+        positions[i] = np.int64(positions[i])
+    elif kind == "position_bool":
+        positions[i] = False
+    elif kind == "position_huge":
+        positions[i] = 2**64
+    elif kind == "foreign_state":
+        states[i] = make_proposer(TINY).alloc_state()
+    elif kind == "freed_state":
+        prop.free_state(state)
+    elif kind == "twin":
+        states[i] = states[(i + 1) % len(states)]
+    elif kind == "kv_start_negative":
+        state.kv_start = -3
+    elif kind == "kv_start_ahead":
+        state.kv_start = positions[i] + 1
+    elif kind == "owner_float":
+        state.owner = float(state.owner)  # equal: the Python loop takes it
+    elif kind == "is_freed_int":
+        state.is_freed = 0  # falsy: the Python loop takes it
+    elif kind == "max_positions":
+        state.max_positions = positions[i]
+    elif kind == "blocks_tuple":
+        state.table.blocks = tuple(state.table.blocks)
+    elif kind == "blocks_subclass":
+        state.table.blocks = TrackedBlocks(state.table.blocks)
+    elif kind == "blocks_numpy":
+        state.table.blocks = [np.int32(b) for b in state.table.blocks]
+    elif kind == "block_size":
+        state.table.block_size = 8
+    elif kind == "cache_id":
+        state.table.cache_id = 10**6
+    elif kind == "shared_table":
+        states[(i + 1) % len(states)].table = state.table
+    elif kind == "table_edited":
+        blocks = state.table.blocks
+        if blocks:
+            blocks[rng.randrange(len(blocks))] = rng.choice([-1, 0, 10**6])
+    elif kind == "ensured_ahead":  # an engine's own ensure: the table grows past the staged entries
+        p = positions[i] if type(positions[i]) is int and 0 <= positions[i] < 400 else 0
+        prop.cache.ensure(state.table, p, min(p + rng.randrange(1, 40), TINY.max_position_embeddings - 1))
+    elif kind == "seq_len_behind":
+        state.seq_len = positions[i] - 1
+    else:
+        states[i] = object()
+    return kind
+
+
+def run_pass(prop, staging, states, tokens, positions, k):
+    """One pass; returns (answer, bytes, records): the unheld rows / None / the exception's type."""
+    try:
+        usual = decode_pass.stage_usual_batch(staging.writer, prop.cache, states, tokens, positions, k, prop.id,
+                                              TINY.vocab_size)
+        answer = None if usual is None else usual.unheld
+    except Exception as exc:  # both loops must raise the same
+        answer = type(exc)
+    return answer, staging.host_buf.clone(), list(staging.writer.row_sink()[2])
+
+
+def test_both_loops_decide_alike_on_spoiled_batches(native, monkeypatch):
+    rng, gen = random.Random(11), torch.Generator().manual_seed(11)
+    seen = {"pass": 0, "none": 0, "raised": 0}
+    for trial in range(150):
+        prop = make_proposer(TINY, buckets=(BUCKET,))
+        states = [prop.alloc_state() for _ in range(BUCKET)]
+        positions = [rng.randrange(0, 80) for _ in states]
+        hiddens = [hidden(TINY, gen) for _ in states]
+        prop.propose_batch(list(range(BUCKET)), hiddens, positions, 2, states)
+        for state in states:
+            prop.after_verify(rng.randrange(0, 3), state)
+        n = rng.randrange(1, BUCKET + 1)
+        batch = states[:n]
+        positions = [s.seq_len + rng.choice([0, 0, 1, 20]) for s in batch]
+        tokens = [rng.randrange(TINY.vocab_size) for _ in batch]
+        kinds = [spoil(rng, prop, batch, tokens, positions, rng.randrange(n)) for _ in range(rng.choice([0, 1, 1, 2]))]
+        shape = rng.choice(["list", "list", "tuple", "iterator"])
+        if shape == "tuple":
+            batch, tokens = tuple(batch), tuple(tokens)
+        k = rng.choice([1, 2, 3])
+        staging = prop._staging_for(BUCKET)
+        start = (staging.host_buf.clone(), list(staging.writer.row_sink()[2]))
+        results = []
+        for loop in (native, None):
+            monkeypatch.setattr(decode_pass, "_native", loop)
+            staging.host_buf.copy_(start[0])
+            staging.writer.row_sink()[2][:] = start[1]
+            tables = copy.deepcopy([getattr(s, "table", None) for s in batch])  # pass marks aside, unchanged
+            given = iter(positions) if shape == "iterator" else positions  # a fresh one for each loop
+            results.append(run_pass(prop, staging, batch, tokens, given, k))
+            after = [getattr(s, "table", None) for s in batch]
+            assert [(t.blocks, t.cache_id) if t is not None else None for t in tables] == [
+                (t.blocks, t.cache_id) if t is not None else None for t in after]
+        (native_answer, native_bytes, native_records), (py_answer, py_bytes, py_records) = results
+        message = f"trial {trial}: spoiled {kinds}, {shape}, k={k}"
+        assert native_answer == py_answer, message
+        assert torch.equal(native_bytes, py_bytes), message
+        assert native_records == py_records, message
+        seen["raised" if isinstance(py_answer, type) else "none" if py_answer is None else "pass"] += 1
+    assert seen["pass"] > 30 and seen["none"] > 30, seen
+
+
+def test_the_compiled_loop_takes_the_usual_batch_itself(native):
+    gen = torch.Generator().manual_seed(2)
+    prop = make_proposer(TINY, buckets=(BUCKET,))
+    states = [prop.alloc_state() for _ in range(BUCKET)]
+    positions = [2 + 16 * i for i in range(BUCKET)]  # every row stays inside its block
+    prop.propose_batch(list(range(BUCKET)), [hidden(TINY, gen) for _ in states], positions, 2, states)
+    for state in states:
+        prop.after_verify(2, state)
+    positions = [s.seq_len for s in states]
+    staging = prop._staging_for(BUCKET)
+    staging.writer.save()
+    answer = native.stage_rows(states, list(range(BUCKET)), positions, 2, prop.id, TINY.vocab_size, 10**9,
+                               type(states[0]), staging.writer.row_sink()[0], staging.writer.row_sink()[1],
+                               staging.writer.row_sink()[2], prop.cache.block_states, prop.cache.block_size,
+                               prop.cache.cache_id, prop.cache.max_seq_len, staging.writer.window,
+                               staging.writer.max_blocks, staging.writer.write_table, OWNED)
+    assert answer == [], answer  # every row held and staged by the compiled loop, none left to Python
