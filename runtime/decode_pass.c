@@ -12,13 +12,38 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h> /* PyMemberDef before 3.12 */
 #include <stdint.h>
 #include <string.h>
 
-#define NUM_ARGS 19
+#define NUM_ARGS 20
+#define MEMBER_OBJECT_EX 16 /* T_OBJECT_EX / Py_T_OBJECT_EX: what a __slots__ entry is */
+#define MEMBER_READONLY 1
 
-static PyObject *s_owner, *s_is_freed, *s_max_positions, *s_table, *s_kv_start, *s_seq_len;
-static PyObject *s_pass_mark, *s_blocks, *s_block_size, *s_cache_id;
+/* An attribute the loop reads: by its slot's offset when the object's type keeps it in
+   __slots__ (a load, where PyObject_GetAttr costs ~25 ns: ~12 reads a row), else by name. */
+struct attr {
+    const char *text;
+    PyObject *name;
+    Py_ssize_t offset; /* -1: by name */
+};
+
+enum { OWNER, IS_FREED, MAX_POSITIONS, TABLE, KV_START, SEQ_LEN, NUM_STATE_ATTRS };
+enum { PASS_MARK, BLOCKS, BLOCK_SIZE, CACHE_ID, NUM_TABLE_ATTRS };
+static struct attr state_attrs[NUM_STATE_ATTRS] = {
+    {"owner", NULL, -1}, {"is_freed", NULL, -1}, {"max_positions", NULL, -1},
+    {"table", NULL, -1}, {"kv_start", NULL, -1}, {"seq_len", NULL, -1},
+};
+static struct attr table_attrs[NUM_TABLE_ATTRS] = {
+    {"pass_mark", NULL, -1}, {"blocks", NULL, -1}, {"block_size", NULL, -1}, {"cache_id", NULL, -1},
+};
+static struct attr table_attrs_by_name[NUM_TABLE_ATTRS]; /* for a table of another type */
+
+/* The types whose slot offsets the attrs hold (a strong reference each, so that the address
+   cannot be reused by another type) and their version tags (a change to a type's attributes
+   changes its tag: the offsets are looked up again). */
+static PyTypeObject *offsets_for[2];
+static unsigned int offsets_version[2];
 
 enum outcome { TAKEN, BROKEN, DEFERRED, FAILED };
 
@@ -38,16 +63,71 @@ static int exact_ll(PyObject *o, long long *out)
     return 1;
 }
 
-/* obj.name as an exact int: 1, or 0 for anything else (an error is cleared: the Python loop
-   meets it again and raises it). */
-static int attr_ll(PyObject *obj, PyObject *name, long long *out)
+/* The offsets of attrs in type's __slots__ (-1 where it has none); 0 on an error. */
+static int find_offsets(PyTypeObject *type, struct attr *attrs, int n, int which)
 {
-    PyObject *v = PyObject_GetAttr(obj, name);
-    int ok;
-    if (v == NULL) {
+    int k;
+    if (offsets_for[which] == type && type->tp_version_tag != 0 && offsets_version[which] == type->tp_version_tag)
+        return 1;
+    for (k = 0; k < n; k++) {
+        PyObject *descr = PyObject_GetAttr((PyObject *)type, attrs[k].name);
+        attrs[k].offset = -1;
+        if (descr == NULL) {
+            PyErr_Clear();
+            continue;
+        }
+        if (Py_TYPE(descr) == &PyMemberDescr_Type) {
+            PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+            if (member->type == MEMBER_OBJECT_EX && !(member->flags & MEMBER_READONLY))
+                attrs[k].offset = member->offset;
+        }
+        Py_DECREF(descr);
+    }
+    Py_INCREF(type);
+    Py_XSETREF(offsets_for[which], type);
+    offsets_version[which] = type->tp_version_tag; /* 0 (none assigned): looked up at every call */
+    return 1;
+}
+
+/* obj.attr: a new reference, or NULL (an error is cleared: the Python loop meets it again and
+   raises it). */
+static PyObject *get_attr(PyObject *obj, const struct attr *a)
+{
+    PyObject *v;
+    if (a->offset >= 0) {
+        v = *(PyObject **)((char *)obj + a->offset);
+        Py_XINCREF(v); /* NULL: an unset slot */
+        return v;
+    }
+    v = PyObject_GetAttr(obj, a->name);
+    if (v == NULL)
+        PyErr_Clear();
+    return v;
+}
+
+/* obj.attr = value: 1, or 0 (error cleared). */
+static int set_attr(PyObject *obj, const struct attr *a, PyObject *value)
+{
+    if (a->offset >= 0) {
+        PyObject **slot = (PyObject **)((char *)obj + a->offset);
+        Py_INCREF(value);
+        Py_XSETREF(*slot, value);
+        return 1;
+    }
+    if (PyObject_SetAttr(obj, a->name, value) < 0) {
         PyErr_Clear();
         return 0;
     }
+    return 1;
+}
+
+/* obj.attr as an exact int: 1, or 0 for anything else. */
+static int attr_ll(PyObject *obj, const struct attr *a, long long *out)
+{
+    PyObject *v = get_attr(obj, a);
+    int ok;
+    if (v == NULL)
+        return 0;
     ok = exact_ll(v, out);
     Py_DECREF(v);
     return ok;
@@ -101,7 +181,7 @@ static int record_matches(PyObject *record, long long lo, PyObject *blocks)
 struct batch_args {
     long long num_drafts, owner, vocab, serial, row_bytes, block_size, cache_id;
     long long max_seq_len, window, max_blocks, owned;
-    PyObject *serial_obj, *state_type, *written, *block_states, *write_table;
+    PyObject *serial_obj, *state_type, *table_type, *written, *block_states, *write_table;
     unsigned char *mem;
     Py_ssize_t mem_len;
 };
@@ -111,6 +191,7 @@ static enum outcome stage_row(const struct batch_args *a, Py_ssize_t i, PyObject
                               PyObject *position, PyObject *unheld)
 {
     enum outcome result = DEFERRED;
+    const struct attr *tattrs;
     PyObject *table = NULL, *blocks = NULL, *is_freed, *entries, *call_args[3], *index_obj, *lo_obj, *out;
     long long value, p, kv_start, seq_len, max_positions, mark, j, last, block, lo, oldest, slot, seq;
     long long span = a->num_drafts - 1;
@@ -119,15 +200,13 @@ static enum outcome stage_row(const struct batch_args *a, Py_ssize_t i, PyObject
 
     if (Py_TYPE(state) != (PyTypeObject *)a->state_type)
         return BROKEN;
-    if (!attr_ll(state, s_owner, &value))
+    if (!attr_ll(state, &state_attrs[OWNER], &value))
         return DEFERRED;
     if (value != a->owner)
         return BROKEN;
-    is_freed = PyObject_GetAttr(state, s_is_freed);
-    if (is_freed == NULL) {
-        PyErr_Clear();
+    is_freed = get_attr(state, &state_attrs[IS_FREED]);
+    if (is_freed == NULL)
         return DEFERRED;
-    }
     Py_DECREF(is_freed); /* Py_True / Py_False are immortal enough to compare after */
     if (is_freed == Py_True)
         return BROKEN;
@@ -141,26 +220,23 @@ static enum outcome stage_row(const struct batch_args *a, Py_ssize_t i, PyObject
         return BROKEN;
     if (!exact_ll(position, &p) || p < 0 || p >= a->max_seq_len - span)
         return BROKEN;
-    if (!attr_ll(state, s_max_positions, &max_positions))
+    if (!attr_ll(state, &state_attrs[MAX_POSITIONS], &max_positions))
         return DEFERRED;
     if (p + a->num_drafts > max_positions)
         return BROKEN;
-    table = PyObject_GetAttr(state, s_table);
-    if (table == NULL) {
-        PyErr_Clear();
+    table = get_attr(state, &state_attrs[TABLE]);
+    if (table == NULL)
         return DEFERRED;
-    }
-    if (!attr_ll(state, s_kv_start, &kv_start) || !attr_ll(table, s_pass_mark, &mark))
+    tattrs = Py_TYPE(table) == (PyTypeObject *)a->table_type ? table_attrs : table_attrs_by_name;
+    if (!attr_ll(state, &state_attrs[KV_START], &kv_start) || !attr_ll(table, &tattrs[PASS_MARK], &mark))
         goto done;
     if (mark == a->serial) { /* a table two rows share: the general path refuses it */
         result = BROKEN;
         goto done;
     }
-    if (PyObject_SetAttr(table, s_pass_mark, a->serial_obj) < 0) {
-        PyErr_Clear();
+    if (!set_attr(table, &tattrs[PASS_MARK], a->serial_obj))
         goto done;
-    }
-    if (!attr_ll(state, s_seq_len, &seq_len))
+    if (!attr_ll(state, &state_attrs[SEQ_LEN], &seq_len))
         goto done;
     if (!(0 <= kv_start && kv_start <= p && p <= seq_len)) {
         if (kv_start <= p && p <= seq_len) { /* continuing rows from a kv_start < 0: refused */
@@ -169,12 +245,10 @@ static enum outcome stage_row(const struct batch_args *a, Py_ssize_t i, PyObject
         }
         kv_start = p; /* rows that do not continue start afresh at p */
     }
-    blocks = PyObject_GetAttr(table, s_blocks);
-    if (blocks == NULL) {
-        PyErr_Clear();
+    blocks = get_attr(table, &tattrs[BLOCKS]);
+    if (blocks == NULL)
         goto done;
-    }
-    if (!PyList_CheckExact(blocks) || !attr_ll(table, s_block_size, &value))
+    if (!PyList_CheckExact(blocks) || !attr_ll(table, &tattrs[BLOCK_SIZE], &value))
         goto done;
     if (value != a->block_size) {
         result = BROKEN;
@@ -188,7 +262,7 @@ static enum outcome stage_row(const struct batch_args *a, Py_ssize_t i, PyObject
             goto done;
         held = is_held(block, a->block_states, a->owned);
         if (held == 1) {
-            if (!attr_ll(table, s_cache_id, &value))
+            if (!attr_ll(table, &tattrs[CACHE_ID], &value))
                 goto done;
             held = value == a->cache_id;
         }
@@ -274,7 +348,7 @@ static int sequence_items(PyObject *seq, PyObject ***items, Py_ssize_t *n)
 
 /* stage_rows(states, tokens, positions, num_drafts, owner, vocab, serial, state_type, mem,
               row_bytes, written, block_states, block_size, cache_id, max_seq_len, window,
-              max_blocks, write_table, owned) -> list | None | NotImplemented */
+              max_blocks, write_table, owned, table_type) -> list | None | NotImplemented */
 static PyObject *stage_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     struct batch_args a;
@@ -288,16 +362,19 @@ static PyObject *stage_rows(PyObject *module, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     a.serial_obj = args[6], a.state_type = args[7], a.written = args[10], a.block_states = args[11];
-    a.write_table = args[17];
+    a.write_table = args[17], a.table_type = args[19];
     if (!exact_ll(args[3], &a.num_drafts) || !exact_ll(args[4], &a.owner) || !exact_ll(args[5], &a.vocab)
         || !exact_ll(args[6], &a.serial) || !exact_ll(args[9], &a.row_bytes) || !exact_ll(args[12], &a.block_size)
         || !exact_ll(args[13], &a.cache_id) || !exact_ll(args[14], &a.max_seq_len)
         || !exact_ll(args[15], &a.window) || !exact_ll(args[16], &a.max_blocks) || !exact_ll(args[18], &a.owned)
-        || a.block_size <= 0 || a.row_bytes <= 0 || !PyType_Check(a.state_type)
+        || a.block_size <= 0 || a.row_bytes <= 0 || !PyType_Check(a.state_type) || !PyType_Check(a.table_type)
         || !PyList_CheckExact(a.written) || !PyList_CheckExact(a.block_states)
         || !sequence_items(args[0], &states, &num_states) || !sequence_items(args[1], &tokens, &num_tokens)
         || !sequence_items(args[2], &positions, &num_positions))
         Py_RETURN_NOTIMPLEMENTED;
+    if (!find_offsets((PyTypeObject *)a.state_type, state_attrs, NUM_STATE_ATTRS, 0)
+        || !find_offsets((PyTypeObject *)a.table_type, table_attrs, NUM_TABLE_ATTRS, 1))
+        return NULL;
     if (PyObject_GetBuffer(args[8], &view, PyBUF_WRITABLE) < 0) {
         PyErr_Clear();
         Py_RETURN_NOTIMPLEMENTED;
@@ -344,18 +421,18 @@ static struct PyModuleDef module_def = {
 
 PyMODINIT_FUNC PyInit_decode_pass_native(void)
 {
+    int k;
 #if !PY_LITTLE_ENDIAN
     PyErr_SetString(PyExc_ImportError, "decode_pass_native writes little-endian rows");
     return NULL;
 #endif
-    if (!(s_owner = PyUnicode_InternFromString("owner")) || !(s_is_freed = PyUnicode_InternFromString("is_freed"))
-        || !(s_max_positions = PyUnicode_InternFromString("max_positions"))
-        || !(s_table = PyUnicode_InternFromString("table")) || !(s_kv_start = PyUnicode_InternFromString("kv_start"))
-        || !(s_seq_len = PyUnicode_InternFromString("seq_len"))
-        || !(s_pass_mark = PyUnicode_InternFromString("pass_mark"))
-        || !(s_blocks = PyUnicode_InternFromString("blocks"))
-        || !(s_block_size = PyUnicode_InternFromString("block_size"))
-        || !(s_cache_id = PyUnicode_InternFromString("cache_id")))
-        return NULL;
+    for (k = 0; k < NUM_STATE_ATTRS; k++)
+        if (!(state_attrs[k].name = PyUnicode_InternFromString(state_attrs[k].text)))
+            return NULL;
+    for (k = 0; k < NUM_TABLE_ATTRS; k++) {
+        if (!(table_attrs[k].name = PyUnicode_InternFromString(table_attrs[k].text)))
+            return NULL;
+        table_attrs_by_name[k] = table_attrs[k];
+    }
     return PyModule_Create(&module_def);
 }

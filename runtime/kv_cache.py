@@ -41,7 +41,7 @@ _STATE_NAMES = {FREE: "free", OWNED: "owned by a table", LOOSE: "taken (owned by
 _cache_ids = itertools.count(1)
 
 
-@dataclass
+@dataclass(slots=True)  # read by slot offset in the compiled pass (runtime/decode_pass.c)
 class BlockTable:
     """One sequence's map from logical block ``p // block_size`` to a physical block id.
 

@@ -10,6 +10,7 @@ the same per-row records. The compiled loop must also take the usual batch itsel
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 import shutil
 
@@ -20,7 +21,8 @@ from proposer_fixtures import TINY, hidden, make_proposer
 
 import runtime.decode_pass as decode_pass
 from runtime import native_build
-from runtime.kv_cache import OWNED
+from runtime.kv_cache import OWNED, BlockTable
+from runtime.proposer_state import MtpProposerState
 
 BUCKET = 8
 
@@ -39,6 +41,22 @@ class TrackedBlocks(list):
     """A block list of another type."""
 
 
+class TrackedTable(BlockTable):
+    """A table of another type (an engine's subclass)."""
+
+
+class LookalikeTable:
+    """An object with a table's attributes, of no table type."""
+
+    def __init__(self, blocks, block_size, cache_id, num_trimmed) -> None:
+        self.blocks, self.block_size, self.cache_id, self.num_trimmed = blocks, block_size, cache_id, num_trimmed
+        self.pass_mark = 0
+
+
+class TrackedState(MtpProposerState):
+    """A state of another type."""
+
+
 def spoil(rng: random.Random, prop, states, tokens, positions, i: int) -> str:
     """Spoil row ``i`` one way; returns what was done (for the failure message)."""
     state = states[i]
@@ -49,7 +67,8 @@ def spoil(rng: random.Random, prop, states, tokens, positions, i: int) -> str:
         "position_numpy", "position_bool", "foreign_state", "freed_state", "twin", "kv_start_negative",
         "kv_start_ahead", "owner_float", "is_freed_int", "max_positions", "blocks_tuple", "blocks_subclass",
         "blocks_numpy", "block_size", "cache_id", "shared_table", "table_edited", "seq_len_behind",
-        "not_a_state", "position_huge", "ensured_ahead", "ensured_ahead",
+        "not_a_state", "position_huge", "ensured_ahead", "ensured_ahead", "table_subclass", "table_lookalike",
+        "table_lookalike", "state_subclass",
     ])
     if kind == "token_range":
         tokens[i] = rng.choice([-1, TINY.vocab_size, 2**70])
@@ -104,6 +123,15 @@ def spoil(rng: random.Random, prop, states, tokens, positions, i: int) -> str:
     elif kind == "ensured_ahead":  # an engine's own ensure: the table grows past the staged entries
         p = positions[i] if type(positions[i]) is int and 0 <= positions[i] < 400 else 0
         prop.cache.ensure(state.table, p, min(p + rng.randrange(1, 40), TINY.max_position_embeddings - 1))
+    elif kind == "table_subclass":  # read by name, not by slot offset, in the compiled loop
+        t = state.table
+        state.table = TrackedTable(blocks=t.blocks, block_size=t.block_size, cache_id=t.cache_id,
+                                   num_trimmed=t.num_trimmed)
+    elif kind == "table_lookalike":  # not a BlockTable at all: read by name
+        t = state.table
+        state.table = LookalikeTable(t.blocks, t.block_size, t.cache_id, t.num_trimmed)
+    elif kind == "state_subclass":
+        states[i] = TrackedState(**{f.name: getattr(state, f.name) for f in dataclasses.fields(state)})
     elif kind == "seq_len_behind":
         state.seq_len = positions[i] - 1
     else:
@@ -179,5 +207,5 @@ def test_the_compiled_loop_takes_the_usual_batch_itself(native):
                                type(states[0]), staging.writer.row_sink()[0], staging.writer.row_sink()[1],
                                staging.writer.row_sink()[2], prop.cache.block_states, prop.cache.block_size,
                                prop.cache.cache_id, prop.cache.max_seq_len, staging.writer.window,
-                               staging.writer.max_blocks, staging.writer.write_table, OWNED)
+                               staging.writer.max_blocks, staging.writer.write_table, OWNED, BlockTable)
     assert answer == [], answer  # every row held and staged by the compiled loop, none left to Python
