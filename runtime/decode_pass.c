@@ -7,8 +7,9 @@
        that is not an exact int, a sequence that is not a list or tuple, a row past the buffer):
        the caller restores the rows and runs the Python loop, which decides.
    It never decides differently from the Python loop: anything it cannot read as exact ints,
-   lists, tuples and bools it leaves to it. A raised exception only comes from the writer's
-   write_table (the caller resets the writer, as it does for the Python loop). */
+   lists, tuples and bools it leaves to it. It writes a moved block table itself, as
+   MetadataWriter.write_table does (bytes and record). A raised exception is a MemoryError (the
+   caller resets the writer, as it does for the Python loop). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -16,7 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#define NUM_ARGS 20
+#define NUM_ARGS 20 /* and a 21st, optional: the rows to stage (all when None or left out) */
+#define NUM_ENSURE_ARGS 9
 #define MEMBER_OBJECT_EX 16 /* T_OBJECT_EX / Py_T_OBJECT_EX: what a __slots__ entry is */
 #define MEMBER_READONLY 1
 
@@ -29,13 +31,14 @@ struct attr {
 };
 
 enum { OWNER, IS_FREED, MAX_POSITIONS, TABLE, KV_START, SEQ_LEN, NUM_STATE_ATTRS };
-enum { PASS_MARK, BLOCKS, BLOCK_SIZE, CACHE_ID, NUM_TABLE_ATTRS };
+enum { PASS_MARK, BLOCKS, BLOCK_SIZE, CACHE_ID, NUM_TRIMMED, NUM_TABLE_ATTRS };
 static struct attr state_attrs[NUM_STATE_ATTRS] = {
     {"owner", NULL, -1}, {"is_freed", NULL, -1}, {"max_positions", NULL, -1},
     {"table", NULL, -1}, {"kv_start", NULL, -1}, {"seq_len", NULL, -1},
 };
 static struct attr table_attrs[NUM_TABLE_ATTRS] = {
     {"pass_mark", NULL, -1}, {"blocks", NULL, -1}, {"block_size", NULL, -1}, {"cache_id", NULL, -1},
+    {"num_trimmed", NULL, -1},
 };
 static struct attr table_attrs_by_name[NUM_TABLE_ATTRS]; /* for a table of another type */
 
@@ -181,10 +184,52 @@ static int record_matches(PyObject *record, long long lo, PyObject *blocks)
 struct batch_args {
     long long num_drafts, owner, vocab, serial, row_bytes, block_size, cache_id;
     long long max_seq_len, window, max_blocks, owned;
-    PyObject *serial_obj, *state_type, *table_type, *written, *block_states, *write_table;
+    long long table_offset; /* BLOCK_TABLE_OFFSET: where a row's block table starts */
+    PyObject *serial_obj, *state_type, *table_type, *written, *block_states;
     unsigned char *mem;
     Py_ssize_t mem_len;
 };
+
+/* Row i's block table: blocks[lo:] from entry lo on, -1 elsewhere, and its record (lo, entries),
+   as MetadataWriter.write_table writes them (the old record's entries cleared first). */
+static enum outcome write_table(const struct batch_args *a, Py_ssize_t i, long long lo, PyObject *blocks)
+{
+    PyObject *record = PyList_GET_ITEM(a->written, i), *entries, *lo_obj, *new_record;
+    unsigned char *table = a->mem + i * a->row_bytes + a->table_offset;
+    Py_ssize_t n, k, old_n = 0;
+    long long old_lo = 0, e;
+    if (record != Py_None) { /* a well-formed (lo, list) here: record_matches read it */
+        exact_ll(PyTuple_GET_ITEM(record, 0), &old_lo);
+        old_n = PyList_GET_SIZE(PyTuple_GET_ITEM(record, 1));
+    }
+    entries = PyList_GetSlice(blocks, lo, PyList_GET_SIZE(blocks));
+    if (entries == NULL)
+        return FAILED;
+    n = PyList_GET_SIZE(entries);
+    if (old_lo < 0 || a->table_offset + 4 * (old_lo + old_n) > a->row_bytes || a->table_offset + 4 * (lo + n) > a->row_bytes)
+        goto deferred; /* struct.pack_into would raise: the Python loop raises it */
+    for (k = 0; k < n; k++)
+        if (!exact_ll(PyList_GET_ITEM(entries, k), &e) || !fits_i32(e))
+            goto deferred;
+    memset(table + 4 * old_lo, 0xff, 4 * old_n); /* the entries written before: -1 */
+    for (k = 0; k < n; k++) {
+        int32_t entry;
+        exact_ll(PyList_GET_ITEM(entries, k), &e);
+        entry = (int32_t)e;
+        memcpy(table + 4 * (lo + k), &entry, 4);
+    }
+    lo_obj = PyLong_FromLongLong(lo);
+    new_record = lo_obj == NULL ? NULL : PyTuple_Pack(2, lo_obj, entries);
+    Py_XDECREF(lo_obj);
+    Py_DECREF(entries);
+    if (new_record == NULL)
+        return FAILED;
+    PyList_SetItem(a->written, i, new_record); /* steals it; drops the old record */
+    return TAKEN;
+deferred:
+    Py_DECREF(entries);
+    return DEFERRED;
+}
 
 /* One row, as one iteration of the Python loop. */
 static enum outcome stage_row(const struct batch_args *a, Py_ssize_t i, PyObject *state, PyObject *token,
@@ -192,7 +237,7 @@ static enum outcome stage_row(const struct batch_args *a, Py_ssize_t i, PyObject
 {
     enum outcome result = DEFERRED;
     const struct attr *tattrs;
-    PyObject *table = NULL, *blocks = NULL, *is_freed, *entries, *call_args[3], *index_obj, *lo_obj, *out;
+    PyObject *table = NULL, *blocks = NULL, *is_freed, *index_obj;
     long long value, p, kv_start, seq_len, max_positions, mark, j, last, block, lo, oldest, slot, seq;
     long long span = a->num_drafts - 1;
     int held;
@@ -311,20 +356,9 @@ static enum outcome stage_row(const struct batch_args *a, Py_ssize_t i, PyObject
             result = BROKEN;
             goto done;
         }
-        entries = PyList_GetSlice(blocks, lo, PyList_GET_SIZE(blocks));
-        index_obj = PyLong_FromSsize_t(i);
-        lo_obj = PyLong_FromLongLong(lo);
-        out = NULL;
-        if (entries != NULL && index_obj != NULL && lo_obj != NULL) {
-            call_args[0] = index_obj, call_args[1] = lo_obj, call_args[2] = entries;
-            out = PyObject_Vectorcall(a->write_table, call_args, 3, NULL);
-        }
-        Py_XDECREF(entries), Py_XDECREF(index_obj), Py_XDECREF(lo_obj);
-        if (out == NULL) {
-            result = FAILED;
+        result = write_table(a, i, lo, blocks);
+        if (result != TAKEN)
             goto done;
-        }
-        Py_DECREF(out);
     }
     result = TAKEN;
 done:
@@ -348,25 +382,30 @@ static int sequence_items(PyObject *seq, PyObject ***items, Py_ssize_t *n)
 
 /* stage_rows(states, tokens, positions, num_drafts, owner, vocab, serial, state_type, mem,
               row_bytes, written, block_states, block_size, cache_id, max_seq_len, window,
-              max_blocks, write_table, owned, table_type) -> list | None | NotImplemented */
+              max_blocks, table_offset, owned, table_type[, rows]) -> list | None | NotImplemented */
 static PyObject *stage_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     struct batch_args a;
     Py_buffer view;
-    PyObject **states, **tokens, **positions, *unheld;
-    Py_ssize_t num_states, num_tokens, num_positions, n, i;
+    PyObject **states, **tokens, **positions, *unheld, *rows = Py_None;
+    Py_ssize_t num_states, num_tokens, num_positions, n, i, r, num_rows;
     enum outcome outcome = TAKEN;
     (void)module;
-    if (nargs != NUM_ARGS) {
-        PyErr_Format(PyExc_TypeError, "stage_rows takes %d arguments, got %zd", NUM_ARGS, nargs);
+    if (nargs != NUM_ARGS && nargs != NUM_ARGS + 1) {
+        PyErr_Format(PyExc_TypeError, "stage_rows takes %d or %d arguments, got %zd", NUM_ARGS, NUM_ARGS + 1, nargs);
         return NULL;
     }
+    if (nargs > NUM_ARGS)
+        rows = args[NUM_ARGS];
+    if (rows != Py_None && !PyList_CheckExact(rows))
+        Py_RETURN_NOTIMPLEMENTED;
     a.serial_obj = args[6], a.state_type = args[7], a.written = args[10], a.block_states = args[11];
-    a.write_table = args[17], a.table_type = args[19];
+    a.table_type = args[19];
     if (!exact_ll(args[3], &a.num_drafts) || !exact_ll(args[4], &a.owner) || !exact_ll(args[5], &a.vocab)
         || !exact_ll(args[6], &a.serial) || !exact_ll(args[9], &a.row_bytes) || !exact_ll(args[12], &a.block_size)
         || !exact_ll(args[13], &a.cache_id) || !exact_ll(args[14], &a.max_seq_len)
         || !exact_ll(args[15], &a.window) || !exact_ll(args[16], &a.max_blocks) || !exact_ll(args[18], &a.owned)
+        || !exact_ll(args[17], &a.table_offset) || a.table_offset < 0
         || a.block_size <= 0 || a.row_bytes <= 0 || !PyType_Check(a.state_type) || !PyType_Check(a.table_type)
         || !PyList_CheckExact(a.written) || !PyList_CheckExact(a.block_states)
         || !sequence_items(args[0], &states, &num_states) || !sequence_items(args[1], &tokens, &num_tokens)
@@ -387,10 +426,17 @@ static PyObject *stage_rows(PyObject *module, PyObject *const *args, Py_ssize_t 
     }
     n = num_states < num_tokens ? num_states : num_tokens;
     n = n < num_positions ? n : num_positions;
-    /* The items are borrowed from lists the caller holds; write_table (Python) could change
-       them only through the caller's own objects, which it does not. */
-    for (i = 0; i < n && outcome == TAKEN; i++)
+    /* The items are borrowed from lists the caller holds, which nothing here calls out to change. */
+    num_rows = rows == Py_None ? n : PyList_GET_SIZE(rows);
+    for (r = 0; r < num_rows && outcome == TAKEN; r++) {
+        long long row = r;
+        if (rows != Py_None && (!exact_ll(PyList_GET_ITEM(rows, r), &row) || row < 0 || row >= n)) {
+            outcome = DEFERRED;
+            break;
+        }
+        i = (Py_ssize_t)row;
         outcome = stage_row(&a, i, states[i], tokens[i], positions[i], unheld);
+    }
     PyBuffer_Release(&view);
     if (outcome == TAKEN && num_states != num_tokens)
         outcome = BROKEN;
@@ -409,9 +455,174 @@ static PyObject *stage_rows(PyObject *module, PyObject *const *args, Py_ssize_t 
     }
 }
 
+
+/* ensure_tables(tables, firsts, lasts, table_type, free, block_states, cache_id, block_size, owned)
+     -> [(k, length before, [new ids]), ...] for the tables that got blocks | NotImplemented
+
+   PagedLatentCache._ensure_rows, compiled (design note "compiled pass" in runtime/decode_pass.py):
+   positions firsts[k]..lasts[k] of tables[k] get blocks, all or nothing. Every table is
+   checked first as _check_table checks it (its held blocks, from num_trimmed on, are this
+   cache's and owned) and the blocks counted; only then are blocks popped from the end of
+   ``free`` and mapped, in the order _allocate maps them. Anything the Python ensure would
+   raise for (a table checked bad, a pool too small) or that this loop does not read (a table
+   of another type, a value that is not an exact int) is NotImplemented, with nothing
+   changed: the caller's Python ensure then raises or does it. */
+static PyObject *ensure_tables(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *tables, *firsts, *lasts, *free_list, *block_states, *cache_id_obj, *block_size_obj, *owned_obj;
+    PyObject *records = NULL, *table = NULL, *blocks = NULL, *value;
+    PyTypeObject *table_type;
+    Py_ssize_t n, k, j, num_free, num_states, total = 0;
+    long long cache_id, bs, owned, first, last, e, trimmed;
+    (void)module;
+    if (nargs != NUM_ENSURE_ARGS) {
+        PyErr_Format(PyExc_TypeError, "ensure_tables takes %d arguments, got %zd", NUM_ENSURE_ARGS, nargs);
+        return NULL;
+    }
+    tables = args[0], firsts = args[1], lasts = args[2], table_type = (PyTypeObject *)args[3];
+    free_list = args[4], block_states = args[5], cache_id_obj = args[6], block_size_obj = args[7];
+    owned_obj = args[8];
+    if (!PyList_CheckExact(tables) || !PyList_CheckExact(firsts) || !PyList_CheckExact(lasts)
+        || !PyType_Check(args[3]) || !PyList_CheckExact(free_list) || !PyList_CheckExact(block_states)
+        || !exact_ll(cache_id_obj, &cache_id) || !exact_ll(block_size_obj, &bs) || !exact_ll(owned_obj, &owned)
+        || bs <= 0 || PyList_GET_SIZE(firsts) != PyList_GET_SIZE(tables)
+        || PyList_GET_SIZE(lasts) != PyList_GET_SIZE(tables))
+        Py_RETURN_NOTIMPLEMENTED;
+    if (!find_offsets(table_type, table_attrs, NUM_TABLE_ATTRS, 1))
+        return NULL;
+    for (k = 0; k < NUM_TABLE_ATTRS; k++)
+        if (table_attrs[k].offset < 0) /* a table type without these slots: the Python ensure */
+            Py_RETURN_NOTIMPLEMENTED;
+    n = PyList_GET_SIZE(tables), num_states = PyList_GET_SIZE(block_states);
+    /* 1. Check every table and count the blocks; nothing changes here. */
+    for (k = 0; k < n; k++) {
+        Py_ssize_t length;
+        int has_held = 0;
+        table = PyList_GET_ITEM(tables, k); /* borrowed: the list is the caller's, unchanged here */
+        if (Py_TYPE(table) != table_type)
+            Py_RETURN_NOTIMPLEMENTED;
+        blocks = *(PyObject **)((char *)table + table_attrs[BLOCKS].offset);
+        value = *(PyObject **)((char *)table + table_attrs[NUM_TRIMMED].offset);
+        if (blocks == NULL || !PyList_CheckExact(blocks) || value == NULL || !exact_ll(value, &trimmed))
+            Py_RETURN_NOTIMPLEMENTED;
+        if (!exact_ll(PyList_GET_ITEM(firsts, k), &first) || !exact_ll(PyList_GET_ITEM(lasts, k), &last)
+            || first < 0 || first > last)
+            Py_RETURN_NOTIMPLEMENTED;
+        length = PyList_GET_SIZE(blocks);
+        for (j = trimmed > 0 ? (Py_ssize_t)(trimmed < length ? trimmed : length) : 0; j < length; j++) {
+            if (!exact_ll(PyList_GET_ITEM(blocks, j), &e))
+                Py_RETURN_NOTIMPLEMENTED;
+            if (e >= 0) { /* held: one of this cache's blocks, owned (else _check_table raises) */
+                long long state;
+                if (e >= num_states || !exact_ll(PyList_GET_ITEM(block_states, e), &state) || state != owned)
+                    Py_RETURN_NOTIMPLEMENTED;
+                has_held = 1;
+            }
+        }
+        if (has_held) {
+            value = *(PyObject **)((char *)table + table_attrs[CACHE_ID].offset);
+            if (value == NULL || !exact_ll(value, &e) || e != cache_id)
+                Py_RETURN_NOTIMPLEMENTED;
+        }
+        for (j = (Py_ssize_t)(first / bs); j <= (Py_ssize_t)(last / bs); j++) {
+            if (j >= length)
+                total++;
+            else if (!exact_ll(PyList_GET_ITEM(blocks, j), &e))
+                Py_RETURN_NOTIMPLEMENTED;
+            else if (e < 0)
+                total++;
+        }
+    }
+    num_free = PyList_GET_SIZE(free_list);
+    if (total > num_free) /* the pool is too small: the Python ensure raises its CacheError */
+        Py_RETURN_NOTIMPLEMENTED;
+    for (j = num_free - total; j < num_free; j++)
+        if (!exact_ll(PyList_GET_ITEM(free_list, j), &e) || e < 0 || e >= num_states)
+            Py_RETURN_NOTIMPLEMENTED;
+    records = PyList_New(0);
+    if (records == NULL)
+        return NULL;
+    /* 2. Map the blocks, as _allocate does: popped from the end of the free list, lowest entry first. */
+    for (k = 0; k < n; k++) {
+        Py_ssize_t length, first_missing = -1, count = 0, filled = 0;
+        PyObject *new_ids, *record, *minus_one;
+        table = PyList_GET_ITEM(tables, k);
+        blocks = *(PyObject **)((char *)table + table_attrs[BLOCKS].offset);
+        exact_ll(PyList_GET_ITEM(firsts, k), &first), exact_ll(PyList_GET_ITEM(lasts, k), &last);
+        exact_ll(*(PyObject **)((char *)table + table_attrs[NUM_TRIMMED].offset), &trimmed); /* checked in 1. */
+        length = PyList_GET_SIZE(blocks);
+        for (j = (Py_ssize_t)(first / bs); j <= (Py_ssize_t)(last / bs); j++) {
+            if (j >= length || (exact_ll(PyList_GET_ITEM(blocks, j), &e), e < 0)) {
+                count++;
+                if (first_missing < 0)
+                    first_missing = j;
+            }
+        }
+        if (count == 0)
+            continue;
+        new_ids = PyList_New(count);
+        if (new_ids == NULL)
+            goto failed;
+        minus_one = PyLong_FromLong(-1);
+        if (minus_one == NULL) {
+            Py_DECREF(new_ids);
+            goto failed;
+        }
+        while (PyList_GET_SIZE(blocks) <= (Py_ssize_t)(last / bs)) { /* as _allocate's extend with -1 */
+            if (PyList_Append(blocks, minus_one) < 0) {
+                Py_DECREF(minus_one), Py_DECREF(new_ids);
+                goto failed;
+            }
+        }
+        Py_DECREF(minus_one);
+        for (j = first_missing; j <= (Py_ssize_t)(last / bs); j++) {
+            PyObject *block;
+            exact_ll(PyList_GET_ITEM(blocks, j), &e);
+            if (e >= 0)
+                continue;
+            num_free = PyList_GET_SIZE(free_list);
+            block = PyList_GET_ITEM(free_list, num_free - 1);
+            Py_INCREF(block);
+            if (PyList_SetSlice(free_list, num_free - 1, num_free, NULL) < 0) {
+                Py_DECREF(block), Py_DECREF(new_ids);
+                goto failed;
+            }
+            exact_ll(block, &e);
+            Py_INCREF(block);
+            PyList_SET_ITEM(new_ids, filled++, block);
+            Py_INCREF(owned_obj);
+            PyList_SetItem(block_states, (Py_ssize_t)e, owned_obj); /* steals; drops the old state */
+            PyList_SetItem(blocks, j, block);                        /* steals the reference taken above */
+        }
+        if (first_missing < trimmed) { /* design note "trimmed front": lowered to the lowest entry filled */
+            value = PyLong_FromSsize_t(first_missing);
+            if (value == NULL) {
+                Py_DECREF(new_ids);
+                goto failed;
+            }
+            Py_XSETREF(*(PyObject **)((char *)table + table_attrs[NUM_TRIMMED].offset), value);
+        }
+        Py_INCREF(cache_id_obj), Py_INCREF(block_size_obj);
+        Py_XSETREF(*(PyObject **)((char *)table + table_attrs[CACHE_ID].offset), cache_id_obj);
+        Py_XSETREF(*(PyObject **)((char *)table + table_attrs[BLOCK_SIZE].offset), block_size_obj);
+        record = Py_BuildValue("(nnN)", k, length, new_ids);
+        if (record == NULL || PyList_Append(records, record) < 0) {
+            Py_XDECREF(record);
+            goto failed;
+        }
+        Py_DECREF(record);
+    }
+    return records;
+failed: /* memory ran out while mapping: the tables may be part done, as a MemoryError in _allocate leaves them */
+    Py_DECREF(records);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"stage_rows", (PyCFunction)(void (*)(void))stage_rows, METH_FASTCALL,
      "The one pass's loop (runtime.decode_pass): a list of unheld rows, None, or NotImplemented."},
+    {"ensure_tables", (PyCFunction)(void (*)(void))ensure_tables, METH_FASTCALL,
+     "PagedLatentCache._ensure_rows of tables the caller found unheld: undo records, or NotImplemented."},
     {NULL, NULL, 0, NULL},
 };
 

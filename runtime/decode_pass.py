@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 from runtime import native_build
 from runtime.kv_cache import OWNED, BlockTable, PagedLatentCache
-from runtime.kv_metadata import SCALARS, MetadataWriter
+from runtime.kv_metadata import BLOCK_TABLE_OFFSET, SCALARS, MetadataWriter
 from runtime.proposer_state import MtpProposerState
 
 
@@ -50,8 +50,6 @@ class UsualBatch(NamedTuple):
 # two rows share (the same state twice, or two states given one table), found with one compare a
 # row instead of a set of the batch's tables after the loop (~2.7 us at B = 32 on the CI machine).
 _passes = itertools.count(1)
-_UNLOADED = object()
-_native = _UNLOADED  # native_loop(): the compiled loop, loaded on first use
 
 
 def kv_start_after(state: MtpProposerState, position: int) -> int:
@@ -85,7 +83,7 @@ def stage_usual_batch(writer: MetadataWriter, cache: PagedLatentCache, states: S
             unheld = native.stage_rows(states, tokens, positions, num_drafts, owner, vocab, next(_passes),
                                        MtpProposerState, mem, row_bytes, written, cache.block_states,
                                        cache.block_size, cache.cache_id, cache.max_seq_len, window,
-                                       writer.max_blocks, writer.write_table, OWNED, BlockTable)
+                                       writer.max_blocks, BLOCK_TABLE_OFFSET, OWNED, BlockTable)
             if unheld is not NotImplemented:
                 if unheld is not None:
                     return UsualBatch(unheld)
@@ -103,11 +101,35 @@ def stage_usual_batch(writer: MetadataWriter, cache: PagedLatentCache, states: S
 
 
 def native_loop():
-    """The compiled loop (:mod:`runtime.native_build`), or None where it cannot be built."""
-    global _native
-    if _native is _UNLOADED:
-        _native = native_build.load("decode_pass")
-    return _native
+    """The compiled loop (:mod:`runtime.native_build`), or None where it cannot be built.
+
+    The one switch for the pass and for ``PagedLatentCache.ensure_unheld``'s compiled ensure.
+    """
+    return native_build.load("decode_pass")
+
+
+def stage_ensured_rows(writer: MetadataWriter, cache: PagedLatentCache, states: Sequence, tokens: Sequence,
+                       positions: Sequence, num_drafts: int, owner: int, vocab: int, rows: list[int]) -> bool:
+    """Stage ``rows`` (the pass's unheld rows, ensured since) with the compiled loop; False where it did not.
+
+    True: every one of them is held now and staged. False (no compiled loop, or a row it leaves
+    to Python): the caller stages them its general way, which rewrites any row written here
+    with the same bytes, or raises. The pass's ``writer.save()`` stands: a refusal after this
+    still restores the rows as they were before the propose.
+    """
+    native = native_loop()
+    if native is None or writer.window is None:
+        return False
+    mem, row_bytes, written = writer.row_sink()
+    try:
+        unheld = native.stage_rows(states, tokens, positions, num_drafts, owner, vocab, next(_passes),
+                                   MtpProposerState, mem, row_bytes, written, cache.block_states,
+                                   cache.block_size, cache.cache_id, cache.max_seq_len, writer.window,
+                                   writer.max_blocks, BLOCK_TABLE_OFFSET, OWNED, BlockTable, rows)
+    except BaseException:
+        writer.reset()  # the records must stay true whatever happened (as the pass)
+        raise
+    return unheld == []
 
 
 def _stage_rows_python(writer: MetadataWriter, cache: PagedLatentCache, states: Sequence, tokens: Sequence,

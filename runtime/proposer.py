@@ -36,7 +36,7 @@ from graphs.v4_block import CacheGeometry, block_interface
 from ops.draft_gate import CUT
 from ops.kernels import check_kernels
 from runtime.config import V4Config
-from runtime.decode_pass import kv_start_after, stage_usual_batch
+from runtime.decode_pass import kv_start_after, stage_ensured_rows, stage_usual_batch
 from runtime.draft_binding import DraftBinding, prepare_weights
 from runtime.errors import InputError, describe
 from runtime.executor import EagerExecutor, concrete_device
@@ -240,14 +240,16 @@ class DeepseekV4MtpProposer:
                 tables = None  # made after the launch, for the trim (host time)
                 if usual.unheld:
                     tables = [state.table for state in states]
-                    undo = self._ensure_undoable(states, tables, positions, k, rows=usual.unheld)
                     rows = usual.unheld
-                    ensured = self._checked_rows([states[i] for i in rows], [positions[i] for i in rows],
-                                                 [tables[i] for i in rows])
-                    if ensured is None:  # a table of another type or edited by hand: the general path's rows
-                        self._stage_rows(staging, states, positions, tables)
-                    else:
-                        staging.writer.write_rows_at(rows, ensured)
+                    undo = self._ensure_undoable(states, tables, positions, k, rows=rows)
+                    if not stage_ensured_rows(staging.writer, self.cache, states, tokens, positions, k, self.id,
+                                              vocab, rows):
+                        ensured = self._checked_rows([states[i] for i in rows], [positions[i] for i in rows],
+                                                     [tables[i] for i in rows])
+                        if ensured is None:  # a table of another type or edited by hand: the general path's rows
+                            self._stage_rows(staging, states, positions, tables)
+                        else:
+                            staging.writer.write_rows_at(rows, ensured)
                 staging.writer.write_padding_from(n)
             start = time.perf_counter()
             executor = self._executor(bucket, k, mask is not None)

@@ -37,25 +37,31 @@ def compiled_loop():
 
 
 class RecordedLoop:
-    """The compiled loop, recording what it answered (a list, None, or NotImplemented: left to Python)."""
+    """The compiled loop, recording what it answered: to whole batches (a list, None, or
+    NotImplemented: left to Python), to the ensured rows restaged after, and to ensures."""
 
     def __init__(self, native) -> None:
-        self.native, self.answers = native, []
+        self.native, self.answers, self.restaged, self.ensured = native, [], [], []
 
     def stage_rows(self, *args):
         answer = self.native.stage_rows(*args)
-        self.answers.append(answer)
+        (self.restaged if len(args) > 20 else self.answers).append(answer)
+        return answer
+
+    def ensure_tables(self, *args):
+        answer = self.native.ensure_tables(*args)
+        self.ensured.append(answer)
         return answer
 
 
 @pytest.fixture(autouse=True, params=["compiled", "python"])
 def loop(request, monkeypatch):
-    """Every test here runs on both loops of the pass (design note "compiled pass")."""
+    """Every test here runs on both loops of the pass and of the ensure (design note "compiled pass")."""
     if request.param == "python":
-        monkeypatch.setattr(decode_pass, "_native", None)
+        monkeypatch.setitem(native_build._loaded, "decode_pass", None)
         return None
     recorded = RecordedLoop(compiled_loop())
-    monkeypatch.setattr(decode_pass, "_native", recorded)
+    monkeypatch.setitem(native_build._loaded, "decode_pass", recorded)
     return recorded
 
 
@@ -107,8 +113,10 @@ def test_random_decode_steps_stage_the_bytes_of_a_fresh_pack(monkeypatch, loop):
     # Most steps are the one pass; some need blocks first; a step of a fresh state's first rows too.
     assert seen.count("pass") > 15 and seen.count("unheld") > 15, seen
     assert "general" not in seen
-    if loop is not None:  # the compiled loop took every step itself
+    if loop is not None:  # the compiled loops took every step themselves
         assert len(loop.answers) == len(seen) and NotImplemented not in loop.answers
+        assert len(loop.ensured) == seen.count("unheld") and NotImplemented not in loop.ensured
+        assert loop.restaged == [[]] * seen.count("unheld")
 
 
 def refused_before(prop, states, positions, k, tokens, hiddens, error):

@@ -22,6 +22,7 @@ from proposer_fixtures import TINY, hidden, make_proposer
 import runtime.decode_pass as decode_pass
 from runtime import native_build
 from runtime.kv_cache import OWNED, BlockTable
+from runtime.kv_metadata import BLOCK_TABLE_OFFSET
 from runtime.proposer_state import MtpProposerState
 
 BUCKET = 8
@@ -174,7 +175,7 @@ def test_both_loops_decide_alike_on_spoiled_batches(native, monkeypatch):
         start = (staging.host_buf.clone(), list(staging.writer.row_sink()[2]))
         results = []
         for loop in (native, None):
-            monkeypatch.setattr(decode_pass, "_native", loop)
+            monkeypatch.setitem(native_build._loaded, "decode_pass", loop)
             staging.host_buf.copy_(start[0])
             staging.writer.row_sink()[2][:] = start[1]
             tables = copy.deepcopy([getattr(s, "table", None) for s in batch])  # pass marks aside, unchanged
@@ -207,5 +208,131 @@ def test_the_compiled_loop_takes_the_usual_batch_itself(native):
                                type(states[0]), staging.writer.row_sink()[0], staging.writer.row_sink()[1],
                                staging.writer.row_sink()[2], prop.cache.block_states, prop.cache.block_size,
                                prop.cache.cache_id, prop.cache.max_seq_len, staging.writer.window,
-                               staging.writer.max_blocks, staging.writer.write_table, OWNED, BlockTable)
+                               staging.writer.max_blocks, BLOCK_TABLE_OFFSET, OWNED, BlockTable)
     assert answer == [], answer  # every row held and staged by the compiled loop, none left to Python
+
+
+class RecordedEnsure:
+    """The compiled module, recording what its ensure answered (NotImplemented: left to Python)."""
+
+    def __init__(self, native) -> None:
+        self.native, self.ensured = native, []
+
+    def stage_rows(self, *args):
+        return self.native.stage_rows(*args)
+
+    def ensure_tables(self, *args):
+        self.ensured.append(self.native.ensure_tables(*args))
+        return self.ensured[-1]
+
+
+def spoil_table(rng: random.Random, prop, state, holders: list) -> str:
+    """Spoil a table the ensure reads (or leave it; ``holders`` take a drained pool's blocks); returns what was done."""
+    table = state.table
+    kind = rng.choice(["none"] * 2 + ["edited_held", "foreign_block", "cache_id", "subclass", "numpy_entry",
+                                      "trimmed_high", "drained_pool"])
+    held = [j for j, b in enumerate(table.blocks) if b >= 0]
+    if kind == "edited_held" and held:
+        table.blocks[rng.choice(held)] = rng.choice(table.blocks[:1] + [10**6])
+    elif kind == "foreign_block" and table.blocks:
+        loose = [b for b in range(prop.cache.num_blocks) if prop.cache.block_states[b] != 1]
+        if loose:
+            table.blocks[-1] = rng.choice(loose)
+    elif kind == "cache_id" and held:
+        table.cache_id = 10**6
+    elif kind == "subclass":
+        state.table = TrackedTable(blocks=table.blocks, block_size=table.block_size, cache_id=table.cache_id,
+                                   num_trimmed=table.num_trimmed)
+    elif kind == "numpy_entry" and held:
+        table.blocks[held[-1]] = np.int64(table.blocks[held[-1]])
+    elif kind == "trimmed_high":
+        table.num_trimmed = len(table.blocks) + 3  # past the end: no entry to read
+    elif kind == "drained_pool":
+        keep = rng.randrange(0, 3)
+        while prop.cache.num_free_blocks > keep:
+            holders.append(BlockTable())
+            prop.cache.ensure(holders[-1], 0, 0)
+    return kind
+
+
+def repair(prop, states) -> None:
+    """Undo the tables' spoils: entries of blocks not owned, or claimed by an earlier table, dropped; ints; own id."""
+    seen = set()
+    for state in states:
+        table, kept = state.table, []
+        for b in table.blocks:
+            b = int(b)
+            is_own = 0 <= b < prop.cache.num_blocks and prop.cache.block_states[b] == 1 and b not in seen
+            kept.append(b if is_own else -1)
+            seen.add(b)
+        cache_id = prop.cache.cache_id if any(b >= 0 for b in kept) else 0
+        if type(table) is not BlockTable or kept != table.blocks or table.cache_id != cache_id:
+            state.table = BlockTable(blocks=kept, block_size=table.block_size, cache_id=cache_id)
+
+
+def world(prop, states, outcome) -> tuple:
+    """Everything a propose may change: its answer, the pool, the tables, the states, the staged bytes."""
+    cache = prop.cache
+    own = {cache.cache_id: "own", 0: 0}  # the twins' caches have ids of their own
+    tables = [(list(s.table.blocks), s.table.num_trimmed, own.get(s.table.cache_id, s.table.cache_id),
+               type(s.table).__name__) for s in states]
+    fields = [(s.seq_len, s.kv_start, s.last_num_drafted) for s in states]
+    return (outcome, list(cache._free), list(cache.block_states), tables, fields,
+            prop._staging_for(BUCKET).host_buf.clone())
+
+
+def test_both_ensures_leave_the_same_pool_tables_and_rows(native, monkeypatch):
+    """Two proposers alike, one with the compiled pass and ensure, one without: after every
+    propose (rows crossing into new blocks, tables spoiled, the pool drained now and then)
+    they hold the same pool, tables, states and staged bytes, or raised the same error."""
+    rng, gen = random.Random(21), torch.Generator().manual_seed(21)
+    twins = [make_proposer(TINY, buckets=(BUCKET,), num_cache_blocks=48) for _ in range(2)]
+    recorded = RecordedEnsure(native)
+    batches = [[p.alloc_state() for _ in range(BUCKET)] for p in twins]
+    positions = [rng.randrange(0, 40) for _ in range(BUCKET)]
+    seen, kinds = {"ok": 0, "raised": 0}, set()
+    for step in range(150):
+        n = rng.randrange(1, BUCKET + 1)
+        k = rng.choice([1, 2, 3])
+        tokens = [rng.randrange(TINY.vocab_size) for _ in range(n)]
+        hiddens = [hidden(TINY, gen) for _ in range(n)]
+        spoil_seed, worlds = rng.random(), []
+        for prop, states, loop in zip(twins, batches, (recorded, None)):
+            monkeypatch.setitem(native_build._loaded, "decode_pass", loop)
+            local, holders = random.Random(spoil_seed), []  # the same spoils on both twins
+            if local.random() < 0.35:  # most often the row likeliest to need a block (its ensure reads the table)
+                row = max(range(n), key=lambda i: positions[i] % 16) if local.random() < 0.7 else local.randrange(n)
+                kinds.add(spoil_table(local, prop, states[row], holders))
+            try:
+                prop.propose_batch(tokens, hiddens, positions[:n], k, states[:n])
+                outcome = "ok"
+            except Exception as exc:
+                outcome = type(exc).__name__
+            worlds.append(world(prop, states, outcome))
+            for holder in holders:  # the pool drained for this step only
+                prop.cache.free(holder)
+        for a, b in zip(*worlds):
+            assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), f"step {step}: {a} != {b}"
+        seen["ok" if worlds[0][0] == "ok" else "raised"] += 1
+        for prop, states in zip(twins, batches):
+            repair(prop, states)
+        for i in range(BUCKET):  # the next step: every state alike on both twins
+            ok = worlds[0][0] == "ok" and i < n
+            if not ok or any(type(states[i].table) is not BlockTable for states in batches) or rng.random() < 0.1:
+                for prop, states in zip(twins, batches):
+                    prop.free_state(states[i])
+                    states[i] = prop.alloc_state()
+                positions[i] = rng.randrange(0, 40)
+                continue
+            accepted = rng.randrange(0, k + 1)
+            for prop, states in zip(twins, batches):
+                prop.after_verify(accepted, states[i])
+            positions[i] += accepted + 1
+            if positions[i] + 4 > 200:
+                for prop, states in zip(twins, batches):
+                    prop.free_state(states[i])
+                    states[i] = prop.alloc_state()
+                positions[i] = rng.randrange(0, 40)
+    deferred = sum(answer is NotImplemented for answer in recorded.ensured)
+    assert seen["ok"] > 60 and seen["raised"] > 3 and len(kinds) >= 7, (seen, kinds)
+    assert deferred >= 5 and len(recorded.ensured) - deferred > 50, (deferred, len(recorded.ensured))

@@ -1,14 +1,21 @@
 """Host time per propose: everything the CPU does from entering ``_propose`` to the graph launch.
 
     python tools/bench_host.py [--device cpu|cuda] [--iters N] [--positions 200,3000] [--cases 1x1,1x3,32x1,32x3]
-                               [--copies raw,torch] [--hiddens list|tensor]
+                               [--copies raw,torch] [--hiddens list|tensor] [--rows staggered|lockstep]
 
 Builds a small-config proposer (``V4Config.small()``, random MTP weights) and, for each
 case B x K and start position, runs a decode-like loop: propose, accept every draft
-(``after_verify``), move the position on by K. It prints per case the median of
+(``after_verify``), move the position on by K. ``--rows staggered`` (the default) starts row i
+at ``position + i * block_size // B``, so that rows cross into a new block (an ensure, a
+staged table) and leave one behind the window (a trim that gives it back) on different
+steps, as a serving batch's rows do; ``--rows lockstep`` starts them all at ``position``
+(the files before 2026-12-04): then all B rows cross on the same step, once every
+``block_size / K`` steps, and the median step is one where none does. It prints per case
 
-- ``host``: ``last_host_seconds``, entering ``_propose`` up to the (async) launch;
-- ``call``: the whole ``propose`` / ``propose_batch`` call, launch and read-back included;
+- ``host``: the median of ``last_host_seconds``, entering ``_propose`` up to the (async)
+  launch; ``mean`` and ``p90``, its mean and 90th percentile (the steps where rows cross);
+- ``call``: the median of the whole ``propose`` / ``propose_batch`` call, launch and
+  read-back included, and the median of
 - the phases of the host path, from a second, instrumented pass (wrappers add ~0.3 us each):
   ``pass`` (:func:`runtime.decode_pass.stage_usual_batch`: the usual batch's checks, held test and
   metadata rows in one loop), ``ensure`` (every ``cache.ensure`` / ``ensure_batch`` /
@@ -36,6 +43,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -61,25 +69,29 @@ class DecodeLoop:
     """B sequences proposing K drafts each round, every draft accepted, positions moving on."""
 
     def __init__(self, prop: DeepseekV4MtpProposer, batch: int, num_drafts: int, position: int,
-                 hiddens: str = "list"):
+                 hiddens: str = "list", rows: str = "staggered"):
         self.prop, self.batch, self.k = prop, batch, num_drafts
         cfg, device = prop.config, prop.device
         gen = torch.Generator().manual_seed(batch)
-        rows = [torch.randn(cfg.hc_mult, cfg.hidden_size, generator=gen).bfloat16().to(device) for _ in range(batch)]
-        self.hidden0 = rows[0]  # what a B=1 propose takes, in either form
-        self.hiddens = torch.stack(rows) if hiddens == "tensor" else rows  # stacked once, not per step
+        rows_hidden = [torch.randn(cfg.hc_mult, cfg.hidden_size, generator=gen).bfloat16().to(device)
+                       for _ in range(batch)]
+        self.hidden0 = rows_hidden[0]  # what a B=1 propose takes, in either form
+        self.hiddens = torch.stack(rows_hidden) if hiddens == "tensor" else rows_hidden  # stacked once, not per step
         self.tokens = [(7 * i + 1) % cfg.vocab_size for i in range(batch)]
         self.states = [prop.alloc_state() for _ in range(batch)]
-        self.start = position
-        self.positions = [position] * batch
+        bs = prop.cache.block_size
+        if rows not in ("staggered", "lockstep"):
+            raise ValueError(f"rows: expected 'staggered' or 'lockstep', got {rows!r}")
+        self.starts = [position + (i * bs // batch if rows == "staggered" else 0) for i in range(batch)]
+        self.positions = list(self.starts)
 
     def step(self) -> None:
         prop = self.prop
-        if self.positions[0] + self.k >= prop.max_seq_len:  # wrap round: fresh states
+        if max(self.positions) + self.k >= prop.max_seq_len:  # wrap round: fresh states
             for state in self.states:
                 prop.free_state(state)
             self.states = [prop.alloc_state() for _ in range(self.batch)]
-            self.positions = [self.start] * self.batch
+            self.positions = list(self.starts)
         if self.batch == 1:
             prop.propose(self.tokens[0], self.hidden0, self.positions[0], self.k, self.states[0])
         else:
@@ -104,8 +116,17 @@ def stub_chain_runs(prop: DeepseekV4MtpProposer) -> None:
         executor.run = run
 
 
-def time_loop(loop: DecodeLoop, iters: int, stub: bool) -> tuple[float, float]:
-    """Median host and call microseconds of ``iters`` rounds (after a warm-up).
+class LoopTimes(NamedTuple):
+    """Microseconds of one case: host (median, mean, 90th percentile) and call (median)."""
+
+    host: float
+    host_mean: float
+    host_p90: float
+    call: float
+
+
+def time_loop(loop: DecodeLoop, iters: int, stub: bool) -> LoopTimes:
+    """Host and call microseconds of ``iters`` rounds (after a warm-up).
 
     The warm-up is long, so that the first cases of a run are not timed colder than the rest
     (with 5 rounds, the B=1 rows of the first start position in the run at ef07d1a came out
@@ -123,7 +144,9 @@ def time_loop(loop: DecodeLoop, iters: int, stub: bool) -> tuple[float, float]:
         loop.step()
         call.append(time.perf_counter() - start)
         host.append(loop.prop.last_host_seconds)
-    return statistics.median(host) * 1e6, statistics.median(call) * 1e6
+    host.sort()
+    return LoopTimes(statistics.median(host) * 1e6, statistics.mean(host) * 1e6, host[int(0.9 * (len(host) - 1))] * 1e6,
+                     statistics.median(call) * 1e6)
 
 
 class PhaseClock:
@@ -217,6 +240,8 @@ def main(argv=None) -> None:
     parser.add_argument("--cases", default="1x1,1x3,32x1,32x3", help="BxK, comma separated")
     parser.add_argument("--copies", default="raw",
                         help="staging copies and graph launch: raw (cuda-python), torch, or both: raw,torch")
+    parser.add_argument("--rows", choices=("staggered", "lockstep"), default="staggered",
+                        help="rows' start positions spread over a block (serving), or all at the same one")
     parser.add_argument("--hiddens", choices=("list", "tensor"), default="list",
                         help="propose_batch's hiddens: a list of B [C, D] tensors, or one [B, C, D] tensor")
     args = parser.parse_args(argv)
@@ -229,20 +254,23 @@ def main(argv=None) -> None:
     stub = args.device == "cpu"
     print(f"host path per propose, median us over {args.iters} rounds, device {args.device}"
           f"{' (executor run stubbed: host work only)' if stub else ' (captured replay)'}"
-          f", hiddens as {'one [B, C, D] tensor' if args.hiddens == 'tensor' else 'a list of B [C, D] tensors'}")
+          f", hiddens as {'one [B, C, D] tensor' if args.hiddens == 'tensor' else 'a list of B [C, D] tensors'}"
+          f", rows {args.rows}")
     if "raw" in copies and not raw_available:
         print("  (no cuda-python or no CUDA build of torch: the raw rows use torch copies)")
-    print(f"{'B':>3} {'K':>2} {'pos':>5} {'copies':>6} {'host':>7} {'call':>7}  " + " ".join(f"{p:>7}" for p in PHASES))
+    print(f"{'B':>3} {'K':>2} {'pos':>5} {'copies':>6} {'host':>7} {'mean':>7} {'p90':>7} {'call':>7}  "
+          + " ".join(f"{p:>7}" for p in PHASES))
     try:
         for position in (int(p) for p in args.positions.split(",")):
             for batch, k in parse_cases(args.cases):
                 for mode in copies:
                     raw_copy.is_enabled = raw_available and mode == "raw"
                     raw_launch.is_enabled = launch_available and mode == "raw"
-                    loop = DecodeLoop(prop, batch, k, position, args.hiddens)
-                    host, call = time_loop(loop, args.iters, stub)
+                    loop = DecodeLoop(prop, batch, k, position, args.hiddens, args.rows)
+                    t = time_loop(loop, args.iters, stub)
                     phases = time_phases(loop.prop, loop.step, args.iters)
-                    print(f"{batch:>3} {k:>2} {position:>5} {mode:>6} {host:7.1f} {call:7.1f}  "
+                    print(f"{batch:>3} {k:>2} {position:>5} {mode:>6} {t.host:7.1f} {t.host_mean:7.1f} "
+                          f"{t.host_p90:7.1f} {t.call:7.1f}  "
                           + " ".join(f"{phases[p]:7.1f}" for p in PHASES), flush=True)
                     for state in loop.states:
                         prop.free_state(state)
