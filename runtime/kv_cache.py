@@ -263,9 +263,8 @@ class PagedLatentCache:
         ``ensure_batch`` does, and then changes nothing.
         """
         span = num_positions - 1
-        last_positions = [p + span for p in first_positions] if span else first_positions
-        firsts, lasts = (first_positions, last_positions) if rows is None else (
-            [first_positions[i] for i in rows], [last_positions[i] for i in rows])
+        firsts = first_positions if rows is None else [first_positions[i] for i in rows]
+        lasts = [p + span for p in firsts] if span else firsts
         if firsts and (span < 0 or min(firsts) < 0 or max(lasts) >= self.max_seq_len):
             self._check_ranges(firsts, lasts)  # raises for the first bad range
         with self._lock:
@@ -280,6 +279,7 @@ class PagedLatentCache:
             if not todo:
                 return []
             lengths = [len(tables[i].blocks) for i in todo]
+            last_positions = [p + span for p in first_positions] if span else first_positions
             added = self._ensure_rows(tables, first_positions, last_positions, todo)
             return [(i, length, added[i]) for i, length in zip(todo, lengths) if added[i]]
 
