@@ -618,11 +618,166 @@ failed: /* memory ran out while mapping: the tables may be part done, as a Memor
     return NULL;
 }
 
+/* Whether table (of the slotted table type) passes _check_table: entries from num_trimmed on are
+   exact ints, the held ones this cache's and owned. 1, or 0 (the Python trim raises, or decides). */
+static int table_checks(PyObject *table, long long cache_id, PyObject *block_states, long long owned)
+{
+    PyObject *blocks = *(PyObject **)((char *)table + table_attrs[BLOCKS].offset);
+    PyObject *value = *(PyObject **)((char *)table + table_attrs[NUM_TRIMMED].offset);
+    Py_ssize_t j, length, num_states = PyList_GET_SIZE(block_states);
+    long long trimmed, e, state;
+    int has_held = 0;
+    if (blocks == NULL || !PyList_CheckExact(blocks) || value == NULL || !exact_ll(value, &trimmed))
+        return 0;
+    length = PyList_GET_SIZE(blocks);
+    for (j = trimmed > 0 ? (Py_ssize_t)(trimmed < length ? trimmed : length) : 0; j < length; j++) {
+        if (!exact_ll(PyList_GET_ITEM(blocks, j), &e))
+            return 0;
+        if (e >= 0) {
+            if (e >= num_states || !exact_ll(PyList_GET_ITEM(block_states, e), &state) || state != owned)
+                return 0;
+            has_held = 1;
+        }
+    }
+    if (has_held) {
+        value = *(PyObject **)((char *)table + table_attrs[CACHE_ID].offset);
+        if (value == NULL || !exact_ll(value, &e) || e != cache_id)
+            return 0;
+    }
+    return 1;
+}
+
+/* trim_tables(tables, next_positions, table_type, free, block_states, cache_id, window, block_size,
+               free_state) -> {row: [ids given back]} | NotImplemented
+
+   PagedLatentCache.trim_batch under its lock, compiled (design note "trimmed front" there): a
+   table whose window moved past entries it has not trimmed is checked (all such tables first),
+   then those entries go back to the free list and num_trimmed moves up; a table left holding
+   nothing has cache_id 0. Anything its Python twin would raise for, or that this loop does not
+   read, is NotImplemented with nothing changed. */
+static PyObject *trim_tables(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *tables, *positions, *free_list, *block_states, *free_obj, *released, *todo;
+    PyTypeObject *table_type;
+    Py_ssize_t n, i, t, j, length;
+    long long cache_id, window, bs, free_state, owned, next_pos, stop, trimmed, e;
+    (void)module;
+    if (nargs != 10) {
+        PyErr_Format(PyExc_TypeError, "trim_tables takes 10 arguments, got %zd", nargs);
+        return NULL;
+    }
+    tables = args[0], positions = args[1], table_type = (PyTypeObject *)args[2], free_list = args[3];
+    block_states = args[4], free_obj = args[8];
+    if (!PyList_CheckExact(tables) || !PyList_CheckExact(positions) || !PyType_Check(args[2])
+        || !PyList_CheckExact(free_list) || !PyList_CheckExact(block_states) || !exact_ll(args[5], &cache_id)
+        || !exact_ll(args[6], &window) || !exact_ll(args[7], &bs) || !exact_ll(free_obj, &free_state)
+        || !exact_ll(args[9], &owned) || bs <= 0 || PyList_GET_SIZE(positions) < PyList_GET_SIZE(tables))
+        Py_RETURN_NOTIMPLEMENTED;
+    if (!find_offsets(table_type, table_attrs, NUM_TABLE_ATTRS, 1))
+        return NULL;
+    for (i = 0; i < NUM_TABLE_ATTRS; i++)
+        if (table_attrs[i].offset < 0)
+            Py_RETURN_NOTIMPLEMENTED;
+    n = PyList_GET_SIZE(tables);
+    todo = PyList_New(0); /* (row, stop) of the tables to trim */
+    if (todo == NULL)
+        return NULL;
+    for (i = 0; i < n; i++) {
+        PyObject *table = PyList_GET_ITEM(tables, i), *value;
+        if (Py_TYPE(table) != table_type || !exact_ll(PyList_GET_ITEM(positions, i), &next_pos) || next_pos < 0)
+            goto deferred;
+        value = *(PyObject **)((char *)table + table_attrs[NUM_TRIMMED].offset);
+        if (value == NULL || !exact_ll(value, &trimmed) || trimmed < 0)
+            goto deferred;
+        value = *(PyObject **)((char *)table + table_attrs[CACHE_ID].offset);
+        if (value == NULL || !exact_ll(value, &e)) /* read as a truth value when the table empties */
+            goto deferred;
+        if (next_pos - (window - 1) < 0)
+            continue; /* the window reaches back to position 0: nothing behind it */
+        stop = (next_pos - (window - 1)) / bs;
+        if (stop > trimmed) {
+            PyObject *item = Py_BuildValue("(nL)", i, stop);
+            if (item == NULL || PyList_Append(todo, item) < 0) {
+                Py_XDECREF(item);
+                Py_DECREF(todo);
+                return NULL;
+            }
+            Py_DECREF(item);
+            if (!table_checks(table, cache_id, block_states, owned)) /* every table checked before any change */
+                goto deferred;
+        }
+    }
+    released = PyDict_New();
+    if (released == NULL) {
+        Py_DECREF(todo);
+        return NULL;
+    }
+    for (t = 0; t < PyList_GET_SIZE(todo); t++) {
+        PyObject *item = PyList_GET_ITEM(todo, t), *table, *blocks, *freed = NULL, *value;
+        int still_held = 0;
+        i = PyLong_AsSsize_t(PyTuple_GET_ITEM(item, 0));
+        exact_ll(PyTuple_GET_ITEM(item, 1), &stop);
+        table = PyList_GET_ITEM(tables, i);
+        blocks = *(PyObject **)((char *)table + table_attrs[BLOCKS].offset);
+        exact_ll(*(PyObject **)((char *)table + table_attrs[NUM_TRIMMED].offset), &trimmed);
+        length = PyList_GET_SIZE(blocks);
+        for (j = trimmed > 0 ? (Py_ssize_t)trimmed : 0; j < length && j < stop; j++) {
+            PyObject *block = PyList_GET_ITEM(blocks, j), *minus_one;
+            exact_ll(block, &e);
+            if (e < 0)
+                continue;
+            if (freed == NULL && (freed = PyList_New(0)) == NULL)
+                goto failed;
+            minus_one = PyLong_FromLong(-1);
+            if (minus_one == NULL || PyList_Append(freed, block) < 0 || PyList_Append(free_list, block) < 0) {
+                Py_XDECREF(minus_one);
+                goto failed;
+            }
+            Py_INCREF(free_obj);
+            PyList_SetItem(block_states, (Py_ssize_t)e, free_obj);
+            PyList_SetItem(blocks, j, minus_one); /* drops the list's reference to block (freed holds one) */
+        }
+        for (j = stop < length ? (Py_ssize_t)stop : length; j < length && !still_held; j++)
+            still_held = exact_ll(PyList_GET_ITEM(blocks, j), &e) && e >= 0;
+        value = *(PyObject **)((char *)table + table_attrs[CACHE_ID].offset);
+        if (!still_held && value != NULL && exact_ll(value, &e) && e != 0) {
+            PyObject *zero = PyLong_FromLong(0);
+            if (zero == NULL)
+                goto failed;
+            Py_XSETREF(*(PyObject **)((char *)table + table_attrs[CACHE_ID].offset), zero);
+        }
+        value = PyTuple_GET_ITEM(item, 1);
+        Py_INCREF(value);
+        Py_XSETREF(*(PyObject **)((char *)table + table_attrs[NUM_TRIMMED].offset), value);
+        if (freed != NULL) {
+            PyObject *key = PyTuple_GET_ITEM(item, 0);
+            int failed = PyDict_SetItem(released, key, freed) < 0;
+            Py_DECREF(freed);
+            if (failed)
+                goto failed_dict;
+        }
+        continue;
+    failed:
+        Py_XDECREF(freed);
+    failed_dict: /* memory ran out mid-trim: the tables may be part done, as in the Python loop */
+        Py_DECREF(released);
+        Py_DECREF(todo);
+        return NULL;
+    }
+    Py_DECREF(todo);
+    return released;
+deferred:
+    Py_DECREF(todo);
+    Py_RETURN_NOTIMPLEMENTED;
+}
+
 static PyMethodDef methods[] = {
     {"stage_rows", (PyCFunction)(void (*)(void))stage_rows, METH_FASTCALL,
      "The one pass's loop (runtime.decode_pass): a list of unheld rows, None, or NotImplemented."},
     {"ensure_tables", (PyCFunction)(void (*)(void))ensure_tables, METH_FASTCALL,
      "PagedLatentCache._ensure_rows of tables the caller found unheld: undo records, or NotImplemented."},
+    {"trim_tables", (PyCFunction)(void (*)(void))trim_tables, METH_FASTCALL,
+     "PagedLatentCache.trim_batch under its lock: {row: ids given back}, or NotImplemented."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -382,6 +382,12 @@ class PagedLatentCache:
             raise InputError(describe("trim_window next_pos", ">= 0", min(next_positions)))
         shift, bs = self.window - 1, self.block_size
         with self._lock:
+            native = native_build.load("decode_pass")
+            if native is not None and type(tables) is list and type(next_positions) is list:
+                released = native.trim_tables(tables, next_positions, BlockTable, self._free, self._state,
+                                              self.cache_id, self.window, bs, FREE, OWNED)
+                if released is not NotImplemented:  # design note "compiled pass" (runtime/decode_pass.py)
+                    return released
             todo = []
             for i, (table, next_pos) in enumerate(zip(tables, next_positions)):
                 stop = (next_pos - shift) // bs  # blocks wholly before the window (<= 0: none)

@@ -38,10 +38,10 @@ def compiled_loop():
 
 class RecordedLoop:
     """The compiled loop, recording what it answered: to whole batches (a list, None, or
-    NotImplemented: left to Python), to the ensured rows restaged after, and to ensures."""
+    NotImplemented: left to Python), to the ensured rows restaged after, to ensures and trims."""
 
     def __init__(self, native) -> None:
-        self.native, self.answers, self.restaged, self.ensured = native, [], [], []
+        self.native, self.answers, self.restaged, self.ensured, self.trimmed = native, [], [], [], []
 
     def stage_rows(self, *args):
         answer = self.native.stage_rows(*args)
@@ -51,6 +51,11 @@ class RecordedLoop:
     def ensure_tables(self, *args):
         answer = self.native.ensure_tables(*args)
         self.ensured.append(answer)
+        return answer
+
+    def trim_tables(self, *args):
+        answer = self.native.trim_tables(*args)
+        self.trimmed.append(answer)
         return answer
 
 
@@ -117,6 +122,8 @@ def test_random_decode_steps_stage_the_bytes_of_a_fresh_pack(monkeypatch, loop):
         assert len(loop.answers) == len(seen) and NotImplemented not in loop.answers
         assert len(loop.ensured) == seen.count("unheld") and NotImplemented not in loop.ensured
         assert loop.restaged == [[]] * seen.count("unheld")
+        assert len(loop.trimmed) >= len(seen) and NotImplemented not in loop.trimmed
+        assert sum(bool(released) for released in loop.trimmed) > 10  # windows that moved past a block
 
 
 def refused_before(prop, states, positions, k, tokens, hiddens, error):

@@ -16,12 +16,23 @@ import threading
 import pytest
 import torch
 
+from runtime import native_build
 from runtime.config import V4Config
 from runtime.errors import CacheError, InputError
 from runtime.kv_cache import BlockTable, PagedLatentCache, TakenBlocks
 from runtime.kv_metadata import MetadataView, max_blocks_for, pack_metadata, row_bytes_for
 
 BS = 16
+
+
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def trims(request, monkeypatch):
+    """Every test here runs with the compiled trim and with the Python one (design note "compiled pass")."""
+    if request.param == "python":
+        monkeypatch.setitem(native_build._loaded, "decode_pass", None)
+    elif native_build.load("decode_pass") is None:
+        pytest.skip(f"no compiled loop here: {native_build.why_not('decode_pass')}")
+    return request.param
 
 
 def _cache(num_blocks=16, window=128, max_seq_len=100_000, head_dim=8):
@@ -87,6 +98,19 @@ def test_window_recycling_over_10000_positions():
     assert cache.num_free_blocks == 12 - cache.blocks_held(table)
     cache.free(table)
     assert cache.num_free_blocks == 12 and table.blocks == []
+
+
+def test_a_trim_past_every_block_leaves_the_table_mapping_no_cache():
+    cache, other = _cache(window=32), _cache(window=32)
+    table = BlockTable()
+    cache.ensure(table, 0, 47)  # 3 blocks
+    first = table.blocks[0]
+    assert cache.trim_windows([table], [48]) == [[first]] and table.cache_id == cache.cache_id
+    released = cache.trim_window(table, 1000)  # the window starts past every block
+    assert len(released) == 2 and table.held() == [] and table.cache_id == 0
+    assert cache.num_free_blocks == 16 and table.num_trimmed == (1000 - 31) // BS
+    other.ensure(table, 2000, 2000)  # a table that maps nothing may map another cache's blocks
+    assert table.cache_id == other.cache_id and table.num_trimmed == (1000 - 31) // BS
 
 
 def test_truncate_drops_only_blocks_wholly_past_length():
