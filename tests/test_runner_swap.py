@@ -104,3 +104,36 @@ def test_swap_drops_executors_so_a_stale_one_never_runs(prop):
         prop.propose(1, hidden(SMALL, gen), 0, 3, state)
     prop.free_state(state)
     prop.set_circuit_draft(None)
+
+
+def test_a_launch_plan_from_before_a_swap_is_never_used(prop):
+    prop.set_circuit_draft(None)
+    gen = torch.Generator().manual_seed(0)
+    state = prop.alloc_state()
+    prop.propose(1, hidden(SMALL, gen), 0, 3, state)
+    prop.after_verify(0, state)
+    plan = prop._plans[(1, 3, False)]
+    assert plan.executor is prop._executors[("chain", 1, 3, False, prop.use_captured, prop.options.draft_conf_tau)]
+    prop.propose(1, hidden(SMALL, gen), 0, 3, state)  # the same shape again: the same plan, no new lookup
+    assert prop._plans[(1, 3, False)] is plan
+    prop.after_verify(0, state)
+    prop.set_circuit_draft("identity")
+    assert not prop._plans
+    prop._plans[(1, 3, False)] = plan  # smuggle the old plan back: its generation is past
+    prop.propose(1, hidden(SMALL, gen), 0, 3, state)
+    assert prop._plans[(1, 3, False)].executor is not plan.executor
+    assert prop._plans[(1, 3, False)].generation == prop.generation
+    prop.free_state(state)
+    prop.set_circuit_draft(None)
+
+
+def test_a_bool_k_is_refused_even_once_k_1_has_a_plan(prop):
+    gen = torch.Generator().manual_seed(0)
+    state = prop.alloc_state()
+    prop.propose(1, hidden(SMALL, gen), 0, 1, state)
+    prop.after_verify(0, state)
+    from runtime.errors import InputError
+
+    with pytest.raises(InputError, match="num_drafts"):
+        prop.propose(1, hidden(SMALL, gen), 0, True, state)
+    prop.free_state(state)
