@@ -18,7 +18,7 @@
 #include <string.h>
 
 #define NUM_ARGS 20 /* and a 21st, optional: the rows to stage (all when None or left out) */
-#define NUM_ENSURE_ARGS 9
+#define NUM_ENSURE_ARGS 11
 #define MEMBER_OBJECT_EX 16 /* T_OBJECT_EX / Py_T_OBJECT_EX: what a __slots__ entry is */
 #define MEMBER_READONLY 1
 
@@ -456,58 +456,61 @@ static PyObject *stage_rows(PyObject *module, PyObject *const *args, Py_ssize_t 
 }
 
 
-/* ensure_tables(tables, firsts, lasts, table_type, free, block_states, cache_id, block_size, owned)
-     -> [(k, length before, [new ids]), ...] for the tables that got blocks | NotImplemented
+/* ensure_tables(tables, first_positions, span, rows, table_type, free, block_states, cache_id,
+                 block_size, owned, max_seq_len) -> [(row, length before, [new ids]), ...] | NotImplemented
 
-   PagedLatentCache._ensure_rows, compiled (design note "compiled pass" in runtime/decode_pass.py):
-   positions firsts[k]..lasts[k] of tables[k] get blocks, all or nothing. Every table is
-   checked first as _check_table checks it (its held blocks, from num_trimmed on, are this
-   cache's and owned) and the blocks counted; only then are blocks popped from the end of
-   ``free`` and mapped, in the order _allocate maps them. Anything the Python ensure would
-   raise for (a table checked bad, a pool too small) or that this loop does not read (a table
-   of another type, a value that is not an exact int) is NotImplemented, with nothing
-   changed: the caller's Python ensure then raises or does it. */
+   PagedLatentCache.ensure_unheld of the given rows, compiled (design note "compiled pass" in
+   runtime/decode_pass.py): positions p .. p + span of tables[row] (p = first_positions[row])
+   get blocks, all or nothing. Every table is checked first as _check_table checks it (its held
+   blocks, from num_trimmed on, are this cache's and owned) and the blocks counted; only then
+   are blocks popped from the end of ``free`` and mapped, in the order _allocate maps them.
+   Anything the Python ensure would raise for (a range out of bounds, a table checked bad, a
+   pool too small) or that this loop does not read (a table of another type, a value that is
+   not an exact int) is NotImplemented, with nothing changed: the caller's Python ensure then
+   raises or does it. A record for each row that got blocks. */
 static PyObject *ensure_tables(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *tables, *firsts, *lasts, *free_list, *block_states, *cache_id_obj, *block_size_obj, *owned_obj;
+    PyObject *tables, *positions, *rows, *free_list, *block_states, *cache_id_obj, *block_size_obj, *owned_obj;
     PyObject *records = NULL, *table = NULL, *blocks = NULL, *value;
     PyTypeObject *table_type;
-    Py_ssize_t n, k, j, num_free, num_states, total = 0;
-    long long cache_id, bs, owned, first, last, e, trimmed;
+    Py_ssize_t n, r, k, j, num_free, num_states, total = 0;
+    long long cache_id, bs, owned, first, last, e, trimmed, span, max_seq_len, row;
     (void)module;
     if (nargs != NUM_ENSURE_ARGS) {
         PyErr_Format(PyExc_TypeError, "ensure_tables takes %d arguments, got %zd", NUM_ENSURE_ARGS, nargs);
         return NULL;
     }
-    tables = args[0], firsts = args[1], lasts = args[2], table_type = (PyTypeObject *)args[3];
-    free_list = args[4], block_states = args[5], cache_id_obj = args[6], block_size_obj = args[7];
-    owned_obj = args[8];
-    if (!PyList_CheckExact(tables) || !PyList_CheckExact(firsts) || !PyList_CheckExact(lasts)
-        || !PyType_Check(args[3]) || !PyList_CheckExact(free_list) || !PyList_CheckExact(block_states)
-        || !exact_ll(cache_id_obj, &cache_id) || !exact_ll(block_size_obj, &bs) || !exact_ll(owned_obj, &owned)
-        || bs <= 0 || PyList_GET_SIZE(firsts) != PyList_GET_SIZE(tables)
-        || PyList_GET_SIZE(lasts) != PyList_GET_SIZE(tables))
+    tables = args[0], positions = args[1], rows = args[3], table_type = (PyTypeObject *)args[4];
+    free_list = args[5], block_states = args[6], cache_id_obj = args[7], block_size_obj = args[8];
+    owned_obj = args[9];
+    if (!PyList_CheckExact(tables) || !PyList_CheckExact(positions) || !PyList_CheckExact(rows)
+        || !exact_ll(args[2], &span) || !PyType_Check(args[4]) || !PyList_CheckExact(free_list)
+        || !PyList_CheckExact(block_states) || !exact_ll(cache_id_obj, &cache_id) || !exact_ll(block_size_obj, &bs)
+        || !exact_ll(owned_obj, &owned) || !exact_ll(args[10], &max_seq_len) || bs <= 0 || span < 0
+        || PyList_GET_SIZE(positions) < PyList_GET_SIZE(tables))
         Py_RETURN_NOTIMPLEMENTED;
     if (!find_offsets(table_type, table_attrs, NUM_TABLE_ATTRS, 1))
         return NULL;
     for (k = 0; k < NUM_TABLE_ATTRS; k++)
         if (table_attrs[k].offset < 0) /* a table type without these slots: the Python ensure */
             Py_RETURN_NOTIMPLEMENTED;
-    n = PyList_GET_SIZE(tables), num_states = PyList_GET_SIZE(block_states);
-    /* 1. Check every table and count the blocks; nothing changes here. */
-    for (k = 0; k < n; k++) {
+    n = PyList_GET_SIZE(rows), num_states = PyList_GET_SIZE(block_states);
+    /* 1. Check every row's range and table and count the blocks; nothing changes here. */
+    for (r = 0; r < n; r++) {
         Py_ssize_t length;
         int has_held = 0;
-        table = PyList_GET_ITEM(tables, k); /* borrowed: the list is the caller's, unchanged here */
+        if (!exact_ll(PyList_GET_ITEM(rows, r), &row) || row < 0 || row >= PyList_GET_SIZE(tables))
+            Py_RETURN_NOTIMPLEMENTED;
+        table = PyList_GET_ITEM(tables, row); /* borrowed: the list is the caller's, unchanged here */
         if (Py_TYPE(table) != table_type)
             Py_RETURN_NOTIMPLEMENTED;
         blocks = *(PyObject **)((char *)table + table_attrs[BLOCKS].offset);
         value = *(PyObject **)((char *)table + table_attrs[NUM_TRIMMED].offset);
         if (blocks == NULL || !PyList_CheckExact(blocks) || value == NULL || !exact_ll(value, &trimmed))
             Py_RETURN_NOTIMPLEMENTED;
-        if (!exact_ll(PyList_GET_ITEM(firsts, k), &first) || !exact_ll(PyList_GET_ITEM(lasts, k), &last)
-            || first < 0 || first > last)
+        if (!exact_ll(PyList_GET_ITEM(positions, row), &first) || first < 0 || first + span >= max_seq_len)
             Py_RETURN_NOTIMPLEMENTED;
+        last = first + span;
         length = PyList_GET_SIZE(blocks);
         for (j = trimmed > 0 ? (Py_ssize_t)(trimmed < length ? trimmed : length) : 0; j < length; j++) {
             if (!exact_ll(PyList_GET_ITEM(blocks, j), &e))
@@ -543,12 +546,14 @@ static PyObject *ensure_tables(PyObject *module, PyObject *const *args, Py_ssize
     if (records == NULL)
         return NULL;
     /* 2. Map the blocks, as _allocate does: popped from the end of the free list, lowest entry first. */
-    for (k = 0; k < n; k++) {
+    for (r = 0; r < n; r++) {
         Py_ssize_t length, first_missing = -1, count = 0, filled = 0;
         PyObject *new_ids, *record, *minus_one;
-        table = PyList_GET_ITEM(tables, k);
+        exact_ll(PyList_GET_ITEM(rows, r), &row); /* checked in 1. */
+        table = PyList_GET_ITEM(tables, row);
         blocks = *(PyObject **)((char *)table + table_attrs[BLOCKS].offset);
-        exact_ll(PyList_GET_ITEM(firsts, k), &first), exact_ll(PyList_GET_ITEM(lasts, k), &last);
+        exact_ll(PyList_GET_ITEM(positions, row), &first);
+        last = first + span;
         exact_ll(*(PyObject **)((char *)table + table_attrs[NUM_TRIMMED].offset), &trimmed); /* checked in 1. */
         length = PyList_GET_SIZE(blocks);
         for (j = (Py_ssize_t)(first / bs); j <= (Py_ssize_t)(last / bs); j++) {
@@ -605,7 +610,7 @@ static PyObject *ensure_tables(PyObject *module, PyObject *const *args, Py_ssize
         Py_INCREF(cache_id_obj), Py_INCREF(block_size_obj);
         Py_XSETREF(*(PyObject **)((char *)table + table_attrs[CACHE_ID].offset), cache_id_obj);
         Py_XSETREF(*(PyObject **)((char *)table + table_attrs[BLOCK_SIZE].offset), block_size_obj);
-        record = Py_BuildValue("(nnN)", k, length, new_ids);
+        record = Py_BuildValue("(LnN)", row, length, new_ids);
         if (record == NULL || PyList_Append(records, record) < 0) {
             Py_XDECREF(record);
             goto failed;
@@ -775,7 +780,7 @@ static PyMethodDef methods[] = {
     {"stage_rows", (PyCFunction)(void (*)(void))stage_rows, METH_FASTCALL,
      "The one pass's loop (runtime.decode_pass): a list of unheld rows, None, or NotImplemented."},
     {"ensure_tables", (PyCFunction)(void (*)(void))ensure_tables, METH_FASTCALL,
-     "PagedLatentCache._ensure_rows of tables the caller found unheld: undo records, or NotImplemented."},
+     "PagedLatentCache.ensure_unheld of the given rows: undo records, or NotImplemented."},
     {"trim_tables", (PyCFunction)(void (*)(void))trim_tables, METH_FASTCALL,
      "PagedLatentCache.trim_batch under its lock: {row: ids given back}, or NotImplemented."},
     {NULL, NULL, 0, NULL},

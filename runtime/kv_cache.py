@@ -263,17 +263,18 @@ class PagedLatentCache:
         ``ensure_batch`` does, and then changes nothing.
         """
         span = num_positions - 1
+        native = native_build.load("decode_pass") if rows is not None else None
+        if native is not None:  # the rows the pass found unheld, ensured in C (design note "compiled pass")
+            with self._lock:
+                records = native.ensure_tables(tables, first_positions, span, rows, BlockTable, self._free,
+                                               self._state, self.cache_id, self.block_size, OWNED, self.max_seq_len)
+            if records is not NotImplemented:
+                return records
         firsts = first_positions if rows is None else [first_positions[i] for i in rows]
         lasts = [p + span for p in firsts] if span else firsts
         if firsts and (span < 0 or min(firsts) < 0 or max(lasts) >= self.max_seq_len):
             self._check_ranges(firsts, lasts)  # raises for the first bad range
         with self._lock:
-            native = native_build.load("decode_pass") if rows is not None else None
-            if native is not None:  # the rows the pass found unheld, ensured in C (design note "compiled pass")
-                records = native.ensure_tables([tables[i] for i in rows], firsts, lasts, BlockTable, self._free,
-                                               self._state, self.cache_id, self.block_size, OWNED)
-                if records is not NotImplemented:
-                    return [(rows[k], length, new) for k, length, new in records]
             found = self._unheld_rows(tables if rows is None else [tables[i] for i in rows], firsts, lasts)
             todo = found if rows is None else [rows[i] for i in found]
             if not todo:
