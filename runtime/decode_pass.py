@@ -17,15 +17,19 @@ stages them after, checked as its general path checks rows. A propose refused af
 restores the rows too.
 
 Design note "compiled pass": on the lent H200 hosts this loop still cost 33-63 us at B = 32
-(their Python runs it 2-2.6x slower than the CI machine's). ``decode_pass.c`` is the same loop
-in C (built on first use by :mod:`runtime.native_build`). States and tables are slotted
-dataclasses, so it reads their fields at their slot offsets (a load each, where a lookup by
-name costs ~25 ns; a table of another type is read by name): ~0.15 us a row against ~0.6 for
-the Python loop on the CI machine. It reads only exact ints, lists, tuples and bools, as the
-Python loop reads them, and leaves anything else to the Python loop (it answers
-NotImplemented; the rows it wrote are restored first), so the two never decide differently:
-``tests/test_decode_pass_compiled.py`` spoils batches at random and compares both. Without a
-C compiler, or with ``DRAFTGRAPH_NATIVE=0``, the Python loop is the pass.
+(their Python runs it 2-2.6x slower than the CI machine's), and each row that needs a block
+(about six a step at B = 32, K = 3 in serving, where rows cross blocks on different steps) cost
+~10 us more in the ensure, its staging and the trim. The per-row loops are C, built on first use
+by :mod:`runtime.native_build`: ``decode_pass.c`` (this loop, and the restage of the ensured
+rows, writing moved block tables itself) and ``cache_rows.c`` (``PagedLatentCache``'s ensure of
+those rows and its trim), sharing ``native_attrs.h``. States and tables are slotted
+dataclasses, so the C code reads their fields at their slot offsets (a load each, where a lookup
+by name costs ~25 ns; a table of another type is read by name). It reads only exact ints,
+lists, tuples and bools, as the Python loops read them, and leaves anything else to them (it
+answers NotImplemented; nothing is changed, or the rows it wrote are restored first), so the two
+never decide differently: ``tests/test_decode_pass_compiled.py`` spoils batches and tables at
+random and compares both, and every decode-pass and cache test runs on both. Without a C
+compiler, or with ``DRAFTGRAPH_NATIVE=0``, the Python loops run.
 """
 
 from __future__ import annotations

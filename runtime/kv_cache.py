@@ -263,7 +263,7 @@ class PagedLatentCache:
         ``ensure_batch`` does, and then changes nothing.
         """
         span = num_positions - 1
-        native = native_build.load("decode_pass") if rows is not None else None
+        native = native_build.load("cache_rows") if rows is not None else None
         if native is not None:  # the rows the pass found unheld, ensured in C (design note "compiled pass")
             with self._lock:
                 records = native.ensure_tables(tables, first_positions, span, rows, BlockTable, self._free,
@@ -383,7 +383,7 @@ class PagedLatentCache:
             raise InputError(describe("trim_window next_pos", ">= 0", min(next_positions)))
         shift, bs = self.window - 1, self.block_size
         with self._lock:
-            native = native_build.load("decode_pass")
+            native = native_build.load("cache_rows")
             if native is not None and type(tables) is list and type(next_positions) is list:
                 released = native.trim_tables(tables, next_positions, BlockTable, self._free, self._state,
                                               self.cache_id, self.window, bs, FREE, OWNED)

@@ -52,7 +52,11 @@ def _compiler() -> list[str]:
 
 
 def load(name: str) -> ModuleType | None:
-    """The extension built from ``runtime/<name>.c`` (module ``<name>_native``), or None (see :func:`why_not`)."""
+    """The extension built from ``runtime/<name>.c`` (module ``<name>_native``), or None (see :func:`why_not`).
+
+    The modules: ``decode_pass`` (the one pass and the restage of ensured rows) and
+    ``cache_rows`` (the ensure and the trim of the cache's tables).
+    """
     if name not in _loaded:
         _loaded[name] = None
         if not is_enabled():
@@ -72,7 +76,8 @@ def why_not(name: str) -> str | None:
 
 def _build_and_import(name: str) -> ModuleType:
     source = Path(__file__).with_name(f"{name}.c")
-    text = source.read_bytes()
+    headers = sorted(source.parent.glob("*.h"))  # shared by the modules (native_attrs.h): part of the key
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in headers)
     include = sysconfig.get_paths()["include"]
     if not os.path.exists(os.path.join(include, "Python.h")):
         raise ImportError(f"no Python.h under {include} (install the Python development headers)")
@@ -85,7 +90,7 @@ def _build_and_import(name: str) -> ModuleType:
         fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
         os.close(fd)
         try:
-            done = subprocess.run([*compiler, *FLAGS, f"-I{include}", str(source), "-o", partial],
+            done = subprocess.run([*compiler, *FLAGS, f"-I{include}", f"-I{source.parent}", str(source), "-o", partial],
                                   capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 raise ImportError(f"{' '.join(compiler)} failed on {source.name}: {done.stderr}")

@@ -10,15 +10,13 @@ any point after the pass leaves the staging buffer byte for byte as it was.
 from __future__ import annotations
 
 import random
-import shutil
 
 import pytest
 import torch
+from native_fixtures import use_compiled
 from proposer_fixtures import TINY, hidden, make_proposer
 
-import runtime.decode_pass as decode_pass
 import runtime.proposer as proposer_module
-from runtime import native_build
 from runtime.errors import CacheError, InputError
 from runtime.kv_cache import BlockTable
 from runtime.kv_metadata import MetadataWriter, pack_metadata, row_bytes_for
@@ -26,48 +24,13 @@ from runtime.kv_metadata import MetadataWriter, pack_metadata, row_bytes_for
 BUCKET = 8
 
 
-def compiled_loop():
-    """The compiled loop; skips only where the machine has no C compiler at all (a failed build fails)."""
-    native = decode_pass.native_loop()
-    if native is None:
-        if shutil.which(native_build._compiler()[0]) is None or not native_build.is_enabled():
-            pytest.skip(f"no compiled loop here: {native_build.why_not('decode_pass')}")
-        pytest.fail(f"the compiled loop did not build: {native_build.why_not('decode_pass')}")
-    return native
-
-
-class RecordedLoop:
-    """The compiled loop, recording what it answered: to whole batches (a list, None, or
-    NotImplemented: left to Python), to the ensured rows restaged after, to ensures and trims."""
-
-    def __init__(self, native) -> None:
-        self.native, self.answers, self.restaged, self.ensured, self.trimmed = native, [], [], [], []
-
-    def stage_rows(self, *args):
-        answer = self.native.stage_rows(*args)
-        (self.restaged if len(args) > 20 else self.answers).append(answer)
-        return answer
-
-    def ensure_tables(self, *args):
-        answer = self.native.ensure_tables(*args)
-        self.ensured.append(answer)
-        return answer
-
-    def trim_tables(self, *args):
-        answer = self.native.trim_tables(*args)
-        self.trimmed.append(answer)
-        return answer
-
-
 @pytest.fixture(autouse=True, params=["compiled", "python"])
 def loop(request, monkeypatch):
-    """Every test here runs on both loops of the pass and of the ensure (design note "compiled pass")."""
+    """Every test here runs on both host paths (design note "compiled pass"); the recorders, or None."""
     if request.param == "python":
-        monkeypatch.setitem(native_build._loaded, "decode_pass", None)
+        use_compiled(monkeypatch, False)
         return None
-    recorded = RecordedLoop(compiled_loop())
-    monkeypatch.setitem(native_build._loaded, "decode_pass", recorded)
-    return recorded
+    return use_compiled(monkeypatch, True)
 
 
 def staged_meta(prop, bucket: int = BUCKET) -> torch.Tensor:
@@ -119,11 +82,12 @@ def test_random_decode_steps_stage_the_bytes_of_a_fresh_pack(monkeypatch, loop):
     assert seen.count("pass") > 15 and seen.count("unheld") > 15, seen
     assert "general" not in seen
     if loop is not None:  # the compiled loops took every step themselves
-        assert len(loop.answers) == len(seen) and NotImplemented not in loop.answers
-        assert len(loop.ensured) == seen.count("unheld") and NotImplemented not in loop.ensured
-        assert loop.restaged == [[]] * seen.count("unheld")
-        assert len(loop.trimmed) >= len(seen) and NotImplemented not in loop.trimmed
-        assert sum(bool(released) for released in loop.trimmed) > 10  # windows that moved past a block
+        passes, rows = loop["decode_pass"].answers, loop["cache_rows"].answers
+        assert len(passes["stage_rows"]) == len(seen) and NotImplemented not in passes["stage_rows"]
+        assert passes["restage_rows"] == [[]] * seen.count("unheld")
+        assert len(rows["ensure_tables"]) == seen.count("unheld") and NotImplemented not in rows["ensure_tables"]
+        assert len(rows["trim_tables"]) >= len(seen) and NotImplemented not in rows["trim_tables"]
+        assert sum(bool(released) for released in rows["trim_tables"]) > 10  # windows that moved past a block
 
 
 def refused_before(prop, states, positions, k, tokens, hiddens, error):

@@ -12,11 +12,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
-import shutil
 
 import numpy as np
 import pytest
 import torch
+from native_fixtures import compiled, switch, use_compiled
 from proposer_fixtures import TINY, hidden, make_proposer
 
 import runtime.decode_pass as decode_pass
@@ -30,12 +30,7 @@ BUCKET = 8
 
 @pytest.fixture(scope="module")
 def native():
-    loaded = decode_pass.native_loop()
-    if loaded is None:
-        if shutil.which(native_build._compiler()[0]) is None or not native_build.is_enabled():
-            pytest.skip(f"no compiled loop here: {native_build.why_not('decode_pass')}")
-        pytest.fail(f"the compiled loop did not build: {native_build.why_not('decode_pass')}")
-    return loaded
+    return compiled("decode_pass")
 
 
 class TrackedBlocks(list):
@@ -175,7 +170,7 @@ def test_both_loops_decide_alike_on_spoiled_batches(native, monkeypatch):
         start = (staging.host_buf.clone(), list(staging.writer.row_sink()[2]))
         results = []
         for loop in (native, None):
-            monkeypatch.setitem(native_build._loaded, "decode_pass", loop)
+            monkeypatch.setitem(native_build._loaded, "decode_pass", loop)  # the pass alone
             staging.host_buf.copy_(start[0])
             staging.writer.row_sink()[2][:] = start[1]
             tables = copy.deepcopy([getattr(s, "table", None) for s in batch])  # pass marks aside, unchanged
@@ -210,23 +205,6 @@ def test_the_compiled_loop_takes_the_usual_batch_itself(native):
                                prop.cache.cache_id, prop.cache.max_seq_len, staging.writer.window,
                                staging.writer.max_blocks, BLOCK_TABLE_OFFSET, OWNED, BlockTable)
     assert answer == [], answer  # every row held and staged by the compiled loop, none left to Python
-
-
-class RecordedEnsure:
-    """The compiled module, recording what its ensure answered (NotImplemented: left to Python)."""
-
-    def __init__(self, native) -> None:
-        self.native, self.ensured = native, []
-
-    def stage_rows(self, *args):
-        return self.native.stage_rows(*args)
-
-    def __getattr__(self, name):  # the module's other functions, unrecorded
-        return getattr(self.native, name)
-
-    def ensure_tables(self, *args):
-        self.ensured.append(self.native.ensure_tables(*args))
-        return self.ensured[-1]
 
 
 def spoil_table(rng: random.Random, prop, state, holders: list) -> str:
@@ -289,8 +267,8 @@ def test_both_ensures_leave_the_same_pool_tables_and_rows(native, monkeypatch):
     propose (rows crossing into new blocks, tables spoiled, the pool drained now and then)
     they hold the same pool, tables, states and staged bytes, or raised the same error."""
     rng, gen = random.Random(21), torch.Generator().manual_seed(21)
+    recorders = use_compiled(monkeypatch, True)
     twins = [make_proposer(TINY, buckets=(BUCKET,), num_cache_blocks=48) for _ in range(2)]
-    recorded = RecordedEnsure(native)
     batches = [[p.alloc_state() for _ in range(BUCKET)] for p in twins]
     positions = [rng.randrange(0, 40) for _ in range(BUCKET)]
     seen, kinds = {"ok": 0, "raised": 0}, set()
@@ -300,8 +278,8 @@ def test_both_ensures_leave_the_same_pool_tables_and_rows(native, monkeypatch):
         tokens = [rng.randrange(TINY.vocab_size) for _ in range(n)]
         hiddens = [hidden(TINY, gen) for _ in range(n)]
         spoil_seed, worlds = rng.random(), []
-        for prop, states, loop in zip(twins, batches, (recorded, None)):
-            monkeypatch.setitem(native_build._loaded, "decode_pass", loop)
+        for prop, states, on in zip(twins, batches, (True, False)):
+            switch(monkeypatch, recorders, on)
             local, holders = random.Random(spoil_seed), []  # the same spoils on both twins
             if local.random() < 0.35:  # most often the row likeliest to need a block (its ensure reads the table)
                 row = max(range(n), key=lambda i: positions[i] % 16) if local.random() < 0.7 else local.randrange(n)
@@ -336,6 +314,7 @@ def test_both_ensures_leave_the_same_pool_tables_and_rows(native, monkeypatch):
                     prop.free_state(states[i])
                     states[i] = prop.alloc_state()
                 positions[i] = rng.randrange(0, 40)
-    deferred = sum(answer is NotImplemented for answer in recorded.ensured)
     assert seen["ok"] > 60 and seen["raised"] > 3 and len(kinds) >= 7, (seen, kinds)
-    assert deferred >= 5 and len(recorded.ensured) - deferred > 50, (deferred, len(recorded.ensured))
+    ensured = recorders["cache_rows"].answers["ensure_tables"]
+    deferred = sum(answer is NotImplemented for answer in ensured)
+    assert deferred >= 5 and len(ensured) - deferred > 50, (deferred, len(ensured))

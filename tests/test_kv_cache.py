@@ -15,8 +15,8 @@ import threading
 
 import pytest
 import torch
+from native_fixtures import use_compiled
 
-from runtime import native_build
 from runtime.config import V4Config
 from runtime.errors import CacheError, InputError
 from runtime.kv_cache import BlockTable, PagedLatentCache, TakenBlocks
@@ -28,10 +28,7 @@ BS = 16
 @pytest.fixture(autouse=True, params=["compiled", "python"])
 def trims(request, monkeypatch):
     """Every test here runs with the compiled trim and with the Python one (design note "compiled pass")."""
-    if request.param == "python":
-        monkeypatch.setitem(native_build._loaded, "decode_pass", None)
-    elif native_build.load("decode_pass") is None:
-        pytest.skip(f"no compiled loop here: {native_build.why_not('decode_pass')}")
+    use_compiled(monkeypatch, request.param == "compiled")
     return request.param
 
 
