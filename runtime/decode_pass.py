@@ -83,11 +83,7 @@ def stage_usual_batch(writer: MetadataWriter, cache: PagedLatentCache, states: S
     try:
         native = native_loop()
         if native is not None:  # design note "compiled pass"
-            mem, row_bytes, written = writer.row_sink()
-            unheld = native.stage_rows(states, tokens, positions, num_drafts, owner, vocab, next(_passes),
-                                       MtpProposerState, mem, row_bytes, written, cache.block_states,
-                                       cache.block_size, cache.cache_id, cache.max_seq_len, window,
-                                       writer.max_blocks, BLOCK_TABLE_OFFSET, OWNED, BlockTable)
+            unheld = _compiled_stage(native, writer, cache, states, tokens, positions, num_drafts, owner, vocab)
             if unheld is not NotImplemented:
                 if unheld is not None:
                     return UsualBatch(unheld)
@@ -105,11 +101,18 @@ def stage_usual_batch(writer: MetadataWriter, cache: PagedLatentCache, states: S
 
 
 def native_loop():
-    """The compiled loop (:mod:`runtime.native_build`), or None where it cannot be built.
-
-    The one switch for the pass and for ``PagedLatentCache.ensure_unheld``'s compiled ensure.
-    """
+    """The compiled pass (``decode_pass.c``, :mod:`runtime.native_build`), or None where it cannot be built."""
     return native_build.load("decode_pass")
+
+
+def _compiled_stage(native, writer: MetadataWriter, cache: PagedLatentCache, states: Sequence, tokens: Sequence,
+                    positions: Sequence, num_drafts: int, owner: int, vocab: int, rows: list[int] | None = None):
+    """The compiled ``stage_rows``: the unheld rows, None (a row broke it) or NotImplemented (left to Python)."""
+    mem, row_bytes, written = writer.row_sink()
+    return native.stage_rows(states, tokens, positions, num_drafts, owner, vocab, next(_passes), MtpProposerState,
+                             mem, row_bytes, written, cache.block_states, cache.block_size, cache.cache_id,
+                             cache.max_seq_len, writer.window, writer.max_blocks, BLOCK_TABLE_OFFSET, OWNED,
+                             BlockTable, rows)
 
 
 def stage_ensured_rows(writer: MetadataWriter, cache: PagedLatentCache, states: Sequence, tokens: Sequence,
@@ -124,12 +127,8 @@ def stage_ensured_rows(writer: MetadataWriter, cache: PagedLatentCache, states: 
     native = native_loop()
     if native is None or writer.window is None:
         return False
-    mem, row_bytes, written = writer.row_sink()
     try:
-        unheld = native.stage_rows(states, tokens, positions, num_drafts, owner, vocab, next(_passes),
-                                   MtpProposerState, mem, row_bytes, written, cache.block_states,
-                                   cache.block_size, cache.cache_id, cache.max_seq_len, writer.window,
-                                   writer.max_blocks, BLOCK_TABLE_OFFSET, OWNED, BlockTable, rows)
+        unheld = _compiled_stage(native, writer, cache, states, tokens, positions, num_drafts, owner, vocab, rows)
     except BaseException:
         writer.reset()  # the records must stay true whatever happened (as the pass)
         raise

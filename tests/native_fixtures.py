@@ -32,7 +32,7 @@ class Recorded:
     """A compiled module whose calls answer as it does, each answer kept by function name.
 
     An answer is the function's result: NotImplemented where it left the work to its Python twin.
-    ``stage_rows`` given the rows to restage (21 arguments) is kept as ``restage_rows``.
+    ``stage_rows`` given the rows to restage (its 21st argument) is kept as ``restage_rows``.
     """
 
     def __init__(self, module) -> None:
@@ -43,7 +43,8 @@ class Recorded:
 
         def recorded(*args):
             answer = function(*args)
-            self.answers["restage_rows" if name == "stage_rows" and len(args) > 20 else name].append(answer)
+            is_restage = name == "stage_rows" and len(args) > 20 and args[20] is not None
+            self.answers["restage_rows" if is_restage else name].append(answer)
             return answer
 
         return recorded
