@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from runtime.kv_cache import BlockTable
 
 
-@dataclass(slots=True)  # read by slot offset in the compiled pass (runtime/decode_pass.c)
+@dataclass(slots=True)  # read by slot offset in the compiled loops (runtime/decode_pass.c, cache_rows.c)
 class MtpProposerState:
     table: BlockTable = field(default_factory=BlockTable)
     seq_len: int = 0  # one past the newest valid drafter row (a position)
