@@ -38,13 +38,11 @@ static int record_matches(PyObject *record, long long lo, PyObject *blocks)
         return 0;
     if (!PyTuple_CheckExact(record) || PyTuple_GET_SIZE(record) != 2)
         return -1;
-    if (!exact_ll(PyTuple_GET_ITEM(record, 0), &record_lo))
+    entries = PyTuple_GET_ITEM(record, 1); /* a list, as write_table clears it after */
+    if (!exact_ll(PyTuple_GET_ITEM(record, 0), &record_lo) || !PyList_CheckExact(entries))
         return -1;
     if (record_lo != lo)
         return 0;
-    entries = PyTuple_GET_ITEM(record, 1);
-    if (!PyList_CheckExact(entries))
-        return -1;
     n = PyList_GET_SIZE(entries);
     if (n != (lo < num_blocks ? num_blocks - lo : 0))
         return 0;
