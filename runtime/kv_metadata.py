@@ -273,9 +273,10 @@ class MetadataWriter:
 
         :mod:`runtime.decode_pass` writes the usual decode batch's rows inline, in the loop that
         checks them (a call per row costs what the pass saves). It writes exactly what
-        :meth:`write_rows_at` writes and keeps the records as it does, calling
-        :meth:`write_table` when a row's staged entries moved; the equality of the bytes is
-        tested (``tests/test_decode_pass.py``).
+        :meth:`write_rows_at` writes and keeps the records as it does: its Python loop calls
+        :meth:`write_table` when a row's staged entries moved, its compiled loop
+        (``decode_pass.c``) writes the same bytes and record itself. The equality of the bytes
+        is tested on both (``tests/test_decode_pass.py``, ``tests/test_decode_pass_compiled.py``).
         """
         return self._mem, self._row_bytes, self._tables
 
