@@ -257,6 +257,59 @@ static int sequence_items(PyObject *seq, PyObject ***items, Py_ssize_t *n)
     return 0;
 }
 
+/* The 20 arguments stage_rows and stage_batch share, read into *a and the three sequences:
+   1, or 0 (NotImplemented: a value the loop does not read as the Python loop would). Borrowed:
+   the caller holds args. mem is not read here: each caller takes its buffer. */
+static int read_batch_args(PyObject *const *args, struct batch_args *a, PyObject ***states, Py_ssize_t *num_states,
+                           PyObject ***tokens, Py_ssize_t *num_tokens, PyObject ***positions, Py_ssize_t *num_positions)
+{
+    a->serial_obj = args[6], a->state_type = args[7], a->written = args[10], a->block_states = args[11];
+    a->table_type = args[19];
+    return exact_ll(args[3], &a->num_drafts) && exact_ll(args[4], &a->owner) && exact_ll(args[5], &a->vocab)
+        && exact_ll(args[6], &a->serial) && exact_ll(args[9], &a->row_bytes) && exact_ll(args[12], &a->block_size)
+        && exact_ll(args[13], &a->cache_id) && exact_ll(args[14], &a->max_seq_len)
+        && exact_ll(args[15], &a->window) && exact_ll(args[16], &a->max_blocks) && exact_ll(args[18], &a->owned)
+        && exact_ll(args[17], &a->table_offset) && a->table_offset >= 0
+        && a->block_size > 0 && a->row_bytes > 0 && PyType_Check(a->state_type) && PyType_Check(a->table_type)
+        && PyList_CheckExact(a->written) && PyList_CheckExact(a->block_states)
+        && sequence_items(args[0], states, num_states) && sequence_items(args[1], tokens, num_tokens)
+        && sequence_items(args[2], positions, num_positions);
+}
+
+/* The rows (all n when rows is None), staged one by one; TAKEN, or what stopped the loop. */
+static enum outcome stage_each(const struct batch_args *a, PyObject *rows, Py_ssize_t n, PyObject **states,
+                               PyObject **tokens, PyObject **positions, PyObject *unheld)
+{
+    Py_ssize_t r, num_rows = rows == Py_None ? n : PyList_GET_SIZE(rows);
+    enum outcome outcome = TAKEN;
+    /* The items are borrowed from lists the caller holds, which nothing here calls out to change. */
+    for (r = 0; r < num_rows && outcome == TAKEN; r++) {
+        long long row = r;
+        if (rows != Py_None && (!exact_ll(PyList_GET_ITEM(rows, r), &row) || row < 0 || row >= n))
+            return DEFERRED;
+        outcome = stage_row(a, (Py_ssize_t)row, states[row], tokens[row], positions[row], unheld);
+    }
+    return outcome;
+}
+
+/* The list, None or NotImplemented that an outcome answers (unheld's reference is taken). */
+static PyObject *answer(enum outcome outcome, PyObject *unheld)
+{
+    switch (outcome) {
+    case TAKEN:
+        return unheld;
+    case BROKEN:
+        Py_DECREF(unheld);
+        Py_RETURN_NONE;
+    case DEFERRED:
+        Py_DECREF(unheld);
+        Py_RETURN_NOTIMPLEMENTED;
+    default:
+        Py_DECREF(unheld);
+        return NULL;
+    }
+}
+
 /* stage_rows(states, tokens, positions, num_drafts, owner, vocab, serial, state_type, mem,
               row_bytes, written, block_states, block_size, cache_id, max_seq_len, window,
               max_blocks, table_offset, owned, table_type[, rows]) -> list | None | NotImplemented */
@@ -265,8 +318,8 @@ static PyObject *stage_rows(PyObject *module, PyObject *const *args, Py_ssize_t 
     struct batch_args a;
     Py_buffer view;
     PyObject **states, **tokens, **positions, *unheld, *rows = Py_None;
-    Py_ssize_t num_states, num_tokens, num_positions, n, i, r, num_rows;
-    enum outcome outcome = TAKEN;
+    Py_ssize_t num_states, num_tokens, num_positions, n;
+    enum outcome outcome;
     (void)module;
     if (nargs != NUM_ARGS && nargs != NUM_ARGS + 1) {
         PyErr_Format(PyExc_TypeError, "stage_rows takes %d or %d arguments, got %zd", NUM_ARGS, NUM_ARGS + 1, nargs);
@@ -276,17 +329,7 @@ static PyObject *stage_rows(PyObject *module, PyObject *const *args, Py_ssize_t 
         rows = args[NUM_ARGS];
     if (rows != Py_None && !PyList_CheckExact(rows))
         Py_RETURN_NOTIMPLEMENTED;
-    a.serial_obj = args[6], a.state_type = args[7], a.written = args[10], a.block_states = args[11];
-    a.table_type = args[19];
-    if (!exact_ll(args[3], &a.num_drafts) || !exact_ll(args[4], &a.owner) || !exact_ll(args[5], &a.vocab)
-        || !exact_ll(args[6], &a.serial) || !exact_ll(args[9], &a.row_bytes) || !exact_ll(args[12], &a.block_size)
-        || !exact_ll(args[13], &a.cache_id) || !exact_ll(args[14], &a.max_seq_len)
-        || !exact_ll(args[15], &a.window) || !exact_ll(args[16], &a.max_blocks) || !exact_ll(args[18], &a.owned)
-        || !exact_ll(args[17], &a.table_offset) || a.table_offset < 0
-        || a.block_size <= 0 || a.row_bytes <= 0 || !PyType_Check(a.state_type) || !PyType_Check(a.table_type)
-        || !PyList_CheckExact(a.written) || !PyList_CheckExact(a.block_states)
-        || !sequence_items(args[0], &states, &num_states) || !sequence_items(args[1], &tokens, &num_tokens)
-        || !sequence_items(args[2], &positions, &num_positions))
+    if (!read_batch_args(args, &a, &states, &num_states, &tokens, &num_tokens, &positions, &num_positions))
         Py_RETURN_NOTIMPLEMENTED;
     if (!find_offsets((PyTypeObject *)a.state_type, state_attrs, NUM_STATE_ATTRS, 0)
         || !find_offsets((PyTypeObject *)a.table_type, table_attrs, NUM_TABLE_ATTRS, 1))
@@ -303,39 +346,216 @@ static PyObject *stage_rows(PyObject *module, PyObject *const *args, Py_ssize_t 
     }
     n = num_states < num_tokens ? num_states : num_tokens;
     n = n < num_positions ? n : num_positions;
-    /* The items are borrowed from lists the caller holds, which nothing here calls out to change. */
-    num_rows = rows == Py_None ? n : PyList_GET_SIZE(rows);
-    for (r = 0; r < num_rows && outcome == TAKEN; r++) {
-        long long row = r;
-        if (rows != Py_None && (!exact_ll(PyList_GET_ITEM(rows, r), &row) || row < 0 || row >= n)) {
-            outcome = DEFERRED;
-            break;
-        }
-        i = (Py_ssize_t)row;
-        outcome = stage_row(&a, i, states[i], tokens[i], positions[i], unheld);
-    }
+    outcome = stage_each(&a, rows, n, states, tokens, positions, unheld);
     PyBuffer_Release(&view);
     if (outcome == TAKEN && num_states != num_tokens)
         outcome = BROKEN;
-    switch (outcome) {
-    case TAKEN:
-        return unheld;
-    case BROKEN:
-        Py_DECREF(unheld);
-        Py_RETURN_NONE;
-    case DEFERRED:
-        Py_DECREF(unheld);
-        Py_RETURN_NOTIMPLEMENTED;
-    default:
-        Py_DECREF(unheld);
-        return NULL;
-    }
+    return answer(outcome, unheld);
 }
 
+/* Row i as padding, as MetadataWriter._write_dead: pos 0, slot -1, seq_len 0, kv_start 1, its
+   staged table entries -1 and its record None. Only for a well-formed record (or None). */
+static int write_dead(const struct batch_args *a, Py_ssize_t i)
+{
+    PyObject *record = PyList_GET_ITEM(a->written, i);
+    unsigned char *row = a->mem + i * a->row_bytes;
+    int64_t pos64 = 0, slot64 = -1;
+    int32_t seq32 = 0, kv32 = 1;
+    long long lo;
+    Py_ssize_t num;
+    if (record == Py_None)
+        return 1; /* padding already */
+    if (!PyTuple_CheckExact(record) || PyTuple_GET_SIZE(record) != 2 || !exact_ll(PyTuple_GET_ITEM(record, 0), &lo)
+        || !PyList_CheckExact(PyTuple_GET_ITEM(record, 1)))
+        return 0;
+    num = PyList_GET_SIZE(PyTuple_GET_ITEM(record, 1));
+    if (lo < 0 || a->table_offset + 4 * (lo + num) > a->row_bytes)
+        return 0;
+    memcpy(row, &pos64, 8), memcpy(row + 8, &slot64, 8), memcpy(row + 16, &seq32, 4), memcpy(row + 20, &kv32, 4);
+    memset(row + a->table_offset + 4 * lo, 0xff, 4 * num);
+    Py_INCREF(Py_None);
+    PyList_SetItem(a->written, i, Py_None); /* steals; drops the old record */
+    return 1;
+}
+
+/* ensure(tables, positions, span, unheld, ...) of the unheld rows (cache_rows_native.ensure_tables):
+   its records, NotImplemented, or NULL. tables holds the unheld rows' tables, None elsewhere. */
+static PyObject *ensure_unheld(const struct batch_args *a, PyObject *ensure, PyObject *free_list, PyObject **states, Py_ssize_t n, PyObject *positions, PyObject *unheld)
+{
+    PyObject *tables, *call_args[11], *records;
+    Py_ssize_t r, k;
+    if (!PyList_CheckExact(positions))
+        Py_RETURN_NOTIMPLEMENTED;
+    tables = PyList_New(n);
+    if (tables == NULL)
+        return NULL;
+    for (k = 0; k < n; k++) {
+        Py_INCREF(Py_None);
+        PyList_SET_ITEM(tables, k, Py_None);
+    }
+    for (r = 0; r < PyList_GET_SIZE(unheld); r++) {
+        Py_ssize_t row = PyLong_AsSsize_t(PyList_GET_ITEM(unheld, r)); /* the pass's own ints, < n */
+        PyObject *table = get_attr(states[row], &state_attrs[TABLE]);
+        if (table == NULL) {
+            Py_DECREF(tables);
+            Py_RETURN_NOTIMPLEMENTED;
+        }
+        PyList_SetItem(tables, row, table); /* steals it */
+    }
+    call_args[0] = tables, call_args[1] = positions, call_args[3] = unheld, call_args[4] = a->table_type;
+    call_args[5] = free_list, call_args[6] = a->block_states;
+    call_args[2] = PyLong_FromLongLong(a->num_drafts - 1);
+    call_args[7] = PyLong_FromLongLong(a->cache_id);
+    call_args[8] = PyLong_FromLongLong(a->block_size);
+    call_args[9] = PyLong_FromLongLong(a->owned);
+    call_args[10] = PyLong_FromLongLong(a->max_seq_len);
+    records = NULL;
+    if (call_args[2] && call_args[7] && call_args[8] && call_args[9] && call_args[10])
+        records = PyObject_Vectorcall(ensure, call_args, 11, NULL);
+    Py_XDECREF(call_args[2]), Py_XDECREF(call_args[7]), Py_XDECREF(call_args[8]);
+    Py_XDECREF(call_args[9]), Py_XDECREF(call_args[10]);
+    Py_DECREF(tables);
+    return records;
+}
+
+/* stage_batch(<stage_rows' 20 arguments>, restage_serial, ensure, free, saved, saved_written,
+               token_mem, token_at) -> (unheld, records, done) | None | NotImplemented
+
+   A propose's front in one call (design note "compiled front" in runtime/decode_pass.py):
+   1. saves every row's scalars (24 bytes a row into saved) and records (into saved_written),
+      so that MetadataWriter.restore puts the rows back whatever comes after;
+   2. the pass (stage_rows): None or NotImplemented as it answers them, the rows restorable;
+   3. when rows need blocks and ensure is not None: ensure(...) of those rows (the caller holds
+      the cache's lock), then their rows staged again with restage_serial; records is what
+      ensure answered (a list of (row, length before, new ids)), None where it was not called
+      or answered NotImplemented (the caller ensures);
+   4. done: every row is staged, the rows past the batch are padding and the tokens are in
+      token_mem at token_at (int64, 0 past the batch). Not done: the caller does the rest of
+      3 and 4, as it would without this call. */
+static PyObject *stage_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    struct batch_args a;
+    Py_buffer view, saved_view, token_view;
+    PyObject **states, **tokens, **positions, *unheld, *restage_serial, *ensure, *free_list, *saved_written;
+    PyObject *records = Py_None, *restaged = NULL, *result = NULL;
+    Py_ssize_t num_states, num_tokens, num_positions, n, i, bucket;
+    long long token_at, token;
+    enum outcome outcome;
+    int done = 0;
+    (void)module;
+    if (nargs != NUM_ARGS + 7) {
+        PyErr_Format(PyExc_TypeError, "stage_batch takes %d arguments, got %zd", NUM_ARGS + 7, nargs);
+        return NULL;
+    }
+    restage_serial = args[NUM_ARGS], ensure = args[NUM_ARGS + 1], free_list = args[NUM_ARGS + 2];
+    saved_written = args[NUM_ARGS + 4];
+    /* What the save needs is the writer's own: a wrong one is a caller's bug, not a batch to defer. */
+    if (!PyList_CheckExact(args[10]) || !PyList_CheckExact(saved_written) || !exact_ll(args[9], &a.row_bytes)
+        || a.row_bytes < 24 || !exact_ll(args[NUM_ARGS + 6], &token_at) || token_at < 0) {
+        PyErr_SetString(PyExc_TypeError, "stage_batch: written and saved_written must be lists, row_bytes >= 24");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[8], &view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[NUM_ARGS + 3], &saved_view, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[NUM_ARGS + 5], &token_view, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&view), PyBuffer_Release(&saved_view);
+        return NULL;
+    }
+    bucket = PyList_GET_SIZE(args[10]);
+    if (bucket * a.row_bytes > view.len || saved_view.len < 24 * bucket || token_at + 8 * bucket > token_view.len) {
+        PyErr_SetString(PyExc_ValueError, "stage_batch: a buffer is smaller than the writer's rows");
+        goto release;
+    }
+    /* 1. The save. */
+    for (i = 0; i < bucket; i++)
+        memcpy((unsigned char *)saved_view.buf + 24 * i, (unsigned char *)view.buf + i * a.row_bytes, 24);
+    if (PyList_SetSlice(saved_written, 0, PY_SSIZE_T_MAX, args[10]) < 0)
+        goto release;
+    /* 2. The pass. */
+    if (!read_batch_args(args, &a, &states, &num_states, &tokens, &num_tokens, &positions, &num_positions)
+        || !(ensure == Py_None || PyCallable_Check(ensure)) || !PyList_CheckExact(free_list)) {
+        result = Py_NewRef(Py_NotImplemented);
+        goto release;
+    }
+    if (!find_offsets((PyTypeObject *)a.state_type, state_attrs, NUM_STATE_ATTRS, 0)
+        || !find_offsets((PyTypeObject *)a.table_type, table_attrs, NUM_TABLE_ATTRS, 1))
+        goto release;
+    a.mem = view.buf, a.mem_len = view.len;
+    unheld = PyList_New(0);
+    if (unheld == NULL)
+        goto release;
+    n = num_states < num_tokens ? num_states : num_tokens;
+    n = n < num_positions ? n : num_positions;
+    outcome = stage_each(&a, Py_None, n, states, tokens, positions, unheld);
+    if (outcome == TAKEN && num_states != num_tokens)
+        outcome = BROKEN;
+    if (outcome != TAKEN) {
+        result = answer(outcome, unheld);
+        goto release;
+    }
+    /* 3. The ensure and the restage of the rows that needed blocks. */
+    if (PyList_GET_SIZE(unheld) > 0) {
+        if (ensure == Py_None)
+            goto partial;
+        records = ensure_unheld(&a, ensure, free_list, states, n, args[2], unheld);
+        if (records == NULL) {
+            Py_DECREF(unheld);
+            goto release;
+        }
+        if (records == Py_NotImplemented) {
+            Py_DECREF(records);
+            records = Py_None;
+            goto partial;
+        }
+        restaged = PyList_New(0);
+        if (restaged == NULL)
+            goto failed;
+        a.serial_obj = restage_serial;
+        if (!exact_ll(restage_serial, &a.serial))
+            goto partial;
+        outcome = stage_each(&a, unheld, n, states, tokens, positions, restaged);
+        if (outcome == FAILED)
+            goto failed;
+        if (outcome != TAKEN || PyList_GET_SIZE(restaged) != 0)
+            goto partial; /* the caller stages them its general way, which decides */
+    }
+    /* 4. Padding past the batch, and the tokens (checked exact ints in 0..vocab by the pass). */
+    for (i = n; i < bucket; i++)
+        if (!write_dead(&a, i))
+            goto partial;
+    for (i = 0; i < bucket; i++) {
+        int64_t t = 0;
+        if (i < n) {
+            exact_ll(tokens[i], &token);
+            t = token;
+        }
+        memcpy((unsigned char *)token_view.buf + token_at + 8 * i, &t, 8);
+    }
+    done = 1;
+partial:
+    result = Py_BuildValue("(NOO)", unheld, records, done ? Py_True : Py_False);
+    if (records != Py_None)
+        Py_DECREF(records);
+    Py_XDECREF(restaged);
+    goto release;
+failed: /* memory ran out after the ensure: its records go back all the same, so that the caller,
+           staging these rows its general way (which raises the same error), can undo the ensure */
+    PyErr_Clear();
+    goto partial;
+release:
+    PyBuffer_Release(&view), PyBuffer_Release(&saved_view), PyBuffer_Release(&token_view);
+    return result;
+}
 
 static PyMethodDef methods[] = {
     {"stage_rows", (PyCFunction)(void (*)(void))stage_rows, METH_FASTCALL,
      "The one pass's loop (runtime.decode_pass): a list of unheld rows, None, or NotImplemented."},
+    {"stage_batch", (PyCFunction)(void (*)(void))stage_batch, METH_FASTCALL,
+     "A propose's front (runtime.decode_pass): save, pass, ensure, restage, padding and tokens."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -30,6 +30,21 @@ answers NotImplemented; nothing is changed, or the rows it wrote are restored fi
 never decide differently: ``tests/test_decode_pass_compiled.py`` spoils batches and tables at
 random and compares both, and every decode-pass and cache test runs on both. Without a C
 compiler, or with ``DRAFTGRAPH_NATIVE=0``, the Python loops run.
+
+Design note "compiled front": with the loops compiled, what was left of a propose's host time
+at B = 32 was the Python between them: the save of the rows, the pass, the table list and the
+ensure of the rows that need blocks with its undo records, their restage, the padding and
+the tokens, each a call with its own arguments (~3.5 of ~13 us on the CI machine, where a
+replay's host time is ~2-4x that on the H200 hosts). ``decode_pass.c``'s ``stage_batch`` does
+them in one call, under the cache's lock: it saves every row's scalars and record first (so
+``MetadataWriter.restore`` puts the rows back whatever comes after), runs the pass, calls the
+compiled ensure on the rows that need blocks (``cache.ensure_sink``), stages those rows again,
+writes the padding and the tokens. It answers as the pass does (None, NotImplemented) or
+(unheld, records, done); anything it does not do (no compiled ensure, a row the restage leaves
+to Python) it says with ``done`` False, and the proposer does that part as it did after the
+pass. The proposer checks the hiddens and the mask before the front, so that a batch refused
+for them has mapped no block; its error is still the first kind's (states, tokens, positions,
+then hiddens).
 """
 
 from __future__ import annotations
@@ -48,6 +63,14 @@ class UsualBatch(NamedTuple):
     """What one pass found: the rows still to stage."""
 
     unheld: list[int]  # rows whose range needs blocks: ensure them, then stage them
+
+
+class StagedFront(NamedTuple):
+    """What :func:`stage_front` did with a usual batch."""
+
+    unheld: list[int]  # rows whose range needed blocks
+    records: list[tuple[int, int, list[int]]] | None  # (row, length before, new ids); None: not ensured here
+    done: bool  # every row staged, the rows past the batch padding, the tokens written
 
 
 # Each pass marks the tables it reads with a serial of its own: a table marked already is one
@@ -98,6 +121,47 @@ def stage_usual_batch(writer: MetadataWriter, cache: PagedLatentCache, states: S
         writer.restore()  # a row broke the loop: the staging buffer as it was
         return None
     return UsualBatch(unheld)
+
+
+def stage_front(staging, cache: PagedLatentCache, states: Sequence, tokens: Sequence, positions: Sequence,
+                num_drafts: int, owner: int, vocab: int) -> StagedFront | None:
+    """A propose's front for the usual batch: the pass, the ensure of its unheld rows, their rows,
+    the padding and the tokens, in one compiled call (design note "compiled front"); None when the
+    batch is unusual (the general path decides, the staging buffer as it was).
+
+    Where something is not done (no compiled loop: the pass alone, in Python; an ensure left to
+    Python; a row the restage leaves to the general path), ``done`` is False and the caller does
+    the rest as it does after :func:`stage_usual_batch`. Records not None: the blocks are mapped
+    already, and a refusal after must undo them. A refusal after this restores the rows
+    (``staging.writer.restore()``).
+    """
+    writer = staging.writer
+    native = native_loop()
+    if native is None or writer.window is None:
+        usual = stage_usual_batch(writer, cache, states, tokens, positions, num_drafts, owner, vocab)
+        return None if usual is None else StagedFront(usual.unheld, None, False)
+    mem, row_bytes, written = writer.row_sink()
+    saved, saved_written = writer.save_sink()
+    token_mem, token_at = staging.token_sink()
+    lock, ensure, free = cache.ensure_sink()
+    try:
+        with lock:
+            front = native.stage_batch(
+                states, tokens, positions, num_drafts, owner, vocab, next(_passes), MtpProposerState, mem, row_bytes,
+                written, cache.block_states, cache.block_size, cache.cache_id, cache.max_seq_len, writer.window,
+                writer.max_blocks, BLOCK_TABLE_OFFSET, OWNED, BlockTable, next(_passes), ensure, free, saved,
+                saved_written, token_mem, token_at)
+    except BaseException:
+        writer.reset()  # not expected (a MemoryError before any block was mapped): the records must stay true
+        raise
+    if front is None:  # a row broke the pass: the general path raises its error
+        writer.restore()
+        return None
+    if front is NotImplemented:  # left to the Python loop, which decides from the same rows
+        writer.restore()
+        usual = stage_usual_batch(writer, cache, states, tokens, positions, num_drafts, owner, vocab)
+        return None if usual is None else StagedFront(usual.unheld, None, False)
+    return StagedFront(*front)
 
 
 def native_loop():

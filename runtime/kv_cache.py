@@ -194,6 +194,17 @@ class PagedLatentCache:
         """
         return self._state
 
+    def ensure_sink(self) -> tuple[threading.Lock, object, list[int]]:
+        """(the lock, the compiled ensure of rows or None, the free list) for a propose's compiled front.
+
+        :mod:`runtime.decode_pass` ensures the rows its pass found unheld inside the same C call
+        (design note "compiled front" there), under this lock, with the function
+        :meth:`ensure_unheld` calls (``cache_rows.c``'s ``ensure_tables``): the one other caller
+        that maps blocks. None where that cannot be built: the front leaves the ensure to the proposer.
+        """
+        native = native_build.load("cache_rows")
+        return self._lock, (native.ensure_tables if native is not None else None), self._free
+
     @property
     def num_free_blocks(self) -> int:
         with self._lock:

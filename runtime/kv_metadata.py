@@ -215,7 +215,11 @@ class MetadataWriter:
         self._mem = memoryview(buf.numpy().reshape(-1))
         self._tables: list[tuple[int, Sequence[int]] | None] = []
         self._scalars = self._i32[:, : KV_START_OFFSET // 4 + 1]  # [B, 6] int32: pos, slot, seq_len, kv_start
-        self._saved: tuple[np.ndarray, list] = (np.empty_like(self._scalars), [])
+        # What save() copied: every row's scalars (24 bytes a row, as the compiled front copies
+        # them) and its table record.
+        self._saved_bytes = bytearray(SCALARS.size * self.batch)
+        self._saved_scalars = np.frombuffer(self._saved_bytes, dtype=np.int32).reshape(self.batch, -1)
+        self._saved_tables: list = []
         self.reset()
         self.save()  # a restore before any save gives the padding back
 
@@ -245,17 +249,20 @@ class MetadataWriter:
         """Remember what the rows hold now; :meth:`restore` puts it back (a batch refused after writing).
 
         ~1 us: the rows' scalars (one strided numpy copy) and the list of table records (the
-        records are replaced, never changed in place).
+        records are replaced, never changed in place). A propose's compiled front
+        (:mod:`runtime.decode_pass`) saves the same into :meth:`save_sink`.
         """
-        scalars, _ = self._saved
-        np.copyto(scalars, self._scalars)
-        self._saved = (scalars, self._tables.copy())
+        np.copyto(self._saved_scalars, self._scalars)
+        self._saved_tables[:] = self._tables
+
+    def save_sink(self) -> tuple[bytearray, list]:
+        """(scalar bytes, table records) that :meth:`restore` reads: for the one other saver, the compiled front."""
+        return self._saved_bytes, self._saved_tables
 
     def restore(self) -> None:
         """The rows as :meth:`save` found them: every scalar, and every block table written since."""
-        scalars, tables = self._saved
-        np.copyto(self._scalars, scalars)
-        for i, (now, then) in enumerate(zip(self._tables, tables)):
+        np.copyto(self._scalars, self._saved_scalars)
+        for i, (now, then) in enumerate(zip(self._tables, self._saved_tables)):
             if now is not then:
                 if then is _DEAD_TABLE:
                     self._clear_table(i)

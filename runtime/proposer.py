@@ -37,7 +37,7 @@ from graphs.v4_block import CacheGeometry, block_interface
 from ops.draft_gate import CUT
 from ops.kernels import check_kernels
 from runtime.config import V4Config
-from runtime.decode_pass import kv_start_after, stage_ensured_rows, stage_usual_batch
+from runtime.decode_pass import kv_start_after, stage_ensured_rows, stage_front
 from runtime.draft_binding import DraftBinding, prepare_weights
 from runtime.errors import InputError, describe
 from runtime.executor import EagerExecutor, concrete_device
@@ -240,45 +240,57 @@ class DeepseekV4MtpProposer:
             k = check_num_drafts(num_drafts, self.options.max_num_drafts)
             bucket = self._bucket(n)
             staging, executor = self._staging_for(bucket), None  # the executor once the inputs passed
+        # The hiddens and the mask first, so that a batch refused for them has mapped no block;
+        # but the error is the first kind's, as item by item: states, tokens, positions, hiddens.
+        try:
+            hiddens = check_hiddens(hiddens, shape, self.device, n)  # a list, or one [n, ...] tensor
+            mask = self._checked_mask(bitmask, words)
+        except InputError:
+            checked = check_states(states, self.id)
+            check_tokens(tokens, vocab)
+            check_positions(positions, k, checked)
+            raise
         staging.wait_for_copy()  # the host buffer is written from here on
-        # Design note "one pass" (runtime.decode_pass): the usual batch is checked and its rows
-        # staged in one loop; anything else goes item by item, as it always did.
-        usual = stage_usual_batch(staging.writer, self.cache, states, tokens, positions, k, self.id, vocab)
+        # Design notes "one pass" and "compiled front" (runtime.decode_pass): the usual batch is
+        # checked, ensured and staged in one call; anything else goes item by item, as it always did.
+        front = stage_front(staging, self.cache, states, tokens, positions, k, self.id, vocab)
         undo: list[tuple] = []
-        if usual is None:
+        if front is None:
             states = check_states(states, self.id)
             tables = [state.table for state in states]
             are_distinct = self._are_tables_distinct(states, tables)
             tokens = check_tokens(tokens, vocab)
             positions = check_positions(positions, k, states)
+        elif front.records:  # blocks the front mapped: a refusal from here on gives them back
+            undo = [(states[i], length, new) for i, length, new in front.records]
         try:
-            hiddens = check_hiddens(hiddens, shape, self.device, n)  # a list, or one [n, ...] tensor
-            mask = self._checked_mask(bitmask, words)
-            # All checks passed: allocate blocks for every sequence, all or nothing.
-            if usual is None:
+            if front is None:
                 undo = self._ensure_undoable(states, tables, positions, k, are_distinct)
                 self._stage_rows(staging, states, positions, tables)
             else:
                 tables = None  # made after the launch, for the trim (host time)
-                if usual.unheld:
-                    tables = [state.table for state in states]
-                    rows = usual.unheld
-                    undo = self._ensure_undoable(states, tables, positions, k, rows=rows)
-                    if not stage_ensured_rows(staging.writer, self.cache, states, tokens, positions, k, self.id,
-                                              vocab, rows):
-                        ensured = self._checked_rows([states[i] for i in rows], [positions[i] for i in rows],
-                                                     [tables[i] for i in rows])
-                        if ensured is None:  # a table of another type or edited by hand: the general path's rows
-                            self._stage_rows(staging, states, positions, tables)
-                        else:
-                            staging.writer.write_rows_at(rows, ensured)
-                staging.writer.write_padding_from(n)
+                if not front.done:
+                    rows = front.unheld
+                    if rows:
+                        tables = [state.table for state in states]
+                        if front.records is None:
+                            undo = self._ensure_undoable(states, tables, positions, k, rows=rows)
+                        if not stage_ensured_rows(staging.writer, self.cache, states, tokens, positions, k, self.id,
+                                                  vocab, rows):
+                            ensured = self._checked_rows([states[i] for i in rows], [positions[i] for i in rows],
+                                                         [tables[i] for i in rows])
+                            if ensured is None:  # a table of another type or edited by hand: the general path's rows
+                                self._stage_rows(staging, states, positions, tables)
+                            else:
+                                staging.writer.write_rows_at(rows, ensured)
+                    staging.writer.write_padding_from(n)
             start = time.perf_counter()
             if executor is None:
                 executor = self._executor(bucket, k, mask is not None)
                 self._plans[(n, k, mask is not None)] = LaunchPlan(k, bucket, staging, executor, self.generation)
             staging.stage_after_rows(tokens, hiddens, self._vocab_limit(), [mask] * n if mask is not None else None,
-                                     copy_in=not getattr(executor, "copies_staging", False))
+                                     copy_in=not getattr(executor, "copies_staging", False),
+                                     tokens_written=front is not None and front.done)
             if self.options.poison_arena:
                 executor.poison()
             outputs = executor.run(staging.chain_inputs(words if mask is not None else None), check=False)
@@ -289,7 +301,7 @@ class DeepseekV4MtpProposer:
         except BaseException:
             for record in reversed(undo):
                 self._undo_ensure(*record)
-            if usual is not None:  # the rows the pass staged, as they were (once no copy reads them)
+            if front is not None:  # the rows the pass staged, as they were (once no copy reads them)
                 staging.wait_for_copy()
                 staging.writer.restore()
             raise
@@ -392,15 +404,15 @@ class DeepseekV4MtpProposer:
         if len(states) == 1:  # one sequence: the plain ensure (no batch bookkeeping)
             state, length, p = states[0], len(tables[0].blocks), positions[0]
             new = self.cache.ensure(tables[0], p, p + k - 1)
-            return [(state, length, new, _scalars(state))] if new else []
+            return [(state, length, new)] if new else []
         if not are_distinct:  # distinct states sharing a table: ensure_batch refuses them, as it always did
             self.cache.ensure_batch(tables, positions, [p + k - 1 for p in positions])
         records = self.cache.ensure_unheld(tables, positions, k, rows)
-        return [(states[i], length, new, _scalars(states[i])) for i, length, new in records]
+        return [(states[i], length, new) for i, length, new in records]
 
-    def _undo_ensure(self, state: MtpProposerState, length: int, new: list[int], scalars: tuple) -> None:
-        """Give back the blocks ensure added and the table's old length."""
-        blocks = state.table.blocks
+    def _undo_ensure(self, state: MtpProposerState, length: int, new: list[int]) -> None:
+        """Give back the blocks ensure added and the table's old length (the state's other fields untouched)."""
+        scalars, blocks = _scalars(state), state.table.blocks
         self.cache._release(state.table, [blocks.index(b) for b in new])  # each id is in one entry only
         del blocks[length:]
         restored = (len(blocks), [b for b in new if b in blocks], _scalars(state))

@@ -167,13 +167,17 @@ class ChainStaging:
             self._is_copy_pending = False
 
     def stage_after_rows(self, tokens: Sequence[int], hiddens: Hiddens, vocab_limit: int, masks: Masks = None,
-                         copy_in: bool = True) -> Mapping[str, torch.Tensor]:
+                         copy_in: bool = True, tokens_written: bool = False) -> Mapping[str, torch.Tensor]:
         """``stage`` of a batch whose metadata rows ``writer`` holds already (after ``wait_for_copy``).
 
         The tokens must be checked ints. A propose stages its rows in the loop that checks them
-        (:mod:`runtime.decode_pass`) and the rest here.
+        (:mod:`runtime.decode_pass`) and the rest here. ``tokens_written``: the compiled front
+        wrote them already, through :meth:`token_sink` (0 past the batch).
         """
-        self._write_tokens(tokens)
+        if tokens_written:
+            self._num_tokens = len(tokens)
+        else:
+            self._write_tokens(tokens)
         _LIMIT.pack_into(self._mem, self._limit_at, int(vocab_limit))
         self._write_masks(masks)
         if not copy_in and self._stage is not None:
@@ -216,6 +220,14 @@ class ChainStaging:
         torch.cuda.current_stream(tensor.device).synchronize()
         self._is_copy_pending = False  # the staging copy, queued before the run, is done too
         return rows
+
+    def token_sink(self) -> tuple[memoryview, int]:
+        """(host buffer bytes, byte offset of the int64 tokens) for the one other writer of tokens.
+
+        A propose's compiled front (:mod:`runtime.decode_pass`) writes the batch's tokens in the
+        call that stages its rows, and zeros past it, as :meth:`_write_tokens` does.
+        """
+        return self._mem, self._token_at
 
     def _write_tokens(self, tokens: Sequence[int]) -> None:
         n = len(tokens)

@@ -44,15 +44,15 @@ def fresh_pack(prop, states, positions, bucket: int = BUCKET) -> torch.Tensor:
 
 
 def count_passes(monkeypatch) -> list:
-    """Wrap the pass: each call appends 'pass' (it staged the batch) or 'general' (it gave up)."""
-    seen, inner = [], proposer_module.stage_usual_batch
+    """Wrap the front: each call appends 'pass' (it staged the batch), 'unheld' (rows needed blocks) or 'general'."""
+    seen, inner = [], proposer_module.stage_front
 
     def recorded(*args):
-        usual = inner(*args)
-        seen.append("general" if usual is None else ("unheld" if usual.unheld else "pass"))
-        return usual
+        front = inner(*args)
+        seen.append("general" if front is None else ("unheld" if front.unheld else "pass"))
+        return front
 
-    monkeypatch.setattr(proposer_module, "stage_usual_batch", recorded)
+    monkeypatch.setattr(proposer_module, "stage_front", recorded)
     return seen
 
 
@@ -83,8 +83,9 @@ def test_random_decode_steps_stage_the_bytes_of_a_fresh_pack(monkeypatch, loop):
     assert "general" not in seen
     if loop is not None:  # the compiled loops took every step themselves
         passes, rows = loop["decode_pass"].answers, loop["cache_rows"].answers
-        assert len(passes["stage_rows"]) == len(seen) and NotImplemented not in passes["stage_rows"]
-        assert passes["restage_rows"] == [[]] * seen.count("unheld")
+        fronts = passes["stage_batch"]  # (unheld, records, done): one call a step, all of it done there
+        assert len(fronts) == len(seen) and all(type(front) is tuple and front[2] for front in fronts)
+        assert not passes["stage_rows"] and not passes["restage_rows"]  # no pass or restage of their own
         assert len(rows["ensure_tables"]) == seen.count("unheld") and NotImplemented not in rows["ensure_tables"]
         assert len(rows["trim_tables"]) >= len(seen) and NotImplemented not in rows["trim_tables"]
         assert sum(bool(released) for released in rows["trim_tables"]) > 10  # windows that moved past a block

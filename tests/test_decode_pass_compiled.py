@@ -22,7 +22,7 @@ from proposer_fixtures import TINY, hidden, make_proposer
 import runtime.decode_pass as decode_pass
 from runtime import native_build
 from runtime.kv_cache import OWNED, BlockTable
-from runtime.kv_metadata import BLOCK_TABLE_OFFSET
+from runtime.kv_metadata import BLOCK_TABLE_OFFSET, pack_metadata
 from runtime.proposer_state import MtpProposerState
 
 BUCKET = 8
@@ -87,7 +87,10 @@ def spoil(rng: random.Random, prop, states, tokens, positions, i: int) -> str:
     elif kind == "foreign_state":
         states[i] = make_proposer(TINY).alloc_state()
     elif kind == "freed_state":
-        prop.free_state(state)
+        if isinstance(state.table, BlockTable):
+            prop.free_state(state)
+        else:  # a lookalike table spoiled before: the cache cannot give its blocks back
+            state.is_freed = True
     elif kind == "twin":
         states[i] = states[(i + 1) % len(states)]
     elif kind == "kv_start_negative":
@@ -318,3 +321,66 @@ def test_both_ensures_leave_the_same_pool_tables_and_rows(native, monkeypatch):
     ensured = recorders["cache_rows"].answers["ensure_tables"]
     deferred = sum(answer is NotImplemented for answer in ensured)
     assert deferred >= 5 and len(ensured) - deferred > 50, (deferred, len(ensured))
+
+
+def run_front(prop, staging, states, tokens, positions, k):
+    """One compiled front; returns (answer, bytes, records, pool): the unheld rows / None / the exception's type."""
+    try:
+        front = decode_pass.stage_front(staging, prop.cache, states, tokens, positions, k, prop.id, TINY.vocab_size)
+        answer = None if front is None else front.unheld
+    except Exception as exc:
+        answer = type(exc)
+    return answer, staging.host_buf.clone(), list(staging.writer.row_sink()[2]), list(prop.cache._free)
+
+
+def test_the_compiled_front_answers_as_the_pass_and_a_refusal_changes_nothing(monkeypatch):
+    """Spoiled batches through the compiled front (design note "compiled front") and through the
+    Python pass: the same answer; where the front refuses the batch (None or an error) the
+    staging buffer, its records and the pool are as they were, and where it takes a batch that
+    needed blocks, it mapped them (or left the ensure to the proposer) and wrote every row,
+    the padding and the tokens as a fresh stage does."""
+    rng, gen = random.Random(31), torch.Generator().manual_seed(31)
+    recorders = use_compiled(monkeypatch, True)
+    seen = {"taken": 0, "refused": 0, "ensured": 0}
+    for trial in range(150):
+        prop = make_proposer(TINY, buckets=(BUCKET,))
+        states = [prop.alloc_state() for _ in range(BUCKET)]
+        positions = [rng.randrange(0, 80) for _ in states]
+        prop.propose_batch(list(range(BUCKET)), [hidden(TINY, gen) for _ in states], positions, 2, states)
+        for state in states:
+            prop.after_verify(rng.randrange(0, 3), state)
+        n = rng.randrange(1, BUCKET + 1)
+        batch = states[:n]
+        positions = [s.seq_len + rng.choice([0, 0, 1, 20]) for s in batch]
+        tokens = [rng.randrange(TINY.vocab_size) for _ in batch]
+        kinds = [spoil(rng, prop, batch, tokens, positions, rng.randrange(n)) for _ in range(rng.choice([0, 1, 1, 2]))]
+        k = rng.choice([1, 2, 3])
+        staging = prop._staging_for(BUCKET)
+        start = (staging.host_buf.clone(), list(staging.writer.row_sink()[2]), list(prop.cache._free))
+        tables = copy.deepcopy([getattr(s, "table", None) for s in batch])
+        switch(monkeypatch, recorders, False)  # the Python pass's answer, then the buffer as it was
+        py_answer = run_pass(prop, staging, batch, tokens, positions, k)[0]
+        staging.host_buf.copy_(start[0])
+        staging.writer.row_sink()[2][:] = start[1]
+        switch(monkeypatch, recorders, True)
+        answer, after, records, free = run_front(prop, staging, batch, tokens, positions, k)
+        message = f"trial {trial}: spoiled {kinds}, k={k}"
+        assert answer == py_answer, message
+        if answer is None or isinstance(answer, type):
+            seen["refused"] += 1
+            assert torch.equal(after, start[0]) and records == start[1] and free == start[2], message
+            assert [(t.blocks, t.cache_id) if t is not None else None for t in tables] == [
+                (s.table.blocks, s.table.cache_id) if hasattr(s, "table") else None for s in batch], message
+            continue
+        seen["taken"] += 1
+        front = recorders["decode_pass"].answers["stage_batch"][-1]
+        if front is NotImplemented or not front[2]:
+            continue  # left to the proposer's general path, which the twin test compares
+        seen["ensured"] += bool(answer)
+        assert len(free) == len(start[2]) - sum(len(new) for _, _, new in front[1] or []), message
+        rows = [(p, s.kv_start if s.kv_start <= p <= s.seq_len else p, s.table) for s, p in zip(batch, positions)]
+        fresh = pack_metadata(rows + [None] * (BUCKET - n), prop.cache.max_blocks_per_seq,
+                              window=TINY.sliding_window)
+        assert torch.equal(staging.host["meta"].buf, fresh), message
+        assert staging.host["token"].tolist() == list(tokens) + [0] * (BUCKET - n), message
+    assert seen["refused"] > 30 and seen["taken"] > 30 and seen["ensured"] > 5, seen

@@ -72,8 +72,14 @@ def batch():
 
 def test_the_usual_step_allocates_nothing_and_stages_the_bytes_of_a_fresh_pack(batch):
     prop, states, hiddens, positions = batch
-    calls, inner = [], prop.cache.ensure_unheld
+    calls, inner, inner_sink = [], prop.cache.ensure_unheld, prop.cache.ensure_sink
     prop.cache.ensure_unheld = lambda *args: calls.append(inner(*args)) or calls[-1]
+
+    def recorded_sink():  # the compiled front's ensure (runtime.decode_pass), where it is built
+        lock, ensure, free = inner_sink()
+        return lock, ensure and (lambda *args: calls.append(ensure(*args)) or calls[-1]), free
+
+    prop.cache.ensure_sink = recorded_sink
     fast = 0
     for _ in range(20):  # crossing block boundaries: then the rows that cross get new blocks
         needy = [i for i, (p, s) in enumerate(zip(positions, states)) if (p + K - 1) // 16 >= len(s.table.blocks)]

@@ -197,23 +197,34 @@ def test_items_the_bulk_pass_leaves_to_the_single_checks_still_work(batch):
 # ---- ensure: only the rows that need blocks ---------------------------------------------------
 
 
-def recording_ensure_unheld(prop) -> list:
-    """Wrap ``cache.ensure_unheld``: each call appends (tables before, undo records, tables after)."""
-    calls, inner = [], prop.cache.ensure_unheld
+def recording_ensure_unheld(prop, states) -> list:
+    """Wrap the batch ensure: each call appends (the states' tables before, undo records, tables after).
 
-    def ensure_unheld(tables, firsts, num_positions, rows=None):
-        before = [list(t.blocks) for t in tables]
-        records = inner(tables, firsts, num_positions, rows)
-        calls.append((before, records, [list(t.blocks) for t in tables]))
-        return records
+    Both ways a propose ensures its unheld rows: ``cache.ensure_unheld``, and the compiled
+    front's ensure (``cache.ensure_sink``, runtime.decode_pass) where that is built.
+    """
+    calls, inner, inner_sink = [], prop.cache.ensure_unheld, prop.cache.ensure_sink
 
-    prop.cache.ensure_unheld = ensure_unheld
+    def recorded(ensure):
+        def call(*args):
+            before = [list(s.table.blocks) for s in states]
+            records = ensure(*args)
+            calls.append((before, records, [list(s.table.blocks) for s in states]))
+            return records
+        return call
+
+    def ensure_sink():
+        lock, ensure, free = inner_sink()
+        return lock, ensure and recorded(ensure), free
+
+    prop.cache.ensure_unheld = recorded(inner)
+    prop.cache.ensure_sink = ensure_sink
     return calls
 
 
 def test_only_the_rows_that_need_blocks_get_them(batch):
     prop, states, hiddens, positions = batch
-    calls = recording_ensure_unheld(prop)
+    calls = recording_ensure_unheld(prop, states)
     needy = [i for i, p in enumerate(positions) if (p + K - 1) // 16 >= len(states[i].table.blocks)]
     assert 0 < len(needy) < B  # the batch mixes both
     propose_with(prop, states, hiddens, positions)

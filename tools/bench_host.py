@@ -17,13 +17,16 @@ steps, as a serving batch's rows do; ``--rows lockstep`` starts them all at ``po
 - ``call``: the median of the whole ``propose`` / ``propose_batch`` call, launch and
   read-back included, and the median of
 - the phases of the host path, from a second, instrumented pass (wrappers add ~0.3 us each):
-  ``pass`` (:func:`runtime.decode_pass.stage_usual_batch`: the usual batch's checks, held test and
-  metadata rows in one loop), ``ensure`` (every ``cache.ensure`` / ``ensure_batch`` /
-  ``ensure_unheld``), ``rows`` (the general path's row staging, ``_stage_rows``: a batch the pass
-  gave up on), ``other`` (the rest before the stage: entry, hidden and mask checks, the general
-  path's checks, executor and staging lookup), ``stage`` (tokens, hiddens' addresses or copy, the
-  staging copy), ``run`` (the executor's ``run``: the replay launch on CUDA) and ``after``
-  (read-back and commit, from the end of ``run`` to the return).
+  ``pass`` (:func:`runtime.decode_pass.stage_front`: the usual batch's checks, held test and
+  metadata rows in one loop, and where compiled also the ensure of the rows that need blocks,
+  their rows, the padding and the tokens; ``stage_usual_batch`` on a tree before it), ``ensure``
+  (every ``cache.ensure`` / ``ensure_batch`` / ``ensure_unheld``: the ones outside the front),
+  ``rows`` (the general path's row staging, ``_stage_rows``: a batch the pass gave up on),
+  ``other`` (the rest before the stage: entry, hidden and mask checks, the general path's
+  checks, executor and staging lookup), ``stage`` (the tokens where the front did not write
+  them, the hiddens' addresses or copy, the staging copy), ``run`` (the executor's ``run``: the
+  replay launch on CUDA) and ``after`` (read-back and commit, from the end of ``run`` to the
+  return).
 
 The harness that isolates host work (``--device cpu``): the chain executor's ``run`` is
 replaced by a function that returns the outputs of one real run, so no graph executes and
@@ -156,7 +159,9 @@ class PhaseClock:
         self.marks: list[tuple[str, float]] = []
         self._wrapped: list[tuple[object, str, object]] = []  # (object, attribute, its own value or None)
         self._wrap(prop, "_propose", "propose")
-        self._wrap(proposer_module, "stage_usual_batch", "pass")
+        # The front (pass and ensure in one call) since 2026-12-04; the pass alone before.
+        self._wrap(proposer_module, "stage_front" if hasattr(proposer_module, "stage_front") else "stage_usual_batch",
+                   "pass")
         self._wrap(prop.cache, "ensure", "ensure")
         self._wrap(prop.cache, "ensure_batch", "ensure")
         self._wrap(prop.cache, "ensure_unheld", "ensure")
