@@ -23,6 +23,10 @@ from runtime.errors import CaptureError, InputError, describe
 from runtime.executor import EagerExecutor, run_if_flag_set
 from runtime.graph import Graph
 
+# The current device's index: what torch.cuda.current_device() answers once CUDA is initialised
+# (a launch needs it; the lazy-init check before it costs as much again).
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
 
 class CapturedExecutor:
     """Capture ``graph`` at ``batch`` once; ``run()`` replays it.
@@ -86,6 +90,8 @@ class CapturedExecutor:
         # shown that the graph draws no random numbers, then its exec handle through cuda-python.
         self._replayed, self._exec = False, None
         self._own_exec: raw_launch.NodePriorityExec | None = None
+        self._launch = None  # raw_launch.launcher of _exec, set with it
+        self._static_mapping: Mapping[str, torch.Tensor] | None = None  # the inputs a run found to be the buffers
 
     @property
     def arena(self) -> torch.Tensor:
@@ -150,13 +156,18 @@ class CapturedExecutor:
 
     def run(self, inputs: Mapping[str, torch.Tensor], check: bool = True) -> dict[str, torch.Tensor]:
         """Copy inputs into the static buffers (unless they are those buffers), replay, return outputs."""
+        # A propose's run: the staging's own buffers again, unchecked, untraced, launched directly.
+        if (inputs is self._static_mapping and not check and self._launch is not None and self.tracer is None
+                and raw_launch.is_enabled and _current_device() == self._device_index):
+            self._launch()
+            return self.outputs
         if self.is_released:
             raise CaptureError(f"{self.graph_ir.name} B={self.batch}: this captured graph was dropped (stale)")
         if check:
             self.eager.check_inputs(inputs)
         # A read-only mapping of the static buffers themselves (a ChainStaging's chain_inputs, handed
         # over on every propose) is checked once and remembered: later runs with it skip the loop.
-        if inputs is not self.__dict__.get("_static_mapping"):
+        if inputs is not self._static_mapping:
             is_static = True
             for name in self.graph_ir.inputs:
                 given, static = inputs[name], self.static_inputs[name]
@@ -179,8 +190,8 @@ class CapturedExecutor:
         """Launch the captured graph as ``run`` does, on the inputs already staged (what benchmarks time)."""
         if self.cuda_graph is None:
             raise CaptureError(f"{self.graph_ir.name} B={self.batch}: nothing captured to replay (run it first)")
-        if self._exec is not None and raw_launch.is_enabled and torch.cuda.current_device() == self._device_index:
-            raw_launch.launch(self._exec, self._device_index)
+        if self._launch is not None and raw_launch.is_enabled and _current_device() == self._device_index:
+            self._launch()
         elif not self._replayed:
             self._first_replay()
         else:
@@ -199,11 +210,12 @@ class CapturedExecutor:
             if raw_launch.draws_no_random_numbers(self.cuda_graph, index):
                 self._own_exec = raw_launch.node_priority_exec(self.cuda_graph)
                 self._exec = self._own_exec.handle if self._own_exec is not None else handle
+                self._launch = raw_launch.launcher(self._exec, index) if self._exec is not None else None
         else:
             self.cuda_graph.replay()
 
     def _drop_exec(self) -> None:
-        self._replayed, self._exec = False, None
+        self._replayed, self._exec, self._launch = False, None, None
         if self._own_exec is not None:
             self._own_exec.close()
             self._own_exec = None

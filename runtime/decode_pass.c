@@ -418,8 +418,17 @@ static PyObject *ensure_unheld(const struct batch_args *a, PyObject *ensure, PyO
     return records;
 }
 
-/* stage_batch(<stage_rows' 20 arguments>, restage_serial, ensure, free, saved, saved_written,
-               token_mem, token_at) -> (unheld, records, done) | None | NotImplemented
+/* The context of stage_batch: what is the same at every propose of one staging buffer and cache. */
+enum { CTX_STATE_TYPE, CTX_MEM, CTX_ROW_BYTES, CTX_WRITTEN, CTX_BLOCK_STATES, CTX_BLOCK_SIZE, CTX_CACHE_ID,
+       CTX_MAX_SEQ_LEN, CTX_WINDOW, CTX_MAX_BLOCKS, CTX_TABLE_OFFSET, CTX_OWNED, CTX_TABLE_TYPE, CTX_ENSURE,
+       CTX_FREE, CTX_SAVED, CTX_SAVED_WRITTEN, CTX_TOKEN_MEM, CTX_TOKEN_AT, NUM_CTX };
+
+/* stage_batch(states, tokens, positions, num_drafts, owner, vocab, serial, restage_serial, context)
+       -> (unheld, records, done) | None | NotImplemented
+
+   context: (state_type, mem, row_bytes, written, block_states, block_size, cache_id, max_seq_len,
+   window, max_blocks, table_offset, owned, table_type, ensure, free, saved, saved_written,
+   token_mem, token_at), made once per staging buffer and cache (runtime/decode_pass.py).
 
    A propose's front in one call (design note "compiled front" in runtime/decode_pass.py):
    1. saves every row's scalars (24 bytes a row into saved) and records (into saved_written),
@@ -432,10 +441,11 @@ static PyObject *ensure_unheld(const struct batch_args *a, PyObject *ensure, PyO
    4. done: every row is staged, the rows past the batch are padding and the tokens are in
       token_mem at token_at (int64, 0 past the batch). Not done: the caller does the rest of
       3 and 4, as it would without this call. */
-static PyObject *stage_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *stage_batch(PyObject *module, PyObject *const *call_args, Py_ssize_t nargs)
 {
     struct batch_args a;
     Py_buffer view, saved_view, token_view;
+    PyObject *args[NUM_ARGS], *const *ctx;
     PyObject **states, **tokens, **positions, *unheld, *restage_serial, *ensure, *free_list, *saved_written;
     PyObject *records = Py_None, *restaged = NULL, *result = NULL;
     Py_ssize_t num_states, num_tokens, num_positions, n, i, bucket;
@@ -443,25 +453,33 @@ static PyObject *stage_batch(PyObject *module, PyObject *const *args, Py_ssize_t
     enum outcome outcome;
     int done = 0;
     (void)module;
-    if (nargs != NUM_ARGS + 7) {
-        PyErr_Format(PyExc_TypeError, "stage_batch takes %d arguments, got %zd", NUM_ARGS + 7, nargs);
+    if (nargs != 9 || !PyTuple_CheckExact(call_args[8]) || PyTuple_GET_SIZE(call_args[8]) != NUM_CTX) {
+        PyErr_Format(PyExc_TypeError, "stage_batch takes 9 arguments, the last a tuple of %d", NUM_CTX);
         return NULL;
     }
-    restage_serial = args[NUM_ARGS], ensure = args[NUM_ARGS + 1], free_list = args[NUM_ARGS + 2];
-    saved_written = args[NUM_ARGS + 4];
+    ctx = ((PyTupleObject *)call_args[8])->ob_item;
+    /* stage_rows' arguments, in its order */
+    for (i = 0; i < 7; i++)
+        args[i] = call_args[i];
+    args[7] = ctx[CTX_STATE_TYPE], args[8] = ctx[CTX_MEM], args[9] = ctx[CTX_ROW_BYTES], args[10] = ctx[CTX_WRITTEN];
+    args[11] = ctx[CTX_BLOCK_STATES], args[12] = ctx[CTX_BLOCK_SIZE], args[13] = ctx[CTX_CACHE_ID];
+    args[14] = ctx[CTX_MAX_SEQ_LEN], args[15] = ctx[CTX_WINDOW], args[16] = ctx[CTX_MAX_BLOCKS];
+    args[17] = ctx[CTX_TABLE_OFFSET], args[18] = ctx[CTX_OWNED], args[19] = ctx[CTX_TABLE_TYPE];
+    restage_serial = call_args[7], ensure = ctx[CTX_ENSURE], free_list = ctx[CTX_FREE];
+    saved_written = ctx[CTX_SAVED_WRITTEN];
     /* What the save needs is the writer's own: a wrong one is a caller's bug, not a batch to defer. */
     if (!PyList_CheckExact(args[10]) || !PyList_CheckExact(saved_written) || !exact_ll(args[9], &a.row_bytes)
-        || a.row_bytes < 24 || !exact_ll(args[NUM_ARGS + 6], &token_at) || token_at < 0) {
+        || a.row_bytes < 24 || !exact_ll(ctx[CTX_TOKEN_AT], &token_at) || token_at < 0) {
         PyErr_SetString(PyExc_TypeError, "stage_batch: written and saved_written must be lists, row_bytes >= 24");
         return NULL;
     }
     if (PyObject_GetBuffer(args[8], &view, PyBUF_WRITABLE) < 0)
         return NULL;
-    if (PyObject_GetBuffer(args[NUM_ARGS + 3], &saved_view, PyBUF_WRITABLE) < 0) {
+    if (PyObject_GetBuffer(ctx[CTX_SAVED], &saved_view, PyBUF_WRITABLE) < 0) {
         PyBuffer_Release(&view);
         return NULL;
     }
-    if (PyObject_GetBuffer(args[NUM_ARGS + 5], &token_view, PyBUF_WRITABLE) < 0) {
+    if (PyObject_GetBuffer(ctx[CTX_TOKEN_MEM], &token_view, PyBUF_WRITABLE) < 0) {
         PyBuffer_Release(&view), PyBuffer_Release(&saved_view);
         return NULL;
     }
@@ -551,11 +569,92 @@ release:
     return result;
 }
 
+/* commit_rows(states, positions, drafted, num_drafts, state_type) -> (short_rows, tables) | NotImplemented
+
+   What a propose writes back into its states once the drafts are read (runtime/proposer.py,
+   design note "compiled front" in runtime/decode_pass.py), as its Python loop does, row by row:
+   kv_start kept when p continues the rows (kv_start <= p <= seq_len) else p, seq_len = p + the
+   row's drafts, last_num_drafted = them. Answers the rows that drafted fewer than num_drafts
+   (the caller gives their spare blocks back) and the states' tables (for the trim). Every row
+   is read first: anything that is not a state of state_type with slotted exact-int fields and a
+   list of drafts is NotImplemented, with no state changed. */
+static PyObject *commit_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject **states, **positions, **drafted, *state_type, *short_rows = NULL, *tables = NULL, *values[3];
+    Py_ssize_t n, num_positions, num_drafted, i, k;
+    long long num_drafts, p, kv_start, seq_len;
+    (void)module;
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "commit_rows takes 5 arguments, got %zd", nargs);
+        return NULL;
+    }
+    state_type = args[4];
+    if (!sequence_items(args[0], &states, &n) || !sequence_items(args[1], &positions, &num_positions)
+        || !sequence_items(args[2], &drafted, &num_drafted) || num_positions != n || num_drafted != n
+        || !exact_ll(args[3], &num_drafts) || !PyType_Check(state_type))
+        Py_RETURN_NOTIMPLEMENTED;
+    if (!find_offsets((PyTypeObject *)state_type, state_attrs, NUM_STATE_ATTRS, 0))
+        return NULL;
+    for (k = 0; k < NUM_STATE_ATTRS; k++)
+        if (state_attrs[k].offset < 0)
+            Py_RETURN_NOTIMPLEMENTED;
+    for (i = 0; i < n; i++) { /* 1. read every row; nothing changes */
+        PyObject *state = states[i], *table;
+        if (Py_TYPE(state) != (PyTypeObject *)state_type || !PyList_CheckExact(drafted[i])
+            || !exact_ll(positions[i], &p) || SLOT(state, state_attrs, KV_START) == NULL
+            || SLOT(state, state_attrs, SEQ_LEN) == NULL || !exact_ll(SLOT(state, state_attrs, KV_START), &kv_start)
+            || !exact_ll(SLOT(state, state_attrs, SEQ_LEN), &seq_len))
+            Py_RETURN_NOTIMPLEMENTED;
+        table = SLOT(state, state_attrs, TABLE);
+        if (table == NULL || p + PyList_GET_SIZE(drafted[i]) < p)
+            Py_RETURN_NOTIMPLEMENTED;
+    }
+    short_rows = PyList_New(0);
+    tables = PyList_New(n);
+    if (short_rows == NULL || tables == NULL)
+        goto failed;
+    for (i = 0; i < n; i++) { /* 2. write; only memory can fail here */
+        PyObject *state = states[i], *table = SLOT(state, state_attrs, TABLE);
+        Py_ssize_t count = PyList_GET_SIZE(drafted[i]);
+        exact_ll(positions[i], &p);
+        exact_ll(SLOT(state, state_attrs, KV_START), &kv_start);
+        exact_ll(SLOT(state, state_attrs, SEQ_LEN), &seq_len);
+        Py_INCREF(table);
+        PyList_SET_ITEM(tables, i, table);
+        values[0] = kv_start <= p && p <= seq_len ? NULL : PyLong_FromLongLong(p);
+        values[1] = PyLong_FromLongLong(p + count);
+        values[2] = PyLong_FromSsize_t(count);
+        if ((values[0] == NULL && !(kv_start <= p && p <= seq_len)) || values[1] == NULL || values[2] == NULL) {
+            Py_XDECREF(values[0]), Py_XDECREF(values[1]), Py_XDECREF(values[2]);
+            goto failed; /* rows before i are committed, as the Python loop leaves them on an error */
+        }
+        if (values[0] != NULL)
+            Py_XSETREF(SLOT(state, state_attrs, KV_START), values[0]);
+        Py_XSETREF(SLOT(state, state_attrs, SEQ_LEN), values[1]);
+        Py_XSETREF(SLOT(state, state_attrs, LAST_NUM_DRAFTED), values[2]);
+        if (count < num_drafts) {
+            PyObject *row = PyLong_FromSsize_t(i);
+            if (row == NULL || PyList_Append(short_rows, row) < 0) {
+                Py_XDECREF(row);
+                goto failed;
+            }
+            Py_DECREF(row);
+        }
+    }
+    return Py_BuildValue("(NN)", short_rows, tables);
+failed:
+    Py_XDECREF(short_rows);
+    Py_XDECREF(tables);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"stage_rows", (PyCFunction)(void (*)(void))stage_rows, METH_FASTCALL,
      "The one pass's loop (runtime.decode_pass): a list of unheld rows, None, or NotImplemented."},
     {"stage_batch", (PyCFunction)(void (*)(void))stage_batch, METH_FASTCALL,
      "A propose's front (runtime.decode_pass): save, pass, ensure, restage, padding and tokens."},
+    {"commit_rows", (PyCFunction)(void (*)(void))commit_rows, METH_FASTCALL,
+     "What a propose writes back into its states: the rows that drafted fewer, and the tables."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -44,7 +44,10 @@ writes the padding and the tokens. It answers as the pass does (None, NotImpleme
 to Python) it says with ``done`` False, and the proposer does that part as it did after the
 pass. The proposer checks the hiddens and the mask before the front, so that a batch refused
 for them has mapped no block; its error is still the first kind's (states, tokens, positions,
-then hiddens).
+then hiddens). The stage_batch context (the writer's, staging's and cache's buffers and
+constants) is made once per staging buffer (``_front_context``). After the read-back, the
+drafts go back into the states in one call too (``commit_rows``), and the launch between is
+one C call (design note "compiled launch" in :mod:`runtime.raw_launch`).
 """
 
 from __future__ import annotations
@@ -140,17 +143,11 @@ def stage_front(staging, cache: PagedLatentCache, states: Sequence, tokens: Sequ
     if native is None or writer.window is None:
         usual = stage_usual_batch(writer, cache, states, tokens, positions, num_drafts, owner, vocab)
         return None if usual is None else StagedFront(usual.unheld, None, False)
-    mem, row_bytes, written = writer.row_sink()
-    saved, saved_written = writer.save_sink()
-    token_mem, token_at = staging.token_sink()
-    lock, ensure, free = cache.ensure_sink()
+    lock, context = _front_context(staging, cache, native)
     try:
         with lock:
-            front = native.stage_batch(
-                states, tokens, positions, num_drafts, owner, vocab, next(_passes), MtpProposerState, mem, row_bytes,
-                written, cache.block_states, cache.block_size, cache.cache_id, cache.max_seq_len, writer.window,
-                writer.max_blocks, BLOCK_TABLE_OFFSET, OWNED, BlockTable, next(_passes), ensure, free, saved,
-                saved_written, token_mem, token_at)
+            front = native.stage_batch(states, tokens, positions, num_drafts, owner, vocab, next(_passes),
+                                       next(_passes), context)
     except BaseException:
         writer.reset()  # not expected (a MemoryError before any block was mapped): the records must stay true
         raise
@@ -162,6 +159,51 @@ def stage_front(staging, cache: PagedLatentCache, states: Sequence, tokens: Sequ
         usual = stage_usual_batch(writer, cache, states, tokens, positions, num_drafts, owner, vocab)
         return None if usual is None else StagedFront(usual.unheld, None, False)
     return StagedFront(*front)
+
+
+def commit_rows(states: Sequence, positions: Sequence, drafted: Sequence[list[int]],
+                num_drafts: int) -> tuple[list[int], list[BlockTable]]:
+    """Write a propose's drafts back into its states; (the rows that drafted fewer than
+    ``num_drafts``, the states' tables).
+
+    Per row: ``kv_start`` kept when ``p`` continues the rows, else ``p`` (:func:`kv_start_after`);
+    ``seq_len = p + drafts``; ``last_num_drafted = drafts``. In C where it is built (after
+    the read-back every microsecond is on the decode loop's critical path), else this loop.
+    """
+    native = native_loop()
+    if native is not None:
+        answer = native.commit_rows(states, positions, drafted, num_drafts, MtpProposerState)
+        if answer is not NotImplemented:
+            return answer
+    short = []
+    for i, (state, p, row) in enumerate(zip(states, positions, drafted)):  # kv_start_after, inline
+        kv_start, num_drafted = state.kv_start, len(row)
+        state.kv_start = kv_start if kv_start <= p <= state.seq_len else p
+        state.seq_len, state.last_num_drafted = p + num_drafted, num_drafted
+        if num_drafted < num_drafts:
+            short.append(i)
+    return short, [state.table for state in states]
+
+
+def _front_context(staging, cache: PagedLatentCache, native) -> tuple:
+    """(the cache's lock, stage_batch's context): made once per staging buffer, cache and built modules.
+
+    Everything in it is the same object at every propose (the writer keeps its record list, the
+    cache its free list and block states): ~20 attribute reads and calls a propose saves.
+    """
+    lock, ensure, free = cache.ensure_sink()
+    kept = staging.__dict__.get("_front_context")
+    if kept is not None and kept[0] is cache and kept[1] is native and kept[2] is ensure:
+        return kept[3], kept[4]
+    writer = staging.writer
+    mem, row_bytes, written = writer.row_sink()
+    saved, saved_written = writer.save_sink()
+    token_mem, token_at = staging.token_sink()
+    context = (MtpProposerState, mem, row_bytes, written, cache.block_states, cache.block_size, cache.cache_id,
+               cache.max_seq_len, writer.window, writer.max_blocks, BLOCK_TABLE_OFFSET, OWNED, BlockTable, ensure,
+               free, saved, saved_written, token_mem, token_at)
+    staging.__dict__["_front_context"] = (cache, native, ensure, lock, context)
+    return lock, context
 
 
 def native_loop():

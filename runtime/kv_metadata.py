@@ -230,7 +230,7 @@ class MetadataWriter:
         words[:, BLOCK_TABLE_OFFSET // 4 :] = -1
         words[:, SLOT_OFFSET // 4 : SLOT_OFFSET // 4 + 2] = -1  # slot (int64) -1
         words[:, KV_START_OFFSET // 4] = 1
-        self._tables = [_DEAD_TABLE] * self.batch
+        self._tables[:] = [_DEAD_TABLE] * self.batch  # the same list: the compiled front keeps it
 
     def write(self, rows: Sequence[CheckedRow | None]) -> None:
         """Rows from :func:`check_rows`; rows past ``len(rows)`` become padding."""

@@ -22,11 +22,11 @@ struct attr {
     Py_ssize_t offset; /* -1: by name */
 };
 
-enum { OWNER, IS_FREED, MAX_POSITIONS, TABLE, KV_START, SEQ_LEN, NUM_STATE_ATTRS };
+enum { OWNER, IS_FREED, MAX_POSITIONS, TABLE, KV_START, SEQ_LEN, LAST_NUM_DRAFTED, NUM_STATE_ATTRS };
 enum { PASS_MARK, BLOCKS, BLOCK_SIZE, CACHE_ID, NUM_TRIMMED, NUM_TABLE_ATTRS };
 static struct attr state_attrs[NUM_STATE_ATTRS] = {
     {"owner", NULL, -1}, {"is_freed", NULL, -1}, {"max_positions", NULL, -1},
-    {"table", NULL, -1}, {"kv_start", NULL, -1}, {"seq_len", NULL, -1},
+    {"table", NULL, -1}, {"kv_start", NULL, -1}, {"seq_len", NULL, -1}, {"last_num_drafted", NULL, -1},
 };
 static struct attr table_attrs[NUM_TABLE_ATTRS] = {
     {"pass_mark", NULL, -1}, {"blocks", NULL, -1}, {"block_size", NULL, -1}, {"cache_id", NULL, -1},

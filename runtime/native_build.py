@@ -27,6 +27,7 @@ from types import ModuleType
 _loaded: dict[str, ModuleType | None] = {}
 _why_not: dict[str, str] = {}
 FLAGS = ("-O2", "-shared", "-fPIC", "-Wall", "-Werror=implicit-function-declaration")
+LIBS = {"graph_launch": ("-ldl",)}  # dlopen: in libc from glibc 2.34, in libdl before
 
 
 def is_enabled() -> bool:
@@ -54,8 +55,9 @@ def _compiler() -> list[str]:
 def load(name: str) -> ModuleType | None:
     """The extension built from ``runtime/<name>.c`` (module ``<name>_native``), or None (see :func:`why_not`).
 
-    The modules: ``decode_pass`` (the one pass and the restage of ensured rows) and
-    ``cache_rows`` (the ensure and the trim of the cache's tables).
+    The modules: ``decode_pass`` (the one pass, the restage of ensured rows, a propose's
+    front), ``cache_rows`` (the ensure and the trim of the cache's tables) and ``graph_launch``
+    (a captured graph's launch through the driver).
     """
     if name not in _loaded:
         _loaded[name] = None
@@ -82,7 +84,8 @@ def _build_and_import(name: str) -> ModuleType:
     if not os.path.exists(os.path.join(include, "Python.h")):
         raise ImportError(f"no Python.h under {include} (install the Python development headers)")
     compiler = _compiler()
-    key = hashlib.sha256(text + repr((compiler, FLAGS, sys.version, include)).encode()).hexdigest()[:16]
+    libs = LIBS.get(name, ())
+    key = hashlib.sha256(text + repr((compiler, FLAGS, libs, sys.version, include)).encode()).hexdigest()[:16]
     module_name = f"{name}_native"
     target = cache_dir() / f"{module_name}-{key}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
     if not target.exists():
@@ -90,8 +93,8 @@ def _build_and_import(name: str) -> ModuleType:
         fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
         os.close(fd)
         try:
-            done = subprocess.run([*compiler, *FLAGS, f"-I{include}", f"-I{source.parent}", str(source), "-o", partial],
-                                  capture_output=True, text=True, timeout=120)
+            command = [*compiler, *FLAGS, f"-I{include}", f"-I{source.parent}", str(source), "-o", partial, *libs]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 raise ImportError(f"{' '.join(compiler)} failed on {source.name}: {done.stderr}")
             os.replace(partial, target)

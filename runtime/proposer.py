@@ -37,7 +37,7 @@ from graphs.v4_block import CacheGeometry, block_interface
 from ops.draft_gate import CUT
 from ops.kernels import check_kernels
 from runtime.config import V4Config
-from runtime.decode_pass import kv_start_after, stage_ensured_rows, stage_front
+from runtime.decode_pass import commit_rows, kv_start_after, stage_ensured_rows, stage_front
 from runtime.draft_binding import DraftBinding, prepare_weights
 from runtime.errors import InputError, describe
 from runtime.executor import EagerExecutor, concrete_device
@@ -308,13 +308,10 @@ class DeepseekV4MtpProposer:
         drafted = drafts.tolist()
         if is_gated(self.options.draft_conf_tau, k):  # a cut draft is -1, and so are all after it
             drafted = [row[: row.index(CUT)] if CUT in row else row for row in drafted]
-        for state, p, row in zip(states, positions, drafted):  # kv_start_after, inline: B rows every propose
-            kv_start, num_drafted = state.kv_start, len(row)
-            state.kv_start = kv_start if kv_start <= p <= state.seq_len else p
-            state.seq_len, state.last_num_drafted = p + num_drafted, num_drafted
-            if num_drafted < k:  # the blocks ensured for the drafts the chain did not make go back
-                self.cache.truncate(state.table, state.seq_len)
-        self.cache.trim_batch(tables if tables is not None else [state.table for state in states], positions)
+        short, committed = commit_rows(states, positions, drafted, k)
+        for i in short:  # the blocks ensured for the drafts the chain did not make go back
+            self.cache.truncate(states[i].table, states[i].seq_len)
+        self.cache.trim_batch(tables if tables is not None else committed, positions)
         if self.options.draft_conf_tau > 0:
             self._last_confidence = self._chain_confidence(outputs["probs"][:n], [len(row) for row in drafted])
         else:

@@ -9,6 +9,14 @@ launch alone is the whole replay. :class:`runtime.captured.CapturedExecutor` tak
 only after its first replay (through torch) left the device's default generator where it
 was, so a graph that did consume random numbers keeps torch's replay.
 
+Design note "compiled launch": cuda-python's ``cudaGraphLaunch`` took 4.6 us a launch on the
+H200 host where the driver's ``cuGraphLaunch`` called through ctypes took 4.1 (its ctypes call
+~0.5 of that; ``benchmarks/h200/launch_paths_fe478a8.txt``), and the Python around it (the device
+check, the stream, the result's enum compare) as much again. :func:`launcher` makes a propose's
+launch one closure: ``graph_launch.c``'s ``launch`` (``cuGraphLaunch`` by ``dlsym``, built by
+:mod:`runtime.native_build`) where it is built and finds libcuda, else this module's
+:func:`launch`.
+
 It launches an exec handle of its own (:class:`NodePriorityExec`), instantiated with
 ``cudaGraphInstantiateFlagUseNodePriority``: kernel nodes keep the priority of the stream they
 were captured on (:mod:`ops.overlap`'s urgent lane), where torch's exec runs every node at the
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from runtime import native_build
 from runtime.raw_copy import _cudart, _raw_stream
 
 is_enabled = _cudart is not None and _raw_stream is not None  # a switch for benchmarks and tests
@@ -93,3 +102,22 @@ def launch(handle, device_index: int) -> None:
     (err,) = _cudart.cudaGraphLaunch(handle, _raw_stream(device_index))
     if err != _cudart.cudaError_t.cudaSuccess:
         raise RawLaunchError(f"cudaGraphLaunch failed: {err.name}")
+
+
+def launcher(handle, device_index: int):
+    """A zero-argument launch of ``handle`` on the current stream of ``device_index`` (design note "compiled launch").
+
+    Through ``graph_launch.c`` where it is built and libcuda is found; else :func:`launch`.
+    The caller checks that ``device_index`` is the current device, as for :func:`launch`.
+    """
+    native = native_build.load("graph_launch")
+    if native is None or not native.is_available():
+        return lambda: launch(handle, device_index)
+    address, launch_c, stream = int(handle), native.launch, _raw_stream
+
+    def launch_compiled() -> None:
+        err = launch_c(address, stream(device_index))
+        if err:
+            raise RawLaunchError(f"cuGraphLaunch failed: {native.error_name(err) or err}")
+
+    return launch_compiled

@@ -384,3 +384,41 @@ def test_the_compiled_front_answers_as_the_pass_and_a_refusal_changes_nothing(mo
         assert torch.equal(staging.host["meta"].buf, fresh), message
         assert staging.host["token"].tolist() == list(tokens) + [0] * (BUCKET - n), message
     assert seen["refused"] > 30 and seen["taken"] > 30 and seen["ensured"] > 5, seen
+
+
+def test_both_commits_write_the_same_states(native, monkeypatch):
+    """commit_rows compiled and in Python: the same answer and states, from states, positions and
+    draft rows of odd types too (which the compiled loop leaves to Python, changing nothing)."""
+    rng = random.Random(41)
+    seen = set()
+    for trial in range(300):
+        n, k = rng.randrange(1, 9), rng.randrange(1, 4)
+        base = [MtpProposerState(seq_len=rng.randrange(0, 50), kv_start=rng.randrange(0, 50),
+                                 last_num_drafted=rng.randrange(0, 4)) for _ in range(n)]
+        positions = [rng.randrange(0, 60) for _ in range(n)]
+        drafted = [[7] * rng.randrange(0, k + 1) for _ in range(n)]
+        kind = rng.choice(["plain"] * 4 + ["numpy_position", "tuple_row", "subclass", "tuple_batch", "short"])
+        i = rng.randrange(n)
+        if kind == "numpy_position":
+            positions[i] = np.int64(positions[i])
+        elif kind == "tuple_row":
+            drafted[i] = tuple(drafted[i])
+        elif kind == "subclass":
+            base[i] = TrackedState(seq_len=base[i].seq_len, kv_start=base[i].kv_start)
+        elif kind == "tuple_batch":
+            positions = tuple(positions)
+        elif kind == "short":
+            drafted = drafted[:-1]
+        seen.add(kind)
+        results = []
+        for loop in (native, None):
+            monkeypatch.setitem(native_build._loaded, "decode_pass", loop)
+            states = copy.deepcopy(base)
+            try:
+                short, tables = decode_pass.commit_rows(states, positions, drafted, k)
+                answer = (short, [t is s.table for t, s in zip(tables, states)])
+            except Exception as exc:
+                answer = type(exc)
+            results.append((answer, [(s.seq_len, s.kv_start, s.last_num_drafted) for s in states]))
+        assert results[0] == results[1], f"trial {trial}: {kind}"
+    assert len(seen) == 6, seen

@@ -45,16 +45,41 @@ def test_a_raw_launch_replays_the_graph_on_the_current_stream():
     assert bool((out == 11.0).all())
 
 
+def test_the_compiled_launcher_replays_the_graph_on_the_current_stream():
+    """graph_launch.c's cuGraphLaunch (design note "compiled launch"), queued as cuda-python's."""
+    from runtime import native_build
+
+    native = native_build.load("graph_launch")
+    assert native is not None and native.is_available(), native_build.why_not("graph_launch")
+    plain, out = captured(lambda t: t.add_(1.0))
+    launch = raw_launch.launcher(raw_launch.exec_handle(plain), torch.cuda.current_device())
+    assert launch.__name__ == "launch_compiled"
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(5_000_000)
+        out.fill_(10.0)
+        launch()
+        launch()
+    side.synchronize()
+    assert bool((out == 12.0).all())
+
+
 @pytest.fixture
 def launches(monkeypatch):
+    """Each launch of an executor's launcher (compiled or cuda-python) appends the device index."""
     calls = []
-    real = raw_launch.launch
+    real = raw_launch.launcher
 
-    def counting(handle, index):
-        calls.append(index)
-        real(handle, index)
+    def counting_launcher(handle, index):
+        launch = real(handle, index)
 
-    monkeypatch.setattr(raw_launch, "launch", counting)
+        def counting():
+            calls.append(index)
+            launch()
+
+        return counting
+
+    monkeypatch.setattr(raw_launch, "launcher", counting_launcher)
     return calls
 
 
