@@ -1,4 +1,4 @@
-"""Host time of one graph launch, four ways, on a captured small-config chain (B=32, K=3).
+"""Host time of one graph launch, several ways, on a captured small-config chain (B=32, K=3).
 
     python benchmarks/h200/scripts/launch_paths.py
 
@@ -48,6 +48,7 @@ def main() -> None:
         "raw_launch (cuda-python cudaGraphLaunch)": lambda: raw_launch.launch(exec_handle, index),
         "cuda-python driver cuGraphLaunch": lambda: driver.cuGraphLaunch(driver_exec, raw_stream(index)),
         "ctypes libcuda cuGraphLaunch": lambda: launch_c(exec_ptr, raw_stream(index)),
+        "raw_launch.launcher (graph_launch.c where built)": raw_launch.launcher(exec_handle, index),
         "torch CUDAGraph.replay()": executor.cuda_graph.replay,
         "executor.replay() (as a propose)": executor.replay,
     }
