@@ -138,6 +138,23 @@ def spoil(rng: random.Random, prop, states, tokens, positions, i: int) -> str:
     return kind
 
 
+def spoiled_batch(rng: random.Random, gen: torch.Generator) -> tuple:
+    """(proposer, batch, tokens, positions, spoils): a fresh proposer's states after one propose,
+    the first n of them at their next positions (or past them), with 0-2 rows spoiled."""
+    prop = make_proposer(TINY, buckets=(BUCKET,))
+    states = [prop.alloc_state() for _ in range(BUCKET)]
+    positions = [rng.randrange(0, 80) for _ in states]
+    prop.propose_batch(list(range(BUCKET)), [hidden(TINY, gen) for _ in states], positions, 2, states)
+    for state in states:
+        prop.after_verify(rng.randrange(0, 3), state)
+    n = rng.randrange(1, BUCKET + 1)
+    batch = states[:n]
+    positions = [s.seq_len + rng.choice([0, 0, 1, 20]) for s in batch]
+    tokens = [rng.randrange(TINY.vocab_size) for _ in batch]
+    kinds = [spoil(rng, prop, batch, tokens, positions, rng.randrange(n)) for _ in range(rng.choice([0, 1, 1, 2]))]
+    return prop, batch, tokens, positions, kinds
+
+
 def run_pass(prop, staging, states, tokens, positions, k):
     """One pass; returns (answer, bytes, records): the unheld rows / None / the exception's type."""
     try:
@@ -153,18 +170,7 @@ def test_both_loops_decide_alike_on_spoiled_batches(native, monkeypatch):
     rng, gen = random.Random(11), torch.Generator().manual_seed(11)
     seen = {"pass": 0, "none": 0, "raised": 0}
     for trial in range(150):
-        prop = make_proposer(TINY, buckets=(BUCKET,))
-        states = [prop.alloc_state() for _ in range(BUCKET)]
-        positions = [rng.randrange(0, 80) for _ in states]
-        hiddens = [hidden(TINY, gen) for _ in states]
-        prop.propose_batch(list(range(BUCKET)), hiddens, positions, 2, states)
-        for state in states:
-            prop.after_verify(rng.randrange(0, 3), state)
-        n = rng.randrange(1, BUCKET + 1)
-        batch = states[:n]
-        positions = [s.seq_len + rng.choice([0, 0, 1, 20]) for s in batch]
-        tokens = [rng.randrange(TINY.vocab_size) for _ in batch]
-        kinds = [spoil(rng, prop, batch, tokens, positions, rng.randrange(n)) for _ in range(rng.choice([0, 1, 1, 2]))]
+        prop, batch, tokens, positions, kinds = spoiled_batch(rng, gen)
         shape = rng.choice(["list", "list", "tuple", "iterator"])
         if shape == "tuple":
             batch, tokens = tuple(batch), tuple(tokens)
@@ -343,17 +349,8 @@ def test_the_compiled_front_answers_as_the_pass_and_a_refusal_changes_nothing(mo
     recorders = use_compiled(monkeypatch, True)
     seen = {"taken": 0, "refused": 0, "ensured": 0}
     for trial in range(150):
-        prop = make_proposer(TINY, buckets=(BUCKET,))
-        states = [prop.alloc_state() for _ in range(BUCKET)]
-        positions = [rng.randrange(0, 80) for _ in states]
-        prop.propose_batch(list(range(BUCKET)), [hidden(TINY, gen) for _ in states], positions, 2, states)
-        for state in states:
-            prop.after_verify(rng.randrange(0, 3), state)
-        n = rng.randrange(1, BUCKET + 1)
-        batch = states[:n]
-        positions = [s.seq_len + rng.choice([0, 0, 1, 20]) for s in batch]
-        tokens = [rng.randrange(TINY.vocab_size) for _ in batch]
-        kinds = [spoil(rng, prop, batch, tokens, positions, rng.randrange(n)) for _ in range(rng.choice([0, 1, 1, 2]))]
+        prop, batch, tokens, positions, kinds = spoiled_batch(rng, gen)
+        n = len(batch)
         k = rng.choice([1, 2, 3])
         staging = prop._staging_for(BUCKET)
         start = (staging.host_buf.clone(), list(staging.writer.row_sink()[2]), list(prop.cache._free))
