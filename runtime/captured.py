@@ -87,7 +87,8 @@ class CapturedExecutor:
         self.is_released = False
         self._device_index = device.index if device.index is not None else torch.cuda.current_device()
         # How a replay launches (runtime/raw_launch.py): through torch until the first replay has
-        # shown that the graph draws no random numbers, then its exec handle through cuda-python.
+        # shown that the graph draws no random numbers, then its exec handle through _launch
+        # (raw_launch.launcher: graph_launch.c's cuGraphLaunch where built, else cuda-python).
         self._replayed, self._exec = False, None
         self._own_exec: raw_launch.NodePriorityExec | None = None
         self._launch = None  # raw_launch.launcher of _exec, set with it
