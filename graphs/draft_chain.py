@@ -22,12 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from graphs.v4_block import CacheGeometry, block_interface, build_block
-from runtime.builder import GraphBuilder
-from runtime.config import V4Config
-from runtime.graph import Graph, Value
-from runtime.tensor_spec import B, TensorSpec
+from draftgraph.graphs.v4_block import CacheGeometry, block_interface, build_block
+from draftgraph.runtime.ir.builder import GraphBuilder
+from draftgraph.runtime.ir.graph import Graph, Value
+from draftgraph.runtime.ir.tensor_spec import B, TensorSpec
+from draftgraph.runtime.model.config import V4Config
 
 BF16, F32, I32, I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 MODES = ("streams", "collapsed")
@@ -69,7 +68,7 @@ def mask_words(config: V4Config, mtp_vocab_size: int = 0) -> int:
 def chain_inputs(config: V4Config, geometry: CacheGeometry, spec: ChainSpec) -> dict[str, TensorSpec]:
     """The chain's graph inputs, in order."""
     if spec.mode not in MODES:
-        from runtime.errors import GraphError
+        from draftgraph.runtime.errors import GraphError
 
         raise GraphError(f"mode: expected one of {MODES}, got {spec.mode!r}")
     inputs = {
@@ -92,7 +91,7 @@ def build_draft_chain(config: V4Config, geometry: CacheGeometry, spec: ChainSpec
     drafts a row does not keep are -1, and their probs and a skipped step's ``hidden_out``
     are stale bytes (ops/draft_gate.py).
     """
-    from runtime.errors import GraphError
+    from draftgraph.runtime.errors import GraphError
 
     if spec.num_drafts < 1:
         raise GraphError(f"num_drafts: expected >= 1, got {spec.num_drafts}")

@@ -10,7 +10,7 @@ sequences: a prompt of T tokens, or a verify window of K + 1 tokens, runs as T
 every row's latent into the cache before any row reads, and a row reads only
 positions <= its own (note "rows are tokens").
 
-Each layer ``i`` is :func:`graphs.v4_block.build_block` with prefix
+Each layer ``i`` is :func:`draftgraph.graphs.v4_block.build_block` with prefix
 ``layers.{i}.`` and its own cache state ``layers.{i}.kv_cache``; the first
 ``num_hash_layers`` layers route their experts by token id (``moe_hash``).
 
@@ -24,13 +24,12 @@ i64[B] (their argmax, so the host reads R ints, not R x V floats) and
 from __future__ import annotations
 
 import torch
-
-from graphs.v4_block import CacheGeometry, build_block
-from runtime.builder import GraphBuilder
-from runtime.config import V4Config
-from runtime.errors import GraphError, describe
-from runtime.graph import Graph
-from runtime.tensor_spec import B, TensorSpec
+from draftgraph.graphs.v4_block import CacheGeometry, build_block
+from draftgraph.runtime.errors import GraphError, describe
+from draftgraph.runtime.ir.builder import GraphBuilder
+from draftgraph.runtime.ir.graph import Graph
+from draftgraph.runtime.ir.tensor_spec import B, TensorSpec
+from draftgraph.runtime.model.config import V4Config
 
 BF16, F32, I32, I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 MODES = ("streams", "collapsed")

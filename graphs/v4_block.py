@@ -11,11 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from runtime.builder import GraphBuilder
-from runtime.config import V4Config
-from runtime.graph import Graph
-from runtime.tensor_spec import B, TensorSpec
+from draftgraph.runtime.ir.builder import GraphBuilder
+from draftgraph.runtime.ir.graph import Graph
+from draftgraph.runtime.ir.tensor_spec import B, TensorSpec
+from draftgraph.runtime.model.config import V4Config
 
 BF16, F32, I32, I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 

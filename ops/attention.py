@@ -23,12 +23,11 @@ import math
 
 import torch
 import torch.nn.functional as F
-
-from ops import constants
-from ops.overlap import join_side_stream, side_stream, sms_left_for_lanes
-from ops.registry import OpDef, expect, expect_count, expect_rank, register
-from ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
-from runtime.tensor_spec import TensorSpec
+from draftgraph.ops import constants
+from draftgraph.ops.overlap import join_side_stream, side_stream, sms_left_for_lanes
+from draftgraph.ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
+from draftgraph.runtime.ir.op_registry import OpDef, expect, expect_count, expect_rank, register
+from draftgraph.runtime.ir.tensor_spec import TensorSpec
 
 ATTRS = ("num_heads", "head_dim", "rope_dim", "o_groups", "o_lora_rank", "window", "rope_theta", "eps")
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
@@ -71,7 +70,7 @@ def rope_rotation(positions: torch.Tensor, rope_dim: int, theta: float,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """exp(i * p * theta^(-2k/r)) for the r/2 pairs k: complex64 [B, r/2] (into ``out``), built once per op call.
 
-    The frequencies and the unit modulus are constants (ops.constants): two kernels fewer a step.
+    The frequencies and the unit modulus are constants (draftgraph.ops.constants): two kernels fewer a step.
     """
     r, device = rope_dim, positions.device
     inv_freq = constants.logspace(-(r - 2) / r, r // 2, theta, torch.float32, device)  # theta^(-2k/r)
@@ -173,7 +172,7 @@ def _sink_softmax(q, keys, hidden, sink, scale: float) -> torch.Tensor:
 
 
 def _attn_impl(inputs, outputs, attrs, workspace):
-    with sms_left_for_lanes():  # its GEMVs leave SMs to the Sinkhorn beside it (ops.overlap)
+    with sms_left_for_lanes():  # its GEMVs leave SMs to the Sinkhorn beside it (draftgraph.ops.overlap)
         _attend(inputs, outputs, attrs)
 
 
@@ -184,7 +183,7 @@ def _attend(inputs, outputs, attrs):
     window = int(attrs["window"])
     b = x.shape[0]
     # What the kv path hands over, allocated here, on the main stream, before the fork
-    # (ops.overlap): the rotation (shared by q, kv and o), the window's keys and their mask,
+    # (draftgraph.ops.overlap): the rotation (shared by q, kv and o), the window's keys and their mask,
     # and the latent kv between its two blocks.
     rotation = torch.empty(b, r // 2, dtype=torch.complex64, device=x.device)
     keys = torch.empty(b, window, d, dtype=torch.float32, device=x.device)

@@ -10,9 +10,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-
-from ops.registry import OpDef, expect, expect_count, expect_dtype, register
-from runtime.tensor_spec import B, TensorSpec
+from draftgraph.runtime.ir.op_registry import OpDef, expect, expect_count, expect_dtype, register
+from draftgraph.runtime.ir.tensor_spec import B, TensorSpec
 
 FLOATS = (torch.bfloat16, torch.float32, torch.float16, torch.float64)
 

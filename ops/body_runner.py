@@ -7,8 +7,8 @@ the op's own implementation only refuses to run unbound.
 
 from __future__ import annotations
 
-from ops.registry import OpDef, expect, expect_count, register
-from runtime.errors import ExecutionError
+from draftgraph.runtime.errors import ExecutionError
+from draftgraph.runtime.ir.op_registry import OpDef, expect, expect_count, register
 
 
 def _infer(specs, attrs):

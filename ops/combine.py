@@ -1,7 +1,7 @@
 """combine: the MTP combiner, h_proj(hnorm(h)) + e_proj(enorm(e)) (spec section 5).
 
 One op, not five nodes (two norms, two projections, an add), because its two halves are
-independent: the embedding half (enorm, e_proj) runs on a side lane (ops.overlap) beside the
+independent: the embedding half (enorm, e_proj) runs on a side lane (draftgraph.ops.overlap) beside the
 hidden half's projection (hnorm runs first), and the sum joins them. At batch 1 each half is
 a norm and a 32 MB GEMV, about 20 us in a row on an H200; side by side the two GEMVs share
 the memory bandwidth instead of waiting for each other.
@@ -15,11 +15,10 @@ same GEMMs, one rounding to the activation dtype each, and the sum rounded once.
 from __future__ import annotations
 
 import torch
-
-from ops.basic import rms_norm
-from ops.overlap import join_side_stream, side_stream
-from ops.registry import OpDef, expect, expect_count, register
-from ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
+from draftgraph.ops.basic import rms_norm
+from draftgraph.ops.overlap import join_side_stream, side_stream
+from draftgraph.ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
+from draftgraph.runtime.ir.op_registry import OpDef, expect, expect_count, register
 
 
 def _combine_infer(specs, attrs):

@@ -9,8 +9,8 @@ verifier decides), the ones after it are not.
 ``draft_gate`` before step k turns prob_{k-1} into ``alive_k`` (per row) and
 ``go_k`` (int32 [1]: some live row is still alive). The executor runs step k
 only where go_k is nonzero: eagerly by reading it, captured by a CUDA conditional
-IF node reading it at replay time (runtime/graph_conditional.py). Padded rows
-(kv_start 1 > position 0, see runtime/kv_metadata.py) never keep the chain going.
+IF node reading it at replay time (runtime/execution/conditional.py). Padded rows
+(kv_start 1 > position 0, see runtime/cache/metadata.py) never keep the chain going.
 
 ``cut_drafts`` writes -1 over every draft that is not kept, so the one
 device-to-host read of the drafts also says how many each row has. A skipped
@@ -21,10 +21,9 @@ hold them, because a step is skipped only when no live row is alive for it.
 from __future__ import annotations
 
 import torch
-
-from ops.registry import OpDef, expect, register
-from ops.v4_shapes import batch_of, expect_spec, require_attrs
-from runtime.tensor_spec import TensorSpec
+from draftgraph.ops.v4_shapes import batch_of, expect_spec, require_attrs
+from draftgraph.runtime.ir.op_registry import OpDef, expect, register
+from draftgraph.runtime.ir.tensor_spec import TensorSpec
 
 F32, I32, I64 = torch.float32, torch.int32, torch.int64
 CUT = -1  # the token id of a draft that was not kept

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-
-from ops.registry import OpDef, expect_count, expect_rank, register
-from ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec
-from runtime.tensor_spec import TensorSpec
+from draftgraph.ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec
+from draftgraph.runtime.ir.op_registry import OpDef, expect_count, expect_rank, register
+from draftgraph.runtime.ir.tensor_spec import TensorSpec
 
 
 def _embed_infer(specs, attrs):

@@ -7,11 +7,10 @@ rows read: drafting only ever picks among them, so the rest are never touched.
 from __future__ import annotations
 
 import torch
-
-from ops.basic import rms_norm
-from ops.registry import OpDef, expect, expect_count, expect_rank, register
-from ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
-from runtime.tensor_spec import TensorSpec
+from draftgraph.ops.basic import rms_norm
+from draftgraph.ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
+from draftgraph.runtime.ir.op_registry import OpDef, expect, expect_count, expect_rank, register
+from draftgraph.runtime.ir.tensor_spec import TensorSpec
 
 CPU_ROWS_PER_CHUNK = 8192  # bounds the fp32 copy of head rows made on CPU
 

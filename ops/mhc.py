@@ -11,12 +11,11 @@ import math
 
 import torch
 import torch.nn.functional as F
-
-from ops import constants
-from ops.overlap import side_stream
-from ops.registry import OpDef, expect, expect_count, expect_rank, register
-from ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
-from runtime.tensor_spec import TensorSpec
+from draftgraph.ops import constants
+from draftgraph.ops.overlap import side_stream
+from draftgraph.ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
+from draftgraph.runtime.ir.op_registry import OpDef, expect, expect_count, expect_rank, register
+from draftgraph.runtime.ir.tensor_spec import TensorSpec
 
 F32 = torch.float32
 
@@ -142,7 +141,7 @@ def _sinkhorn_by_norms(logits, iters: int, hc_eps: float, out=None) -> torch.Ten
     survive each step. ``layer_norm`` over the last dim normalises rows; ``batch_norm`` with
     batch statistics, viewing the [2C, B, 2C] state as 2C samples of B*2C channels,
     normalises columns. That makes 39 normalisations plus 5 setup kernels for iters = 20 (its
-    three constant vectors are made once: ops.constants); at 9 setup kernels it measured on an
+    three constant vectors are made once: draftgraph.ops.constants); at 9 setup kernels it measured on an
     H200, B=1: 110 us alone against 119 for the divisions, and 39 us off the chain beside the
     MoE (benchmarks/h200/sm_carveout_283311b.txt).
     The state carries a power-of-two scale SIGMA (exact): the norm eps, hc_eps * SIGMA^2 / C,
@@ -215,7 +214,7 @@ def _hc_pre_impl(inputs, outputs, attrs, workspace):
     Xf = X.float()  # [B, C, D]; read once, before any output (which may share arena bytes) is written
     m = _mix_logits(Xf, fn, float(attrs["eps"]))  # [B, (2+C)*C]
     # The Sinkhorn logits go into comb itself: the side-stream block below reads and writes
-    # nothing else of the arena (ops.overlap), and hc_post, its one reader, comes much later.
+    # nothing else of the arena (draftgraph.ops.overlap), and hc_post, its one reader, comes much later.
     # Forked as soon as its logits exist, ahead of y, pre and post.
     torch.addcmul(base[2 * c :], m[:, 2 * c :], scale[2], out=comb.view(-1, c * c))
     with side_stream(urgent=True):  # 45-81 tiny kernels with the torch ops: beside the attention / MoE, not before it

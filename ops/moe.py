@@ -28,12 +28,11 @@ import math
 
 import torch
 import torch.nn.functional as F
-
-from ops import constants
-from ops.overlap import join_side_stream, side_stream, sms_left_for_lanes
-from ops.registry import OpDef, expect, expect_count, expect_rank, register
-from ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
-from runtime.tensor_spec import TensorSpec
+from draftgraph.ops import constants
+from draftgraph.ops.overlap import join_side_stream, side_stream, sms_left_for_lanes
+from draftgraph.ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
+from draftgraph.runtime.ir.op_registry import OpDef, expect, expect_count, expect_rank, register
+from draftgraph.runtime.ir.tensor_spec import TensorSpec
 
 
 def _check_experts(x, gate_w, w1, w2, w3, sw1, sw2, sw3, op: str):
@@ -226,7 +225,7 @@ def routed_grouped_pairs(x, idx, weights, w1, w2, w3, limit: float):
 
 def _grouped(rows: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """rows[group e] @ w[e]^T for each expert group (ends: the groups' ends), leaving SMs to the lanes."""
-    with sms_left_for_lanes():  # a persistent GEMM: the Sinkhorn beside it waits otherwise (ops.overlap)
+    with sms_left_for_lanes():  # a persistent GEMM: the Sinkhorn beside it waits otherwise (draftgraph.ops.overlap)
         return torch._grouped_mm(rows, w.transpose(1, 2), offs=ends)
 
 
@@ -252,7 +251,7 @@ def routed_gather(x, idx, weights, w1, w2, w3, limit: float) -> torch.Tensor:
 def shared_expert_into(x, sw1, sw2, sw3, limit: float, out: torch.Tensor) -> None:
     """out = sw2 swiglu(sw1 x, sw3 x), [B, D] in x's dtype, queued on the side stream.
 
-    It does not depend on the routing: on the executor's side stream (ops.overlap) its three
+    It does not depend on the routing: on the executor's side stream (draftgraph.ops.overlap) its three
     GEMVs run beside the router and the routed experts; read ``out`` after ``join_side_stream()``.
     ``out`` is the op's output, whose bytes the main stream reads after the join.
     """
@@ -296,7 +295,7 @@ def _weights_beside(scores: torch.Tensor, idx: torch.Tensor, scaling: float) -> 
 
     Nothing reads them before the SwiGLU, after the gate GEMM; routed_grouped reads them on the
     same lane (blocks of one step run there in order) and routed_gather joins first. scores
-    and idx stay referenced by the op until its join (ops.overlap).
+    and idx stay referenced by the op until its join (draftgraph.ops.overlap).
     """
     with side_stream():
         return _renormalised(scores, idx, scaling)

@@ -70,7 +70,7 @@ class SideStream:
     waits, at normal priority, behind every pending tile of a grouped GEMM (an H200 trace: 300
     us against 110 alone), and the chain waits for it at hc_post. With priority the block
     scheduler places its one block first. Captured, kernel nodes keep their stream's priority,
-    which the raw launch's exec honours (``runtime.raw_launch.node_priority_exec``).
+    which the raw launch's exec honours (``draftgraph.runtime.execution.launch.node_priority_exec``).
     """
 
     def __init__(self, device: torch.device, lanes: int = 2) -> None:

@@ -12,12 +12,11 @@ from __future__ import annotations
 import functools
 
 import torch
-
-from ops import constants
-from ops.overlap import join_side_stream, side_stream
-from ops.registry import OpDef, expect, expect_count, expect_rank, register
-from ops.v4_shapes import batch_of, expect_spec, require_attrs
-from runtime.tensor_spec import TensorSpec
+from draftgraph.ops import constants
+from draftgraph.ops.overlap import join_side_stream, side_stream
+from draftgraph.ops.v4_shapes import batch_of, expect_spec, require_attrs
+from draftgraph.runtime.ir.op_registry import OpDef, expect, expect_count, expect_rank, register
+from draftgraph.runtime.ir.tensor_spec import TensorSpec
 
 WORD_BITS = 32
 
@@ -84,7 +83,7 @@ def _draft_argmax_impl(inputs, outputs, attrs, workspace):
     top, which = chunk_top.max(-1, keepdim=True)  # [B, 1]
     # top-1 softmax probability = 1 / sum_t exp(l_t - max) over allowed t. A row with nothing
     # allowed gives exp(-inf - -inf) = NaN (so would a NaN logit): its confidence is 0.
-    # On a side lane (ops.overlap) beside the token's two kernels; joined before the op ends.
+    # On a side lane (draftgraph.ops.overlap) beside the token's two kernels; joined before the op ends.
     with side_stream():
         # Summed in two stages as the max (see vocab_chunks): one reduction over the row took
         # 14 us at B = 1 on an H200, against 6 for the two.

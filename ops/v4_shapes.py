@@ -10,9 +10,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-
-from ops.registry import expect
-from runtime.tensor_spec import B, Dim, TensorSpec, dtype_name
+from draftgraph.runtime.ir.op_registry import expect
+from draftgraph.runtime.ir.tensor_spec import B, Dim, TensorSpec, dtype_name
 
 ACTIVATIONS = (torch.bfloat16, torch.float32, torch.float16)
 

@@ -1,8 +1,4 @@
 import os
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 # Without a GPU, Triton kernels run in its interpreter (set before anything imports triton).
 try:

@@ -6,11 +6,10 @@ import functools
 
 import pytest
 import torch
-
-from runtime.config import V4Config
-from runtime.proposer import DeepseekV4MtpProposer
-from runtime.synthetic_weights import random_mtp_weights
-from runtime.target_model import TargetModel
+from draftgraph.runtime.decode.target import TargetModel
+from draftgraph.runtime.model.config import V4Config
+from draftgraph.runtime.model.synthetic_weights import random_mtp_weights
+from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
 
 # Two layers (layer 0 hash-routed), window 16 (one block), vocab 264 (the byte tokenizer fits).
 CFG = V4Config.small(

@@ -1,6 +1,6 @@
 """The compiled host loops in tests: load them (or skip where no C compiler exists), switch them, record them.
 
-Design note "compiled pass" (runtime/decode_pass.py): ``decode_pass`` (the one pass, the restage)
+Design note "compiled pass" (runtime/proposer/front.py): ``decode_pass`` (the one pass, the restage)
 and ``cache_rows`` (the ensure, the trim) each have a Python twin; the tests run both.
 """
 
@@ -10,8 +10,7 @@ import shutil
 from collections import defaultdict
 
 import pytest
-
-from runtime import native_build
+from draftgraph.runtime.native import build as native_build
 
 MODULES = ("decode_pass", "cache_rows")
 # Loaded once, before any test switches them off (a switched-off module reads as None in native_build).

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-
-from runtime.config import V4Config
-from runtime.proposer import DeepseekV4MtpProposer
-from runtime.synthetic_weights import random_mtp_weights
+from draftgraph.runtime.model.config import V4Config
+from draftgraph.runtime.model.synthetic_weights import random_mtp_weights
+from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
 
 SMALL = V4Config.small()
 TINY = V4Config.small(

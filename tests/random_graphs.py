@@ -5,10 +5,9 @@ from __future__ import annotations
 import random
 
 import torch
-
-from runtime.builder import GraphBuilder
-from runtime.graph import Graph
-from runtime.tensor_spec import B, TensorSpec
+from draftgraph.runtime.ir.builder import GraphBuilder
+from draftgraph.runtime.ir.graph import Graph
+from draftgraph.runtime.ir.tensor_spec import B, TensorSpec
 
 F32 = torch.float32
 

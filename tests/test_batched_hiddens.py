@@ -12,12 +12,11 @@ import random
 
 import pytest
 import torch
+from draftgraph.runtime.cache.staging import ChainStaging
+from draftgraph.runtime.errors import InputError
+from draftgraph.runtime.ir.tensor_spec import TensorSpec
+from draftgraph.runtime.proposer.checks import check_hiddens
 from proposer_fixtures import TINY, hidden, make_proposer
-
-from runtime.errors import InputError
-from runtime.proposer_checks import check_hiddens
-from runtime.staging import ChainStaging
-from runtime.tensor_spec import TensorSpec
 
 SHAPES = {"streams": (TINY.hc_mult, TINY.hidden_size), "collapsed": (TINY.hidden_size,)}
 CPU = torch.device("cpu")
@@ -166,10 +165,10 @@ def test_staging_a_tensor_writes_the_bytes_staging_its_rows_writes():
         assert torch.equal(by_block.hidden_buf[:n], block) and not by_block.hidden_buf[n:].any()
 
 
-# ---- the address gather (ops.triton.rows), under Triton's interpreter as tests/test_hidden_gather.py runs it ----
+# ---- the address gather (ops/triton/rows.py), under Triton's interpreter as tests/test_hidden_gather.py runs it ----
 def gather(st: ChainStaging) -> None:
     """What the captured prologue does: copy the host buffer and gather each row from its address."""
-    from ops.triton.rows import stage_from_host
+    from draftgraph.ops.triton.rows import stage_from_host
 
     stage_from_host(st.host_buf, st.device_buf, st._address_at, st.hidden_buf)
     st._is_copy_pending = False

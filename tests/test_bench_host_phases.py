@@ -1,10 +1,9 @@
-"""tools/bench_host.py: splitting one propose's timestamps into phases."""
+"""benchmarks/bench_host.py: splitting one propose's timestamps into phases."""
 
 from __future__ import annotations
 
 import pytest
-
-from tools.bench_host import PhaseClock
+from bench_host import PhaseClock
 
 
 def clock_with(marks: list[tuple[str, float]]) -> PhaseClock:

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_bench_draft_table_of_a_saved_run():
     saved = ROOT / "benchmarks" / "h200" / "bench_draft_b8_b32_381ba0b.json"
-    out = subprocess.run([sys.executable, "tools/bench_draft.py", "--table", str(saved)], cwd=ROOT,
+    out = subprocess.run([sys.executable, "benchmarks/bench_draft.py", "--table", str(saved)], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     assert "draftgraph captured, fused ops" in out
     check_golden("bench_table_b8_b32.txt", out + "\n")

@@ -10,10 +10,9 @@ import random
 
 import pytest
 import torch
+from draftgraph.runtime.model.synthetic_weights import random_mtp_weights
+from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
 from proposer_fixtures import SMALL, TINY
-
-from runtime.proposer import DeepseekV4MtpProposer
-from runtime.synthetic_weights import random_mtp_weights
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -176,7 +175,7 @@ def test_capture_largest_bucket_first_and_invalidation():
     old = list(prop._executors.values())
     prop.set_circuit_draft("identity")
     assert all(e.is_released for e in old) and not prop._executors
-    from runtime.errors import CaptureError
+    from draftgraph.runtime.errors import CaptureError
 
     with pytest.raises(CaptureError, match="stale"):
         old[0].run(old[0].static_inputs)
@@ -189,7 +188,7 @@ def test_pdl_launches_equal_plain_launches_bit_for_bit():
     """The fused chain captured with programmatic dependent launch (the default on sm90+;
     GEMVs load their first weight tile before waiting) equals the same chain captured with
     plain launches, at batch 1 (slot-major MoE) and 3 (expert-major MoE)."""
-    triton_common = pytest.importorskip("ops.triton._common")
+    triton_common = pytest.importorskip("draftgraph.ops.triton._common")
     on_hopper = torch.cuda.get_device_capability()[0] >= 9
     assert triton_common.pdl_enabled(torch.device("cuda")) == on_hopper
     tensors = random_mtp_weights(SMALL, seed=2)

@@ -1,11 +1,10 @@
-"""ops.constants: read-only aranges and fills made once per key, never inside a capture."""
+"""draftgraph.ops.constants: read-only aranges and fills made once per key, never inside a capture."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-from ops import constants
+from draftgraph.ops import constants
 
 
 def test_a_constant_is_made_once_per_key_with_the_values_asked_for():

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from decode_fixtures import OracleProposer, make_proposer, make_target, pools_full, prompts
-
-from runtime.decode import greedy_decode, speculative_decode
+from draftgraph.runtime.decode.loop import greedy_decode, speculative_decode
 
 pytestmark = [
     pytest.mark.cuda,

@@ -14,10 +14,9 @@ from decode_fixtures import (  # noqa: F401
     prompts,
     single_thread,
 )
-
-from runtime.decode import DecodeSession, accept_greedy, greedy_decode, speculative_decode
-from runtime.decode_stats import DecodeStats
-from runtime.errors import ExecutionError, InputError
+from draftgraph.runtime.decode.loop import DecodeSession, accept_greedy, greedy_decode, speculative_decode
+from draftgraph.runtime.decode.stats import DecodeStats
+from draftgraph.runtime.errors import ExecutionError, InputError
 
 K, MAX_NEW = 3, 12
 PROMPTS = prompts((3, 9, 20))  # mixed lengths; 20 > the row bucket: prefill runs are split

@@ -1,4 +1,4 @@
-"""The one pass of a propose (runtime.decode_pass): the bytes it stages, and the buffer it leaves on refusal.
+"""The one pass of a propose (runtime/proposer/front.py): the bytes it stages, and the buffer it leaves on refusal.
 
 Design note "one pass": the usual batch is checked and its held rows staged in one loop; the
 rest (unheld rows, unusual items) goes the general way. Here, over random decode steps (drafts
@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import random
 
+import draftgraph.runtime.proposer.proposer as proposer_module
 import pytest
 import torch
+from draftgraph.runtime.cache.metadata import MetadataWriter, pack_metadata, row_bytes_for
+from draftgraph.runtime.cache.paged_cache import BlockTable
+from draftgraph.runtime.errors import CacheError, InputError
 from native_fixtures import use_compiled
 from proposer_fixtures import TINY, hidden, make_proposer
-
-import runtime.proposer as proposer_module
-from runtime.errors import CacheError, InputError
-from runtime.kv_cache import BlockTable
-from runtime.kv_metadata import MetadataWriter, pack_metadata, row_bytes_for
 
 BUCKET = 8
 

@@ -13,17 +13,16 @@ import copy
 import dataclasses
 import random
 
+import draftgraph.runtime.proposer.front as decode_pass
 import numpy as np
 import pytest
 import torch
+from draftgraph.runtime.cache.metadata import BLOCK_TABLE_OFFSET, pack_metadata
+from draftgraph.runtime.cache.paged_cache import OWNED, BlockTable
+from draftgraph.runtime.native import build as native_build
+from draftgraph.runtime.proposer.state import MtpProposerState
 from native_fixtures import compiled, switch, use_compiled
 from proposer_fixtures import TINY, hidden, make_proposer
-
-import runtime.decode_pass as decode_pass
-from runtime import native_build
-from runtime.kv_cache import OWNED, BlockTable
-from runtime.kv_metadata import BLOCK_TABLE_OFFSET, pack_metadata
-from runtime.proposer_state import MtpProposerState
 
 BUCKET = 8
 

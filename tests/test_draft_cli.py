@@ -6,12 +6,11 @@ import json
 
 import pytest
 import torch
+from draftgraph.runtime.model.checkpoint_writer import make_synthetic_checkpoint
+from draftgraph.runtime.model.config import V4Config
+from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
+from draftgraph.tools.cli import main
 from safetensors.torch import save_file
-
-from runtime.checkpoint_writer import make_synthetic_checkpoint
-from runtime.config import V4Config
-from runtime.proposer import DeepseekV4MtpProposer
-from tools.cli import main
 
 CFG = V4Config.small()
 

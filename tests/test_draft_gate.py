@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from draftgraph.graphs.draft_chain import ChainSpec, build_draft_chain
+from draftgraph.graphs.v4_block import CacheGeometry
+from draftgraph.ops.draft_gate import CUT, _cut_impl, _gate_impl
+from draftgraph.runtime.errors import ExecutionError, InputError
+from draftgraph.runtime.execution.eager import EagerExecutor
+from draftgraph.runtime.ir.schedule import flatten
 from proposer_fixtures import TINY, hidden, make_proposer
-
-from graphs.draft_chain import ChainSpec, build_draft_chain
-from graphs.v4_block import CacheGeometry
-from ops.draft_gate import CUT, _cut_impl, _gate_impl
-from runtime.errors import ExecutionError, InputError
-from runtime.executor import EagerExecutor
-from runtime.schedule import flatten
 
 
 def kept_count(probs: list[float], tau: float) -> int:

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from draftgraph.runtime.model.synthetic_weights import random_mtp_weights
+from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
 from proposer_fixtures import TINY
-
-from runtime.proposer import DeepseekV4MtpProposer
-from runtime.synthetic_weights import random_mtp_weights
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -70,8 +69,8 @@ def test_captured_gated_chain_stops_where_eager_stops(batch, kernels):
 
 
 def test_gated_graph_holds_one_conditional_node_per_gated_step():
-    from runtime import graph_conditional
-    from tools.capture_dump import recapture
+    from draftgraph.runtime.execution import conditional as graph_conditional
+    from draftgraph.tools.capture_dump import recapture
 
     assert graph_conditional.is_available(), "conditional nodes unavailable: the gates would run unconditionally"
     _, captured = pair(0.5, "auto")

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from draftgraph.runtime.model.config import V4Config
+from draftgraph.runtime.model.synthetic_weights import random_mtp_weights
+from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
 from reference_v4 import ReferenceMtp
-
-from runtime.config import V4Config
-from runtime.proposer import DeepseekV4MtpProposer
-from runtime.synthetic_weights import random_mtp_weights
 
 CFG = V4Config.small()
 GAP = 0.06  # logit units (logits have std ~1); bf16 noise through the step is ~0.02

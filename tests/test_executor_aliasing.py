@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from draftgraph.runtime.errors import ExecutionError, PlanError
+from draftgraph.runtime.execution.eager import EagerExecutor
+from draftgraph.runtime.planning.graph_plan import plan_graph
+from draftgraph.runtime.planning.verify_plan import verify_plan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from random_graphs import random_graph, random_inputs
-
-from runtime.errors import ExecutionError, PlanError
-from runtime.executor import EagerExecutor
-from runtime.memory_plan import plan_graph
-from runtime.verify_plan import verify_plan
 
 
 def run_both(seed: int, batch: int, poison: int | None):
@@ -77,9 +76,9 @@ def test_inplace_and_view_really_alias():
 
 
 def test_debug_check_catches_an_op_that_does_not_write_its_output():
-    from ops.registry import OpDef, register
-    from runtime.builder import GraphBuilder
-    from runtime.tensor_spec import B, TensorSpec
+    from draftgraph.runtime.ir.builder import GraphBuilder
+    from draftgraph.runtime.ir.op_registry import OpDef, register
+    from draftgraph.runtime.ir.tensor_spec import B, TensorSpec
 
     def lazy_impl(inputs, outputs, attrs, workspace):
         return None  # writes nothing

@@ -1,4 +1,4 @@
-"""runtime.graph_conditional without a GPU: input checks, availability, and the call sequence.
+"""draftgraph.runtime.execution.conditional without a GPU: input checks, availability, and the call sequence.
 
 The sequence tests drive the node against a fake driver (the real cuda-python enums and
 structs, fake functions) and fake torch streams, so the order of the CUDA calls, the
@@ -12,9 +12,8 @@ import ctypes
 
 import pytest
 import torch
-
-from runtime import graph_conditional as gc
-from runtime.errors import CaptureError, DraftGraphError
+from draftgraph.runtime.errors import CaptureError, DraftGraphError
+from draftgraph.runtime.execution import conditional as gc
 
 POOL = (0, 1)  # the shape of torch.cuda.graph_pool_handle()'s token
 

@@ -1,4 +1,4 @@
-"""Conditional nodes (runtime.graph_conditional) in real torch.cuda.graph captures (run on a GPU).
+"""Conditional nodes (draftgraph.runtime.execution.conditional) in real torch.cuda.graph captures (run on a GPU).
 
 Each graph is captured once and replayed with the flags written on the device between
 replays, so the tests see what the replayed graph decides, not what the capture did.
@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from runtime import graph_conditional as gc
+from draftgraph.runtime.execution import conditional as gc
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

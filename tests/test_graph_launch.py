@@ -1,4 +1,4 @@
-"""runtime/graph_launch.c and raw_launch.launcher (design note "compiled launch" in runtime/raw_launch.py).
+"""runtime/graph_launch.c and raw_launch.launcher (design note "compiled launch" in runtime/execution/launch.py).
 
 On a machine without a GPU driver (CI) the module still builds and imports, answers that it
 cannot launch, and the launcher falls back to cuda-python's launch; a launch the driver
@@ -9,8 +9,8 @@ GPU: tests/test_raw_launch_cuda.py.
 from __future__ import annotations
 
 import pytest
-
-from runtime import native_build, raw_launch
+from draftgraph.runtime.execution import launch as raw_launch
+from draftgraph.runtime.native import build as native_build
 
 NO_DRIVER = -1
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from runtime.builder import GraphBuilder
-from runtime.errors import GraphError
-from runtime.graph import Node, Value, ValueKind
-from runtime.schedule import schedule
-from runtime.tensor_spec import B, TensorSpec
-from runtime.validate import validate
+from draftgraph.runtime.errors import GraphError
+from draftgraph.runtime.ir.builder import GraphBuilder
+from draftgraph.runtime.ir.graph import Node, Value, ValueKind
+from draftgraph.runtime.ir.schedule import schedule
+from draftgraph.runtime.ir.tensor_spec import B, TensorSpec
+from draftgraph.runtime.ir.validate import validate
 
 F32 = torch.float32
 

@@ -1,6 +1,6 @@
 """The host path of a batched propose: ensure_unheld and the rows the proposer checks itself.
 
-Design note "held rows" (runtime.kv_cache): a propose's ensure asks no distinct-table set and
+Design note "held rows" (draftgraph.runtime.cache.paged_cache): a propose's ensure asks no distinct-table set and
 returns undo records, [] when every row is held; the proposer then stages rows it checked as
 ``check_rows`` does. Here ``ensure_unheld`` equals ``ensure_batch`` (blocks, errors, pool), the
 staged bytes are those of a fresh pack, and a batch the proposer's row checks refuse (states
@@ -14,12 +14,11 @@ import random
 
 import pytest
 import torch
+from draftgraph.runtime.cache.metadata import pack_metadata
+from draftgraph.runtime.cache.paged_cache import BlockTable, PagedLatentCache
+from draftgraph.runtime.errors import CacheError, InputError
 from proposer_fixtures import TINY, hidden, make_proposer
 from test_host_fast_paths import assert_unchanged, frozen
-
-from runtime.errors import CacheError, InputError
-from runtime.kv_cache import BlockTable, PagedLatentCache
-from runtime.kv_metadata import pack_metadata
 
 B, K = 8, 2
 
@@ -75,7 +74,7 @@ def test_the_usual_step_allocates_nothing_and_stages_the_bytes_of_a_fresh_pack(b
     calls, inner, inner_sink = [], prop.cache.ensure_unheld, prop.cache.ensure_sink
     prop.cache.ensure_unheld = lambda *args: calls.append(inner(*args)) or calls[-1]
 
-    def recorded_sink():  # the compiled front's ensure (runtime.decode_pass), where it is built
+    def recorded_sink():  # the compiled front's ensure (draftgraph.runtime.proposer.front), where it is built
         lock, ensure, free = inner_sink()
         return lock, ensure and (lambda *args: calls.append(ensure(*args)) or calls[-1]), free
 
@@ -85,7 +84,7 @@ def test_the_usual_step_allocates_nothing_and_stages_the_bytes_of_a_fresh_pack(b
         needy = [i for i, (p, s) in enumerate(zip(positions, states)) if (p + K - 1) // 16 >= len(s.table.blocks)]
         calls.clear()
         prop.propose_batch(list(range(B)), hiddens, positions, K, states)
-        # The one pass (runtime.decode_pass) asks ensure only for the rows it found unheld.
+        # The one pass (draftgraph.runtime.proposer.front) asks ensure only for the rows it found unheld.
         assert [i for records in calls for i, _, _ in records] == needy
         assert len(calls) == bool(needy)
         fast += not needy

@@ -1,4 +1,4 @@
-"""Hiddens by address (ops.triton.rows): the host writes addresses, the graph gathers the rows.
+"""Hiddens by address (draftgraph.ops.triton.rows): the host writes addresses, the graph gathers the rows.
 
 On the CPU the staging kernel runs under Triton's interpreter (TRITON_INTERPRET=1, set by
 conftest.py), over a staging buffer whose "device" half is host memory: the same kernel,
@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from runtime.staging import ChainStaging
-from runtime.tensor_spec import TensorSpec
+from draftgraph.runtime.cache.staging import ChainStaging
+from draftgraph.runtime.ir.tensor_spec import TensorSpec
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs where there is no CUDA")
@@ -26,7 +25,7 @@ def staging(bucket=4) -> ChainStaging:
 
 def replay_prologue(st: ChainStaging, staged: torch.Tensor | None = None) -> None:
     """What in_graph_copy captures, run eagerly: the one kernel copying the buffer and gathering."""
-    from ops.triton.rows import stage_from_host
+    from draftgraph.ops.triton.rows import stage_from_host
 
     stage_from_host(st.host_buf, st.device_buf if staged is None else staged, st._address_at, st.hidden_buf)
     st._is_copy_pending = False  # done, as a propose's read-back (a stream sync) tells it on CUDA

@@ -1,6 +1,6 @@
 """The bulk host path of a batched propose gives what the item-by-item path gives.
 
-Design notes "bulk checks" (runtime.proposer_checks) and "held rows" (runtime.kv_cache): a batch
+Design notes "bulk checks" (runtime/proposer/checks.py) and "held rows" (runtime/cache/paged_cache.py): a batch
 is checked, and its held rows skipped by ensure, in one loop over the whole batch. Here a bad
 item anywhere in a batch of 32 raises the error its single-item check raises and changes no state,
 and only the rows that need blocks get them, all or nothing.
@@ -12,12 +12,10 @@ import random
 
 import pytest
 import torch
-from proposer_fixtures import TINY, hidden, make_proposer
-
-from runtime.errors import CacheError, InputError, describe
-from runtime.kv_cache import OWNED, BlockTable, PagedLatentCache
-from runtime.kv_metadata import check_rows
-from runtime.proposer_checks import (
+from draftgraph.runtime.cache.metadata import check_rows
+from draftgraph.runtime.cache.paged_cache import OWNED, BlockTable, PagedLatentCache
+from draftgraph.runtime.errors import CacheError, InputError, describe
+from draftgraph.runtime.proposer.checks import (
     check_hidden,
     check_hiddens,
     check_position,
@@ -27,6 +25,7 @@ from runtime.proposer_checks import (
     check_token,
     check_tokens,
 )
+from proposer_fixtures import TINY, hidden, make_proposer
 
 B, K = 32, 2
 BAD_AT = (0, 17, 31)
@@ -201,7 +200,7 @@ def recording_ensure_unheld(prop, states) -> list:
     """Wrap the batch ensure: each call appends (the states' tables before, undo records, tables after).
 
     Both ways a propose ensures its unheld rows: ``cache.ensure_unheld``, and the compiled
-    front's ensure (``cache.ensure_sink``, runtime.decode_pass) where that is built.
+    front's ensure (``cache.ensure_sink``, draftgraph.runtime.proposer.front) where that is built.
     """
     calls, inner, inner_sink = [], prop.cache.ensure_unheld, prop.cache.ensure_sink
 

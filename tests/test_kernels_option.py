@@ -1,12 +1,11 @@
-"""The ``kernels`` option: torch ops, torch ops compiled per op, fused (ops.kernels)."""
+"""The ``kernels`` option: torch ops, torch ops compiled per op, fused (draftgraph.runtime.execution.kernel_choice)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from draftgraph.runtime.errors import InputError
 from proposer_fixtures import SMALL, hidden, make_proposer
-
-from runtime.errors import InputError
 
 
 def test_unknown_kernels_is_a_typed_error():

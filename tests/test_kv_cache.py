@@ -15,12 +15,11 @@ import threading
 
 import pytest
 import torch
+from draftgraph.runtime.cache.metadata import MetadataView, max_blocks_for, pack_metadata, row_bytes_for
+from draftgraph.runtime.cache.paged_cache import BlockTable, PagedLatentCache, TakenBlocks
+from draftgraph.runtime.errors import CacheError, InputError
+from draftgraph.runtime.model.config import V4Config
 from native_fixtures import use_compiled
-
-from runtime.config import V4Config
-from runtime.errors import CacheError, InputError
-from runtime.kv_cache import BlockTable, PagedLatentCache, TakenBlocks
-from runtime.kv_metadata import MetadataView, max_blocks_for, pack_metadata, row_bytes_for
 
 BS = 16
 

@@ -7,10 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-
-from runtime.arena_plan import ArenaPlan, Buffer, plan_arena
-from runtime.errors import PlanError
-from runtime.minimalloc import (
+from draftgraph.runtime.errors import PlanError
+from draftgraph.runtime.planning.arena_plan import ArenaPlan, Buffer, plan_arena
+from draftgraph.runtime.planning.minimalloc_csv import (
     capacity_from_name,
     format_minimalloc_csv,
     load_minimalloc_csv,
@@ -18,8 +17,8 @@ from runtime.minimalloc import (
     read_minimalloc_csv,
     save_minimalloc_csv,
 )
-from runtime.verify_plan import verify_plan
-from tools import plan_csv
+from draftgraph.runtime.planning.verify_plan import verify_plan
+from draftgraph.tools import plan_csv
 
 FOLDER = Path(__file__).resolve().parents[1] / "benchmarks" / "planner"
 EXAMPLE = "id,lower,upper,size\nb1,0,3,4\nb2,3,9,4\nb3,0,9,4\nb4,9,21,4\nb5,0,21,4\n"

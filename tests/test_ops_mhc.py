@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from draftgraph.runtime.ir.op_registry import get_op
 from v4_op_cases import (
     CFG,
     gen,
@@ -14,8 +15,6 @@ from v4_op_cases import (
     rel_err,
     run_op,
 )
-
-from ops.registry import get_op
 
 F64 = torch.float64
 
@@ -127,7 +126,7 @@ def test_hc_head_matches_float64_reference():
 
 
 def test_elementwise_sinkhorn_traced_under_compile_equals_the_eager_one():
-    from ops.mhc import _sinkhorn_elementwise, sinkhorn
+    from draftgraph.ops.mhc import _sinkhorn_elementwise, sinkhorn
 
     logits = torch.randn(5, 4, 4, generator=torch.Generator().manual_seed(7)) * 3
     eager = sinkhorn(logits, 20, 1e-6)
@@ -149,7 +148,7 @@ def ref_sinkhorn(logits, iters, hc_eps):
 @pytest.mark.parametrize("iters", [1, 2, 20])
 @pytest.mark.parametrize("hc_eps", [1e-6, 1e-2])
 def test_sinkhorn_equals_the_spec_divisions_within_fp32_rounding(batch, iters, hc_eps):
-    from ops.mhc import sinkhorn
+    from draftgraph.ops.mhc import sinkhorn
 
     # Sharp logits: softmax entries far below hc_eps, where the eps terms decide the result.
     logits = torch.randn(batch, 4, 4, generator=torch.Generator().manual_seed(batch * 100 + iters)) * 12
@@ -164,7 +163,7 @@ def test_sinkhorn_equals_the_spec_divisions_within_fp32_rounding(batch, iters, h
 
 @pytest.mark.parametrize("batch", [1, 8, 32])
 def test_both_torch_sinkhorn_forms_agree_at_every_batch(batch):
-    from ops.mhc import NORMS_MAX_BATCH, _sinkhorn_by_divisions, _sinkhorn_by_norms
+    from draftgraph.ops.mhc import NORMS_MAX_BATCH, _sinkhorn_by_divisions, _sinkhorn_by_norms
 
     assert 1 <= NORMS_MAX_BATCH < 32
     logits = torch.randn(batch, 4, 4, generator=torch.Generator().manual_seed(batch)) * 5

@@ -111,7 +111,7 @@ def test_moe_hash_routes_by_token_not_by_score():
 
 def grouped_case(seed: int, batch: int):
     """(x, w1, w2, w3, swiglu limit) of a moe case, skipped where this torch has no CPU _grouped_mm."""
-    from ops.moe import can_grouped_mm
+    from draftgraph.ops.moe import can_grouped_mm
 
     inputs, attrs = moe_case(gen(seed), batch=batch)
     x, _, _, w1, w2, w3 = inputs[:6]
@@ -122,7 +122,7 @@ def grouped_case(seed: int, batch: int):
 
 def test_grouped_path_runs_on_cpu_and_equals_the_gather_path():
     # torch >= 2.13 has a CPU _grouped_mm: the op takes the grouped path there, as on sm90.
-    from ops.moe import routed_gather, routed_grouped
+    from draftgraph.ops.moe import routed_gather, routed_grouped
 
     x, w1, w2, w3, limit = grouped_case(36, batch=5)
     e, k = CFG.n_routed_experts, CFG.num_experts_per_tok
@@ -142,7 +142,7 @@ def test_grouped_path_runs_on_cpu_and_equals_the_gather_path():
 def test_one_row_grouped_path_needs_no_gather_or_unsort():
     # One row: its pairs' rows are K copies of x (no gather after a sort), and the sum over k
     # runs in expert order. Both must give the gather path's result.
-    from ops.moe import one_row_pairs, routed_gather, routed_grouped
+    from draftgraph.ops.moe import one_row_pairs, routed_gather, routed_grouped
 
     x, w1, w2, w3, limit = grouped_case(40, batch=1)
     e, k = CFG.n_routed_experts, CFG.num_experts_per_tok
@@ -169,11 +169,11 @@ def test_one_row_op_matches_float64_reference(op):
 
 
 def test_moe_without_grouped_mm_takes_the_gather_path(monkeypatch):
-    import ops.moe
+    import draftgraph.ops.moe
 
     inputs, attrs = moe_case(gen(38))
     (grouped,) = run_op("moe", inputs, attrs)
-    monkeypatch.setattr(ops.moe, "can_grouped_mm", lambda *a: False)
+    monkeypatch.setattr(draftgraph.ops.moe, "can_grouped_mm", lambda *a: False)
     (gathered,) = run_op("moe", inputs, attrs)
     assert rel_err(gathered, ref_moe(inputs, attrs)[0]) < 1e-2
     assert rel_err(grouped, gathered) < 2e-3
@@ -181,7 +181,7 @@ def test_moe_without_grouped_mm_takes_the_gather_path(monkeypatch):
 
 def test_swiglu_clamps_up_exactly_with_a_limit_bf16_cannot_hold():
     # up is clamped in bf16 only when the limit is a bf16 value; 7.3 is not (bf16 has 7.3125).
-    from ops.moe import _swiglu
+    from draftgraph.ops.moe import _swiglu
 
     gate = torch.full((1, 4), 1.0, dtype=torch.bfloat16)
     up = torch.tensor([[7.3125, -7.3125, 7.0, 20.0]], dtype=torch.bfloat16)
@@ -193,14 +193,14 @@ def test_swiglu_clamps_up_exactly_with_a_limit_bf16_cannot_hold():
 @pytest.mark.parametrize("batch", [1, 5, 40])
 def test_the_expert_order_by_ranks_is_the_stable_sort(monkeypatch, batch):
     """sorted_by_expert's two forms give one order and one set of group ends, ties by pair order."""
-    import ops.moe
+    import draftgraph.ops.moe
 
     g, e, k = gen(39), 9, 3
     idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(batch)])  # rows share experts
-    monkeypatch.setattr(ops.moe, "RANKS_MIN_PAIRS", batch * k + 1)  # the sort
-    sorted_order, sorted_ends = ops.moe.sorted_by_expert(idx, e)
-    monkeypatch.setattr(ops.moe, "RANKS_MIN_PAIRS", 1)  # the ranks
-    ranked_order, ranked_ends = ops.moe.sorted_by_expert(idx, e)
+    monkeypatch.setattr(draftgraph.ops.moe, "RANKS_MIN_PAIRS", batch * k + 1)  # the sort
+    sorted_order, sorted_ends = draftgraph.ops.moe.sorted_by_expert(idx, e)
+    monkeypatch.setattr(draftgraph.ops.moe, "RANKS_MIN_PAIRS", 1)  # the ranks
+    ranked_order, ranked_ends = draftgraph.ops.moe.sorted_by_expert(idx, e)
     assert torch.equal(ranked_order, sorted_order) and torch.equal(ranked_ends, sorted_ends)
     flat = idx.flatten()
     assert torch.equal(flat[ranked_order], flat.sort(stable=True).values)

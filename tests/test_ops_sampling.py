@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
+from draftgraph.ops.sampling import vocab_chunks
+from draftgraph.runtime.ir.op_registry import get_op
 from v4_op_cases import BATCH, draft_argmax_case, gen, minimum_case, offset_positions_case, run_op
-
-from ops.registry import get_op
-from ops.sampling import vocab_chunks
 
 
 def ref_draft(logits, limit, mask=None):

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from draftgraph.runtime.ir.op_registry import ShapeRuleError, get_op
+from draftgraph.runtime.ir.tensor_spec import B, TensorSpec
 from v4_op_cases import CASES, gen
-
-from ops.registry import ShapeRuleError, get_op
-from runtime.tensor_spec import B, TensorSpec
 
 V4_OPS = sorted(CASES)
 
@@ -163,15 +162,15 @@ def test_inplace_outputs_are_correct_when_aliased(name):
 def test_a_fused_impl_is_attached_to_the_registered_opdef_itself():
     """``register_fused`` keeps ``ops.<module>.<OP>`` the object ``get_op`` returns: a patch of it
     reaches every device (a copy in the registry once made one miss the CUDA path)."""
-    import ops.combine
-    from ops.registry import register_fused
+    import draftgraph.ops.combine
+    from draftgraph.runtime.ir.op_registry import register_fused
 
     op = get_op("combine")
-    assert op is ops.combine.COMBINE
+    assert op is draftgraph.ops.combine.COMBINE
     fused = object()
     try:
         register_fused("combine", "meta", fused)
-        assert get_op("combine") is ops.combine.COMBINE
+        assert get_op("combine") is draftgraph.ops.combine.COMBINE
         assert op.select_impl(torch.device("meta")) is fused
         assert op.select_impl(torch.device("cpu")) is op.impl
         assert op.select_impl(torch.device("meta"), use_fused=False) is op.impl

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from draftgraph.runtime.ir.op_registry import get_op
+from draftgraph.runtime.ir.tensor_spec import TensorSpec
 from v4_op_cases import CASES, gen, rel_err, run_op
-
-from ops.registry import get_op
-from runtime.tensor_spec import TensorSpec
 
 pytestmark = [
     pytest.mark.cuda,

@@ -1,4 +1,4 @@
-"""Side-stream overlap (ops.overlap): where the executor forks and joins, checked on the CPU.
+"""Side-stream overlap (draftgraph.ops.overlap): where the executor forks and joins, checked on the CPU.
 
 A fake side stream stands in for the CUDA one: its blocks run inline (so results are
 exact) and it logs every fork, join event and wait, while a tracer logs each step. The
@@ -11,15 +11,14 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+from draftgraph.ops.moe import can_grouped_mm
+from draftgraph.ops.overlap import SideStream, pick_lane, side_stream
+from draftgraph.runtime.errors import ExecutionError
+from draftgraph.runtime.execution.eager import EagerExecutor
+from draftgraph.runtime.ir.builder import GraphBuilder
+from draftgraph.runtime.ir.tensor_spec import B, TensorSpec
 from proposer_fixtures import SMALL, hidden, make_proposer
 from v4_op_cases import gen, hc_pre_case
-
-from ops.moe import can_grouped_mm
-from ops.overlap import SideStream, pick_lane, side_stream
-from runtime.builder import GraphBuilder
-from runtime.errors import ExecutionError
-from runtime.executor import EagerExecutor
-from runtime.tensor_spec import B, TensorSpec
 
 
 class FakeSide:
@@ -203,9 +202,8 @@ def test_a_step_forks_onto_a_lane_without_unjoined_work(lanes, busy, urgent, pic
 
 
 def test_sms_are_left_for_lanes_only_while_lanes_run_and_always_put_back():
+    import draftgraph.ops.overlap as overlap
     import torch
-
-    import ops.overlap as overlap
 
     get = torch._C._get_sm_carveout_experimental
     assert get() is None

@@ -1,4 +1,4 @@
-"""Side-stream overlap on the GPU (ops.overlap): same results, a shorter critical path.
+"""Side-stream overlap on the GPU (draftgraph.ops.overlap): same results, a shorter critical path.
 
 The torch hc_pre queues its Sinkhorn on the executor's side stream; hc_post joins it.
 Eager and captured, with and without overlap, must give the same drafts, hiddens and
@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from draftgraph.runtime.model.synthetic_weights import random_mtp_weights
+from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
 from proposer_fixtures import SMALL
-
-from runtime.proposer import DeepseekV4MtpProposer
-from runtime.synthetic_weights import random_mtp_weights
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -56,7 +55,7 @@ def test_overlap_equals_one_stream_bit_for_bit(batch, k):
 
 
 def captured_graph(overlap: bool, k: int):
-    from tools.capture_dump import recapture
+    from draftgraph.tools.capture_dump import recapture
 
     prop = proposer("captured", overlap, random_mtp_weights(SMALL, seed=6))
     hidden = torch.randn(SMALL.hc_mult, SMALL.hidden_size, device="cuda").bfloat16()
@@ -65,7 +64,7 @@ def captured_graph(overlap: bool, k: int):
 
 
 def test_overlap_keeps_every_kernel_and_shortens_the_critical_path():
-    from tools.capture_dump import critical_path, node_types
+    from draftgraph.tools.capture_dump import critical_path, node_types
 
     serial, forked = captured_graph(False, 1), captured_graph(True, 1)
     assert node_types(forked)["Kernel"] == node_types(serial)["Kernel"]
@@ -77,7 +76,7 @@ def test_overlap_keeps_every_kernel_and_shortens_the_critical_path():
 
 
 def test_capture_dump_prints_the_critical_path(tmp_path, capsys):
-    from tools.cli import main
+    from draftgraph.tools.cli import main
 
     assert main(["capture-dump", "--out", str(tmp_path / "chain.dot"), "--kernels", "torch"]) == 0
     out = capsys.readouterr().out
@@ -109,8 +108,8 @@ def test_memory_is_flat_over_300_overlapped_proposes():
 
 @pytest.mark.parametrize("priority", ["1", "0"])
 def test_sinkhorns_are_captured_at_high_priority_and_launched_with_node_priorities(priority, monkeypatch):
-    from runtime import raw_launch
-    from tools.capture_dump import kernel_priorities, recapture
+    from draftgraph.runtime.execution import launch as raw_launch
+    from draftgraph.tools.capture_dump import kernel_priorities, recapture
 
     monkeypatch.setenv("DRAFTGRAPH_LANE_PRIORITY", priority)
     prop = proposer("captured", True, random_mtp_weights(SMALL, seed=6))

@@ -12,11 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-from runtime.arena_plan import Buffer, plan_arena
-from runtime.minimalloc import capacity_from_name, load_minimalloc_csv
-from runtime.verify_plan import verify_plan
-from tools.bench_planner import KNOWN_OPTIMA, bench, format_table, main
+from bench_planner import KNOWN_OPTIMA, bench, format_table, main
+from draftgraph.runtime.planning.arena_plan import Buffer, plan_arena
+from draftgraph.runtime.planning.minimalloc_csv import capacity_from_name, load_minimalloc_csv
+from draftgraph.runtime.planning.verify_plan import verify_plan
 
 FOLDER = Path(__file__).resolve().parents[1] / "benchmarks" / "planner"
 UNIT = sorted((FOLDER / "unit").glob("*.csv")) + [FOLDER / "input.12.csv"]

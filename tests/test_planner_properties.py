@@ -11,10 +11,8 @@ import json
 import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from runtime.arena_plan import (
+from draftgraph.runtime.errors import PlanError
+from draftgraph.runtime.planning.arena_plan import (
     ArenaPlan,
     Buffer,
     aligned,
@@ -23,8 +21,9 @@ from runtime.arena_plan import (
     lower_bound,
     plan_arena,
 )
-from runtime.errors import PlanError
-from runtime.verify_plan import verify_plan
+from draftgraph.runtime.planning.verify_plan import verify_plan
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 QUICK = dict(time_limit_s=0.05)  # property examples need a plan, not the best plan
 

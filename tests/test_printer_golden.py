@@ -10,13 +10,12 @@ import json
 
 import networkx as nx
 import torch
+from draftgraph.runtime.ir.builder import GraphBuilder
+from draftgraph.runtime.ir.printer import format_graph
+from draftgraph.runtime.ir.serialize import from_json, to_dot, to_json
+from draftgraph.runtime.ir.tensor_spec import B, TensorSpec
+from draftgraph.runtime.planning.graph_plan import plan_graph
 from golden_files import check_golden
-
-from runtime.builder import GraphBuilder
-from runtime.memory_plan import plan_graph
-from runtime.printer import format_graph
-from runtime.serialize import from_json, to_dot, to_json
-from runtime.tensor_spec import B, TensorSpec
 
 F32, BF16 = torch.float32, torch.bfloat16
 

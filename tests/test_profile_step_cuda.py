@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from draftgraph.runtime.model.synthetic_weights import random_mtp_weights
+from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
 from proposer_fixtures import SMALL
-
-from runtime.proposer import DeepseekV4MtpProposer
-from runtime.synthetic_weights import random_mtp_weights
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def test_op_table_times_every_step_alone_and_leaves_the_replay_unchanged():
-    from tools.profile_step import kernel_table, op_table
+    from profile_step import kernel_table, op_table
 
     prop = DeepseekV4MtpProposer(SMALL, random_mtp_weights(SMALL, seed=8), device="cuda", executor="captured",
                                  kernels="torch")

@@ -6,9 +6,8 @@ import random
 
 import pytest
 import torch
+from draftgraph.runtime.cache.paged_cache import BlockTable
 from proposer_fixtures import TINY, hidden, make_proposer
-
-from runtime.kv_cache import BlockTable
 
 
 def test_held_matches_a_plain_scan():
@@ -53,8 +52,8 @@ def test_a_failed_run_gives_back_every_new_block_and_changes_no_state(num_drafts
 
 
 def test_ensure_batch_is_all_or_nothing_and_trim_windows_equals_trim_window():
-    from runtime.errors import CacheError, InputError
-    from runtime.kv_cache import PagedLatentCache
+    from draftgraph.runtime.cache.paged_cache import PagedLatentCache
+    from draftgraph.runtime.errors import CacheError, InputError
 
     cache = PagedLatentCache(TINY, num_blocks=6)
     a, b = BlockTable(), BlockTable()

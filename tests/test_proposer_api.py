@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from draftgraph.runtime.model.synthetic_weights import random_mtp_weights
 from proposer_fixtures import SMALL, TINY, hidden, make_proposer
 from reference_v4 import ReferenceMtp
-
-from runtime.synthetic_weights import random_mtp_weights
 
 GAP = 0.06
 
 
 def test_propose_matches_reference_over_rounds_with_after_verify_and_catchup():
     tensors = random_mtp_weights(SMALL, seed=5)
-    from runtime.proposer import DeepseekV4MtpProposer
+    from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
 
     prop = DeepseekV4MtpProposer(SMALL, tensors, executor="eager")
     ref = ReferenceMtp(SMALL, tensors)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from draftgraph.runtime.errors import CacheError, InputError
 from proposer_fixtures import TINY, hidden, make_proposer
-
-from runtime.errors import CacheError, InputError
 
 WORDS = (TINY.vocab_size + 31) // 32
 

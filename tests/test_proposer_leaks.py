@@ -5,9 +5,8 @@ from __future__ import annotations
 import random
 
 import torch
+from draftgraph.runtime.errors import CacheError, ExecutionError, InputError
 from proposer_fixtures import TINY, hidden, make_proposer
-
-from runtime.errors import CacheError, ExecutionError, InputError
 
 
 class FlakyIdentity:

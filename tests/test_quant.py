@@ -11,10 +11,8 @@ import struct
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
-from runtime.errors import InputError
-from runtime.quant import (
+from draftgraph.runtime.errors import InputError
+from draftgraph.runtime.model.quant import (
     dequantize_fp8,
     dequantize_mxfp4,
     e2m1_codes,
@@ -26,6 +24,7 @@ from runtime.quant import (
     scale_to_float,
     unpack_e2m1,
 )
+from safetensors.torch import load_file, save_file
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 

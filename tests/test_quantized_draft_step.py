@@ -5,12 +5,11 @@ reference (on the unquantised weights) has a top-2 gap wider than the quantisati
 from __future__ import annotations
 
 import torch
+from draftgraph.runtime.model.checkpoint_writer import write_checkpoint
+from draftgraph.runtime.model.config import V4Config
+from draftgraph.runtime.model.synthetic_weights import random_mtp_weights
+from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
 from reference_v4 import ReferenceMtp
-
-from runtime.checkpoint_writer import write_checkpoint
-from runtime.config import V4Config
-from runtime.proposer import DeepseekV4MtpProposer
-from runtime.synthetic_weights import random_mtp_weights
 
 CFG = V4Config.small()
 ROWS = 64

@@ -1,4 +1,4 @@
-"""Which copies runtime.raw_copy hands to cudaMemcpyAsync and which to Tensor.copy_ (no GPU needed).
+"""Which copies runtime/execution/raw_copy.py hands to cudaMemcpyAsync and which to Tensor.copy_ (no GPU needed).
 
 The CUDA calls are replaced by recorders: the raw path must get exactly the pointers and
 byte count of a plain copy, and anything else must be done, correctly, by ``copy_``.
@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from runtime import raw_copy
+from draftgraph.runtime.execution import raw_copy
 
 
 @pytest.fixture

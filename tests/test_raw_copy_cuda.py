@@ -1,14 +1,13 @@
-"""The staging copies through cuda-python (runtime.raw_copy) against Tensor.copy_ (run on a GPU)."""
+"""The staging copies through cuda-python (runtime/execution/raw_copy.py) against Tensor.copy_ (run on a GPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from draftgraph.runtime.execution import raw_copy
+from draftgraph.runtime.model.synthetic_weights import random_mtp_weights
+from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
 from proposer_fixtures import SMALL
-
-from runtime import raw_copy
-from runtime.proposer import DeepseekV4MtpProposer
-from runtime.synthetic_weights import random_mtp_weights
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -89,14 +88,14 @@ def test_a_propose_stages_through_raw_copies(counted, monkeypatch):
 
 
 def test_the_captured_chain_starts_with_the_staging_kernel():
-    from tools.capture_dump import kernels_per_op, recapture
+    from draftgraph.tools.capture_dump import kernels_per_op, recapture
 
     prop = DeepseekV4MtpProposer(SMALL, random_mtp_weights(SMALL, seed=3), device="cuda", executor="captured")
     hidden = torch.randn(SMALL.hc_mult, SMALL.hidden_size, device="cuda").bfloat16()
     prop.propose(5, hidden, 40, 1, prop.alloc_state())
     executor = prop._executor(1, 1, False)
     assert executor.copies_staging
-    # One kernel node copies the pinned buffer and gathers the hidden (ops.triton.rows.stage_from_host).
+    # One kernel node copies the pinned buffer and gathers the hidden (draftgraph.ops.triton.rows.stage_from_host).
     assert kernels_per_op(recapture(executor))[0] == ("prologue", "(staging)", 1)
 
 
@@ -106,7 +105,7 @@ def test_pinned_memory_is_addressable_at_its_host_address():
 
 
 def test_a_host_buffer_the_device_cannot_address_is_staged_by_a_memcpy_node(monkeypatch):
-    from tools.capture_dump import kernels_per_op, node_types, recapture
+    from draftgraph.tools.capture_dump import kernels_per_op, node_types, recapture
 
     tensors = random_mtp_weights(SMALL, seed=3)
     hidden = torch.randn(SMALL.hc_mult, SMALL.hidden_size, device="cuda").bfloat16()

@@ -1,14 +1,13 @@
-"""Graph replays through cuda-python (runtime.raw_launch) against CUDAGraph.replay() (run on a GPU)."""
+"""Graph replays through cuda-python (draftgraph.runtime.execution.launch) against CUDAGraph.replay() (run on a GPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from draftgraph.runtime.execution import launch as raw_launch
+from draftgraph.runtime.model.synthetic_weights import random_mtp_weights
+from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
 from proposer_fixtures import SMALL
-
-from runtime import raw_launch
-from runtime.proposer import DeepseekV4MtpProposer
-from runtime.synthetic_weights import random_mtp_weights
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -47,7 +46,7 @@ def test_a_raw_launch_replays_the_graph_on_the_current_stream():
 
 def test_the_compiled_launcher_replays_the_graph_on_the_current_stream():
     """graph_launch.c's cuGraphLaunch (design note "compiled launch"), queued as cuda-python's."""
-    from runtime import native_build
+    from draftgraph.runtime.native import build as native_build
 
     native = native_build.load("graph_launch")
     assert native is not None and native.is_available(), native_build.why_not("graph_launch")

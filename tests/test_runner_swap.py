@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from draftgraph.runtime.errors import ExecutionError, RunnerError
 from proposer_fixtures import SMALL, hidden, make_proposer
-
-from runtime.errors import ExecutionError, RunnerError
 
 
 def run_once(prop, seed=0, k=3):
@@ -96,7 +95,7 @@ def test_swap_drops_executors_so_a_stale_one_never_runs(prop):
     stale = next(iter(old.values()))
     key = ("chain", 1, 3, False, prop.use_captured, prop.options.draft_conf_tau)
     prop._executors[key] = stale  # smuggle the old executor back
-    from runtime.errors import CaptureError
+    from draftgraph.runtime.errors import CaptureError
 
     gen = torch.Generator().manual_seed(0)
     state = prop.alloc_state()
@@ -132,7 +131,7 @@ def test_a_bool_k_is_refused_even_once_k_1_has_a_plan(prop):
     state = prop.alloc_state()
     prop.propose(1, hidden(SMALL, gen), 0, 1, state)
     prop.after_verify(0, state)
-    from runtime.errors import InputError
+    from draftgraph.runtime.errors import InputError
 
     with pytest.raises(InputError, match="num_drafts"):
         prop.propose(1, hidden(SMALL, gen), 0, True, state)

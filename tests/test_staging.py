@@ -11,11 +11,16 @@ import random
 
 import pytest
 import torch
-
-from runtime.errors import CacheError, InputError
-from runtime.kv_metadata import BLOCK_TABLE_OFFSET, MetadataView, MetadataWriter, check_rows, pack_metadata
-from runtime.staging import ChainStaging
-from runtime.tensor_spec import TensorSpec
+from draftgraph.runtime.cache.metadata import (
+    BLOCK_TABLE_OFFSET,
+    MetadataView,
+    MetadataWriter,
+    check_rows,
+    pack_metadata,
+)
+from draftgraph.runtime.cache.staging import ChainStaging
+from draftgraph.runtime.errors import CacheError, InputError
+from draftgraph.runtime.ir.tensor_spec import TensorSpec
 
 BLOCK = 16
 

@@ -6,11 +6,10 @@ import json
 
 import pytest
 from decode_fixtures import CFG, single_thread  # noqa: F401
-
-from runtime.weights import make_synthetic_checkpoint
-from tools.cli import main
-from tools.decode import row_bucket
-from tools.swap import COLUMNS, parse_runners
+from draftgraph.runtime.model.weights import make_synthetic_checkpoint
+from draftgraph.tools.cli import main
+from draftgraph.tools.decode import row_bucket
+from draftgraph.tools.swap import COLUMNS, parse_runners
 
 PROMPTS = ["def f(x):", "hello"]
 
@@ -84,7 +83,7 @@ def test_decode_batch_prompts_file_and_bad_arguments(checkpoint, tmp_path, capsy
 
 
 def test_swap_table_and_greedy_equivalence(checkpoint, capsys):
-    runners = "identity,builtin,torch_module,runtime.runners.identity:IdentityRunner"
+    runners = "identity,builtin,torch_module,draftgraph.runtime.proposer.runners.identity:IdentityRunner"
     assert main(["swap", "--runners", runners, *workload(checkpoint)]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
@@ -95,7 +94,7 @@ def test_swap_table_and_greedy_equivalence(checkpoint, capsys):
         "builtin",
         "identity",
         "torch_module",
-        "runtime.runners.identity:IdentityRunner",
+        "draftgraph.runtime.proposer.runners.identity:IdentityRunner",
     ]
     for r in rows:
         acceptance, mean_len, draft_ms, delta, same = r[1:]

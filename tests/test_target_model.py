@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from decode_fixtures import CFG, make_target, prompts, single_thread, weights  # noqa: F401
-
-from graphs.target import build_target
-from graphs.v4_block import CacheGeometry
-from ops.registry import get_op
-from runtime.errors import CacheError, GraphError, InputError
-from runtime.schedule import flatten
+from draftgraph.graphs.target import build_target
+from draftgraph.graphs.v4_block import CacheGeometry
+from draftgraph.runtime.errors import CacheError, GraphError, InputError
+from draftgraph.runtime.ir.op_registry import get_op
+from draftgraph.runtime.ir.schedule import flatten
 
 
 def one_by_one(target, tokens):
@@ -108,7 +107,7 @@ def test_verify_runs_every_sequence_in_one_graph_run():
 
 
 def test_against_the_independent_nn_module_target():
-    from runtime.runners.tiny_model import TinyV4Target
+    from draftgraph.runtime.model.tiny_model import TinyV4Target
 
     tokens = torch.tensor(prompts([24], seed=6)[0])
     ref = TinyV4Target(CFG).to(torch.bfloat16)

@@ -6,9 +6,9 @@ import argparse
 import re
 import struct
 
-from tools.arena import chain_view, format_table
-from tools.chain_select import selected_chain
-from tools.cli import main
+from draftgraph.tools.arena import chain_view, format_table
+from draftgraph.tools.chain_select import selected_chain
+from draftgraph.tools.cli import main
 
 
 def png_size(path) -> tuple[int, int]:

@@ -11,12 +11,11 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-
-from runtime.schedule import flatten
-from tools.chain_select import selected_graph
-from tools.cli import main
-from tools.colors import FALLBACK_COLORS, FAMILY_COLORS, family_color
-from tools.draw_layout import BOX_H, BOX_W, layered_layout
+from draftgraph.runtime.ir.schedule import flatten
+from draftgraph.tools.chain_select import selected_graph
+from draftgraph.tools.cli import main
+from draftgraph.tools.colors import FALLBACK_COLORS, FAMILY_COLORS, family_color
+from draftgraph.tools.draw_layout import BOX_H, BOX_W, layered_layout
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -78,7 +77,7 @@ def test_known_families_have_fixed_distinct_colours():
 
 
 def test_fallback_colour_is_stable_across_processes():
-    code = "from tools.colors import family_color; print(family_color('quantize'), family_color('zz_new'))"
+    code = "from draftgraph.tools.colors import family_color; print(family_color('quantize'), family_color('zz_new'))"
     root = Path(__file__).resolve().parents[1]
     outs = {
         subprocess.run(

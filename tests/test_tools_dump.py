@@ -16,14 +16,13 @@ import subprocess
 import xml.etree.ElementTree as ET
 
 import pytest
+from draftgraph.graphs.draft_chain import ChainSpec, build_draft_chain
+from draftgraph.runtime.ir.schedule import flatten
+from draftgraph.runtime.ir.serialize import from_json
+from draftgraph.runtime.model.config import V4Config
+from draftgraph.tools.chain_select import chain_geometry
+from draftgraph.tools.cli import main
 from golden_files import check_golden
-
-from graphs.draft_chain import ChainSpec, build_draft_chain
-from runtime.config import V4Config
-from runtime.schedule import flatten
-from runtime.serialize import from_json
-from tools.chain_select import chain_geometry
-from tools.cli import main
 
 
 def dump(capsys, *argv: str) -> str:
@@ -118,7 +117,7 @@ def test_dot_is_well_formed(capsys, tmp_path):
 
 
 def test_dot_colours_are_stable_by_family(capsys):
-    from tools.colors import family_color
+    from draftgraph.tools.colors import family_color
 
     text = dump(capsys, "--format", "dot", "-k", "1")
     attn = next(line for line in text.splitlines() if line.strip().startswith('"n:d0.body.attn"'))

@@ -1,4 +1,4 @@
-"""tools.trace.Tracer on the eager executor: one slice per op, body ops nested in their scope."""
+"""draftgraph.tools.trace.Tracer on the eager executor: one slice per op, body ops nested in their scope."""
 
 from __future__ import annotations
 
@@ -6,12 +6,11 @@ import json
 import time
 
 import torch
-
-from runtime.builder import GraphBuilder
-from runtime.executor import EagerExecutor
-from runtime.schedule import flatten
-from runtime.tensor_spec import B, TensorSpec
-from tools.trace import Tracer
+from draftgraph.runtime.execution.eager import EagerExecutor
+from draftgraph.runtime.ir.builder import GraphBuilder
+from draftgraph.runtime.ir.schedule import flatten
+from draftgraph.runtime.ir.tensor_spec import B, TensorSpec
+from draftgraph.tools.trace import Tracer
 
 F32 = torch.float32
 EPS_US = 1e-6  # float slack when comparing microsecond timestamps

@@ -35,7 +35,7 @@ def _load_kernel_modules():
     names = ["_common", "gemv", "head", "moe_grouped", "moe", "mhc", "attention", "gate"]
     mods = {}
     for name in names:
-        full = f"ops.triton.{name}"
+        full = f"draftgraph.ops.triton.{name}"
         mod = sys.modules.get(full)
         mod = importlib.import_module(full) if mod is None else mod
         compiled = [v for v in vars(mod).values() if type(v).__name__ == "JITFunction"]
@@ -49,6 +49,9 @@ K = _load_kernel_modules()
 if INTERPRET:
     K["_common"].patch_interpreter_rounding()
 
+from draftgraph.runtime.ir.op_registry import get_op  # noqa: E402
+from draftgraph.runtime.ir.tensor_spec import TensorSpec  # noqa: E402
+from draftgraph.runtime.model.config import V4Config  # noqa: E402
 from v4_op_cases import (  # noqa: E402
     attention_case,
     combine_case,
@@ -62,10 +65,6 @@ from v4_op_cases import (  # noqa: E402
     moe_hash_case,
     rel_err,
 )
-
-from ops.registry import get_op  # noqa: E402
-from runtime.config import V4Config  # noqa: E402
-from runtime.tensor_spec import TensorSpec  # noqa: E402
 
 FUSED = {
     "lm_head": K["head"].lm_head_impl,
@@ -510,16 +509,15 @@ def test_fused_chain_at_batch_3_never_falls_back_to_a_torch_op(monkeypatch):
     (Before: at B > 1 the fused attention saw non-contiguous positions and ran the torch op,
     172 kernel nodes per step instead of 32 on the H200.)
     """
+    import draftgraph.ops.attention
+    import draftgraph.ops.basic
+    import draftgraph.ops.combine
+    import draftgraph.ops.lm_head
+    import draftgraph.ops.mhc
+    import draftgraph.ops.moe
+    import draftgraph.ops.sampling
+    from draftgraph.runtime.ir.op_registry import get_op
     from proposer_fixtures import SMALL, hidden, make_proposer
-
-    import ops.attention
-    import ops.basic
-    import ops.combine
-    import ops.lm_head
-    import ops.mhc
-    import ops.moe
-    import ops.sampling
-    from ops.registry import get_op
 
     # the fused impls are the (interpreted or compiled) kernel modules' own
     fused = {"lm_head": K["head"].lm_head_impl, "draft_argmax": K["head"].draft_argmax_impl,
@@ -528,11 +526,12 @@ def test_fused_chain_at_batch_3_never_falls_back_to_a_torch_op(monkeypatch):
              "swa_attention": K["attention"].swa_attention_impl, "linear": K["gemv"].linear_impl,
              "rms_norm": K["gemv"].rms_norm_impl, "combine": K["gemv"].combine_impl}
     fallbacks = []
-    for module, name in [(ops.moe, "_moe_impl"), (ops.moe, "_moe_hash_impl"), (ops.mhc, "_hc_pre_impl"),
-                         (ops.mhc, "_hc_head_impl"), (ops.mhc, "_hc_post_impl"), (ops.attention, "_attn_impl"),
-                         (ops.lm_head, "_lm_head_impl"), (ops.sampling, "_draft_argmax_impl"),
-                         (ops.basic, "_linear_impl"), (ops.basic, "_rms_norm_impl"),
-                         (ops.combine, "_combine_impl")]:
+    for module, name in [(draftgraph.ops.moe, "_moe_impl"), (draftgraph.ops.moe, "_moe_hash_impl"),
+                         (draftgraph.ops.mhc, "_hc_pre_impl"), (draftgraph.ops.mhc, "_hc_head_impl"),
+                         (draftgraph.ops.mhc, "_hc_post_impl"), (draftgraph.ops.attention, "_attn_impl"),
+                         (draftgraph.ops.lm_head, "_lm_head_impl"), (draftgraph.ops.sampling, "_draft_argmax_impl"),
+                         (draftgraph.ops.basic, "_linear_impl"), (draftgraph.ops.basic, "_rms_norm_impl"),
+                         (draftgraph.ops.combine, "_combine_impl")]:
         monkeypatch.setattr(module, name, lambda *a, name=name: fallbacks.append(name))
     device = "cuda" if HAS_CUDA else "cpu"
     prop = make_proposer(kernels="torch", buckets=(3,), device=device)

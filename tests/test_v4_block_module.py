@@ -8,13 +8,12 @@ import math
 
 import pytest
 import torch
-
-from runtime.byte_tokenizer import ByteTokenizer
-from runtime.config import V4Config
-from runtime.errors import InputError, WeightError
-from runtime.runners import v4_block_math as vm
-from runtime.runners.tiny_model import TinyV4Mtp, TinyV4Target
-from runtime.runners.v4_block_module import V4Block
+from draftgraph.runtime.decode.tokenizer import ByteTokenizer
+from draftgraph.runtime.errors import InputError, WeightError
+from draftgraph.runtime.model import v4_block_math as vm
+from draftgraph.runtime.model.config import V4Config
+from draftgraph.runtime.model.tiny_model import TinyV4Mtp, TinyV4Target
+from draftgraph.runtime.model.v4_block_module import V4Block
 
 torch.set_num_threads(1)
 BS = vm.KV_BLOCK_SIZE
@@ -401,7 +400,7 @@ def test_byte_tokenizer_round_trip():
 
 @pytest.mark.slow
 def test_smoke_training_lowers_the_loss():
-    from tools.train_tiny import is_held_out, stdlib_files, tiny_config, token_stream, train
+    from train_tiny import is_held_out, stdlib_files, tiny_config, token_stream, train
 
     root, files = stdlib_files()
     stream = token_stream(root, [f for f in files if not is_held_out(f)][:40])

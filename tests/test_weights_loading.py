@@ -6,15 +6,12 @@ import json
 import math
 import re
 
+import draftgraph.runtime.model.weights as weights_module
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-
-import runtime.weights as weights_module
-from runtime.config import V4Config
-from runtime.errors import WeightError
-from runtime.weights import (
+from draftgraph.runtime.errors import WeightError
+from draftgraph.runtime.model.config import V4Config
+from draftgraph.runtime.model.weights import (
     MTP_TENSOR_NAMES,
     TARGET_TENSOR_NAMES,
     checkpoint_layout,
@@ -23,6 +20,8 @@ from runtime.weights import (
     random_mtp_weights,
     write_checkpoint,
 )
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 CONFIG = V4Config.small()
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 import math
 
 import torch
-
-from ops.registry import get_op
-from runtime.config import V4Config
-from runtime.tensor_spec import TensorSpec
+from draftgraph.runtime.ir.op_registry import get_op
+from draftgraph.runtime.ir.tensor_spec import TensorSpec
+from draftgraph.runtime.model.config import V4Config
 
 CFG = V4Config.small()
 BATCH = 3

@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.common import add_selectors
+from draftgraph.tools.common import add_selectors
 
 EXAMPLES = """examples:
   draftgraph arena --out arena.png                   # K=3 chain at B=1
@@ -93,7 +93,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def chain_view(flat, plan) -> ArenaView:
-    from tools.colors import node_family
+    from draftgraph.tools.colors import node_family
 
     family = {o: node_family(n.op) for n in flat.nodes.values() for o in n.outputs}
     groups = plan.groups
@@ -145,9 +145,9 @@ def _aligned(size: int, alignment: int) -> int:
 
 def csv_view(path: Path, time_limit_s: float = 1.0) -> ArenaView:
     """Plan a MiniMalloc CSV at alignment 1, verify the plan, and view it."""
-    from runtime.arena_plan import plan_arena
-    from runtime.minimalloc import capacity_from_name, load_minimalloc_csv
-    from runtime.verify_plan import verify_plan
+    from draftgraph.runtime.planning.arena_plan import plan_arena
+    from draftgraph.runtime.planning.minimalloc_csv import capacity_from_name, load_minimalloc_csv
+    from draftgraph.runtime.planning.verify_plan import verify_plan
 
     problem = load_minimalloc_csv(path)
     plan = plan_arena(problem, alignment=1, time_limit_s=time_limit_s)
@@ -187,7 +187,7 @@ def format_table(view: ArenaView) -> str:
 
 
 def run(args) -> int:
-    from tools.cli import UsageError
+    from draftgraph.tools.cli import UsageError
 
     if args.format == "png" and args.out is None:
         raise UsageError("--out: expected a picture file (.png or .svg) with --format png")
@@ -200,7 +200,7 @@ def run(args) -> int:
             )
         view = csv_view(args.csv, args.time_limit)
     else:
-        from tools.chain_select import selected_chain
+        from draftgraph.tools.chain_select import selected_chain
 
         view = chain_view(*selected_chain(args))
     _write(view, args.format, args.out)
@@ -220,9 +220,8 @@ def _write(view: ArenaView, fmt: str, out: Path | None) -> None:
 
 
 def _run_folder(args) -> int:
+    from draftgraph.tools.cli import UsageError
     from tqdm import tqdm
-
-    from tools.cli import UsageError
 
     paths = sorted(args.csv.glob("*.csv"))
     if not paths:
@@ -239,7 +238,7 @@ def _run_folder(args) -> int:
 
 
 def _short_bytes(n: float) -> str:
-    from runtime.arena_plan import format_bytes_short
+    from draftgraph.runtime.planning.arena_plan import format_bytes_short
 
     return format_bytes_short(int(n)) + ("" if n >= 1024 else " B")
 
@@ -250,10 +249,9 @@ def draw_arena(view: ArenaView, out: Path, dpi: int = 110) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from draftgraph.tools.colors import family_color
     from matplotlib.patches import Rectangle
     from matplotlib.ticker import FuncFormatter, MaxNLocator, MultipleLocator
-
-    from tools.colors import family_color
 
     steps = max(view.num_steps, 1)
     top = max(view.arena_bytes, view.lower_bound, view.capacity or 0, 1)

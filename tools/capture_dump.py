@@ -7,7 +7,7 @@ are attributed to IR ops by capture order: each op is also captured on its own i
 throwaway graph (the same kernels, since no op branches on data), and so is the staging
 prologue (the copy from pinned memory and the hidden gather); the last line prints their sum
 beside the whole graph's count, which it must equal. The first line also gives the nodes on
-the critical path: ops that fork work onto a side stream (``ops.overlap``) shorten it; and how
+the critical path: ops that fork work onto a side stream (``draftgraph.ops.overlap``) shorten it; and how
 many kernel nodes were captured at high priority (the urgent side lane's).
 """
 
@@ -18,8 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-
-from tools.cli import UsageError
+from draftgraph.tools.cli import UsageError
 
 EXAMPLES = """examples:
   draftgraph capture-dump --out chain.dot
@@ -82,7 +81,7 @@ def critical_path(cuda_graph: torch.cuda.CUDAGraph) -> int:
     """Nodes on the longest dependency chain: what a replay waits for, launch after launch.
 
     A graph captured on one stream is one chain (every node on it); ops that fork work onto
-    a side stream (``ops.overlap``) take that work off it.
+    a side stream (``draftgraph.ops.overlap``) take that work off it.
     """
     import networkx as nx
 
@@ -117,7 +116,7 @@ def kernel_priorities(cuda_graph: torch.cuda.CUDAGraph) -> Counter:
 
 def recapture(executor, keep_graph: bool = True):
     """A CapturedExecutor over the same graph, inputs and weights, keeping its cudaGraph_t."""
-    from runtime.captured import CapturedExecutor
+    from draftgraph.runtime.execution.captured import CapturedExecutor
 
     eager = executor.eager if hasattr(executor, "eager") else executor
     weights = {n: eager.bound[n] for n, v in eager.graph.values.items() if v.kind.value == "weight"}
@@ -161,8 +160,8 @@ def kernels_per_op(kept) -> list[tuple[str, str, int]]:
 def run(args) -> int:
     if not torch.cuda.is_available():
         raise UsageError("capture-dump needs a CUDA GPU (none is visible here)")
-    from runtime.proposer import DeepseekV4MtpProposer
-    from tools.common import default_checkpoint
+    from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
+    from draftgraph.tools.common import default_checkpoint
 
     path = args.checkpoint or default_checkpoint()
     prop = DeepseekV4MtpProposer.from_checkpoint(path, device="cuda", mode=args.mode, executor="captured",

@@ -1,6 +1,6 @@
 """The chain graph and arena plan that ``dump``, ``draw`` and ``arena`` show.
 
-The selectors of :func:`tools.common.add_selectors` (--num-drafts, --batch,
+The selectors of :func:`draftgraph.tools.common.add_selectors` (--num-drafts, --batch,
 --mode, --checkpoint, --runner) pick the graph; the cache geometry is a fixed
 64-block pool sized so that one sequence can reach ``max_position_embeddings``
 (it only sets the shapes of ``block_table`` and the KV cache in the dump).
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 
-from graphs.draft_chain import ChainSpec, build_draft_chain
-from graphs.v4_block import CacheGeometry
-from runtime.config import V4Config
-from runtime.graph import Graph
-from tools.common import selected_config
+from draftgraph.graphs.draft_chain import ChainSpec, build_draft_chain
+from draftgraph.graphs.v4_block import CacheGeometry
+from draftgraph.runtime.ir.graph import Graph
+from draftgraph.runtime.model.config import V4Config
+from draftgraph.tools.common import selected_config
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
@@ -27,7 +27,7 @@ def chain_geometry(config: V4Config, block_size: int = BLOCK_SIZE) -> CacheGeome
 
 
 def chain_spec(args) -> ChainSpec:
-    from tools.cli import UsageError
+    from draftgraph.tools.cli import UsageError
 
     num_drafts = getattr(args, "num_drafts", 1)
     if num_drafts < 1:
@@ -56,9 +56,9 @@ def selected_chain(args):
     >>> plan.arena_bytes <= plan.arena.naive_bytes     # doctest: +SKIP
     True
     """
-    from runtime.memory_plan import plan_graph
-    from runtime.schedule import flatten
-    from tools.cli import UsageError
+    from draftgraph.runtime.ir.schedule import flatten
+    from draftgraph.runtime.planning.graph_plan import plan_graph
+    from draftgraph.tools.cli import UsageError
 
     batch = getattr(args, "batch", 1)
     if batch < 1:

@@ -8,15 +8,15 @@ import sys
 
 # subcommand -> module (each module has add_parser(subparsers) and run(args) -> int)
 COMMANDS = {
-    "demo": "tools.demo",
-    "draft": "tools.draft",
-    "dump": "tools.dump",
-    "draw": "tools.draw",
-    "arena": "tools.arena",
-    "plan-csv": "tools.plan_csv",
-    "capture-dump": "tools.capture_dump",
-    "decode": "tools.decode",
-    "swap": "tools.swap",
+    "demo": "draftgraph.tools.demo",
+    "draft": "draftgraph.tools.draft",
+    "dump": "draftgraph.tools.dump",
+    "draw": "draftgraph.tools.draw",
+    "arena": "draftgraph.tools.arena",
+    "plan-csv": "draftgraph.tools.plan_csv",
+    "capture-dump": "draftgraph.tools.capture_dump",
+    "decode": "draftgraph.tools.decode",
+    "swap": "draftgraph.tools.swap",
 }
 
 
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from runtime.errors import DraftGraphError
+    from draftgraph.runtime.errors import DraftGraphError
 
     try:
         return int(args.func(args) or 0)
@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Under `python -m tools.cli` this file runs as __main__; the tools raise tools.cli.UsageError,
+    # Under `python -m draftgraph.tools.cli` this file runs as __main__; the tools raise
+    # draftgraph.tools.cli.UsageError,
     # so dispatch through the imported module for its exception classes to be the ones caught.
-    from tools.cli import main as package_main
+    from draftgraph.tools.cli import main as package_main
 
     sys.exit(package_main())

@@ -7,7 +7,7 @@ the way torch.fx's graph drawer keeps colours stable. Non-intermediate values
 
 Example
 -------
->>> from tools.colors import family_color
+>>> from draftgraph.tools.colors import family_color
 >>> family_color("attention")
 '#f4a6a6'
 """
@@ -67,8 +67,8 @@ def node_family(op: str) -> str:
     """The family of an op name; ``subgraph`` and unregistered ops are their own family."""
     if op in ("subgraph", "body_runner"):
         return "runner" if op == "body_runner" else "subgraph"
-    from ops.registry import get_op
-    from runtime.errors import GraphError
+    from draftgraph.runtime.errors import GraphError
+    from draftgraph.runtime.ir.op_registry import get_op
 
     try:
         return get_op(op).family

@@ -8,8 +8,7 @@ import shutil
 from pathlib import Path
 
 import torch
-
-from runtime.config import V4Config
+from draftgraph.runtime.model.config import V4Config
 
 DEMO_SEED = 0
 DEMO_FORMAT = "mxfp4"  # the real layout: FP8 block-scaled linears, MXFP4 routed experts
@@ -22,7 +21,7 @@ def cache_dir() -> Path:
 
 def default_checkpoint() -> Path:
     """A small V4-shaped checkpoint in the real format, made deterministically on first use."""
-    from runtime.checkpoint_writer import make_synthetic_checkpoint
+    from draftgraph.runtime.model.checkpoint_writer import make_synthetic_checkpoint
 
     path = cache_dir() / f"demo-small-{DEMO_FORMAT}-seed{DEMO_SEED}"
     if not (path / "config.json").exists():

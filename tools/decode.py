@@ -18,8 +18,8 @@ import os
 import time
 from pathlib import Path
 
-from tools.cli import UsageError
-from tools.common import cache_dir, device_arg
+from draftgraph.tools.cli import UsageError
+from draftgraph.tools.common import cache_dir, device_arg
 
 EXAMPLES = """examples:
   draftgraph decode --prompt "def fibonacci(n):"
@@ -102,8 +102,8 @@ def resolve_checkpoint(path: Path | None) -> tuple[Path, str]:
 
 def random_target_checkpoint() -> Path:
     """A small V4-shaped checkpoint WITH target layers (bf16, random), made once in the cache folder."""
-    from runtime.checkpoint_writer import make_synthetic_checkpoint
-    from runtime.config import V4Config
+    from draftgraph.runtime.model.checkpoint_writer import make_synthetic_checkpoint
+    from draftgraph.runtime.model.config import V4Config
 
     path = cache_dir() / "decode-small-bf16-seed0"
     if not (path / "config.json").exists():
@@ -124,10 +124,10 @@ def row_bucket(num_prompts: int, num_drafts: int) -> int:
 
 def load_models(path: Path, args, num_prompts: int):
     """(target, proposer, tokenizer) on the requested device and executor."""
-    from runtime.byte_tokenizer import VOCAB_SIZE, ByteTokenizer
-    from runtime.proposer import DeepseekV4MtpProposer
-    from runtime.target_model import TargetModel, concrete_device
-    from runtime.weights import MTP_TENSOR_NAMES, TARGET_TENSOR_NAMES, load_checkpoint
+    from draftgraph.runtime.decode.target import TargetModel, concrete_device
+    from draftgraph.runtime.decode.tokenizer import VOCAB_SIZE, ByteTokenizer
+    from draftgraph.runtime.model.weights import MTP_TENSOR_NAMES, TARGET_TENSOR_NAMES, load_checkpoint
+    from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
 
     device = concrete_device(device_arg(args.device))
     executor = "eager" if args.eager else "auto"
@@ -160,8 +160,8 @@ def load_models(path: Path, args, num_prompts: int):
 
 
 def run(args) -> int:
-    from runtime.decode import speculative_decode
-    from tools.trace import Tracer
+    from draftgraph.runtime.decode.loop import speculative_decode
+    from draftgraph.tools.trace import Tracer
 
     prompts = read_prompts(args)
     path, note = resolve_checkpoint(args.checkpoint)

@@ -13,8 +13,7 @@ import argparse
 import time
 
 import torch
-
-from tools.common import default_checkpoint, device_arg
+from draftgraph.tools.common import default_checkpoint, device_arg
 
 EXAMPLES = """examples:
   draftgraph demo
@@ -65,11 +64,11 @@ class StandInTarget:
 
 
 def run(args) -> int:
-    from runtime.memory_plan import plan_graph
-    from runtime.printer import format_graph
-    from runtime.proposer import DeepseekV4MtpProposer
-    from runtime.schedule import flatten
-    from tools.trace import Tracer
+    from draftgraph.runtime.ir.printer import format_graph
+    from draftgraph.runtime.ir.schedule import flatten
+    from draftgraph.runtime.planning.graph_plan import plan_graph
+    from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
+    from draftgraph.tools.trace import Tracer
 
     device = device_arg(args.device)
     path = default_checkpoint()

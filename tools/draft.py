@@ -12,9 +12,8 @@ import json
 from pathlib import Path
 
 import torch
-
-from tools.cli import UsageError
-from tools.common import device_arg
+from draftgraph.tools.cli import UsageError
+from draftgraph.tools.common import device_arg
 
 EXAMPLES = """examples:
   draftgraph draft --checkpoint ckpt/ --token 17 --hidden h.safetensors --position 40 --num-drafts 3 --json
@@ -57,8 +56,8 @@ def load_hidden(path: Path) -> torch.Tensor:
 
 
 def run(args) -> int:
-    from runtime.proposer import DeepseekV4MtpProposer
-    from tools.trace import Tracer
+    from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
+    from draftgraph.tools.trace import Tracer
 
     if not (args.checkpoint / "config.json").exists() and not args.checkpoint.is_file():
         raise UsageError(f"--checkpoint: expected a folder with config.json, got {args.checkpoint}")

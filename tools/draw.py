@@ -1,10 +1,10 @@
 """``draftgraph draw``: a picture of the draft chain graph (SVG or PNG).
 
-With Graphviz (``dot`` on PATH) the picture is ``runtime.serialize.to_dot``
+With Graphviz (``dot`` on PATH) the picture is ``draftgraph.runtime.ir.serialize.to_dot``
 rendered by ``dot``. Without it (or with ``--engine matplotlib``) a layered
 layout is drawn with matplotlib: one column per draft (``d0``, ``d1``, ...),
 rows by dependency depth, the body of each draft as a labelled cluster, boxes
-coloured by op family (``tools.colors``), edges labelled ``dtype[shape]``.
+coloured by op family (``draftgraph.tools.colors``), edges labelled ``dtype[shape]``.
 Inputs, weights and state are drawn apart from the data flow: as small tags on
 the nodes that read them (``i3``, ``w7-14``, ``s1``), spelled out in a legend.
 """
@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tools.common import add_selectors
+from draftgraph.tools.common import add_selectors
 
 EXAMPLES = """examples:
   draftgraph draw --out chain.svg                    # K=3 chain; Graphviz when installed
@@ -49,7 +49,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def picture_format(path: Path) -> str:
-    from tools.cli import UsageError
+    from draftgraph.tools.cli import UsageError
 
     suffix = path.suffix.lower().lstrip(".")
     if suffix not in ("svg", "png"):
@@ -58,9 +58,9 @@ def picture_format(path: Path) -> str:
 
 
 def run(args) -> int:
-    from runtime.schedule import flatten
-    from tools.chain_select import selected_graph
-    from tools.cli import UsageError
+    from draftgraph.runtime.ir.schedule import flatten
+    from draftgraph.tools.chain_select import selected_graph
+    from draftgraph.tools.cli import UsageError
 
     fmt = picture_format(args.out)
     flat = flatten(selected_graph(args))
@@ -82,16 +82,16 @@ def run(args) -> int:
 
 def draw_graphviz(graph, out: Path, fmt: str) -> None:
     """Render ``to_dot(graph)`` with the ``dot`` binary."""
-    from runtime.serialize import to_dot
-    from tools.colors import graph_palette
+    from draftgraph.runtime.ir.serialize import to_dot
+    from draftgraph.tools.colors import graph_palette
 
     source = to_dot(graph, colors=graph_palette(graph))
     subprocess.run(["dot", f"-T{fmt}", "-o", str(out)], input=source.encode(), check=True)
 
 
 def draw_matplotlib(graph, out: Path, dpi: int = 110) -> None:
-    """Draw ``graph`` (flat) with the layered layout of :mod:`tools.draw_layout`."""
-    from tools.draw_layout import layered_layout
-    from tools.draw_render import render_layout
+    """Draw ``graph`` (flat) with the layered layout of :mod:`draftgraph.tools.draw_layout`."""
+    from draftgraph.tools.draw_layout import layered_layout
+    from draftgraph.tools.draw_render import render_layout
 
     render_layout(graph, layered_layout(graph), out, dpi=dpi)

@@ -74,7 +74,7 @@ def short_name(name: str, scope: str) -> str:
 
 
 def layered_layout(graph) -> Layout:
-    from runtime.schedule import schedule
+    from draftgraph.runtime.ir.schedule import schedule
 
     order = [n.name for n in schedule(graph)]
     index = {n: i for i, n in enumerate(order)}

@@ -1,4 +1,4 @@
-"""Render a :class:`tools.draw_layout.Layout` with matplotlib (1 data unit = 1 inch).
+"""Render a :class:`draftgraph.tools.draw_layout.Layout` with matplotlib (1 data unit = 1 inch).
 
 Boxes: name (bold), op, and tags for the inputs (``i``), weights (``w``) and state
 (``s``) the node reads, numbered in order of first use and spelled out in the
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.graph import ValueKind
-from tools.colors import KIND_COLORS, family_color, node_family
-from tools.draw_layout import BOX_H, BOX_W, Layout, short_name
+from draftgraph.runtime.ir.graph import ValueKind
+from draftgraph.tools.colors import KIND_COLORS, family_color, node_family
+from draftgraph.tools.draw_layout import BOX_H, BOX_W, Layout, short_name
 
 LEGEND_W = 3.9
 TAG_PREFIX = {ValueKind.INPUT: "i", ValueKind.WEIGHT: "w", ValueKind.STATE: "s"}
@@ -56,9 +56,8 @@ def render_layout(graph, layout: Layout, out: Path, dpi: int = 110) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from draftgraph.runtime.ir.schedule import schedule
     from matplotlib.patches import FancyBboxPatch, Rectangle
-
-    from runtime.schedule import schedule
 
     order = [n.name for n in schedule(graph)]
     tags = tag_numbers(graph, order)

@@ -1,10 +1,10 @@
 """``draftgraph dump``: print the draft chain graph as text, JSON or Graphviz DOT.
 
-text: the one printer (``runtime.printer.format_graph``) over the flattened chain
+text: the one printer (``draftgraph.runtime.ir.printer.format_graph``) over the flattened chain
 with its arena plan: each line's arena offset and bytes, the values freed there,
 and a closing summary line. json: the graph as built (the body still a subgraph
-node), loadable with ``runtime.serialize.from_json``. dot: Graphviz source with
-the body as a cluster and nodes coloured by op family (``tools.colors``).
+node), loadable with ``draftgraph.runtime.ir.serialize.from_json``. dot: Graphviz source with
+the body as a cluster and nodes coloured by op family (``draftgraph.tools.colors``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tools.common import add_selectors
+from draftgraph.tools.common import add_selectors
 
 EXAMPLES = """examples:
   draftgraph dump                          # K=3 chain, streams mode, B=1, with arena offsets
@@ -42,19 +42,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def render(args) -> str:
     """The dump as a string (what ``run`` prints or writes)."""
-    from tools.chain_select import selected_chain, selected_graph
+    from draftgraph.tools.chain_select import selected_chain, selected_graph
 
     if args.format == "json":
-        from runtime.serialize import dumps
+        from draftgraph.runtime.ir.serialize import dumps
 
         return dumps(selected_graph(args)) + "\n"
     flat, plan = selected_chain(args)
     if args.format == "dot":
-        from runtime.serialize import to_dot
-        from tools.colors import graph_palette
+        from draftgraph.runtime.ir.serialize import to_dot
+        from draftgraph.tools.colors import graph_palette
 
         return to_dot(flat, plan, colors=graph_palette(flat))
-    from runtime.printer import format_graph
+    from draftgraph.runtime.ir.printer import format_graph
 
     return format_graph(flat, plan) + "\n"
 

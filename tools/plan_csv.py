@@ -47,9 +47,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Plan ``args.file``; print a report (or JSON); return the exit code."""
-    from runtime.arena_plan import plan_arena
-    from runtime.errors import DraftGraphError
-    from runtime.minimalloc import capacity_from_name, load_minimalloc_csv
+    from draftgraph.runtime.errors import DraftGraphError
+    from draftgraph.runtime.planning.arena_plan import plan_arena
+    from draftgraph.runtime.planning.minimalloc_csv import capacity_from_name, load_minimalloc_csv
 
     capacity = getattr(args, "capacity", None)
     time_limit_s = getattr(args, "time_limit", 1.0)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 
-from tools.cli import UsageError
-from tools.decode import add_workload_args, load_models, read_prompts, resolve_checkpoint
+from draftgraph.tools.cli import UsageError
+from draftgraph.tools.decode import add_workload_args, load_models, read_prompts, resolve_checkpoint
 
 EXAMPLES = """examples:
   draftgraph swap
@@ -56,7 +56,7 @@ def parse_runners(text: str) -> list[str]:
 
 
 def run(args) -> int:
-    from runtime.decode import speculative_decode
+    from draftgraph.runtime.decode.loop import speculative_decode
 
     runners = parse_runners(args.runners)
     prompts = read_prompts(args)

@@ -11,14 +11,14 @@ Kernels (docs/KERNELS.md has the byte counts, predictions and measurements):
 ========================  =========================================================
 op                        module
 ========================  =========================================================
-lm_head, draft_argmax     ops.triton.head   (norm + GEMV; two-stage argmax + prob)
-moe, moe_hash             ops.triton.moe    (gate split-K, w1/w3 + SwiGLU, w2;
-                                             batch > 1: ops.triton.moe_grouped)
-hc_pre, hc_head, hc_post  ops.triton.mhc    (split mix + Sinkhorn finish; post)
-swa_attention             ops.triton.attention
-linear, rms_norm,         ops.triton.gemv   (combine: a norm and a GEMV per half + the sum)
+lm_head, draft_argmax     draftgraph.ops.triton.head   (norm + GEMV; two-stage argmax + prob)
+moe, moe_hash             draftgraph.ops.triton.moe    (gate split-K, w1/w3 + SwiGLU, w2;
+                                             batch > 1: draftgraph.ops.triton.moe_grouped)
+hc_pre, hc_head, hc_post  draftgraph.ops.triton.mhc    (split mix + Sinkhorn finish; post)
+swa_attention             draftgraph.ops.triton.attention
+linear, rms_norm,         draftgraph.ops.triton.gemv   (combine: a norm and a GEMV per half + the sum)
 combine
-draft_gate, cut_drafts    ops.triton.gate   (one program each: a few dozen ints)
+draft_gate, cut_drafts    draftgraph.ops.triton.gate   (one program each: a few dozen ints)
 ========================  =========================================================
 
 Scratch: each impl takes its scratch from ``workspace`` when the op declares one large
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 
 def _impls() -> dict:
-    from ops.triton import attention, gate, gemv, head, mhc, moe
+    from draftgraph.ops.triton import attention, gate, gemv, head, mhc, moe
 
     return {
         "draft_gate": gate.draft_gate_impl,
@@ -62,7 +62,7 @@ def register_all(ops: list[str] | None = None) -> list[str]:
     """Register the fused CUDA impls (all, or the named ``ops``); returns the names registered."""
     if not available():
         return []
-    from ops.registry import register_fused
+    from draftgraph.runtime.ir.op_registry import register_fused
 
     impls = _impls()
     names = list(impls) if ops is None else list(ops)
@@ -73,7 +73,7 @@ def register_all(ops: list[str] | None = None) -> list[str]:
 
 def workspace_rules() -> dict:
     """op name -> ``rule(specs, attrs, batch) -> bytes`` of the scratch each fused impl uses."""
-    from ops.triton import attention, head, mhc, moe
+    from draftgraph.ops.triton import attention, head, mhc, moe
 
     return {
         "lm_head": head.lm_head_workspace,

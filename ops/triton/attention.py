@@ -24,9 +24,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from ops.triton._common import carve, interpreting, mma, next_pow2, pdl_args, pdl_wait, scratch_bytes, splat
-from ops.triton.gemv import GemvConfig, gemv
+from draftgraph.ops.triton._common import carve, interpreting, mma, next_pow2, pdl_args, pdl_wait, scratch_bytes, splat
+from draftgraph.ops.triton.gemv import GemvConfig, gemv
 
 # Tuned on an H200 at V4-Flash shapes, batch 1 (docs/KERNELS.md); batch > 1 uses gemv.BATCHED.
 PROJ_CONFIG = GemvConfig(8, 1024, 4, 3, use_dot=False)  # wq_a + wkv: 1536 x 4096
@@ -457,7 +456,7 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
 
 def swa_attention_impl(inputs, outputs, attrs, workspace):
     if not _usable(inputs, attrs) or outputs[0].stride(1) != 1:
-        from ops.attention import _attn_impl
+        from draftgraph.ops.attention import _attn_impl
 
         return _attn_impl(inputs, outputs, attrs, workspace)
     for _, launch in plan(inputs, outputs, attrs, workspace):

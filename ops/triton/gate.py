@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-from ops.draft_gate import CUT, _cut_impl
-from ops.triton._common import next_pow2, pdl_args, pdl_wait
+from draftgraph.ops.draft_gate import CUT, _cut_impl
+from draftgraph.ops.triton._common import next_pow2, pdl_args, pdl_wait
 
 MAX_CUT_STEPS = 7  # cut_drafts of K <= 8 drafts in one kernel (ProposerOptions.max_num_drafts is 8)
 CUT_ID: tl.constexpr = tl.constexpr(CUT)

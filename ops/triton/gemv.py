@@ -27,8 +27,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
-from ops.triton._common import batch_block, interpreting, mma, next_pow2, pdl_args, pdl_wait
+from draftgraph.ops.triton._common import batch_block, interpreting, mma, next_pow2, pdl_args, pdl_wait
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,7 @@ class GemvConfig:
 
 DEFAULT = GemvConfig()
 BATCHED = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)  # any FMA config at batch > 1
-# Tuned on an H200 at V4-Flash shapes, batch 1 (tools/bench_kernels.py --tune; docs/KERNELS.md):
+# Tuned on an H200 at V4-Flash shapes, batch 1 (benchmarks/bench_kernels.py --tune; docs/KERNELS.md):
 # narrow FMA row blocks over long K runs won at batch 1 (more programs, 16-byte loads, no
 # padding to 16 activation rows); the dot variant at n64 k128 is within 1% on the LM head.
 LM_HEAD_CONFIG = GemvConfig(block_n=4, block_k=2048, num_warps=4, num_stages=3, use_dot=False)
@@ -293,7 +292,7 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear_impl(inputs, outputs, attrs, workspace):
-    from ops.basic import _linear_impl
+    from draftgraph.ops.basic import _linear_impl
 
     x, w = inputs
     (out,) = outputs
@@ -304,7 +303,7 @@ def linear_impl(inputs, outputs, attrs, workspace):
 
 
 def rms_norm_impl(inputs, outputs, attrs, workspace):
-    from ops.basic import _rms_norm_impl
+    from draftgraph.ops.basic import _rms_norm_impl
 
     x, w = inputs
     x2, o2 = _rows_view(x), _rows_view(outputs[0])
@@ -319,7 +318,7 @@ def combine_impl(inputs, outputs, attrs, workspace):
     Not the normed GEMV (``norm_w``): its prologue re-reads the row in each of the 512 programs,
     and it measured 29 us slower at B=1 on an H200 (0.513 against 0.484 ms a step).
     """
-    from ops.combine import _combine_impl
+    from draftgraph.ops.combine import _combine_impl
 
     e, h, e_norm, h_norm, e_proj, h_proj = inputs
     (out,) = outputs

@@ -16,9 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from ops.triton import gemv as gemv_mod
-from ops.triton._common import carve, next_pow2, pdl_args, pdl_wait, scratch_bytes
+from draftgraph.ops.triton import gemv as gemv_mod
+from draftgraph.ops.triton._common import carve, next_pow2, pdl_args, pdl_wait, scratch_bytes
 
 LM_HEAD_PROLOGUE = False
 ARGMAX_BLOCK_V = 4096  # vocab ids per stage-1 program: 32 programs a row at V4-Flash
@@ -44,7 +43,7 @@ def lm_head_impl(inputs, outputs, attrs, workspace):
     h, norm_w, head = inputs
     (logits,) = outputs
     if h.dtype not in (torch.bfloat16, torch.float16) or head.stride(1) != 1 or logits.stride(1) != 1:
-        from ops.lm_head import _lm_head_impl
+        from draftgraph.ops.lm_head import _lm_head_impl
 
         return _lm_head_impl(inputs, outputs, attrs, workspace)
     for _, launch in plan(inputs, outputs, attrs, workspace):
@@ -127,7 +126,7 @@ def draft_argmax_impl(inputs, outputs, attrs, workspace):
     token, prob = outputs
     b, vocab = logits.shape
     if logits.stride(1) != 1 or (mask is not None and mask.stride(1) != 1):
-        from ops.sampling import _draft_argmax_impl
+        from draftgraph.ops.sampling import _draft_argmax_impl
 
         return _draft_argmax_impl(inputs, outputs, attrs, workspace)
     block, chunks = _argmax_chunks(vocab)

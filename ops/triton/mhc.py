@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from ops.triton._common import carve, next_pow2, pdl_args, pdl_wait, scratch_bytes
+from draftgraph.ops.triton._common import carve, next_pow2, pdl_args, pdl_wait, scratch_bytes
 
 MIX_BLOCK_K = 256
 MIX_SPLIT_TARGET = 64  # programs of the mix kernel (column slices)
@@ -313,7 +312,7 @@ def hc_pre_impl(inputs, outputs, attrs, workspace):
     X, fn, base, scale = inputs
     y, post, comb = outputs
     if not _usable(X, (fn, base, scale, post, comb)) or y.stride(1) != 1:
-        from ops.mhc import _hc_pre_impl
+        from draftgraph.ops.mhc import _hc_pre_impl
 
         return _hc_pre_impl(inputs, outputs, attrs, workspace)
     _mix_and_finish(X, fn, base, scale, y, post, comb, attrs, workspace, pre=True)
@@ -323,7 +322,7 @@ def hc_head_impl(inputs, outputs, attrs, workspace):
     X, fn, base, scale = inputs
     (y,) = outputs
     if not _usable(X, (fn, base, scale)) or y.stride(1) != 1:
-        from ops.mhc import _hc_head_impl
+        from draftgraph.ops.mhc import _hc_head_impl
 
         return _hc_head_impl(inputs, outputs, attrs, workspace)
     _mix_and_finish(X, fn, base, scale, y, None, None, attrs, workspace, pre=False)
@@ -389,7 +388,7 @@ def hc_post_impl(inputs, outputs, attrs, workspace):
     y, X, post, comb = inputs
     (out,) = outputs
     if not (_usable(X, (post, comb)) and _usable(out, ())) or y.stride(1) != 1:
-        from ops.mhc import _hc_post_impl
+        from draftgraph.ops.mhc import _hc_post_impl
 
         return _hc_post_impl(inputs, outputs, attrs, workspace)
     b, c, d = X.shape

@@ -26,9 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from ops.triton import moe_grouped
-from ops.triton._common import (
+from draftgraph.ops.triton import moe_grouped
+from draftgraph.ops.triton._common import (
     batch_block,
     carve,
     clamped_swiglu,
@@ -40,7 +39,7 @@ from ops.triton._common import (
     scratch_bytes,
     softplus,
 )
-from ops.triton.gemv import GemvConfig, gemv
+from draftgraph.ops.triton.gemv import GemvConfig, gemv
 
 MAX_BATCH = 64  # the shared slot covers all rows in one tile; larger batches use torch
 # From this batch on, w13 / w2 are expert-major (moe_grouped: each chosen expert read once for
@@ -396,7 +395,7 @@ def _usable(x, tensors) -> bool:
 def moe_impl(inputs, outputs, attrs, workspace):
     x, gate_w, gate_bias, w1, w2, w3, sw1, sw2, sw3 = inputs
     if not _usable(x, (gate_w, gate_bias, w1, w2, w3, sw1, sw2, sw3)) or outputs[0].stride(1) != 1:
-        from ops.moe import _moe_impl
+        from draftgraph.ops.moe import _moe_impl
 
         return _moe_impl(inputs, outputs, attrs, workspace)
     for _, launch in plan(inputs, outputs, attrs, workspace, hashed=False):
@@ -406,7 +405,7 @@ def moe_impl(inputs, outputs, attrs, workspace):
 def moe_hash_impl(inputs, outputs, attrs, workspace):
     x, token, tid2eid, gate_w, w1, w2, w3, sw1, sw2, sw3 = inputs
     if not _usable(x, (gate_w, tid2eid, w1, w2, w3, sw1, sw2, sw3)) or outputs[0].stride(1) != 1:
-        from ops.moe import _moe_hash_impl
+        from draftgraph.ops.moe import _moe_hash_impl
 
         return _moe_hash_impl(inputs, outputs, attrs, workspace)
     for _, launch in plan(inputs, outputs, attrs, workspace, hashed=True):

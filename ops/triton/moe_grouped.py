@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-from ops.triton._common import clamped_swiglu, mma, next_pow2, pdl_args, pdl_wait
+from draftgraph.ops.triton._common import clamped_swiglu, mma, next_pow2, pdl_args, pdl_wait
 
 REDUCE_BLOCK_D = 1024
 

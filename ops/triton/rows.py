@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from ops.triton._common import splat
+from draftgraph.ops.triton._common import splat
 
 BLOCK = 2048  # elements per program: a V4 streams row (4 x 4096 bf16) is 8 programs
 

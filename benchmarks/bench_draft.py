@@ -1,0 +1,448 @@
+"""Benchmark of the draft step at the real DeepSeek-V4-Flash shapes (GPU), one table.
+
+    python benchmarks/bench_draft.py [--cases 1x1,1x3,8x1,32x1] [--kernels torch,compiled,fused]
+                                [--no-compile] [--profile] [--config flash|small] [--out DIR]
+
+Random bf16 weights (~15 GB on the device), one process. For each case (B=1 with
+K=1 and K=3; B=8 and B=32 with K=1) the floor is the bytes the step must read
+(the distinct experts the batch touches, counted from the router) over the copy
+bandwidth measured in the same run. Rows, each as ms and the ratio to the floor:
+
+- plain torch: the same step as a functional program over an nn.Module V4 block
+  (no graph runtime), eager; captured by hand into a CUDA graph; and
+  torch.compile(mode="max-autotune-no-cudagraphs") of one draft step, run K times and
+  captured by hand (the strongest stock-PyTorch baseline; compiled once per batch size,
+  100-200 s each: set TORCHINDUCTOR_CACHE_DIR to a kept folder and a second run reuses it);
+- draftgraph: the eager executor (torch ops), and the captured replay with each
+  kernel set: the torch ops, the torch ops compiled per op, the fused Triton kernels.
+
+"replay ms" is the GPU time of the graph replay alone (CUDA events around rounds of
+20 replays queued back to back, inputs already staged; median of 15 rounds); "propose ms" is a whole propose call
+(checks, staging copy, replay, reading the K tokens back), timed the same way;
+"host µs" is the CPU time of a propose up to the launch (median of 50). Also: the
+capture time, the device memory the first propose added (arena, staging and graph
+pool), and CUDA-graph kernel nodes per draft step. ``--profile`` adds, for each case,
+each captured variant's kernels by name and, at K=1, each step's time alone
+(benchmarks/profile_step.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from bench_floor import measure_copy_bandwidth, step_weight_bytes
+from bench_host import time_phases
+from draftgraph.runtime.model.config import V4Config
+
+CASES = [(1, 1), (1, 3), (8, 1), (32, 1)]
+
+
+def random_weights(cfg: V4Config, device, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights in the graph's layout, made on the device (experts stacked directly)."""
+    from draftgraph.runtime.model.weight_names import MTP_TENSOR_NAMES
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    e, inter, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    for w, shape in (("w1", (e, inter, d)), ("w2", (e, d, inter)), ("w3", (e, inter, d))):
+        t = torch.empty(shape, dtype=torch.bfloat16, device=device)
+        for i in range(e):  # chunked so no fp32 temporary of 4 GB is needed
+            t[i].normal_(0, 1 / shape[2] ** 0.5, generator=gen)
+        out[f"mtp.0.ffn.experts.stacked.{w}"] = t
+    for entry in MTP_TENSOR_NAMES(cfg):
+        if ".experts." in entry.name and ".shared_experts." not in entry.name:
+            continue
+        shape = entry.shape
+        if entry.kind == "int32":
+            out[entry.name] = torch.randint(0, cfg.n_routed_experts, shape, device=device, dtype=torch.int32)
+            continue
+        dtype = torch.float32 if entry.kind == "fp32" else torch.bfloat16
+        t = torch.empty(shape, dtype=dtype, device=device)
+        if entry.name.endswith(("norm.weight",)):
+            t.fill_(1.0).add_(torch.randn(shape, device=device, generator=gen, dtype=dtype), alpha=0.05)
+        elif "hc_" in entry.name and entry.name.endswith("_fn"):
+            t.normal_(0, 0.02, generator=gen)
+        elif entry.name.endswith(("_scale",)):
+            t.fill_(1.0)
+        elif len(shape) == 2:
+            t.normal_(0, 1 / shape[1] ** 0.5, generator=gen)
+        else:
+            t.normal_(0, 1.0, generator=gen)
+        out[entry.name] = t
+    return out
+
+
+def timed_rounds(fn, rounds: int, per_round: int = 1, warmup: int = 5) -> list[float]:
+    """ms per call of ``fn`` in each round of ``per_round`` calls between two CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(per_round):
+            fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / per_round)
+    return times
+
+
+def time_cuda(fn, iters: int = 50) -> float:
+    """Median ms of ``fn`` timed call by call (a propose: its sync is part of it)."""
+    return statistics.median(timed_rounds(fn, iters))
+
+
+def time_replays(replay, per_round: int = 20, rounds: int = 15) -> tuple[float, float]:
+    """(median ms per replay, spread) of graph replays launched back to back.
+
+    Each round times ``per_round`` replays queued without a sync between them, so the GPU
+    never waits for the host and the time is the graph's own (a replay timed alone also
+    counts the gap between the start event and the graph's first kernel). The spread,
+    (max - min) / median over the rounds, is the noise a difference must beat.
+    """
+    times = timed_rounds(replay, rounds, per_round)
+    median = statistics.median(times)
+    return median, (max(times) - min(times)) / median
+
+
+def capture(fn, warmup: int = 3) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+class PlainTorchStep:
+    """The draft step in plain torch (no graph runtime): the anchors' "plain torch code".
+
+    ``step`` is one draft (embed ... argmax) and returns what the next one reads, so
+    ``torch.compile`` compiles it once per batch size and every K runs the same code.
+    """
+
+    def __init__(self, cfg, weights, device):
+        from draftgraph.runtime.model.v4_block_module import V4Block
+
+        self.cfg, self.w = cfg, weights
+        with torch.device("meta"):  # no random init of 15 GB of parameters: load_block replaces them all
+            block = V4Block(cfg)
+        block = block.to_empty(device=device)
+        block.load_block(weights, "mtp.0.")
+        self.block = block.eval()
+        # The MoE copies the chosen experts out before using them (the anchors' plain torch code).
+        self.block.ffn.stacked = tuple(weights[f"mtp.0.ffn.experts.stacked.{w}"] for w in ("w1", "w2", "w3"))
+
+    @torch.no_grad()
+    def step(self, token, hidden, positions, kv, kv_start, block_table):
+        """One draft: (next token, the streams, positions + 1)."""
+        cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
+        e = torch.nn.functional.embedding(token, w["embed.weight"])
+        e = _rms(e, w["mtp.0.enorm.weight"], eps)
+        h = _rms(hidden, w["mtp.0.hnorm.weight"], eps)
+        x = h @ w["mtp.0.h_proj.weight"].T + (e @ w["mtp.0.e_proj.weight"].T).unsqueeze(1)
+        x = self.block.decode(x, positions, kv, block_table, kv_start)
+        flat = x.float().flatten(1)
+        rho = torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
+        gate = torch.sigmoid((flat @ w["mtp.0.hc_head_fn"].T) * rho * w["mtp.0.hc_head_scale"]
+                             + w["mtp.0.hc_head_base"]) + cfg.hc_eps
+        h_out = (gate.unsqueeze(-1) * x.float()).sum(1).bfloat16()
+        logits = (_rms(h_out, w["mtp.0.norm.weight"], eps) @ w["head.weight"].T).float()
+        return logits.argmax(-1), x, positions + 1
+
+    def chain(self, step, k, token, hidden, positions, kv, kv_start, block_table):
+        """K drafts with ``step`` (``self.step`` or a compiled one): [B, K] tokens."""
+        tokens = []
+        for _ in range(k):
+            token, hidden, positions = step(token, hidden, positions, kv, kv_start, block_table)
+            tokens.append(token)
+        return torch.stack(tokens, -1)
+
+
+_PLAIN: dict[str, object] = {}  # one plain step and one compile of it per process (recompiled per batch size)
+
+
+def _rms(x, weight, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def distinct_experts(prop, batch: int) -> int:
+    """Experts the batch's MoE touches in the first draft step (read from an unaliased eager run)."""
+    from draftgraph.runtime.execution.eager import EagerExecutor
+
+    graph = prop.chain_graph(1)
+    ex = EagerExecutor(graph, batch, prop.weights, prop.state_tensors, device=prop.device, alias=False)
+    staged = prop._staging_for(batch).graph_inputs()
+    ex.run({n: staged[n] for n in ex.graph.inputs}, check=False)
+    x = ex.bound["d0.body.ffn_norm"].float()
+    s = torch.sqrt(torch.nn.functional.softplus(x @ prop.weights["mtp.0.ffn.gate.weight"].float().T))
+    idx = torch.topk(s + prop.weights["mtp.0.ffn.gate.bias"], prop.config.num_experts_per_tok).indices
+    return int(idx.unique().numel())
+
+
+def kernel_nodes_per_step(executor, k: int) -> int | None:
+    try:
+        from draftgraph.tools.capture_dump import count_kernel_nodes
+    except Exception:
+        return None
+    try:
+        return count_kernel_nodes(executor) // k
+    except Exception:
+        return None
+
+
+VARIANTS = ("torch", "compiled", "fused")
+# variant -> ProposerOptions.kernels; "fused-nopdl" is "fused" with programmatic dependent launch off,
+# "torch-serial" is "torch" on one stream (no side-stream overlap: draftgraph.ops.overlap), "torch-noprio" is
+# "torch" with every side lane at normal priority (DRAFTGRAPH_LANE_PRIORITY=0)
+KERNELS_OPTION = {"torch": "torch", "torch-serial": "torch", "torch-noprio": "torch", "compiled": "compiled",
+                  "fused": "auto", "fused-nopdl": "auto"}
+
+
+@contextlib.contextmanager
+def variant_setting(kernels: str):
+    """The switches a variant turns: PDL off for "fused-nopdl" (read at launch: its capture keeps
+    plain launches), lanes at normal priority for "torch-noprio" (read when the executor makes its lanes)."""
+    if kernels == "torch-noprio":
+        os.environ["DRAFTGRAPH_LANE_PRIORITY"] = "0"
+        try:
+            yield
+        finally:
+            del os.environ["DRAFTGRAPH_LANE_PRIORITY"]
+        return
+    if kernels != "fused-nopdl":
+        yield
+        return
+    from draftgraph.ops.triton._common import set_pdl
+
+    set_pdl(False)
+    try:
+        yield
+    finally:
+        set_pdl(None)
+
+
+def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, kernels: str, profile: bool):
+    """One proposer's row: replay / propose ms, host µs, capture s, memory, kernel nodes."""
+    from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
+
+    prop = DeepseekV4MtpProposer(cfg, weights, device=device, executor=executor, kernels=KERNELS_OPTION[kernels],
+                                 buckets=(batch,), num_cache_blocks=batch * 16, overlap=kernels != "torch-serial")
+    gen = torch.Generator(device=device).manual_seed(batch)
+    hiddens = [torch.randn(cfg.hc_mult, cfg.hidden_size, device=device, generator=gen).bfloat16()
+               for _ in range(batch)]
+    tokens = list(range(1, batch + 1))
+    states = [prop.alloc_state() for _ in range(batch)]
+
+    def propose():
+        for s in states:
+            if s.last_num_drafted:
+                prop.after_verify(0, s)  # reject every draft: the same positions again
+        if batch == 1:
+            return [prop.propose(tokens[0], hiddens[0], 200, k, states[0])]
+        return prop.propose_batch(tokens, hiddens, [200] * batch, k, states)
+
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    drafts = propose()
+    torch.cuda.synchronize()
+    # Held by the arena, the staging buffers and the graph pool (warm-up temporaries are freed).
+    row = dict(setup_s=time.perf_counter() - start, mem_mb=(torch.cuda.memory_allocated() - allocated) / 2**20,
+               drafts=drafts)
+    row["propose_ms"] = time_cuda(propose, iters=10 if kernels == "torch" and executor == "eager" else 100)
+    # As an engine does after capturing (vLLM's model runner): move what setup made (Triton
+    # and inductor caches, the graphs' objects) out of the collector's way before timing.
+    gc.collect()
+    gc.freeze()
+    host = []
+    for _ in range(50):
+        propose()
+        host.append(prop.last_host_seconds)
+    row["host_us"] = statistics.median(host) * 1e6
+    phases = time_phases(prop, propose, iters=30)
+    row["host_phases_us"] = {name: round(us, 1) for name, us in phases.items()}
+    gc.unfreeze()  # frozen objects are never collected: the bench frees proposers between cases
+    if executor == "captured":
+        ex = next(iter(prop._executors.values()))
+        row["capture_s"] = ex.capture_seconds
+        row["replay_ms"], row["replay_spread"] = time_replays(ex.replay)
+        row["nodes_per_step"] = kernel_nodes_per_step(ex, k)
+        if profile:
+            from profile_step import kernel_table, print_kernel_table
+
+            rows, busy = kernel_table(ex, k)
+            print_kernel_table(f"B={batch} K={k} captured, kernels={kernels}", rows, busy,
+                               row["replay_ms"] * 1e3 / k)
+            if k == 1:
+                from profile_step import op_table, print_op_table
+
+                print_op_table(f"B={batch} K=1 steps alone, kernels={kernels}", op_table(ex), row["replay_ms"] * 1e3)
+    else:
+        row["replay_ms"] = row["propose_ms"]  # an eager run is its launches
+    for s in states:
+        prop.free_state(s)
+    return row, prop
+
+
+def plain_rows(cfg, weights, prop, batch: int, k: int, compile_baseline: bool):
+    """Yield (name, ms) of the plain-torch anchors over ``prop``'s cache and staged inputs, as measured."""
+    if "plain" not in _PLAIN:
+        _PLAIN["plain"] = PlainTorchStep(cfg, weights, prop.device)
+    plain = _PLAIN["plain"]
+    st = prop.alloc_state()
+    prop.cache.ensure(st.table, 200, 200 + k)
+    hidden = torch.zeros(cfg.hc_mult, cfg.hidden_size, dtype=torch.bfloat16, device=prop.device)
+    staged = prop._staging_for(batch).stage([(200, 0, st.table)] * batch, list(range(1, batch + 1)),
+                                            [hidden] * batch, cfg.vocab_size)
+    inputs = (staged["token"], staged["hidden"], staged["positions"], prop.cache.kv, staged["kv_start"],
+              staged["block_table"])
+
+    def chain(step):
+        return lambda: plain.chain(step, k, *inputs)
+
+    yield "plain torch eager", time_cuda(chain(plain.step), iters=10)
+    yield "plain torch, hand-captured graph", time_replays(capture(chain(plain.step)).replay)[0]
+    if compile_baseline:
+        ms = None
+        try:
+            if "compiled" not in _PLAIN:
+                _PLAIN["compiled"] = torch.compile(plain.step, mode="max-autotune-no-cudagraphs", dynamic=False)
+            t = time.perf_counter()
+            chain(_PLAIN["compiled"])()
+            torch.cuda.synchronize()
+            print(f"  torch.compile of the step at B={batch} took {time.perf_counter() - t:.0f} s", flush=True)
+            ms = time_replays(capture(chain(_PLAIN["compiled"])).replay)[0]
+        except Exception as exc:  # report, don't die: the other numbers still count
+            print(f"  torch.compile failed: {type(exc).__name__}: {exc}", flush=True)
+        yield "torch.compile max-autotune + graph", ms
+    prop.free_state(st)
+
+
+def print_table(rows: list[dict], bandwidth: float) -> None:
+    print(f"\nfloor = weight bytes / {bandwidth / 1e12:.2f} TB/s (copy bandwidth measured in this run)")
+    print(f"{'B':>3} {'K':>2} {'exp':>4} {'floor ms':>8}  {'variant':<36} {'replay ms':>9} {'x floor':>7} "
+          f"{'propose ms':>10} {'host us':>7} {'capture s':>9} {'mem MB':>7} {'nodes/step':>10} {'=torch':>6}")
+
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    for r in rows:
+        x = None if r["replay_ms"] is None else r["replay_ms"] / r["floor_ms"]
+        print(f"{r['batch']:>3} {r['k']:>2} {r['experts']:>4} {r['floor_ms']:>8.3f}  {r['variant']:<36} "
+              f"{num(r['replay_ms'], '.3f'):>9} {num(x, '.2f'):>7} {num(r.get('propose_ms'), '.3f'):>10} "
+              f"{num(r.get('host_us'), '.0f'):>7} {num(r.get('capture_s'), '.2f'):>9} "
+              f"{num(r.get('mem_mb'), '.0f'):>7} {num(r.get('nodes_per_step'), '.1f'):>10} "
+              f"{num(r.get('agree'), '.2f'):>6}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", choices=("flash", "small"), default="flash")
+    ap.add_argument("--cases", default=",".join(f"{b}x{k}" for b, k in CASES), help="BxK cases, e.g. 1x1,1x3")
+    ap.add_argument("--kernels", default=",".join(VARIANTS),
+                    help="captured variants: torch,compiled,fused (and fused-nopdl: PDL off; "
+                         "torch-serial: the torch ops on one stream; torch-noprio: side lanes at normal priority)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    ap.add_argument("--compile-cases", default=",".join(f"{b}x{k}" for b, k in CASES),
+                    help="cases that get the torch.compile baseline (100-200 s of compiling per batch size)")
+    ap.add_argument("--compiled-cases", default="1x1,1x3",
+                    help="cases that get the compiled-ops variant (compiles each op per batch size)")
+    ap.add_argument("--no-plain", action="store_true", help="skip the plain-torch anchors")
+    ap.add_argument("--profile", action="store_true", help="kernels by name for each case and captured variant")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--table", metavar="JSON", help="print the table of a run's bench_draft_*.json and exit")
+    args = ap.parse_args()
+    if args.table:
+        saved = json.loads(Path(args.table).read_text())
+        print_table(saved["rows"], saved["bandwidth"])
+        return 0
+    cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
+    kernel_sets = args.kernels.split(",")
+    device = torch.device("cuda", torch.cuda.current_device())
+    cfg = V4Config.flash() if args.config == "flash" else V4Config.small()
+    cfg = cfg.replace(max_position_embeddings=4096)
+    bandwidth = measure_copy_bandwidth(device)
+    print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  copy bandwidth "
+          f"{bandwidth / 1e12:.2f} TB/s (read+write)", flush=True)
+    t0 = time.perf_counter()
+    weights = random_weights(cfg, device)
+    torch.cuda.synchronize()
+    print(f"weights {sum(t.numel() * t.element_size() for t in weights.values()) / 1e9:.1f} GB made in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    from draftgraph.runtime.proposer.binding import prepare_weights
+
+    weights = prepare_weights(cfg, weights, device)  # per-expert views of the stacks, for the nn.Module
+    rows: list[dict] = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for batch, k in cases:
+        t_case = time.perf_counter()
+        row, prop = measure_proposer(cfg, weights, device, batch, k, "eager", "torch", False)
+        reference = row["drafts"]
+        experts = cfg.num_experts_per_tok if batch == 1 else distinct_experts(prop, batch)
+        floor_ms = sum(step_weight_bytes(cfg, experts, batch=batch).values()) * k / bandwidth * 1e3
+
+        def record(name, row, batch=batch, k=k, experts=experts, floor_ms=floor_ms):
+            row = {key: v for key, v in row.items() if key != "drafts"}
+            rows.append(dict(batch=batch, k=k, experts=experts, floor_ms=floor_ms, variant=name, **row))
+            print(json.dumps(rows[-1]), flush=True)  # as measured: a run cut short keeps what it had
+            saved = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "bandwidth": bandwidth,
+                     "rows": rows}
+            (out / f"bench_draft_{args.config}.json").write_text(json.dumps(saved, indent=1))
+
+        record("draftgraph eager executor, torch ops", row)
+        for kernels in kernel_sets:
+            if kernels == "compiled" and f"{batch}x{k}" not in args.compiled_cases.split(","):
+                continue
+            try:
+                with variant_setting(kernels):
+                    row, captured = measure_proposer(cfg, weights, device, batch, k, "captured", kernels,
+                                                     args.profile)
+                del captured
+            except Exception as exc:  # report, don't die: the other rows still count
+                print(f"  captured {kernels} failed: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            finally:
+                gc.collect()
+                torch.cuda.empty_cache()
+            # torch: the eager executor's kernels in the same order, so the drafts must be equal;
+            # others: the share of drafts equal to the torch ops' (near-ties may differ).
+            row["agree"] = sum(a == b for ra, rb in zip(row["drafts"], reference) for a, b in zip(ra, rb)) / (
+                batch * k)
+            if kernels.startswith("torch") and row["agree"] != 1.0:
+                print(f"  MISMATCH: captured torch ops {row['drafts']} != eager {reference}", flush=True)
+            record(f"draftgraph captured, {kernels} ops", row)
+        if not args.no_plain:  # last: the torch.compile baseline is the slow part of a case
+            compile_here = not args.no_compile and f"{batch}x{k}" in args.compile_cases.split(",")
+            try:
+                for name, ms in plain_rows(cfg, weights, prop, batch, k, compile_here):
+                    record(name, {"replay_ms": ms})
+            except Exception as exc:
+                print(f"  plain torch failed: {type(exc).__name__}: {exc}", flush=True)
+        del prop
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(f"case B={batch} K={k} took {time.perf_counter() - t_case:.0f} s", flush=True)
+    print_table(rows, bandwidth)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

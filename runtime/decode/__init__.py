@@ -1,0 +1,1 @@
+"""The speculative decode loop: the small target model, the loop, its stats, the byte tokenizer."""

@@ -1,0 +1,443 @@
+"""The speculative decode loop: MTP drafts, one target forward verifies them, greedy acceptance.
+
+One round for every live sequence (positions as in proposer.py: the drafter row
+of position p comes from the pair (t_{p+1}, h_p))::
+
+    p, t, h      the sequence: target length p + 1, t = t_{p+1} (the newest token, not yet
+                 seen by the target), h = the target's hidden at p
+    propose      d_1..d_K = proposer.propose(t, h, p, K)       (propose_batch for several)
+    verify       the target runs [t, d_1..d_K] at positions p+1 .. p+K+1: ONE forward for
+                 every live sequence; g_j = its argmax after the j-th of those tokens
+    accept       a = longest prefix with d_{j+1} == g_j; bonus = g_a  (accept_greedy)
+    emit         d_1..d_a, bonus (cut at EOS / max_new_tokens)
+    roll back    target.truncate(p + a + 2): the rows of t, d_1..d_a stay, the rest go;
+                 proposer.after_verify(a)
+    catch up     drafter rows p .. p+a from [t, d_1..d_a] x [h_p, h_{p+1}..h_{p+a}]
+    next         p' = p + a + 1, t' = bonus, h' = the target's hidden at p'
+
+Every emitted token is the target's own argmax given only accepted (true)
+tokens, so the output equals plain greedy decoding token for token whatever
+the drafter proposes: a bad drafter costs speed, never correctness. (Bit
+equality also needs the target's numerics not to depend on how many rows a run
+has: CPU and GPU GEMMs pick kernels by row count, so exact-equality checks pin
+the target to one row bucket; see TargetModel's ``buckets``.)
+
+Every path out of a sequence (EOS, max tokens, cancel, an exception anywhere in
+a step) frees its target and proposer states, so both block pools end exact.
+
+Example
+-------
+>>> result = speculative_decode(target, proposer, [[256, 104, 105]], 16, 3)   # doctest: +SKIP
+>>> result.tokens[0], result.stats.mean_accepted_length                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from draftgraph.runtime.decode.stats import DecodeProgress, DecodeStats
+from draftgraph.runtime.errors import InputError, describe
+
+LIVE, EOS, LENGTH, CANCELLED, FAILED = "live", "eos", "length", "cancelled", "error"
+
+
+def accept_greedy(drafts: Sequence[int], target_tokens: Sequence[int]) -> tuple[int, int]:
+    """Greedy verification: (number of drafts accepted, the bonus token).
+
+    ``target_tokens[j]`` is the target's argmax after the j-th token of the verify window
+    (the last token, then d_1..d_K), so draft d_{j+1} is right iff it equals
+    ``target_tokens[j]``; the first mismatch (or the end) gives the bonus ``target_tokens[a]``.
+
+    >>> accept_greedy([5, 7, 9], [5, 7, 2, 4])
+    (2, 2)
+    """
+    a = 0
+    while a < len(drafts) and drafts[a] == target_tokens[a]:
+        a += 1
+    return a, target_tokens[a]
+
+
+@dataclass
+class DecodeResult:
+    """Generated tokens per sequence (prompt excluded; EOS included when hit), why each ended, stats."""
+
+    tokens: list[list[int]]
+    finish_reasons: list[str]
+    stats: DecodeStats
+
+
+@dataclass
+class StepEvent:
+    """What one ``step()`` did: the tokens each sequence emitted and its accepted drafts (by index)."""
+
+    step: int
+    new_tokens: dict[int, list[int]] = field(default_factory=dict)
+    accepted: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Sequence:
+    index: int
+    prompt: list[int]
+    generated: list[int] = field(default_factory=list)
+    status: str = LIVE
+    target_state: object = None
+    draft_state: object = None
+    position: int = 0  # p: the target holds positions 0..p
+    token: int = 0  # t_{p+1}: the newest token, the next one the target sees
+    hidden: torch.Tensor | None = None  # the target's hidden at p
+
+
+class DecodeSession:
+    """A resumable speculative decode over several prompts: ``step()`` until it returns False.
+
+    The first ``step()`` prefills (target over every prompt in one forward, then the drafter
+    rows) and emits each sequence's first token; every later one is a propose / verify /
+    accept / catch-up round over the live sequences. ``cancel(i)`` ends sequence i at once.
+    Use it as a context manager (or call ``close()``): whatever happens, the target's and the
+    proposer's states are freed.
+
+    Example
+    -------
+    >>> with DecodeSession(target, proposer, prompts, 32, 3) as session:     # doctest: +SKIP
+    ...     while session.step():
+    ...         session.cancel(0)
+    ...     result = session.result()
+    """
+
+    def __init__(
+        self,
+        target,
+        proposer,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        num_drafts: int,
+        eos_id: int | None = None,
+        on_step: Callable[[DecodeSession, StepEvent], None] | None = None,
+        progress: bool | None = False,
+    ) -> None:
+        _check_request(target, prompts, max_new_tokens)
+        if not isinstance(num_drafts, int) or num_drafts < 1:
+            raise InputError(describe("num_drafts", "an int >= 1", repr(num_drafts)))
+        if proposer.options.mode != target.mode:
+            raise InputError(
+                describe(
+                    "proposer mode",
+                    f"the target's {target.mode!r}",
+                    repr(proposer.options.mode),
+                    "the MTP reads the hidden the target gives",
+                )
+            )
+        if (
+            proposer.config.hidden_size != target.config.hidden_size
+            or proposer.config.vocab_size != target.config.vocab_size
+        ):
+            raise InputError(
+                describe(
+                    "proposer config",
+                    "the target's hidden_size and vocab_size",
+                    f"{proposer.config.hidden_size}, {proposer.config.vocab_size}",
+                )
+            )
+        budget = max(len(p) for p in prompts) + max_new_tokens + num_drafts + 1
+        limit = min(target.max_seq_len, proposer.max_seq_len)
+        if budget > limit:
+            raise InputError(
+                describe("prompt + max_new_tokens + num_drafts + 1", f"<= {limit} (max_seq_len)", budget)
+            )
+        self.target, self.proposer = target, proposer
+        self.max_new_tokens, self.num_drafts = max_new_tokens, num_drafts
+        self.eos_id, self.on_step = eos_id, on_step
+        self.sequences = [_Sequence(i, [int(t) for t in p]) for i, p in enumerate(prompts)]
+        self.stats = DecodeStats(num_drafts=num_drafts, num_sequences=len(prompts))
+        self.progress = DecodeProgress(len(prompts) * max_new_tokens, progress, desc=f"decode K={num_drafts}")
+        self.num_steps_run = 0
+        self.is_closed = False
+        if max_new_tokens == 0:
+            for seq in self.sequences:
+                seq.status = LENGTH
+
+    # ---- the loop ------------------------------------------------------------------------------
+    @property
+    def live(self) -> list[_Sequence]:
+        return [s for s in self.sequences if s.status == LIVE]
+
+    def step(self) -> bool:
+        """Prefill (first call) or run one round; True while some sequence is still live."""
+        if self.is_closed or not self.live:
+            self.close()
+            return False
+        started = time.perf_counter()
+        event = StepEvent(self.num_steps_run)
+        try:
+            if self.num_steps_run == 0:
+                self._prefill(event)
+            else:
+                self._round(event)
+        except BaseException:
+            self._abort()
+            raise
+        finally:
+            self.stats.total_seconds += time.perf_counter() - started
+        self.num_steps_run += 1
+        self.progress.update(sum(len(t) for t in event.new_tokens.values()), self.stats)
+        if self.on_step is not None:
+            try:
+                self.on_step(self, event)
+            except BaseException:
+                self._abort()
+                raise
+        if not self.live:
+            self.close()
+            return False
+        return True
+
+    def run(self) -> DecodeResult:
+        """Step until every sequence has finished; returns the result."""
+        try:
+            while self.step():
+                pass
+        finally:
+            self.close()
+        return self.result()
+
+    def _prefill(self, event: StepEvent) -> None:
+        start = time.perf_counter()
+        live = self.live
+        budget = max(len(s.prompt) for s in live) + self.max_new_tokens + self.num_drafts + 1
+        for seq in live:
+            seq.target_state = self.target.alloc_state(budget)
+            seq.draft_state = self.proposer.alloc_state_for(budget)
+        outs = self.target.forward(
+            [s.target_state for s in live], [s.prompt for s in live], [0] * len(live), final=True
+        )
+        drafting = []
+        for seq, out in zip(live, outs):
+            seq.position, seq.token, seq.hidden = len(seq.prompt) - 1, out.tokens[-1], out.hiddens[-1]
+            event.new_tokens[seq.index] = self._emit(seq, [out.tokens[-1]])
+            if seq.status == LIVE:
+                drafting.append((seq, out.hiddens))
+            else:
+                self._release(seq)
+        if drafting:  # prefill_drafter for every sequence, in one run: rows i from (prompt[i+1], h_i)
+            self.proposer.catchup_batch(
+                [s.prompt[1:] for s, _ in drafting],
+                [h[:-1] for _, h in drafting],
+                [0] * len(drafting),
+                [s.draft_state for s, _ in drafting],
+            )
+        self.stats.prefill_seconds += time.perf_counter() - start
+
+    def _round(self, event: StepEvent) -> None:
+        live = self.live
+        t0 = time.perf_counter()
+        drafts = self._propose(live)
+        t1 = time.perf_counter()
+        outs = self.target.verify(
+            [s.target_state for s in live],
+            [[s.token, *d] for s, d in zip(live, drafts)],
+            [s.target_state.length for s in live],
+        )
+        t2 = time.perf_counter()
+        catchup = []
+        for seq, d, out in zip(live, drafts, outs):
+            a, bonus = accept_greedy(d, out.tokens)
+            self.stats.record_verify(a)
+            event.accepted[seq.index] = a
+            p = seq.position
+            self.target.truncate(seq.target_state, p + a + 2)  # keep t_{p+1}, d_1..d_a
+            self.proposer.after_verify(a, seq.draft_state)
+            pair_hiddens = torch.cat([seq.hidden.unsqueeze(0), out.hiddens[:a]])  # [h_p, h_{p+1}..h_{p+a}]
+            pair_tokens = [seq.token, *d[:a]]
+            event.new_tokens[seq.index] = self._emit(seq, [*d[:a], bonus])
+            if seq.status != LIVE:
+                self._release(seq)
+                continue
+            catchup.append((pair_tokens, pair_hiddens, p, seq.draft_state))
+            seq.position, seq.token, seq.hidden = p + a + 1, bonus, out.hiddens[a]
+        t3 = time.perf_counter()
+        if catchup:
+            self.proposer.catchup_batch(*map(list, zip(*catchup)))
+        t4 = time.perf_counter()
+        self.stats.num_steps += 1
+        self.stats.propose_seconds += t1 - t0
+        self.stats.verify_seconds += t2 - t1
+        self.stats.catchup_seconds += t4 - t3
+
+    def _propose(self, live: list[_Sequence]) -> list[list[int]]:
+        k = self.num_drafts
+        self.stats.num_proposes += 1
+        if len(live) == 1:
+            s = live[0]
+            return [self.proposer.propose(s.token, s.hidden, s.position, k, s.draft_state)]
+        drafts: list[list[int]] = []
+        step = self.proposer.propose_batch_max()
+        for at in range(0, len(live), step):
+            part = live[at : at + step]
+            drafts += self.proposer.propose_batch(
+                [s.token for s in part],
+                [s.hidden for s in part],
+                [s.position for s in part],
+                k,
+                [s.draft_state for s in part],
+            )
+        return drafts
+
+    def _emit(self, seq: _Sequence, tokens: list[int]) -> list[int]:
+        """Append tokens, stopping after EOS or at max_new_tokens; returns those appended."""
+        out = []
+        for t in tokens:
+            seq.generated.append(t)
+            out.append(t)
+            if self.eos_id is not None and t == self.eos_id:
+                seq.status = EOS
+            elif len(seq.generated) >= self.max_new_tokens:
+                seq.status = LENGTH
+            if seq.status != LIVE:
+                break
+        self.stats.num_generated += len(out)
+        return out
+
+    # ---- ending sequences ------------------------------------------------------------------------
+    def cancel(self, index: int) -> bool:
+        """End sequence ``index`` now and free its states; False if it had already ended."""
+        if not isinstance(index, int) or not 0 <= index < len(self.sequences):
+            raise InputError(describe("cancel index", f"0..{len(self.sequences) - 1}", repr(index)))
+        seq = self.sequences[index]
+        if seq.status != LIVE:
+            return False
+        seq.status = CANCELLED
+        self._release(seq)
+        return True
+
+    def _release(self, seq: _Sequence) -> None:
+        """Free the sequence's target and proposer states (each at most once)."""
+        target_state, draft_state = seq.target_state, seq.draft_state
+        seq.target_state = seq.draft_state = None
+        seq.hidden = None
+        try:
+            if target_state is not None:
+                self.target.free(target_state)
+        finally:
+            if draft_state is not None:
+                self.proposer.free_state(draft_state)
+
+    def _abort(self) -> None:
+        """After an exception: every live sequence fails and every state goes back."""
+        for seq in self.sequences:
+            if seq.status == LIVE:
+                seq.status = FAILED
+        self.close()
+
+    def close(self) -> None:
+        """Free every state still held (idempotent); the session cannot step again."""
+        errors = []
+        for seq in self.sequences:
+            try:
+                self._release(seq)
+            except Exception as exc:  # keep freeing the others; report the first failure
+                errors.append(exc)
+        if not self.is_closed:
+            self.progress.close()
+        self.is_closed = True
+        if errors:
+            raise errors[0]
+
+    def result(self) -> DecodeResult:
+        return DecodeResult(
+            [list(s.generated) for s in self.sequences], [s.status for s in self.sequences], self.stats
+        )
+
+    def __enter__(self) -> DecodeSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def speculative_decode(
+    target,
+    proposer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    num_drafts: int,
+    eos_id: int | None = None,
+    on_step=None,
+    progress: bool | None = False,
+) -> DecodeResult:
+    """Speculative greedy decoding of every prompt; equals :func:`greedy_decode` token for token.
+
+    Parameters
+    ----------
+    target : a :class:`draftgraph.runtime.decode.target.TargetModel`.
+    proposer : a :class:`draftgraph.runtime.proposer.proposer.DeepseekV4MtpProposer` in the target's mode.
+    prompts : token lists (at least one token each), of any lengths.
+    max_new_tokens, num_drafts : tokens to generate per sequence; drafts K per round.
+    eos_id : a sequence ends after emitting it (None: only at max_new_tokens).
+    on_step : called as ``on_step(session, StepEvent)`` after every step.
+    progress : tqdm bar on stderr (None: only when stderr is a terminal).
+    """
+    with DecodeSession(target, proposer, prompts, max_new_tokens, num_drafts, eos_id, on_step, progress) as s:
+        return s.run()
+
+
+def greedy_decode(
+    target, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int | None = None
+) -> DecodeResult:
+    """Plain greedy decoding with the target alone (the oracle): one token per sequence per forward."""
+    _check_request(target, prompts, max_new_tokens)
+    stats = DecodeStats(num_drafts=0, num_sequences=len(prompts))
+    tokens: list[list[int]] = [[] for _ in prompts]
+    reasons = [LENGTH if max_new_tokens == 0 else LIVE for _ in prompts]
+    states = {}
+    started = time.perf_counter()
+    try:
+        if max_new_tokens > 0:
+            budget = max(len(p) for p in prompts) + max_new_tokens
+            states = {i: target.alloc_state(budget) for i in range(len(prompts))}
+            outs = target.forward(
+                list(states.values()), [list(p) for p in prompts], [0] * len(prompts), final=True
+            )
+            stats.prefill_seconds = time.perf_counter() - started
+            nexts = {i: out.tokens[-1] for i, out in enumerate(outs)}
+            while nexts:
+                for i, t in nexts.items():
+                    tokens[i].append(t)
+                    stats.num_generated += 1
+                    if eos_id is not None and t == eos_id:
+                        reasons[i] = EOS
+                    elif len(tokens[i]) >= max_new_tokens:
+                        reasons[i] = LENGTH
+                    if reasons[i] != LIVE:
+                        target.free(states.pop(i))
+                live = [i for i in nexts if reasons[i] == LIVE]
+                if not live:
+                    break
+                t0 = time.perf_counter()
+                outs = target.forward(
+                    [states[i] for i in live],
+                    [[tokens[i][-1]] for i in live],
+                    [states[i].length for i in live],
+                    final=True,
+                )
+                stats.verify_seconds += time.perf_counter() - t0
+                stats.num_steps += 1
+                nexts = {i: out.tokens[-1] for i, out in zip(live, outs)}
+    finally:
+        for state in states.values():
+            target.free(state)
+        stats.total_seconds = time.perf_counter() - started
+    return DecodeResult(tokens, reasons, stats)
+
+
+def _check_request(target, prompts, max_new_tokens) -> None:
+    if not prompts:
+        raise InputError(describe("prompts", "at least one prompt", "none"))
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise InputError(describe(f"prompt {i}", "at least one token", "an empty prompt"))
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise InputError(describe("max_new_tokens", "an int >= 0", repr(max_new_tokens)))

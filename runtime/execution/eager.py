@@ -1,0 +1,334 @@
+"""EagerExecutor: run a planned graph on one uint8 arena.
+
+Every intermediate is a view at its planned offset of one arena tensor; inputs,
+weights and state are bound by name; each op writes into its output views.
+The captured executor replays exactly these steps, on the same arena, inside a
+CUDA graph: that is why eager and captured outputs are equal bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from draftgraph.ops.overlap import SideStream
+from draftgraph.runtime.errors import ExecutionError, InputError, describe
+from draftgraph.runtime.execution.kernel_choice import NOT_COMPILED, check_kernels, compiled_step, select_impl
+from draftgraph.runtime.ir.graph import Graph, Node, ValueKind
+from draftgraph.runtime.ir.op_registry import get_op
+from draftgraph.runtime.ir.printer import format_node
+from draftgraph.runtime.ir.schedule import flatten
+from draftgraph.runtime.ir.validate import validate
+from draftgraph.runtime.planning.graph_plan import DEFAULT_ALIGNMENT, GraphPlan, plan_graph
+
+POISON_BYTE = 0xFF  # NaN in every float format, -1 in every signed int
+
+
+@dataclass
+class Step:
+    node: Node
+    impl: Callable
+    inputs: list[Any]  # tensors, or names of run-time inputs (str) resolved per run
+    outputs: list[torch.Tensor]
+    workspace: torch.Tensor | None
+    poisonable: list[torch.Tensor]  # float outputs not aliasing an input: debug write check
+
+
+class EagerExecutor:
+    """Run ``graph`` eagerly at one batch size.
+
+    Parameters
+    ----------
+    graph : Graph
+        The graph; subgraphs are flattened and the result validated.
+    batch : int
+        The concrete size of the symbolic batch dim ``B``.
+    weights, state : mapping of name -> tensor
+        Persistent tensors bound by name (state is mutated in place by ops).
+    runners : mapping of name -> runner, optional
+        Implementations of ``body_runner`` nodes (see draftgraph.runtime.proposer.runners).
+    alias : bool
+        False gives every intermediate its own buffer (the unaliased oracle).
+    debug : bool
+        Poison float outputs before each op and fail any op that leaves them unwritten.
+    overlap : bool
+        On CUDA, give ops a side stream for work that can run beside other work (``draftgraph.ops.overlap``:
+        the torch hc_pre's Sinkhorn, the torch MoE's shared expert); the result is the same, in
+        less time. Off in debug runs, whose write check reads each output right after its step.
+    kernels : str
+        Which implementation each op runs (``draftgraph.runtime.execution.kernel_choice``): "auto" (the fused kernel
+        where one is registered for the device, else the torch op), "torch" (the torch
+        reference ops), "compiled" (the torch ops, each compiled by torch.compile).
+
+    Example
+    -------
+    >>> ex = EagerExecutor(graph, batch=2, weights={"w": w})   # doctest: +SKIP
+    >>> out = ex.run({"x": x})["proj"]                          # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        batch: int,
+        weights: Mapping[str, torch.Tensor],
+        state: Mapping[str, torch.Tensor] | None = None,
+        *,
+        device: torch.device | str | None = None,
+        runners: Mapping[str, Any] | None = None,
+        plan: GraphPlan | None = None,
+        alias: bool = True,
+        debug: bool = False,
+        kernels: str = "auto",
+        alignment: int = DEFAULT_ALIGNMENT,
+        overlap: bool = True,
+    ) -> None:
+        self.graph = flatten(graph)
+        validate(self.graph)
+        self.batch = batch
+        self.device = concrete_device(device) if device is not None else _guess_device(weights)
+        self.debug = debug
+        self.alias = alias
+        self.runners = dict(runners or {})
+        self.plan = plan if plan is not None else plan_graph(self.graph, batch, alignment)
+        self.tracer = None  # optional: object with begin(node) / end(node)
+        self.bound: dict[str, torch.Tensor] = {}
+        self._bind_persistent(dict(weights), dict(state or {}))
+        self.arena = torch.empty(self.plan.arena_bytes if alias else 0, dtype=torch.uint8, device=self.device)
+        self._bind_arena()
+        self.kernels = check_kernels(kernels)
+        self.steps = [self._make_step(node) for node in (self.graph.nodes[n] for n in self.plan.order)]
+        self.segments = self._gate_segments()
+        self.side = SideStream(self.device) if overlap and self.device.type == "cuda" and not debug else None
+        self._pending: dict[str, torch.cuda.Event] = {}  # arena root -> the side-stream work still writing it
+        self._read_values = {n for node in self.graph.nodes.values() for n in node.inputs} | set(self.graph.outputs)
+        # How a gated segment runs: eagerly, by reading its flag (one host sync per gate); a
+        # CapturedExecutor swaps in a CUDA conditional node while it captures.
+        self.run_gated: Callable[[torch.Tensor, Callable[[], None]], None] = run_if_flag_set
+
+    # ---- binding -------------------------------------------------------------
+    def _bind_persistent(self, weights: dict, state: dict) -> None:
+        problems = []
+        for value in self.graph.values.values():
+            if value.kind not in (ValueKind.WEIGHT, ValueKind.STATE):
+                continue
+            source = weights if value.kind == ValueKind.WEIGHT else state
+            tensor = source.get(value.name)
+            want = value.spec.concrete(self.batch)
+            if tensor is None:
+                problems.append(f"{value.ref}: missing (expected {value.spec})")
+            elif tuple(tensor.shape) != want or tensor.dtype != value.spec.dtype:
+                problems.append(describe(value.ref, value.spec.short(), f"{tuple(tensor.shape)} {tensor.dtype}"))
+            elif tensor.device != self.device:
+                problems.append(describe(f"{value.ref} device", self.device, tensor.device))
+            else:
+                self.bound[value.name] = tensor
+        if problems:
+            raise InputError("cannot bind graph tensors:\n  " + "\n  ".join(problems))
+
+    def _bind_arena(self) -> None:
+        plan, groups = self.plan, self.plan.groups
+        for name in groups.root:
+            spec = self.graph.values[name].spec
+            shape = spec.concrete(self.batch)
+            if groups.kind.get(name) == "view":
+                continue  # made from its base below, in schedule order
+            if self.alias:
+                offset = plan.offsets[name]
+                raw = self.arena[offset : offset + spec.nbytes(self.batch)]
+                self.bound[name] = raw.view(spec.dtype).view(shape)
+            else:
+                self.bound[name] = torch.empty(shape, dtype=spec.dtype, device=self.device)
+        for node in (self.graph.nodes[n] for n in plan.order):
+            for oi, out in enumerate(node.outputs):
+                if groups.kind.get(out) == "view":
+                    base = self.bound[node.inputs[get_op(node.op).views[oi]]]
+                    shape = self.graph.values[out].spec.concrete(self.batch)
+                    self.bound[out] = get_op(node.op).view_fn(base, node.attrs, shape)
+
+    def _make_step(self, node: Node) -> Step:
+        if node.op == "body_runner":
+            runner = self.runners.get(node.attrs["runner"])
+            if runner is None:
+                raise ExecutionError(f"%{node.name}: no runner bound for {node.attrs['runner']!r}")
+            impl = runner.run_node
+        else:
+            impl = select_impl(get_op(node.op), self.device, self.kernels)
+        inputs = [self.bound.get(n, n) for n in node.inputs]
+        outputs = [self.bound.get(n, n) for n in node.outputs]
+        if self.kernels == "compiled" and node.op not in NOT_COMPILED:
+            impl, inputs, outputs = compiled_step(get_op(node.op), inputs, outputs)
+        ws = None
+        if node.name in self.plan.workspace:
+            offset, nbytes = self.plan.workspace[node.name]
+            if self.alias:
+                ws = self.arena[offset : offset + nbytes]
+            else:
+                ws = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        in_ptrs = {t.data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+        poisonable = [
+            t
+            for t in outputs
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.data_ptr() not in in_ptrs
+        ]
+        return Step(node, impl, inputs, outputs, ws, poisonable)
+
+    def _gate_segments(self) -> list[tuple[torch.Tensor | None, list[Step]]]:
+        """The steps cut into runs of one gate each: (flag tensor or None, steps), in schedule order.
+
+        ``graph.meta["gates"]`` lists {"flag": value, "prefix": node-name prefix}: the nodes whose
+        names start with the prefix run only where the flag (int32 [1]) is nonzero. Each gated
+        region must be one unbroken run of the schedule, after the node writing its flag.
+        """
+        gates = {g["prefix"]: g["flag"] for g in self.graph.meta.get("gates", ())}
+        segments: list[tuple[str | None, list[Step]]] = []
+        for step in self.steps:
+            flag = next((f for prefix, f in gates.items() if step.node.name.startswith(prefix)), None)
+            if segments and segments[-1][0] == flag:
+                segments[-1][1].append(step)
+            else:
+                segments.append((flag, [step]))
+        flags = [flag for flag, _ in segments if flag is not None]
+        if len(flags) != len(set(flags)):
+            split = next(f for f in flags if flags.count(f) > 1)
+            raise ExecutionError(describe(f"the steps gated by %{split}", "one unbroken run of the schedule",
+                                          "a run split by other steps", "keep a gated region's nodes together"))
+        return [(None if flag is None else self.bound[flag], steps) for flag, steps in segments]
+
+    # ---- running ----------------------------------------------------------------
+    def check_inputs(self, inputs: Mapping[str, torch.Tensor]) -> None:
+        missing = [n for n in self.graph.inputs if n not in inputs]
+        if missing:
+            raise InputError(describe("graph inputs", self.graph.inputs, sorted(inputs), f"missing {missing}"))
+        for name in self.graph.inputs:
+            spec, tensor = self.graph.values[name].spec, inputs[name]
+            want = spec.concrete(self.batch)
+            if tuple(tensor.shape) != want or tensor.dtype != spec.dtype:
+                raise InputError(describe(f"input %{name}", f"{spec.short()} with B={self.batch}",
+                                          f"{tuple(tensor.shape)} {tensor.dtype}"))
+            if tensor.device != self.device:
+                raise InputError(describe(f"input %{name} device", self.device, tensor.device))
+
+    def poison(self, byte: int = POISON_BYTE) -> None:
+        """Fill the arena (every intermediate) with ``byte``: NaN for floats by default."""
+        if self.alias:
+            self.arena.fill_(byte)
+        else:
+            for name in self.plan.groups.root:
+                self.bound[name].view(torch.uint8).fill_(byte)  # unaliased buffers are contiguous
+
+    def run(self, inputs: Mapping[str, torch.Tensor], check: bool = True) -> dict[str, torch.Tensor]:
+        """Run every step; returns the graph outputs (views into the arena: copy to keep)."""
+        if check:
+            self.check_inputs(inputs)
+        for flag, steps in self.segments:
+            if flag is None:
+                self._run_steps(steps, inputs)
+            else:  # no fork inside a gated region: its body may be a conditional node's own capture
+                self.run_gated(flag, partial(self._run_steps, steps, inputs, False))
+        return {name: self.bound.get(name) if name in self.bound else self._resolve(name, inputs)
+                for name in self.graph.outputs}
+
+    def _run_steps(self, steps: list[Step], inputs, overlap: bool = True) -> None:
+        """Run ``steps`` in order; side-stream work is joined by the end (a capture must rejoin)."""
+        side = self.side if overlap else None
+        try:
+            for step in steps:
+                self._run_step(step, inputs, side)
+        finally:
+            for event in self._pending.values():
+                self.side.wait(event)
+            self._pending.clear()
+
+    def _resolve(self, item, inputs):
+        if isinstance(item, str):
+            if item in inputs:
+                return inputs[item]
+            return self._external_view(item, inputs)
+        return item
+
+    def _external_view(self, name: str, inputs) -> torch.Tensor:
+        base_name = self.plan.groups.external_view[name]
+        node = self.graph.producer_of(name)
+        base = inputs.get(base_name, self.bound.get(base_name))
+        shape = self.graph.values[name].spec.concrete(self.batch)
+        return get_op(node.op).view_fn(base, node.attrs, shape)
+
+    def _run_step(self, step: Step, inputs, side: SideStream | None = None) -> None:
+        if self._pending:  # join the side-stream work writing what this step reads
+            for name in step.node.inputs:
+                event = self._pending.pop(self.plan.groups.root.get(name, name), None)
+                if event is not None:
+                    self.side.wait(event)
+        ins = [self._resolve(t, inputs) for t in step.inputs]
+        outs = [self._resolve(t, inputs) for t in step.outputs]
+        if self.debug:
+            for t in step.poisonable:
+                t.view(torch.uint8).fill_(POISON_BYTE) if t.is_contiguous() else t.fill_(float("nan"))
+        if self.tracer is not None:
+            self.tracer.begin(step.node)
+        try:
+            if side is None:
+                result = step.impl(ins, outs, step.node.attrs, step.workspace)
+            else:
+                with side.serving():
+                    try:
+                        result = step.impl(ins, outs, step.node.attrs, step.workspace)
+                    finally:
+                        if side.forked:
+                            self._defer(step, side.join_event())
+        except ExecutionError:
+            raise
+        except Exception as exc:
+            raise ExecutionError(f"while executing {format_node(self.graph, step.node)}: {exc}") from exc
+        finally:
+            if self.tracer is not None:
+                self.tracer.end(step.node)
+        if result is not None:
+            raise ExecutionError(
+                f"while executing {format_node(self.graph, step.node)}: the op returned a new tensor "
+                "instead of writing its output view (hint: write into outputs[i], return None)"
+            )
+        if self.debug:
+            for t in step.poisonable:
+                if torch.isnan(t).any():
+                    raise ExecutionError(
+                        f"while executing {format_node(self.graph, step.node)}: an output view was left "
+                        "unwritten (NaN poison remains; hint: write every element of each output)"
+                    )
+
+    def _defer(self, step: Step, event: torch.cuda.Event) -> None:
+        """The side-stream work of ``step`` is joined before the first reader of its deferred outputs.
+
+        An op that lists none is joined at once. Pending work is keyed by arena root, so a
+        view or an in-place successor of a deferred output joins it too.
+        """
+        deferred = get_op(step.node.op).deferred if step.node.op != "body_runner" else ()
+        read_later = [step.node.outputs[i] for i in deferred if step.node.outputs[i] in self._read_values]
+        if len(read_later) < len(deferred):  # an unread output's bytes are free for the next step: join now
+            self.side.wait(event)
+            return
+        for name in read_later:
+            self._pending[self.plan.groups.root.get(name, name)] = event
+
+
+def run_if_flag_set(flag: torch.Tensor, body: Callable[[], None]) -> None:
+    """The eager gate: read the flag (a host sync) and run the body when it is nonzero."""
+    if int(flag.item()):
+        body()
+
+
+def concrete_device(device: torch.device | str) -> torch.device:
+    """``cuda`` -> ``cuda:N`` (the current device), so device checks compare like with like."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _guess_device(weights: Mapping[str, torch.Tensor]) -> torch.device:
+    for tensor in weights.values():
+        return tensor.device
+    return torch.device("cpu")

@@ -1,0 +1,95 @@
+"""The one printer: repr, errors, dumps and golden tests all use it.
+
+One line per node, jaxpr/fx style::
+
+    %d0.hc_post: bf16[B,4,256] = hc_post(%d0.attn, %d0.x, %d0.pre.post, %d0.pre.comb)  # +0x1200 2K  free %d0.x
+
+weights print as ``@name``, state as ``$name``, attrs sorted in ``[k=v]``.
+After planning, the comment gives each output's arena offset and bytes and
+the values whose bytes die on that line; a closing line summarises the arena.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from draftgraph.runtime.ir.graph import Graph, Node
+from draftgraph.runtime.planning.arena_plan import format_bytes_short
+
+if TYPE_CHECKING:
+    from draftgraph.runtime.planning.graph_plan import GraphPlan
+
+
+def format_attr(value) -> str:
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, list):
+        return "(" + ",".join(format_attr(v) for v in value) + ")"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def format_attrs(attrs: dict) -> str:
+    if not attrs:
+        return ""
+    return "[" + ", ".join(f"{k}={format_attr(v)}" for k, v in sorted(attrs.items())) + "]"
+
+
+def format_node(graph: Graph, node: Node, plan: GraphPlan | None = None) -> str:
+    outs = []
+    for name in node.outputs:
+        shown = "_" if name in graph.discarded else f"%{name}"
+        outs.append(f"{shown}: {graph.values[name].spec.short()}")
+    args = ", ".join(graph.values[n].ref if n in graph.values else f"%{n}?" for n in node.inputs)
+    op = node.op if node.subgraph is None else f"subgraph<{node.subgraph.name}>"
+    line = f"{', '.join(outs)} = {op}{format_attrs(node.attrs)}({args})"
+    if plan is not None:
+        line += _plan_comment(graph, node, plan)
+    return line
+
+
+def _plan_comment(graph: Graph, node: Node, plan: GraphPlan) -> str:
+    parts = []
+    for name in node.outputs:
+        if name in plan.groups.external_view:
+            parts.append(f"view of {graph.values[plan.groups.external_view[name]].ref}")
+        elif plan.groups.kind.get(name) == "view":
+            parts.append(f"view of %{plan.groups.root[name]}")
+        elif plan.groups.kind.get(name) == "inplace":
+            parts.append(f"in place of %{plan.groups.root[name]}")
+        elif name in plan.offsets:
+            parts.append(f"arena +{plan.offsets[name]:#x} {format_bytes_short(plan.nbytes(name))}")
+    if node.name in plan.workspace:
+        offset, nbytes = plan.workspace[node.name]
+        parts.append(f"ws +{offset:#x} {format_bytes_short(nbytes)}")
+    text = "  # " + ", ".join(parts)
+    freed = plan.frees.get(node.name, [])
+    if freed:
+        text += "  free " + " ".join(f"%{v}" for v in freed)
+    return text
+
+
+def format_graph(graph: Graph, plan: GraphPlan | None = None, show_weights: bool = True) -> str:
+    """The whole graph, one node a line; with a plan, arena comments and a summary line."""
+    from draftgraph.runtime.ir.schedule import schedule
+
+    try:
+        order = schedule(graph) if plan is None else [graph.nodes[n] for n in plan.order]
+    except Exception:  # a graph with a cycle still prints, in builder order
+        order = list(graph.nodes.values())
+    params = ", ".join(f"%{n}: {graph.values[n].spec.short()}" for n in graph.inputs)
+    lines = [f"graph {graph.name}({params}) {{"]
+    if show_weights:
+        for value in graph.weights + graph.state:
+            lines.append(f"  {value.ref}: {value.spec.short()}")
+    for node in order:
+        lines.append(f"  {format_node(graph, node, plan)}")
+        if node.subgraph is not None:
+            inner = format_graph(node.subgraph, show_weights=False).splitlines()
+            lines += [f"    {text}" for text in inner]
+    lines.append(f"  return ({', '.join('%' + n for n in graph.outputs)})")
+    lines.append("}")
+    if plan is not None:
+        lines.append(f"{plan.summary()} at B={plan.batch}")
+    return "\n".join(lines)

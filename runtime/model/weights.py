@@ -1,0 +1,354 @@
+"""Loading and writing DeepSeek-V4 checkpoints (bf16, and the real FP8 / MXFP4 formats).
+
+A checkpoint is a folder with ``config.json`` and either one ``*.safetensors`` file or shards
+listed by ``model.safetensors.index.json``. The loader reads the safetensors headers (a few KB
+each), checks every requested tensor against :mod:`draftgraph.runtime.model.weight_names` and reports *all*
+problems in one :class:`WeightError`, then reads only the requested tensors through
+``safe_open`` and dequantises FP8 / MXFP4 weights on the target device.
+
+Writing (``write_checkpoint``, ``make_synthetic_checkpoint``) lives in
+:mod:`draftgraph.runtime.model.checkpoint_writer` and random weights in
+:mod:`draftgraph.runtime.model.synthetic_weights`; both
+are re-exported here, so ``draftgraph.runtime.model.weights`` is the one import for checkpoint work.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from draftgraph.runtime.errors import InputError, WeightError, describe
+from draftgraph.runtime.model.checkpoint_writer import INDEX_FILE, make_synthetic_checkpoint, write_checkpoint
+from draftgraph.runtime.model.config import V4Config
+from draftgraph.runtime.model.quant import dequantize_fp8, dequantize_mxfp4, fp8_scale_shape, mxfp4_shapes
+from draftgraph.runtime.model.synthetic_weights import random_mtp_weights
+from draftgraph.runtime.model.weight_names import (
+    MTP_PREFIX,
+    MTP_TENSOR_NAMES,
+    TARGET_TENSOR_NAMES,
+    StoredEntry,
+    TensorEntry,
+    checkpoint_layout,
+    scale_name,
+    scope_of,
+)
+from safetensors import safe_open
+
+__all__ = [
+    "Checkpoint",
+    "MTP_TENSOR_NAMES",
+    "StoredEntry",
+    "TARGET_TENSOR_NAMES",
+    "TensorEntry",
+    "checkpoint_layout",
+    "load_checkpoint",
+    "make_synthetic_checkpoint",
+    "random_mtp_weights",
+    "write_checkpoint",
+]
+
+SCALE_DTYPES = ("F8_E8M0", "U8", "F32")  # UE8M0 bytes, or plain fp32 factors (V3 style)
+MXFP4_DTYPES = ("I8", "U8", "F4")
+ACCEPTED = {"bf16": ("BF16", "F16", "F32"), "fp32": ("F32",), "int32": ("I32", "I64")}
+
+
+@dataclass
+class Checkpoint:
+    """Loaded tensors of one checkpoint.
+
+    Attributes
+    ----------
+    config : the model config (from ``config.json`` unless one was passed).
+    tensors : name -> tensor on the requested device; bf16 (quantised weights dequantised),
+        fp32 (``hc_*``, ``attn_sink``, gate bias) or int32 (``tid2eid``).
+    source : name -> stored format, ``"bf16"`` / ``"fp8"`` / ``"mxfp4"`` / ``"fp32"`` / ``"int32"``.
+    path : the folder or file loaded.
+
+    Example
+    -------
+    >>> ckpt = load_checkpoint("ckpt/")
+    >>> ckpt.mtp("e_proj.weight").shape
+    torch.Size([256, 256])
+    """
+
+    config: V4Config
+    tensors: dict[str, torch.Tensor]
+    source: dict[str, str] = field(default_factory=dict)
+    path: Path | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the loaded (dequantised) tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def mtp(self, name: str) -> torch.Tensor:
+        """``tensors["mtp.0." + name]``."""
+        return self[MTP_PREFIX + name]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise WeightError(
+                describe(
+                    "checkpoint tensor",
+                    "one of the loaded names",
+                    repr(name),
+                    "pass names= to load_checkpoint to load it",
+                )
+            )
+        return self.tensors[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def __repr__(self) -> str:
+        formats = sorted(set(self.source.values()))
+        return f"Checkpoint({len(self.tensors)} tensors, {self.nbytes / 2**20:.1f} MiB, formats {formats})"
+
+
+# ---- loading ---------------------------------------------------------------------------------
+
+
+def load_checkpoint(
+    path: str | Path,
+    config: V4Config | None = None,
+    *,
+    names: str | Iterable[str] | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    strict: bool | None = None,
+) -> Checkpoint:
+    """Load the requested tensors of a checkpoint, dequantising FP8 and MXFP4 weights.
+
+    Parameters
+    ----------
+    path : a folder (config.json + safetensors) or one ``.safetensors`` file.
+    config : overrides ``config.json`` (required when ``path`` is a file without one beside it).
+    names : ``None`` or ``"mtp"`` (the draft-step set), ``"target"``, ``"all"``, or explicit names.
+    device : where the tensors end up; quantised weights are dequantised there.
+    dtype : dtype of the bf16-kind tensors (fp32 and int32 tensors keep theirs).
+    strict : also reject tensors the checkpoint holds under a requested scope (``mtp.0.``,
+        ``layers.i.``) that the model does not have. Default: on for the named sets, off for
+        explicit names.
+
+    Raises
+    ------
+    WeightError : no config or safetensors, or one error listing every missing, unexpected or
+        misshapen tensor.
+    """
+    root, files = _locate(Path(path))
+    if config is None:
+        config = V4Config.load(root)
+    entries, default_strict = _requested(config, names)
+    strict = default_strict if strict is None else strict
+    catalogue = _read_catalogue(files)
+    plan, problems = _check(entries, catalogue, strict)
+    if problems:
+        raise WeightError(
+            f"checkpoint {path}: {len(problems)} problem(s) with the requested tensors:\n  - "
+            + "\n  - ".join(problems)
+            + "\n(hint: check that config.json matches the checkpoint, or pass names= / strict=False)"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    source: dict[str, str] = {}
+    by_file: dict[Path, list[tuple[TensorEntry, str]]] = {}
+    for entry, fmt in plan:
+        by_file.setdefault(catalogue[entry.name][0], []).append((entry, fmt))
+    for file, items in by_file.items():
+        with safe_open(str(file), framework="pt") as handle:
+            for entry, fmt in items:
+                tensors[entry.name] = _materialise(handle, catalogue, entry, fmt, device, dtype)
+                source[entry.name] = fmt
+    ordered = {e.name: tensors[e.name] for e in entries}
+    return Checkpoint(config=config, tensors=ordered, source=source, path=Path(path))
+
+
+def _locate(path: Path) -> tuple[Path, list[Path]]:
+    if path.is_file():
+        return path.parent, [path]
+    if not path.is_dir():
+        raise WeightError(
+            describe("checkpoint path", "a folder or a .safetensors file", f"nothing at {path}")
+        )
+    index = path / INDEX_FILE
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({path / f for f in weight_map.values()})
+        absent = [f.name for f in files if not f.exists()]
+        if absent:
+            raise WeightError(describe(f"shards listed in {index}", "files beside it", f"{absent} missing"))
+        return path, files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise WeightError(
+            describe(
+                f"checkpoint {path}",
+                "a *.safetensors file or model.safetensors.index.json",
+                "no safetensors file",
+                "write one with write_checkpoint or make_synthetic_checkpoint",
+            )
+        )
+    return path, files
+
+
+def _requested(config: V4Config, names: str | Iterable[str] | None) -> tuple[list[TensorEntry], bool]:
+    if names is None or names == "mtp":
+        return MTP_TENSOR_NAMES(config), True
+    if names == "target":
+        return TARGET_TENSOR_NAMES(config), True
+    if names == "all":
+        return _dedupe(MTP_TENSOR_NAMES(config) + TARGET_TENSOR_NAMES(config)), True
+    if isinstance(names, str):
+        raise WeightError(describe("names", "None, 'mtp', 'target', 'all' or a list of names", repr(names)))
+    names = list(names)
+    known = {e.name: e for e in MTP_TENSOR_NAMES(config)}
+    if any(n not in known for n in names):  # only then build the (larger) target list
+        known.update((e.name, e) for e in TARGET_TENSOR_NAMES(config))
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise WeightError(
+            describe(
+                "requested tensors",
+                "V4 tensor names",
+                f"unknown {unknown}",
+                "see MTP_TENSOR_NAMES / TARGET_TENSOR_NAMES",
+            )
+        )
+    return [known[n] for n in names], False
+
+
+def _dedupe(entries: list[TensorEntry]) -> list[TensorEntry]:
+    return list({e.name: e for e in entries}.values())
+
+
+def _read_catalogue(files: list[Path]) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
+    """name -> (file, stored dtype, shape), from the JSON headers only (no tensor data)."""
+    catalogue: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+    duplicates = []
+    for file in files:
+        for name, (dtype, shape) in _read_header(file).items():
+            if name in catalogue:
+                duplicates.append(f"{name} in {catalogue[name][0].name} and {file.name}")
+            catalogue[name] = (file, dtype, shape)
+    if duplicates:
+        raise WeightError(
+            describe("checkpoint shards", "each tensor in one file", f"duplicates {duplicates[:5]}")
+        )
+    return catalogue
+
+
+def _read_header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    # The safetensors header: 8-byte little-endian length, then JSON {name: {dtype, shape, ...}}.
+    try:
+        with open(file, "rb") as fh:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(length))
+    except (OSError, struct.error, ValueError) as exc:
+        raise WeightError(describe(f"safetensors file {file}", "a readable header", repr(exc))) from exc
+    header.pop("__metadata__", None)
+    return {name: (meta["dtype"], tuple(meta["shape"])) for name, meta in header.items()}
+
+
+def _check(
+    entries: list[TensorEntry], catalogue: dict, strict: bool
+) -> tuple[list[tuple[TensorEntry, str]], list[str]]:
+    """Match every entry with its stored form; collect every problem instead of stopping."""
+    plan, problems, expected = [], [], set()
+    for entry in entries:
+        expected.add(entry.name)
+        fmt, issue = _stored_format(entry, catalogue)
+        if fmt in ("fp8", "mxfp4"):
+            expected.add(scale_name(entry.name))
+        if issue:
+            problems.append(issue)
+        else:
+            plan.append((entry, fmt))
+    if strict:
+        scopes = {scope_of(e.name) for e in entries} - {""}
+        for name in sorted(catalogue):
+            if scope_of(name) in scopes and name not in expected:
+                _, dtype, shape = catalogue[name]
+                problems.append(
+                    describe(
+                        f"unexpected {name}",
+                        f"no such tensor under {scope_of(name)!r}",
+                        f"{dtype}{list(shape)}",
+                    )
+                )
+    return plan, problems
+
+
+def _stored_format(entry: TensorEntry, catalogue: dict) -> tuple[str | None, str | None]:
+    """(format, problem): how ``entry`` is stored, or why it cannot be loaded."""
+    got = catalogue.get(entry.name)
+    if got is None:
+        return None, describe(
+            f"missing {entry.name}", _spelt(_plain_dtype(entry.kind), entry.shape), "no such tensor"
+        )
+    _, dtype, shape = got
+    if entry.kind not in ("fp8", "mxfp4") or dtype in ACCEPTED["bf16"]:
+        kind = entry.kind if entry.kind not in ("fp8", "mxfp4") else "bf16"
+        if dtype not in ACCEPTED[kind] or shape != entry.shape:
+            return None, describe(
+                f"misshapen {entry.name}", _spelt(_plain_dtype(kind), entry.shape), _spelt(dtype, shape)
+            )
+        return kind, None
+    if dtype == "F8_E4M3":
+        fmt, want, want_scale = "fp8", entry.shape, fp8_scale_shape(entry.shape)
+    elif dtype in MXFP4_DTYPES:
+        try:
+            (want, want_scale), fmt = mxfp4_shapes(entry.shape), "mxfp4"
+        except InputError as exc:  # a width MXFP4 cannot hold: report it with the rest
+            return None, describe(f"misshapen {entry.name}", "a width divisible by 32 for MXFP4", str(exc))
+    else:
+        return None, describe(
+            f"misshapen {entry.name}",
+            f"BF16, F8_E4M3 or I8 (MXFP4) {list(entry.shape)}",
+            _spelt(dtype, shape),
+        )
+    if shape != want:
+        return fmt, describe(
+            f"misshapen {entry.name}",
+            f"{dtype}{list(want)} ({fmt} of {list(entry.shape)})",
+            _spelt(dtype, shape),
+        )
+    scale = catalogue.get(scale_name(entry.name))
+    if scale is None:
+        return fmt, describe(
+            f"missing {scale_name(entry.name)}", f"F8_E8M0{list(want_scale)} ({fmt} scales)", "no such tensor"
+        )
+    if scale[1] not in SCALE_DTYPES or scale[2] != want_scale:
+        return fmt, describe(
+            f"misshapen {scale_name(entry.name)}", f"F8_E8M0{list(want_scale)}", _spelt(scale[1], scale[2])
+        )
+    return fmt, None
+
+
+def _materialise(handle, catalogue, entry: TensorEntry, fmt: str, device, dtype: torch.dtype) -> torch.Tensor:
+    raw = handle.get_tensor(entry.name).to(device)
+    if fmt == "fp8":
+        return dequantize_fp8(raw, _read_scale(entry, catalogue, handle, device), dtype)
+    if fmt == "mxfp4":
+        return dequantize_mxfp4(raw, _read_scale(entry, catalogue, handle, device), dtype)
+    target = {"fp32": torch.float32, "int32": torch.int32}.get(fmt, dtype)
+    return raw.to(target)
+
+
+def _read_scale(entry: TensorEntry, catalogue, handle, device) -> torch.Tensor:
+    name = scale_name(entry.name)
+    file = catalogue[name][0]
+    if file == catalogue[entry.name][0]:
+        return handle.get_tensor(name).to(device)
+    with safe_open(str(file), framework="pt") as other:  # a scale sharded away from its weight
+        return other.get_tensor(name).to(device)
+
+
+def _plain_dtype(kind: str) -> str:
+    return {"fp32": "F32", "int32": "I32"}.get(kind, "BF16")
+
+
+def _spelt(dtype: str, shape: tuple[int, ...]) -> str:
+    return f"{dtype}{list(shape)}"
