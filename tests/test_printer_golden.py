@@ -11,8 +11,9 @@ import json
 import networkx as nx
 import torch
 from draftgraph.runtime.ir.builder import GraphBuilder
+from draftgraph.runtime.ir.dot import to_dot
 from draftgraph.runtime.ir.printer import format_graph
-from draftgraph.runtime.ir.serialize import from_json, to_dot, to_json
+from draftgraph.runtime.ir.serialize import from_json, to_json
 from draftgraph.runtime.ir.tensor_spec import B, TensorSpec
 from draftgraph.runtime.planning.graph_plan import plan_graph
 from golden_files import check_golden

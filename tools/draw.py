@@ -1,6 +1,6 @@
 """``draftgraph draw``: a picture of the draft chain graph (SVG or PNG).
 
-With Graphviz (``dot`` on PATH) the picture is ``draftgraph.runtime.ir.serialize.to_dot``
+With Graphviz (``dot`` on PATH) the picture is ``draftgraph.runtime.ir.dot.to_dot``
 rendered by ``dot``. Without it (or with ``--engine matplotlib``) a layered
 layout is drawn with matplotlib: one column per draft (``d0``, ``d1``, ...),
 rows by dependency depth, the body of each draft as a labelled cluster, boxes
@@ -82,7 +82,7 @@ def run(args) -> int:
 
 def draw_graphviz(graph, out: Path, fmt: str) -> None:
     """Render ``to_dot(graph)`` with the ``dot`` binary."""
-    from draftgraph.runtime.ir.serialize import to_dot
+    from draftgraph.runtime.ir.dot import to_dot
     from draftgraph.tools.colors import graph_palette
 
     source = to_dot(graph, colors=graph_palette(graph))

@@ -50,10 +50,10 @@ def render(args) -> str:
         return dumps(selected_graph(args)) + "\n"
     flat, plan = selected_chain(args)
     if args.format == "dot":
-        from draftgraph.runtime.ir.serialize import to_dot
+        from draftgraph.runtime.ir.dot import to_dot
         from draftgraph.tools.colors import graph_palette
 
-        return to_dot(flat, plan, colors=graph_palette(flat))
+        return to_dot(flat, plan.offsets, colors=graph_palette(flat))
     from draftgraph.runtime.ir.printer import format_graph
 
     return format_graph(flat, plan) + "\n"

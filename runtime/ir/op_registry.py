@@ -84,23 +84,16 @@ def register_fused(op_name: str, device_type: str, impl: Impl) -> None:
 
 
 def get_op(name: str) -> OpDef:
-    _load_builtin_ops()
     if name not in _REGISTRY:
         raise GraphError(
             f"op: expected one of {sorted(_REGISTRY)}, got {name!r} "
-            "(hint: import the module that registers it)"
+            "(hint: import the module that registers it; `import draftgraph` registers the built-in ops)"
         )
     return _REGISTRY[name]
 
 
 def all_ops() -> dict[str, OpDef]:
-    _load_builtin_ops()
     return dict(_REGISTRY)
-
-
-def _load_builtin_ops() -> None:
-    # Importing the op modules registers them; done lazily to avoid import cycles.
-    import draftgraph.ops  # noqa: F401
 
 
 # ---- helpers for shape rules -------------------------------------------------

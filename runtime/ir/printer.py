@@ -5,19 +5,26 @@ One line per node, jaxpr/fx style::
     %d0.hc_post: bf16[B,4,256] = hc_post(%d0.attn, %d0.x, %d0.pre.post, %d0.pre.comb)  # +0x1200 2K  free %d0.x
 
 weights print as ``@name``, state as ``$name``, attrs sorted in ``[k=v]``.
-After planning, the comment gives each output's arena offset and bytes and
-the values whose bytes die on that line; a closing line summarises the arena.
+Given a plan (any :class:`PlanNotes`: ``planning.graph_plan.GraphPlan`` is one), the
+lines follow its order, each ends with the plan's comment (arena offsets and bytes, the
+values whose bytes die there), and its summary closes the listing.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from draftgraph.runtime.ir.graph import Graph, Node
-from draftgraph.runtime.planning.arena_plan import format_bytes_short
 
-if TYPE_CHECKING:
-    from draftgraph.runtime.planning.graph_plan import GraphPlan
+
+class PlanNotes(Protocol):
+    """What the printer reads of a plan: its node order, a comment per node, a summary line."""
+
+    order: list[str]
+
+    def comment(self, graph: Graph, node: Node) -> str: ...
+
+    def summary_line(self) -> str: ...
 
 
 def format_attr(value) -> str:
@@ -36,7 +43,7 @@ def format_attrs(attrs: dict) -> str:
     return "[" + ", ".join(f"{k}={format_attr(v)}" for k, v in sorted(attrs.items())) + "]"
 
 
-def format_node(graph: Graph, node: Node, plan: GraphPlan | None = None) -> str:
+def format_node(graph: Graph, node: Node, plan: PlanNotes | None = None) -> str:
     outs = []
     for name in node.outputs:
         shown = "_" if name in graph.discarded else f"%{name}"
@@ -45,32 +52,11 @@ def format_node(graph: Graph, node: Node, plan: GraphPlan | None = None) -> str:
     op = node.op if node.subgraph is None else f"subgraph<{node.subgraph.name}>"
     line = f"{', '.join(outs)} = {op}{format_attrs(node.attrs)}({args})"
     if plan is not None:
-        line += _plan_comment(graph, node, plan)
+        line += plan.comment(graph, node)
     return line
 
 
-def _plan_comment(graph: Graph, node: Node, plan: GraphPlan) -> str:
-    parts = []
-    for name in node.outputs:
-        if name in plan.groups.external_view:
-            parts.append(f"view of {graph.values[plan.groups.external_view[name]].ref}")
-        elif plan.groups.kind.get(name) == "view":
-            parts.append(f"view of %{plan.groups.root[name]}")
-        elif plan.groups.kind.get(name) == "inplace":
-            parts.append(f"in place of %{plan.groups.root[name]}")
-        elif name in plan.offsets:
-            parts.append(f"arena +{plan.offsets[name]:#x} {format_bytes_short(plan.nbytes(name))}")
-    if node.name in plan.workspace:
-        offset, nbytes = plan.workspace[node.name]
-        parts.append(f"ws +{offset:#x} {format_bytes_short(nbytes)}")
-    text = "  # " + ", ".join(parts)
-    freed = plan.frees.get(node.name, [])
-    if freed:
-        text += "  free " + " ".join(f"%{v}" for v in freed)
-    return text
-
-
-def format_graph(graph: Graph, plan: GraphPlan | None = None, show_weights: bool = True) -> str:
+def format_graph(graph: Graph, plan: PlanNotes | None = None, show_weights: bool = True) -> str:
     """The whole graph, one node a line; with a plan, arena comments and a summary line."""
     from draftgraph.runtime.ir.schedule import schedule
 
@@ -91,5 +77,5 @@ def format_graph(graph: Graph, plan: GraphPlan | None = None, show_weights: bool
     lines.append(f"  return ({', '.join('%' + n for n in graph.outputs)})")
     lines.append("}")
     if plan is not None:
-        lines.append(f"{plan.summary()} at B={plan.batch}")
+        lines.append(plan.summary_line())
     return "\n".join(lines)

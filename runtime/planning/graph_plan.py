@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from draftgraph.runtime.ir.graph import Graph
+from draftgraph.runtime.ir.graph import Graph, Node
 from draftgraph.runtime.ir.op_registry import get_op
 from draftgraph.runtime.ir.schedule import schedule
-from draftgraph.runtime.planning.arena_plan import ArenaPlan, Buffer, plan_arena
+from draftgraph.runtime.planning.arena_plan import ArenaPlan, Buffer, format_bytes_short, plan_arena
 from draftgraph.runtime.planning.lifetimes import AliasGroups, Lifetime, alias_groups, compute_lifetimes
 from draftgraph.runtime.planning.verify_plan import verify_plan
 
@@ -42,6 +42,31 @@ class GraphPlan:
 
     def summary(self) -> str:
         return self.arena.summary()
+
+    def summary_line(self) -> str:
+        """The printer's closing line: the arena summary at this plan's batch."""
+        return f"{self.summary()} at B={self.batch}"
+
+    def comment(self, graph: Graph, node: Node) -> str:
+        """The printer's comment on ``node``: where each output lives, and what dies there."""
+        parts = []
+        for name in node.outputs:
+            if name in self.groups.external_view:
+                parts.append(f"view of {graph.values[self.groups.external_view[name]].ref}")
+            elif self.groups.kind.get(name) == "view":
+                parts.append(f"view of %{self.groups.root[name]}")
+            elif self.groups.kind.get(name) == "inplace":
+                parts.append(f"in place of %{self.groups.root[name]}")
+            elif name in self.offsets:
+                parts.append(f"arena +{self.offsets[name]:#x} {format_bytes_short(self.nbytes(name))}")
+        if node.name in self.workspace:
+            offset, nbytes = self.workspace[node.name]
+            parts.append(f"ws +{offset:#x} {format_bytes_short(nbytes)}")
+        text = "  # " + ", ".join(parts)
+        freed = self.frees.get(node.name, [])
+        if freed:
+            text += "  free " + " ".join(f"%{v}" for v in freed)
+        return text
 
     def value_buffers(self) -> list[Buffer]:
         """One Buffer per arena value (not per group), for value-level verification."""
