@@ -8,8 +8,8 @@ import pytest
 from decode_fixtures import CFG, single_thread  # noqa: F401
 from draftgraph.runtime.model.weights import make_synthetic_checkpoint
 from draftgraph.tools.cli import main
-from draftgraph.tools.decode import row_bucket
 from draftgraph.tools.swap import COLUMNS, parse_runners
+from draftgraph.tools.workload import row_bucket
 
 PROMPTS = ["def f(x):", "hello"]
 

@@ -21,12 +21,23 @@ def cache_dir() -> Path:
 
 def default_checkpoint() -> Path:
     """A small V4-shaped checkpoint in the real format, made deterministically on first use."""
+    return cached_small_checkpoint("demo", DEMO_FORMAT, DEMO_SEED)
+
+
+def cached_small_checkpoint(purpose: str, fmt: str, seed: int, include_target_layers: bool = False) -> Path:
+    """A random ``V4Config.small()`` checkpoint, made once in the cache folder and then reused.
+
+    It is written to a folder of this process and renamed into place, so that tools started
+    together neither read a half-written checkpoint nor fail when another made it first.
+    """
     from draftgraph.runtime.model.checkpoint_writer import make_synthetic_checkpoint
 
-    path = cache_dir() / f"demo-small-{DEMO_FORMAT}-seed{DEMO_SEED}"
+    path = cache_dir() / f"{purpose}-small-{fmt}-seed{seed}"
     if not (path / "config.json").exists():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        make_synthetic_checkpoint(tmp, V4Config.small(), fmt=DEMO_FORMAT, seed=DEMO_SEED)
+        make_synthetic_checkpoint(
+            tmp, V4Config.small(), fmt=fmt, seed=seed, include_target_layers=include_target_layers
+        )
         if path.exists():  # another process made it first
             shutil.rmtree(tmp)
         else:

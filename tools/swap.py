@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 
 from draftgraph.tools.cli import UsageError
-from draftgraph.tools.decode import add_workload_args, load_models, read_prompts, resolve_checkpoint
+from draftgraph.tools.workload import add_workload_args, load_workload
 
 EXAMPLES = """examples:
   draftgraph swap
@@ -56,14 +56,10 @@ def parse_runners(text: str) -> list[str]:
 
 
 def run(args) -> int:
-    from draftgraph.runtime.decode.loop import speculative_decode
-
     runners = parse_runners(args.runners)
-    prompts = read_prompts(args)
-    path, note = resolve_checkpoint(args.checkpoint)
-    target, proposer, tok = load_models(path, args, len(prompts))
-    encoded = [tok.encode(p, add_bos=True) for p in prompts]
-    print(f"# checkpoint {note}")
+    work = load_workload(args)
+    proposer, prompts = work.proposer, work.prompts
+    print(f"# checkpoint {work.checkpoint_note}")
     print(
         f"# {len(prompts)} prompt(s), K={args.num_drafts}, max {args.max_tokens} tokens, "
         f"{'captured' if proposer.use_captured else 'eager'}"
@@ -76,17 +72,8 @@ def run(args) -> int:
             if event.step == 1:  # the first round: every runner got the same token, hidden and position
                 first_hidden[name] = proposer.last_hidden(len(event.accepted)).float().cpu()
 
-        result = speculative_decode(
-            target,
-            proposer,
-            encoded,
-            args.max_tokens,
-            args.num_drafts,
-            eos_id=tok.eos_id,
-            on_step=on_step,
-            progress=None,
-        )
-        texts[name] = [tok.decode(t) for t in result.tokens]
+        result = work.decode(on_step)
+        texts[name] = [work.tokenizer.decode(t) for t in result.tokens]
         rows.append((name, result.stats))
     proposer.set_circuit_draft(None)
     reference = texts["builtin"]
