@@ -7,25 +7,13 @@ import functools
 import pytest
 import torch
 from draftgraph.runtime.decode.target import TargetModel
-from draftgraph.runtime.model.config import V4Config
 from draftgraph.runtime.model.synthetic_weights import random_mtp_weights
 from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
+from proposer_fixtures import TINY
 
-# Two layers (layer 0 hash-routed), window 16 (one block), vocab 264 (the byte tokenizer fits).
-CFG = V4Config.small(
-    hidden_size=64,
-    num_attention_heads=2,
-    head_dim=32,
-    qk_rope_head_dim=8,
-    q_lora_rank=16,
-    o_groups=2,
-    o_lora_rank=16,
-    vocab_size=264,
-    n_routed_experts=4,
-    moe_intermediate_size=32,
-    sliding_window=16,
-    max_position_embeddings=512,
-)
+# The proposer tests' TINY config with vocab 264, so that the byte tokenizer fits: two layers
+# (layer 0 hash-routed), window 16 (one block).
+CFG = TINY.replace(vocab_size=264)
 ROW_BUCKET = 16  # one bucket: every target run has the same GEMM shapes, so rows are bit-reproducible
 
 

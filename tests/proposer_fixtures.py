@@ -8,10 +8,10 @@ from draftgraph.runtime.model.synthetic_weights import random_mtp_weights
 from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
 
 SMALL = V4Config.small()
+# A quarter of SMALL's width (64 wide, 2 heads) for the fast proposer tests; decode_fixtures widens its vocab.
 TINY = V4Config.small(
-    hidden_size=64, num_attention_heads=2, head_dim=32, qk_rope_head_dim=8, q_lora_rank=16, o_groups=2,
-    o_lora_rank=16, vocab_size=100, n_routed_experts=4, moe_intermediate_size=32, sliding_window=16,
-    max_position_embeddings=512,
+    hidden_size=64, num_attention_heads=2, head_dim=32, qk_rope_head_dim=8, q_lora_rank=16, o_lora_rank=16,
+    vocab_size=100, n_routed_experts=4, moe_intermediate_size=32, max_position_embeddings=512,
 )
 
 

@@ -398,6 +398,14 @@ def test_byte_tokenizer_round_trip():
     assert tok.decode([0xC3]) == "\ufffd"
 
 
+def test_tiny_config_is_the_committed_model():
+    """tiny_config is written as overrides of V4Config.small(): it must still be what was trained."""
+    from draftgraph.tools.workload import TINY_CHECKPOINT
+    from train_tiny import tiny_config
+
+    assert tiny_config() == V4Config.load(TINY_CHECKPOINT), tiny_config()
+
+
 @pytest.mark.slow
 def test_smoke_training_lowers_the_loss():
     from train_tiny import is_held_out, stdlib_files, tiny_config, token_stream, train
