@@ -27,5 +27,18 @@ def hidden(cfg, gen, mode="streams", n=None):
     return torch.randn(*shape, generator=gen).to(torch.bfloat16)
 
 
+def accepted_batch(positions: list[int], num_drafts: int, seed: int):
+    """A TINY proposer and one state per position, after a batched propose of ``num_drafts`` at
+    those positions with every draft accepted: (proposer, states, hiddens, the next positions)."""
+    gen = torch.Generator().manual_seed(seed)
+    prop = make_proposer(TINY)
+    states = [prop.alloc_state() for _ in positions]
+    hiddens = [hidden(TINY, gen) for _ in positions]
+    prop.propose_batch(list(range(len(positions))), hiddens, positions, num_drafts, states)
+    for state in states:
+        prop.after_verify(num_drafts, state)
+    return prop, states, hiddens, [p + num_drafts for p in positions]
+
+
 def cache_snapshot(prop) -> tuple:
     return (prop.cache.num_free_blocks, prop.cache.kv.clone())

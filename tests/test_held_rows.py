@@ -17,7 +17,7 @@ import torch
 from draftgraph.runtime.cache.metadata import pack_metadata
 from draftgraph.runtime.cache.paged_cache import BlockTable, PagedLatentCache
 from draftgraph.runtime.errors import CacheError, InputError
-from proposer_fixtures import TINY, hidden, make_proposer
+from proposer_fixtures import TINY, accepted_batch
 from test_host_fast_paths import assert_unchanged, frozen
 
 B, K = 8, 2
@@ -58,15 +58,8 @@ def test_ensure_unheld_equals_ensure_batch_with_undo_records():
 @pytest.fixture()
 def batch():
     """A proposer and B states holding blocks, at next positions whose ranges are held (the fast path)."""
-    gen = torch.Generator().manual_seed(1)
-    prop = make_proposer(TINY)
-    states = [prop.alloc_state() for _ in range(B)]
-    hiddens = [hidden(TINY, gen) for _ in range(B)]
     positions = [36 + 32 * i for i in range(B)]  # one offset in the block: crossings come together
-    prop.propose_batch(list(range(B)), hiddens, positions, 1, states)
-    for state in states:
-        prop.after_verify(1, state)
-    return prop, states, hiddens, [p + 1 for p in positions]
+    return accepted_batch(positions, 1, seed=1)
 
 
 def test_the_usual_step_allocates_nothing_and_stages_the_bytes_of_a_fresh_pack(batch):

@@ -25,7 +25,7 @@ from draftgraph.runtime.proposer.checks import (
     check_token,
     check_tokens,
 )
-from proposer_fixtures import TINY, hidden, make_proposer
+from proposer_fixtures import TINY, accepted_batch, make_proposer
 
 B, K = 32, 2
 BAD_AT = (0, 17, 31)
@@ -36,15 +36,7 @@ CPU = torch.device("cpu")
 @pytest.fixture()
 def batch():
     """A proposer and 32 states that hold blocks, at their next positions (mid-block and on a boundary)."""
-    gen = torch.Generator().manual_seed(0)
-    prop = make_proposer(TINY)
-    states = [prop.alloc_state() for _ in range(B)]
-    hiddens = [hidden(TINY, gen) for _ in range(B)]
-    positions = [20 + i for i in range(B)]
-    prop.propose_batch(list(range(B)), hiddens, positions, K, states)
-    for state in states:
-        prop.after_verify(K, state)
-    return prop, states, hiddens, [p + K for p in positions]
+    return accepted_batch([20 + i for i in range(B)], K, seed=0)
 
 
 def frozen(prop, states) -> tuple:
