@@ -1,4 +1,4 @@
-"""The bench_draft table printer, on a saved H200 run (benchmarks/h200): golden text."""
+"""The bench_draft table printer, on a saved H200 run (tests/data, from benchmarks/h200): golden text."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bench_draft_table_of_a_saved_run():
-    saved = ROOT / "benchmarks" / "h200" / "bench_draft_b8_b32_381ba0b.json"
+    saved = ROOT / "tests" / "data" / "bench_draft_b8_b32_381ba0b.json"
     out = subprocess.run([sys.executable, "benchmarks/bench_draft.py", "--table", str(saved)], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     assert "draftgraph captured, fused ops" in out
