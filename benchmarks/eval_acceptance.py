@@ -20,7 +20,7 @@ def main() -> int:
     ap.add_argument("--prompt-bytes", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--num-drafts", type=int, default=3)
-    ap.add_argument("--checkpoint", default=str(Path(__file__).parent / "data" / "tiny_v4"))
+    ap.add_argument("--checkpoint", default=str(Path(__file__).resolve().parents[1] / "tools" / "data" / "tiny_v4"))
     args = ap.parse_args()
     from draftgraph.runtime.decode.loop import speculative_decode
     from draftgraph.runtime.decode.target import TargetModel
