@@ -65,6 +65,34 @@ def _row_slot(table_ptr, b, p, stride_tb, max_blocks, num_slots, BS: tl.constexp
 
 
 @triton.jit
+def _window_keys(
+    table_ptr,
+    b,
+    p,
+    w0,
+    lowest,
+    alive,
+    stride_tb,
+    max_blocks,
+    num_slots,
+    BS: tl.constexpr,
+    WINDOW: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """(slot, valid) of the BLOCK_W keys from w0 on in row b's window ending at p: positions
+    j = p - WINDOW + 1 + w0 ..; a key is valid in the table, from kv_start (``lowest``) to p, in a
+    mapped block and the pool, and only while the row itself is alive."""
+    j = p - WINDOW + 1 + w0 + tl.arange(0, BLOCK_W)  # [BLOCK_W] positions
+    j_c = tl.maximum(j, 0)
+    jb = j_c // BS
+    in_table = (j >= 0) & (jb < max_blocks)
+    blk = tl.load(table_ptr + b * stride_tb + tl.minimum(jb, max_blocks - 1), mask=in_table, other=-1)
+    slot = blk.to(tl.int64) * BS + j_c % BS
+    valid = in_table & (j >= lowest) & (j <= p) & (blk >= 0) & (slot < num_slots) & splat(alive, j)
+    return slot, valid
+
+
+@triton.jit
 def _rope_pairs(ev, od, p, inv_freq_ptr, pair, N_PAIR0: tl.constexpr, sign: tl.constexpr):
     """Rotate pairs (ev[i], od[i]) with i >= N_PAIR0 by sign * p * inv_freq[i - N_PAIR0]."""
     rot = pair >= N_PAIR0
@@ -198,13 +226,9 @@ def _swa_decode_kernel(
     oe = tl.zeros([HALF], dtype=tl.float32)
     oo = tl.zeros([HALF], dtype=tl.float32)
     for w0 in range(0, WINDOW, BLOCK_W):
-        j = p - WINDOW + 1 + w0 + tl.arange(0, BLOCK_W)  # [BLOCK_W] positions
-        j_c = tl.maximum(j, 0)
-        jb = j_c // BS
-        in_table = (j >= 0) & (jb < max_blocks)
-        blk = tl.load(table_ptr + b * stride_tb + tl.minimum(jb, max_blocks - 1), mask=in_table, other=-1)
-        slot = blk.to(tl.int64) * BS + j_c % BS
-        valid = in_table & (j >= lowest) & (j <= p) & (blk >= 0) & (slot < num_slots) & splat(alive, j)
+        slot, valid = _window_keys(
+            table_ptr, b, p, w0, lowest, alive, stride_tb, max_blocks, num_slots, BS, WINDOW, BLOCK_W
+        )
         key = cache_ptr + tl.where(valid, slot, 0)[:, None] * stride_cs + 2 * pair[None, :]
         ke = tl.load(key, mask=valid[:, None], other=0.0).to(tl.float32)
         ko = tl.load(key + 1, mask=valid[:, None], other=0.0).to(tl.float32)
@@ -288,13 +312,9 @@ def _swa_decode_dot_kernel(
     l_i = m_i * 0.0 + 1.0
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
     for w0 in range(0, WINDOW, BLOCK_W):
-        j = p - WINDOW + 1 + w0 + tl.arange(0, BLOCK_W)
-        j_c = tl.maximum(j, 0)
-        jb = j_c // BS
-        in_table = (j >= 0) & (jb < max_blocks)
-        blk = tl.load(table_ptr + b * stride_tb + tl.minimum(jb, max_blocks - 1), mask=in_table, other=-1)
-        slot = blk.to(tl.int64) * BS + j_c % BS
-        valid = in_table & (j >= lowest) & (j <= p) & (blk >= 0) & (slot < num_slots) & splat(alive, j)
+        slot, valid = _window_keys(
+            table_ptr, b, p, w0, lowest, alive, stride_tb, max_blocks, num_slots, BS, WINDOW, BLOCK_W
+        )
         key = cache_ptr + tl.where(valid, slot, 0)[:, None] * stride_cs + dims[None, :]
         k = tl.load(key, mask=valid[:, None], other=0.0)  # [BLOCK_W, HEAD_DIM]
         s = mma(qb, tl.trans(k), INTERP)  # [BLOCK_H, BLOCK_W]
