@@ -1,24 +1,32 @@
-"""The MTP draft step and the K-draft chain, as one graph.
+"""The MTP draft step and the K-draft chain, as one graph: the math, op by op (spec section 5).
 
-One step (spec section 5; node names as in dumps)::
+One step declares the seven ops of the design, node names as in dumps::
 
-    embed -> combiner [-> hc_expand] -> body -> hc_head -> lm_head -> argmax
+    collapsed:  embed -> combiner -> hc_expand -> body -> hc_head -> lm_head -> argmax
+    streams:    embed -> hc_expand -> combiner -> body -> hc_head -> lm_head -> argmax
 
-The combiner is h_proj(hnorm(hidden)) + e_proj(enorm(embed)), one ``combine``
-node (ops/combine.py). ``streams`` mode (DeepSeek reference, default): the
-hidden is the target's pre-hc_head streams [B, C, D]; h_proj acts per stream
-and e_proj(e) is broadcast over the C streams. Later steps take the MTP's own
-pre-hc_head streams. ``collapsed`` mode (the seed): the hidden is [B, D]; the
-combiner sums the two projections and hc_expand replicates the sum; later
-steps take the MTP's collapsed h_out.
+The combiner is h_proj(hnorm(hidden)) + e_proj(enorm(embed)) (ops/combiner.py).
+``streams`` mode (DeepSeek reference, default): the hidden is the target's pre-hc_head
+streams [B, C, D]; the embedding is expanded to the C streams and the combiner works per
+stream. Later steps take the MTP's own pre-hc_head streams. ``collapsed`` mode (the seed):
+the hidden is [B, D]; the combiner sums the two projections and hc_expand replicates the
+sum; later steps take the MTP's collapsed h_out. The body is one ``body`` node (ops/body.py):
+the V4 block as its subgraph, or the runner the executor binds.
 
-The chain unrolls the step K times in one graph: each draft's argmax feeds the
-next embed, each step's hidden feeds the next combiner, and positions advance
-on the device (``offset_positions``), so a whole propose is one graph run.
+What makes the step fast is not written here but done by named passes (runtime/passes):
+``fold_hc_expand`` computes the embedding half once and broadcasts it, ``view_single_stacks``
+makes a K=1 chain's stacks views, ``reuse_dying_inputs`` lets hc_post and the norms write
+over their dying inputs.
+
+The chain unrolls the step K times in one graph: each draft's argmax feeds the next embed,
+each step's hidden feeds the next combiner, and positions advance on the device
+(``offset_positions``), so a whole propose is one graph run. With confidence gates, step k > 0
+is guarded by its gate's flag (``Node.guard``): it runs only while some row is confident.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +48,7 @@ class ChainSpec:
     mode: str = "streams"
     mtp_vocab_size: int = 0  # 0 = full vocab
     masked: bool = False  # grammar bitmask input present
-    runner: str = "builtin"  # the body: "builtin" inlines the op subgraph; else a body_runner node
+    runner: str = "builtin"  # the body node's implementation: "builtin" is the op subgraph; else a runner
     runner_workspace_bytes: int = 0
     conf_tau: float = 0.0  # > 0: stop drafting once every row's confidence is below it (ops/draft_gate.py)
 
@@ -87,9 +95,9 @@ def chain_inputs(config: V4Config, geometry: CacheGeometry, spec: ChainSpec) -> 
 def build_draft_chain(config: V4Config, geometry: CacheGeometry, spec: ChainSpec = ChainSpec()) -> Graph:
     """The K-draft chain. Outputs: ``drafts`` i64[B, K], ``probs`` f32[B, K], ``hidden_out``.
 
-    With ``spec.conf_tau > 0`` (and K > 1) steps 1..K-1 are gated on the chain's confidence:
-    drafts a row does not keep are -1, and their probs and a skipped step's ``hidden_out``
-    are stale bytes (ops/draft_gate.py).
+    With ``spec.conf_tau > 0`` (and K > 1) steps 1..K-1 are guarded by the chain's confidence
+    gates: drafts a row does not keep are -1, and their probs and a skipped step's
+    ``hidden_out`` are stale bytes (ops/draft_gate.py).
     """
     from draftgraph.runtime.errors import GraphError
 
@@ -102,40 +110,33 @@ def build_draft_chain(config: V4Config, geometry: CacheGeometry, spec: ChainSpec
     token, hidden = ins["token"], ins["hidden"]
     tokens, probs = [], []
     gated = is_gated(spec.conf_tau, spec.num_drafts)
-    gates, gate_values, alive = [], [], None
+    gate_values, alive, go = [], None, None
     for k in range(spec.num_drafts):
         if gated and k > 0:
-            # The gate sits outside step k's scope: it always runs, and step k (every node named
-            # "d{k}.") runs only where its flag is set.
+            # The gate is not guarded itself: it always runs, and step k runs only where it sets go.
             with b.scoped(f"g{k}"):
                 gate_inputs = [probs[-1], ins["positions"], ins["kv_start"]] + ([alive] if alive is not None else [])
                 alive, go = b.op("draft_gate", gate_inputs, name="gate", attrs={"tau": float(spec.conf_tau)})
-            gates.append({"flag": go.name, "prefix": f"d{k}."})
             gate_values += [alive, go]
-        with b.scoped(f"d{k}"):
+        with b.scoped(f"d{k}"), (b.guarded(go) if go is not None else nullcontext()):
             positions = ins["positions"]
             if k > 0:
                 positions = b.op("offset_positions", [ins["positions"]], name="positions", attrs={"offset": k})
             token, prob, hidden = _step(b, config, geometry, spec, ins, token, hidden, positions, body)
         tokens.append(token)
         probs.append(prob)
-    if spec.num_drafts == 1:
-        # [B] -> [B, 1] as views: a stack of one would be two copy kernels per step.
-        drafts = b.op("reshape", tokens, name="drafts", attrs={"shape": [*tokens[0].spec.shape, 1]})
-        confidences = b.op("reshape", probs, name="probs", attrs={"shape": [*probs[0].spec.shape, 1]})
-    elif gated:
+    if gated:
         stacked = b.op("stack", tokens, name="stacked_drafts")
         drafts = b.op("cut_drafts", [stacked, *gate_values], name="drafts")
-        confidences = b.op("stack", probs, name="probs")
     else:
-        drafts = b.op("stack", tokens, name="drafts")
-        confidences = b.op("stack", probs, name="probs")
+        drafts = b.op("stack", tokens, name="drafts")  # [B, K]
+    confidences = b.op("stack", probs, name="probs")  # [B, K]
     b.output(drafts, confidences, hidden)
     graph = b.build()
     graph.meta.update({"num_drafts": spec.num_drafts, "mode": spec.mode, "runner": spec.runner,
                        "mtp_vocab_size": spec.mtp_vocab_size, "masked": spec.masked})
     if gated:
-        graph.meta.update({"conf_tau": float(spec.conf_tau), "gates": gates})
+        graph.meta["conf_tau"] = float(spec.conf_tau)
     return graph
 
 
@@ -143,10 +144,7 @@ def _step(b, config, geometry, spec, ins, token, hidden, positions, body) -> tup
     d, eps = config.hidden_size, float(config.rms_norm_eps)
     streams = combiner(b, config, token, hidden, spec.mode)
     body_inputs = [streams, positions, ins["kv_start"], ins["block_table"]]
-    if body is not None:
-        out_streams = b.subgraph("body", body, body_inputs)
-    else:
-        out_streams = runner_node(b, config, geometry, body_inputs, spec.runner, spec.runner_workspace_bytes)
+    out_streams = body_node(b, config, geometry, body_inputs, spec.runner, spec.runner_workspace_bytes, body)
     c = config.hc_mult
     head_weights = [
         b.weight("mtp.0.hc_head_fn", TensorSpec((c, c * d), F32)),
@@ -168,23 +166,26 @@ def _step(b, config, geometry, spec, ins, token, hidden, positions, body) -> tup
 
 
 def combiner(b: GraphBuilder, config: V4Config, token: Value, hidden: Value, mode: str) -> Value:
-    """embed -> combiner (-> hc_expand in collapsed mode): the body's input streams [B, C, D].
+    """embed, combiner and hc_expand: the body's input streams [B, C, D].
 
-    The combiner is one ``combine`` node: both norms and projections and their sum (its
-    embedding half runs beside its hidden half: ops/combine.py).
+    Streams mode expands the embedding to the hidden's C streams before the combiner (the
+    reference adds e_proj(e) to every stream); collapsed mode expands the combiner's sum.
     """
     d = config.hidden_size
-    embed = b.op("embed", [token, b.weight("embed.weight", TensorSpec((config.vocab_size, d), BF16))])
+    embed = b.op("embed", [token, b.weight("embed.weight", TensorSpec((config.vocab_size, d), BF16))])  # [B, D]
     weights = [
         b.weight("mtp.0.enorm.weight", TensorSpec((d,), BF16)),
         b.weight("mtp.0.hnorm.weight", TensorSpec((d,), BF16)),
         b.weight("mtp.0.e_proj.weight", TensorSpec((d, d), BF16)),
         b.weight("mtp.0.h_proj.weight", TensorSpec((d, d), BF16)),
     ]
-    combined = b.op("combine", [embed, hidden, *weights], name="combiner", attrs={"eps": float(config.rms_norm_eps)})
+    expand = {"hc_mult": config.hc_mult}
+    eps = {"eps": float(config.rms_norm_eps)}
     if mode == "streams":
-        return combined  # [B, C, D]: e's half was added to every stream
-    return b.op("hc_expand", [combined], name="hc_expand", attrs={"hc_mult": config.hc_mult})
+        embed = b.op("hc_expand", [embed], name="hc_expand", attrs=expand)  # [B, C, D]
+        return b.op("combiner", [embed, hidden, *weights], name="combiner", attrs=eps)  # [B, C, D]
+    combined = b.op("combiner", [embed, hidden, *weights], name="combiner", attrs=eps)  # [B, D]
+    return b.op("hc_expand", [combined], name="hc_expand", attrs=expand)  # [B, C, D]
 
 
 def runner_interface(config: V4Config, geometry: CacheGeometry) -> dict[str, TensorSpec]:
@@ -207,19 +208,20 @@ def build_drafter_prefill(config: V4Config, geometry: CacheGeometry, mode: str =
     with b.scoped("p"):
         streams = combiner(b, config, ins["token"], ins["hidden"], mode)
         body_inputs = [streams, ins["positions"], ins["kv_start"], ins["block_table"]]
-        if body is not None:
-            out = b.subgraph("body", body, body_inputs)
-        else:
-            out = runner_node(b, config, geometry, body_inputs, runner, runner_workspace_bytes)
+        out = body_node(b, config, geometry, body_inputs, runner, runner_workspace_bytes, body)
     b.output(out)
     graph = b.build()
     graph.meta.update({"mode": mode, "runner": runner, "prefill": True})
     return graph
 
 
-def runner_node(b: GraphBuilder, config: V4Config, geometry: CacheGeometry, body_inputs, runner: str,
-                workspace_bytes: int) -> Value:
-    """The body as one ``body_runner`` node: (streams, positions, kv_start, block_table, $kv_cache)."""
+def body_node(b: GraphBuilder, config: V4Config, geometry: CacheGeometry, body_inputs, runner: str,
+              workspace_bytes: int, block: Graph | None) -> Value:
+    """The body as one ``body`` node: (streams, positions, kv_start, block_table, $kv_cache) -> streams.
+
+    ``block``: the V4 block graph, the node's subgraph (the built-in runner); None: the runner
+    named ``runner`` is bound by the executor, with ``workspace_bytes`` of scratch.
+    """
     cache = b.state("mtp.0.kv_cache", TensorSpec((geometry.num_slots, config.cache_head_dim), BF16))
-    return b.op("body_runner", [*body_inputs, cache], name="body",
-                attrs={"runner": runner, "mutates": ["mtp.0.kv_cache"], "workspace_bytes": workspace_bytes})
+    attrs = {"runner": runner} if block is not None else {"runner": runner, "workspace_bytes": workspace_bytes}
+    return b.op("body", [*body_inputs, cache], name="body", attrs=attrs, subgraph=block)

@@ -12,9 +12,12 @@ import torch
 from draftgraph.graphs.draft_chain import ChainSpec, build_draft_chain
 from draftgraph.graphs.v4_block import CacheGeometry
 from draftgraph.ops.draft_gate import CUT, _cut_impl, _gate_impl
-from draftgraph.runtime.errors import ExecutionError, InputError
+from draftgraph.runtime.errors import GraphError, InputError
 from draftgraph.runtime.execution.eager import EagerExecutor
+from draftgraph.runtime.ir.printer import format_graph
 from draftgraph.runtime.ir.schedule import flatten
+from draftgraph.runtime.ir.serialize import from_json, to_json
+from draftgraph.runtime.ir.validate import validate
 from proposer_fixtures import TINY, hidden, make_proposer
 
 
@@ -62,20 +65,37 @@ def test_cut_writes_minus_one_after_a_row_stops_or_a_step_did_not_run():
     assert drafts.tolist() == out.tolist()
 
 
-def test_gated_chain_graph_marks_each_later_step():
-    graph = build_draft_chain(TINY, CacheGeometry(64, 4, 16), ChainSpec(num_drafts=3, conf_tau=0.5))
-    assert graph.meta["gates"] == [{"flag": "g1.gate.go", "prefix": "d1."}, {"flag": "g2.gate.go", "prefix": "d2."}]
-    assert "gates" not in build_draft_chain(TINY, CacheGeometry(64, 4, 16), ChainSpec(num_drafts=3)).meta
-    assert "gates" not in build_draft_chain(TINY, CacheGeometry(64, 4, 16),
-                                            ChainSpec(num_drafts=1, conf_tau=0.5)).meta
+def test_gated_chain_graph_guards_each_later_step():
+    graph = flatten(build_draft_chain(TINY, CacheGeometry(64, 4, 16), ChainSpec(num_drafts=3, conf_tau=0.5)))
+    guards = {node.name: node.guard for node in graph.nodes.values()}
+    for name, guard in guards.items():
+        want = {"d1": "g1.gate.go", "d2": "g2.gate.go"}.get(name.split(".")[0])
+        assert guard == want, f"%{name}: expected guard {want}, got {guard}"
+    assert sum(g == "g2.gate.go" for g in guards.values()) > 10  # the body's inlined nodes too
+    assert "when %g1.gate.go" in format_graph(graph)
+    assert {n.name: n.guard for n in from_json(to_json(graph)).nodes.values()} == guards
+    for ungated in (ChainSpec(num_drafts=3), ChainSpec(num_drafts=1, conf_tau=0.5)):
+        chain = flatten(build_draft_chain(TINY, CacheGeometry(64, 4, 16), ungated))
+        assert all(node.guard is None for node in chain.nodes.values())
 
 
 def test_a_gated_region_split_by_the_schedule_is_refused():
     prop = make_proposer(TINY)
     graph = flatten(build_draft_chain(TINY, prop.geometry, ChainSpec(num_drafts=3, conf_tau=0.5)))
-    graph.meta["gates"] = [{"flag": "g1.gate.go", "prefix": "d"}]  # d1 and d2 with g2's gate between them
-    with pytest.raises(ExecutionError, match="one unbroken run of the schedule"):
+    for node in graph.nodes.values():  # d1 and d2 under one gate, with g2's gate between them
+        if node.guard == "g2.gate.go":
+            node.guard = "g1.gate.go"
+    with pytest.raises(GraphError, match="one unbroken run of the schedule"):
         EagerExecutor(graph, 1, prop.weights, prop.state_tensors)
+
+
+def test_a_guard_must_be_one_int32_flag():
+    graph = flatten(build_draft_chain(TINY, CacheGeometry(64, 4, 16), ChainSpec(num_drafts=2, conf_tau=0.5)))
+    for node in graph.nodes.values():
+        if node.guard is not None:
+            node.guard = "g1.gate.alive"  # i32[B], not i32[1]
+    with pytest.raises(GraphError, match=r"guard %g1.gate.alive: expected i32\[1\], got i32\[B\]"):
+        validate(graph)
 
 
 # ---- the proposer -------------------------------------------------------------------------

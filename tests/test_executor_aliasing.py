@@ -8,6 +8,7 @@ import pytest
 import torch
 from draftgraph.runtime.errors import ExecutionError, PlanError
 from draftgraph.runtime.execution.eager import EagerExecutor
+from draftgraph.runtime.passes import run_passes
 from draftgraph.runtime.planning.graph_plan import plan_graph
 from draftgraph.runtime.planning.verify_plan import verify_plan
 from hypothesis import HealthCheck, given, settings
@@ -43,7 +44,7 @@ def test_aliased_equals_unaliased_bit_for_bit(seed, batch, poison):
 @given(seed=st.integers(0, 10_000))
 def test_value_level_plan_allows_only_declared_sharing(seed):
     graph, _ = random_graph(seed, num_nodes=16)
-    plan = plan_graph(graph, 2)
+    plan = plan_graph(run_passes(graph).graph, 2)
     buffers = plan.value_buffers()
     by_name = {b.name: b for b in buffers}
     value_plan = type(plan.arena)(
@@ -68,11 +69,18 @@ def test_value_level_plan_allows_only_declared_sharing(seed):
 
 def test_inplace_and_view_really_alias():
     graph, weights = random_graph(3, num_nodes=30)
-    plan = plan_graph(graph, 2)
+    plan = plan_graph(run_passes(graph).graph, 2)
     kinds = set(plan.groups.kind.values())
     assert "inplace" in kinds and "view" in kinds, kinds  # the generator exercises both declarations
     for member, root in plan.groups.root.items():
         assert plan.offsets[member] == plan.offsets[root]
+
+
+def test_a_declared_graph_shares_bytes_only_by_views():
+    """In-place reuse is the reuse_dying_inputs pass's doing: without it no output takes an input's bytes."""
+    graph, _ = random_graph(3, num_nodes=30)
+    kinds = set(plan_graph(graph, 2).groups.kind.values())
+    assert kinds == {"view"}, kinds
 
 
 def test_debug_check_catches_an_op_that_does_not_write_its_output():

@@ -12,7 +12,7 @@ V4_OPS = sorted(CASES)
 
 DECLARED = {  # name: (output_names, inplace, mutates)
     "embed": (("out",), {}, ()),
-    "combine": (("out",), {}, ()),
+    "combiner": (("out",), {}, ()),
     "hc_expand": (("out",), {}, ()),
     "hc_pre": (("y", "post", "comb"), {}, ()),
     "hc_post": (("out",), {0: 1}, ()),
@@ -28,7 +28,7 @@ DECLARED = {  # name: (output_names, inplace, mutates)
 
 EXPECTED_OUT = {  # name: output specs for batch B (small config)
     "embed": ["bf16[B,256]"],
-    "combine": ["bf16[B,4,256]"],
+    "combiner": ["bf16[B,4,256]"],
     "hc_expand": ["bf16[B,4,256]"],
     "hc_pre": ["bf16[B,256]", "f32[B,4]", "f32[B,4,4]"],
     "hc_post": ["bf16[B,4,256]"],
@@ -162,15 +162,15 @@ def test_inplace_outputs_are_correct_when_aliased(name):
 def test_a_fused_impl_is_attached_to_the_registered_opdef_itself():
     """``register_fused`` keeps ``ops.<module>.<OP>`` the object ``get_op`` returns: a patch of it
     reaches every device (a copy in the registry once made one miss the CUDA path)."""
-    import draftgraph.ops.combine
+    import draftgraph.ops.combiner
     from draftgraph.runtime.ir.op_registry import register_fused
 
-    op = get_op("combine")
-    assert op is draftgraph.ops.combine.COMBINE
+    op = get_op("combiner")
+    assert op is draftgraph.ops.combiner.COMBINER
     fused = object()
     try:
-        register_fused("combine", "meta", fused)
-        assert get_op("combine") is draftgraph.ops.combine.COMBINE
+        register_fused("combiner", "meta", fused)
+        assert get_op("combiner") is draftgraph.ops.combiner.COMBINER
         assert op.select_impl(torch.device("meta")) is fused
         assert op.select_impl(torch.device("cpu")) is op.impl
         assert op.select_impl(torch.device("meta"), use_fused=False) is op.impl

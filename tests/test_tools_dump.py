@@ -20,6 +20,7 @@ from draftgraph.graphs.draft_chain import ChainSpec, build_draft_chain
 from draftgraph.runtime.ir.schedule import flatten
 from draftgraph.runtime.ir.serialize import from_json
 from draftgraph.runtime.model.config import V4Config
+from draftgraph.runtime.passes import run_passes
 from draftgraph.tools.chain_select import chain_geometry
 from draftgraph.tools.cli import main
 from golden_files import check_golden
@@ -40,8 +41,52 @@ def test_text_dump_golden(capsys, num_drafts):
     check_golden(f"dump_k{num_drafts}_streams_b1.txt", text)
 
 
-def test_text_dump_has_arena_comments_and_summary(capsys):
+@pytest.mark.parametrize("mode", ["streams", "collapsed"])
+def test_declared_dump_golden(capsys, mode):
+    """``--passes none``: the graph as the builder declared it, the body's V4 block nested."""
+    text = dump(capsys, "-k", "1", "--passes", "none", "--mode", mode)
+    check_golden(f"dump_k1_{mode}_declared.txt", text)
+    assert not text.startswith("# pass")
+
+
+@pytest.mark.parametrize("mode", ["streams", "collapsed"])
+def test_each_declared_step_has_the_seven_ops_of_the_design(capsys, mode):
+    lines = [line for line in dump(capsys, "-k", "2", "--passes", "none", "--mode", mode).splitlines()
+             if line.startswith("  %d")]
+    for k in range(2):
+        ops = [re.match(r".* = (\w+)", line).group(1) for line in lines if line.startswith(f"  %d{k}.")]
+        ops = [op for op in ops if op != "offset_positions"]
+        expand_first = mode == "streams"  # the embedding meets the streams; collapsed expands the sum
+        middle = ["hc_expand", "combiner"] if expand_first else ["combiner", "hc_expand"]
+        assert ops == ["embed", *middle, "body", "hc_head", "lm_head", "draft_argmax"], ops
+
+
+def test_the_default_dump_says_what_each_pass_did(capsys):
     lines = dump(capsys, "-k", "1").splitlines()
+    passes = [line for line in lines if line.startswith("# pass ")]
+    assert [p.split(":")[0] for p in passes] == ["# pass inline_subgraphs", "# pass fold_hc_expand",
+                                                 "# pass view_single_stacks", "# pass reuse_dying_inputs"]
+    assert passes[1] == "# pass fold_hc_expand: 1 hc_expand folded into the combiner's broadcast"
+    assert not any("= hc_expand" in line for line in lines)
+    collapsed = dump(capsys, "-k", "1", "--mode", "collapsed")
+    assert "# pass fold_hc_expand: no hc_expand feeds a combiner" in collapsed and "= hc_expand" in collapsed
+
+
+def test_passes_can_be_named(capsys):
+    text = dump(capsys, "-k", "1", "--passes", "inline_subgraphs")
+    assert [line for line in text.splitlines() if line.startswith("# pass")] == [
+        "# pass inline_subgraphs: 1 subgraph inlined (8 nodes)"]
+    assert "= hc_expand" in text and "may reuse" not in text and text.rstrip().endswith("at B=1")
+
+
+def test_unknown_passes_are_a_one_line_usage_error(capsys):
+    assert main(["dump", "--passes", "fuse_everything"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "passes" in err and "fuse_everything" in err, err
+
+
+def test_text_dump_has_arena_comments_and_summary(capsys):
+    lines = [line for line in dump(capsys, "-k", "1").splitlines() if not line.startswith("# pass")]
     assert lines[0].startswith("graph mtp_chain_k1_streams(")
     assert re.search(r"^arena .* at B=1$", lines[-1]), lines[-1]
     embed = next(line for line in lines if "= embed(" in line)
@@ -53,7 +98,7 @@ def test_dump_out_file_and_runner_graph(capsys, tmp_path):
     out = tmp_path / "k2.txt"
     assert main(["dump", "-k", "2", "--runner", "identity", "--mode", "collapsed", "--out", str(out)]) == 0
     text = out.read_text()
-    assert "body_runner[" in text and "runner=identity" in text, text[:400]
+    assert "= body[runner=identity, workspace_bytes=0](" in text, text[:400]
     assert "d1.body" in text and text.rstrip().endswith("at B=1")
 
 
@@ -68,13 +113,14 @@ def test_bad_selector_is_a_one_line_usage_error(capsys):
 
 @pytest.mark.parametrize("runner", ["builtin", "identity"])
 def test_json_round_trip_equals_built_graph(capsys, runner):
-    text = dump(capsys, "--format", "json", "-k", "3", "--runner", runner)
-    loaded = from_json(text)
     config = V4Config.small()
     built = build_draft_chain(config, chain_geometry(config), ChainSpec(num_drafts=3, runner=runner))
-    assert loaded == built
-    assert flatten(loaded) == flatten(built)
-    assert loaded.meta["num_drafts"] == 3 and loaded.meta["runner"] == runner
+    declared = from_json(dump(capsys, "--format", "json", "-k", "3", "--runner", runner, "--passes", "none"))
+    assert declared == built
+    assert flatten(declared) == flatten(built)
+    assert declared.meta["num_drafts"] == 3 and declared.meta["runner"] == runner
+    passed = from_json(dump(capsys, "--format", "json", "-k", "3", "--runner", runner))
+    assert passed == run_passes(built).graph and not passed.has_subgraphs()
 
 
 # ---- dot ------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ from draftgraph.runtime.ir.tensor_spec import TensorSpec  # noqa: E402
 from draftgraph.runtime.model.config import V4Config  # noqa: E402
 from v4_op_cases import (  # noqa: E402
     attention_case,
-    combine_case,
+    combiner_case,
     draft_argmax_case,
     gen,
     hc_head_case,
@@ -77,7 +77,7 @@ FUSED = {
     "swa_attention": K["attention"].swa_attention_impl,
     "linear": K["gemv"].linear_impl,
     "rms_norm": K["gemv"].rms_norm_impl,
-    "combine": K["gemv"].combine_impl,
+    "combiner": K["gemv"].combiner_impl,
     "draft_gate": K["gate"].draft_gate_impl,
     "cut_drafts": K["gate"].cut_drafts_impl,
 }
@@ -351,8 +351,8 @@ def test_linear_and_rms_norm(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("streams", [True, False])
-def test_combine(device, streams):
-    compare("combine", *to_device(combine_case(gen(117), streams=streams), device))
+def test_combiner(device, streams):
+    compare("combiner", *to_device(combiner_case(gen(117), streams=streams), device))
 
 
 # ---- the V4-Flash shapes, on the GPU ----------------------------------------------------------
@@ -511,7 +511,7 @@ def test_fused_chain_at_batch_3_never_falls_back_to_a_torch_op(monkeypatch):
     """
     import draftgraph.ops.attention
     import draftgraph.ops.basic
-    import draftgraph.ops.combine
+    import draftgraph.ops.combiner
     import draftgraph.ops.lm_head
     import draftgraph.ops.mhc
     import draftgraph.ops.moe
@@ -524,14 +524,14 @@ def test_fused_chain_at_batch_3_never_falls_back_to_a_torch_op(monkeypatch):
              "moe": K["moe"].moe_impl, "moe_hash": K["moe"].moe_hash_impl, "hc_pre": K["mhc"].hc_pre_impl,
              "hc_head": K["mhc"].hc_head_impl, "hc_post": K["mhc"].hc_post_impl,
              "swa_attention": K["attention"].swa_attention_impl, "linear": K["gemv"].linear_impl,
-             "rms_norm": K["gemv"].rms_norm_impl, "combine": K["gemv"].combine_impl}
+             "rms_norm": K["gemv"].rms_norm_impl, "combiner": K["gemv"].combiner_impl}
     fallbacks = []
     for module, name in [(draftgraph.ops.moe, "_moe_impl"), (draftgraph.ops.moe, "_moe_hash_impl"),
                          (draftgraph.ops.mhc, "_hc_pre_impl"), (draftgraph.ops.mhc, "_hc_head_impl"),
                          (draftgraph.ops.mhc, "_hc_post_impl"), (draftgraph.ops.attention, "_attn_impl"),
                          (draftgraph.ops.lm_head, "_lm_head_impl"), (draftgraph.ops.sampling, "_draft_argmax_impl"),
                          (draftgraph.ops.basic, "_linear_impl"), (draftgraph.ops.basic, "_rms_norm_impl"),
-                         (draftgraph.ops.combine, "_combine_impl")]:
+                         (draftgraph.ops.combiner, "_combiner_impl")]:
         monkeypatch.setattr(module, name, lambda *a, name=name: fallbacks.append(name))
     device = "cuda" if HAS_CUDA else "cpu"
     prop = make_proposer(kernels="torch", buckets=(3,), device=device)

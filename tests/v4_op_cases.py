@@ -61,7 +61,7 @@ def embed_case(g, batch=BATCH):
     return [token, randn(g, CFG.vocab_size, CFG.hidden_size)], {}
 
 
-def combine_case(g, batch=BATCH, streams=True):
+def combiner_case(g, batch=BATCH, streams=True):
     d = CFG.hidden_size
     h = randn(g, batch, CFG.hc_mult, d) if streams else randn(g, batch, d)
     weights = [norm_weight(g, d), norm_weight(g, d), weight(g, d, d), weight(g, d, d)]
@@ -211,7 +211,7 @@ def minimum_case(g, batch=BATCH):
 
 CASES = {
     "embed": embed_case,
-    "combine": combine_case,
+    "combiner": combiner_case,
     "hc_expand": hc_expand_case,
     "hc_pre": hc_pre_case,
     "hc_post": hc_post_case,

@@ -40,13 +40,33 @@ def chain_spec(args) -> ChainSpec:
 
 
 def selected_graph(args) -> Graph:
-    """The chain graph as built (the ``body`` still a subgraph node): what JSON dumps hold."""
+    """The chain graph as declared (the ``body`` one node with its subgraph)."""
     config = selected_config(args)
     return build_draft_chain(config, chain_geometry(config), chain_spec(args))
 
 
+def selected_passes(args) -> tuple:
+    """The passes ``--passes`` names (all of them by default), as ``runtime.passes.Pass``es."""
+    from draftgraph.runtime.errors import GraphError
+    from draftgraph.runtime.passes import parse_passes
+    from draftgraph.tools.cli import UsageError
+
+    try:
+        return parse_passes(getattr(args, "passes", "all"))
+    except GraphError as exc:
+        raise UsageError(f"--{exc}") from None
+
+
+def selected_lowering(args):
+    """The selected chain after the selected passes: ``runtime.passes.Lowered`` (graph, summaries)."""
+    from draftgraph.runtime.passes import run_passes
+
+    passes = selected_passes(args)
+    return run_passes(selected_graph(args), passes)
+
+
 def selected_chain(args):
-    """``(flat graph, plan)``: the selected chain, flattened and planned at ``--batch``.
+    """``(flat graph, plan)``: the selected chain after its passes, flattened and planned at ``--batch``.
 
     Example
     -------
@@ -63,5 +83,5 @@ def selected_chain(args):
     batch = getattr(args, "batch", 1)
     if batch < 1:
         raise UsageError(f"--batch: expected >= 1, got {batch}")
-    flat = flatten(selected_graph(args))
+    flat = flatten(selected_lowering(args).graph)
     return flat, plan_graph(flat, batch)

@@ -64,9 +64,7 @@ def family_color(family: str) -> str:
 
 
 def node_family(op: str) -> str:
-    """The family of an op name; ``subgraph`` and unregistered ops are their own family."""
-    if op in ("subgraph", "body_runner"):
-        return "runner" if op == "body_runner" else "subgraph"
+    """The family of an op name; unregistered ones (``subgraph``, a call) are their own family."""
     from draftgraph.runtime.errors import GraphError
     from draftgraph.runtime.ir.op_registry import get_op
 

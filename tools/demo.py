@@ -65,7 +65,7 @@ class StandInTarget:
 
 def run(args) -> int:
     from draftgraph.runtime.ir.printer import format_graph
-    from draftgraph.runtime.ir.schedule import flatten
+    from draftgraph.runtime.passes import run_passes
     from draftgraph.runtime.planning.graph_plan import plan_graph
     from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
     from draftgraph.tools.trace import Tracer
@@ -75,11 +75,12 @@ def run(args) -> int:
     executor = "eager" if args.eager else "auto"
     prop = DeepseekV4MtpProposer.from_checkpoint(path, device=device, mode=args.mode, executor=executor)
     k = args.num_drafts
-    graph = flatten(prop.chain_graph(k))
+    lowered = run_passes(prop.chain_graph(k))  # what the executors run
+    graph = lowered.graph
     plan = plan_graph(graph, 1)
     print(f"# checkpoint {path} ({prop.config.hidden_size=}, experts MXFP4, linears FP8 -> bf16 at load)")
     if not args.quiet_graph:
-        print(format_graph(graph, plan))
+        print("".join(f"# pass {line}\n" for line in lowered.summaries) + format_graph(graph, plan))
     else:
         print(plan.summary())
     target = StandInTarget(prop.config, args.mode, device)

@@ -1,10 +1,13 @@
 """``draftgraph dump``: print the draft chain graph as text, JSON or Graphviz DOT.
 
-text: the one printer (``draftgraph.runtime.ir.printer.format_graph``) over the flattened chain
-with its arena plan: each line's arena offset and bytes, the values freed there,
-and a closing summary line. json: the graph as built (the body still a subgraph
-node), loadable with ``draftgraph.runtime.ir.serialize.from_json``. dot: Graphviz source with
-the body as a cluster and nodes coloured by op family (``draftgraph.tools.colors``).
+The graph is the declared chain after the passes ``--passes`` names (all by default; ``none``
+prints the graph as declared: the seven ops of each step, the body one node with its V4 block
+indented below it). text: one line per pass saying what it changed, then the one printer
+(``draftgraph.runtime.ir.printer.format_graph``) over the graph; where the graph is flat (its
+subgraphs inlined) with its arena plan: each line's arena offset and bytes, the values freed
+there, and a closing summary line. json: the same graph, loadable with
+``draftgraph.runtime.ir.serialize.from_json``. dot: Graphviz source with the body as a cluster
+and nodes coloured by op family (``draftgraph.tools.colors``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from pathlib import Path
 from draftgraph.tools.common import add_selectors
 
 EXAMPLES = """examples:
-  draftgraph dump                          # K=3 chain, streams mode, B=1, with arena offsets
+  draftgraph dump                          # K=3 chain, streams mode, B=1, after every pass, with arena offsets
+  draftgraph dump --passes none            # the graph as declared
   draftgraph dump -k 1 --batch 8
   draftgraph dump --format json --out chain.json
   draftgraph dump --format dot --out chain.dot && dot -Tsvg chain.dot -o chain.svg
@@ -36,27 +40,37 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--format", "-f", choices=FORMATS, default="text", help="output format (default text)")
     add_selectors(p)
+    p.add_argument("--passes", default="all",
+                   help="passes to run: all (default), none (the declared graph), or names, comma-separated")
     p.add_argument("--out", "-o", type=Path, default=None, help="write to this file instead of stdout")
     return p
 
 
 def render(args) -> str:
     """The dump as a string (what ``run`` prints or writes)."""
-    from draftgraph.tools.chain_select import selected_chain, selected_graph
+    from draftgraph.runtime.planning.graph_plan import plan_graph
+    from draftgraph.tools.chain_select import selected_lowering
+    from draftgraph.tools.cli import UsageError
 
+    batch = getattr(args, "batch", 1)
+    if batch < 1:
+        raise UsageError(f"--batch: expected >= 1, got {batch}")
+    lowered = selected_lowering(args)
+    graph = lowered.graph
     if args.format == "json":
         from draftgraph.runtime.ir.serialize import dumps
 
-        return dumps(selected_graph(args)) + "\n"
-    flat, plan = selected_chain(args)
+        return dumps(graph) + "\n"
+    plan = None if graph.has_subgraphs() else plan_graph(graph, batch)
     if args.format == "dot":
         from draftgraph.runtime.ir.dot import to_dot
         from draftgraph.tools.colors import graph_palette
 
-        return to_dot(flat, plan.offsets, colors=graph_palette(flat))
+        return to_dot(graph, plan.offsets if plan else None, colors=graph_palette(graph))
     from draftgraph.runtime.ir.printer import format_graph
 
-    return format_graph(flat, plan) + "\n"
+    header = "".join(f"# pass {line}\n" for line in lowered.summaries)
+    return header + format_graph(graph, plan) + "\n"
 
 
 def run(args) -> int:

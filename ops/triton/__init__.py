@@ -16,8 +16,8 @@ moe, moe_hash             draftgraph.ops.triton.moe    (gate split-K, w1/w3 + Sw
                                              batch > 1: draftgraph.ops.triton.moe_grouped)
 hc_pre, hc_head, hc_post  draftgraph.ops.triton.mhc    (split mix + Sinkhorn finish; post)
 swa_attention             draftgraph.ops.triton.attention
-linear, rms_norm,         draftgraph.ops.triton.gemv   (combine: a norm and a GEMV per half + the sum)
-combine
+linear, rms_norm,         draftgraph.ops.triton.gemv   (combiner: a norm and a GEMV per half + the sum)
+combiner
 draft_gate, cut_drafts    draftgraph.ops.triton.gate   (one program each: a few dozen ints)
 ========================  =========================================================
 
@@ -44,7 +44,7 @@ def _impls() -> dict:
         "hc_post": mhc.hc_post_impl,
         "swa_attention": attention.swa_attention_impl,
         "linear": gemv.linear_impl,
-        "combine": gemv.combine_impl,
+        "combiner": gemv.combiner_impl,
         "rms_norm": gemv.rms_norm_impl,
     }
 

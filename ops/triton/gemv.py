@@ -312,20 +312,20 @@ def rms_norm_impl(inputs, outputs, attrs, workspace):
     rms_norm_rows(x2, w, float(attrs["eps"]), o2)
 
 
-def combine_impl(inputs, outputs, attrs, workspace):
+def combiner_impl(inputs, outputs, attrs, workspace):
     """The combiner as the fused path ran its five nodes: a row norm and a GEMV per half, then the sum.
 
     Not the normed GEMV (``norm_w``): its prologue re-reads the row in each of the 512 programs,
     and it measured 29 us slower at B=1 on an H200 (0.513 against 0.484 ms a step).
     """
-    from draftgraph.ops.combine import _combine_impl
+    from draftgraph.ops.combiner import _combiner_impl
 
     e, h, e_norm, h_norm, e_proj, h_proj = inputs
     (out,) = outputs
     h2 = _rows_view(h)
-    if (e.dtype not in _HALF or h2 is None or e.stride(-1) != 1 or e.shape[-1] > 16384
+    if (e.dtype not in _HALF or e.dim() != 2 or h2 is None or e.stride(-1) != 1 or e.shape[-1] > 16384
             or any(w.dtype != e.dtype or not w.is_contiguous() for w in (e_norm, h_norm, e_proj, h_proj))):
-        return _combine_impl(inputs, outputs, attrs, workspace)
+        return _combiner_impl(inputs, outputs, attrs, workspace)
     eps = float(attrs["eps"])
     parts = []
     for x, norm_w, proj_w in ((e, e_norm, e_proj), (h2, h_norm, h_proj)):

@@ -13,7 +13,7 @@ and read by the graph at replay time.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
 import torch
@@ -21,6 +21,7 @@ from draftgraph.runtime.errors import CaptureError, InputError, describe
 from draftgraph.runtime.execution import launch as raw_launch
 from draftgraph.runtime.execution.eager import EagerExecutor, run_if_flag_set
 from draftgraph.runtime.ir.graph import Graph
+from draftgraph.runtime.passes import DEFAULT_PASSES, Pass
 
 # The current device's index: what torch.cuda.current_device() answers once CUDA is initialised
 # (a launch needs it; the lazy-init check before it costs as much again).
@@ -40,6 +41,7 @@ class CapturedExecutor:
     keep_graph : keep the cudaGraph_t (for ``debug_dump`` / ``raw_cuda_graph``).
     prologue : a function of no arguments captured before the steps (the staging copy
         from pinned memory, see ``ChainStaging.in_graph_copy``); None: nothing.
+    passes : the rewrites the graph runs after, as for :class:`EagerExecutor`.
     overlap : let ops fork work onto a side stream (``draftgraph.ops.overlap``): captured, it becomes a
         parallel branch of the graph.
     """
@@ -60,12 +62,13 @@ class CapturedExecutor:
         kernels: str = "auto",
         prologue: Callable[[], None] | None = None,
         overlap: bool = True,
+        passes: Sequence[Pass] = DEFAULT_PASSES,
     ) -> None:
         device = torch.device(device)
         if device.type != "cuda" or not torch.cuda.is_available():
             raise CaptureError(describe("CapturedExecutor device", "a CUDA device", device, "use EagerExecutor"))
         self.eager = EagerExecutor(graph, batch, weights, state, device=device, runners=runners, kernels=kernels,
-                                   overlap=overlap)
+                                   overlap=overlap, passes=passes)
         self.graph_ir, self.batch, self.device = self.eager.graph, batch, device
         self.plan = self.eager.plan
         if static_inputs is None:

@@ -8,7 +8,7 @@ CUDA graph: that is why eager and captured outputs are equal bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -22,6 +22,7 @@ from draftgraph.runtime.ir.op_registry import get_op
 from draftgraph.runtime.ir.printer import format_node
 from draftgraph.runtime.ir.schedule import flatten
 from draftgraph.runtime.ir.validate import validate
+from draftgraph.runtime.passes import DEFAULT_PASSES, Pass, run_passes
 from draftgraph.runtime.planning.graph_plan import DEFAULT_ALIGNMENT, GraphPlan, plan_graph
 
 POISON_BYTE = 0xFF  # NaN in every float format, -1 in every signed int
@@ -43,13 +44,17 @@ class EagerExecutor:
     Parameters
     ----------
     graph : Graph
-        The graph; subgraphs are flattened and the result validated.
+        The graph as declared; the executor runs it after ``passes`` (subgraphs inlined, the
+        result validated).
     batch : int
         The concrete size of the symbolic batch dim ``B``.
     weights, state : mapping of name -> tensor
         Persistent tensors bound by name (state is mutated in place by ops).
     runners : mapping of name -> runner, optional
-        Implementations of ``body_runner`` nodes (see draftgraph.runtime.proposer.runners).
+        Implementations of the nodes whose op leaves its implementation to the user (``OpDef.bound_by``:
+        the ``body`` under ``attrs["runner"]``), as objects with ``run_node`` (proposer/runners).
+    passes : sequence of Pass
+        The rewrites the graph runs after (``draftgraph.runtime.passes``; default all of them).
     alias : bool
         False gives every intermediate its own buffer (the unaliased oracle).
     debug : bool
@@ -84,8 +89,9 @@ class EagerExecutor:
         kernels: str = "auto",
         alignment: int = DEFAULT_ALIGNMENT,
         overlap: bool = True,
+        passes: Sequence[Pass] = DEFAULT_PASSES,
     ) -> None:
-        self.graph = flatten(graph)
+        self.graph = flatten(run_passes(graph, passes).graph)
         validate(self.graph)
         self.batch = batch
         self.device = concrete_device(device) if device is not None else _guess_device(weights)
@@ -103,7 +109,7 @@ class EagerExecutor:
         self.segments = self._gate_segments()
         self.side = SideStream(self.device) if overlap and self.device.type == "cuda" and not debug else None
         self._pending: dict[str, torch.cuda.Event] = {}  # arena root -> the side-stream work still writing it
-        self._read_values = {n for node in self.graph.nodes.values() for n in node.inputs} | set(self.graph.outputs)
+        self._read_values = {n for node in self.graph.nodes.values() for n in node.reads} | set(self.graph.outputs)
         # How a gated segment runs: eagerly, by reading its flag (one host sync per gate); a
         # CapturedExecutor swaps in a CUDA conditional node while it captures.
         self.run_gated: Callable[[torch.Tensor, Callable[[], None]], None] = run_if_flag_set
@@ -149,16 +155,18 @@ class EagerExecutor:
                     self.bound[out] = get_op(node.op).view_fn(base, node.attrs, shape)
 
     def _make_step(self, node: Node) -> Step:
-        if node.op == "body_runner":
-            runner = self.runners.get(node.attrs["runner"])
-            if runner is None:
-                raise ExecutionError(f"%{node.name}: no runner bound for {node.attrs['runner']!r}")
-            impl = runner.run_node
+        opdef = get_op(node.op)
+        if opdef.bound_by is not None:  # the user's implementation (a body runner), given by key
+            key = node.attrs.get(opdef.bound_by)
+            if key not in self.runners:
+                raise ExecutionError(describe(f"%{node.name} {opdef.bound_by}", f"one of {sorted(self.runners)}",
+                                              repr(key), "pass the implementation in runners="))
+            impl = self.runners[key].run_node
         else:
-            impl = select_impl(get_op(node.op), self.device, self.kernels)
+            impl = select_impl(opdef, self.device, self.kernels)
         inputs = [self.bound.get(n, n) for n in node.inputs]
         outputs = [self.bound.get(n, n) for n in node.outputs]
-        if self.kernels == "compiled" and node.op not in NOT_COMPILED:
+        if self.kernels == "compiled" and opdef.bound_by is None and node.op not in NOT_COMPILED:
             impl, inputs, outputs = compiled_step(get_op(node.op), inputs, outputs)
         ws = None
         if node.name in self.plan.workspace:
@@ -176,25 +184,18 @@ class EagerExecutor:
         return Step(node, impl, inputs, outputs, ws, poisonable)
 
     def _gate_segments(self) -> list[tuple[torch.Tensor | None, list[Step]]]:
-        """The steps cut into runs of one gate each: (flag tensor or None, steps), in schedule order.
+        """The steps cut into runs of one guard each: (flag tensor or None, steps), in schedule order.
 
-        ``graph.meta["gates"]`` lists {"flag": value, "prefix": node-name prefix}: the nodes whose
-        names start with the prefix run only where the flag (int32 [1]) is nonzero. Each gated
-        region must be one unbroken run of the schedule, after the node writing its flag.
+        A node's ``guard`` (an int32 [1] value) says it runs only where the flag is nonzero;
+        ``validate`` has checked that each guard's nodes are one unbroken run of the schedule.
         """
-        gates = {g["prefix"]: g["flag"] for g in self.graph.meta.get("gates", ())}
         segments: list[tuple[str | None, list[Step]]] = []
         for step in self.steps:
-            flag = next((f for prefix, f in gates.items() if step.node.name.startswith(prefix)), None)
+            flag = step.node.guard
             if segments and segments[-1][0] == flag:
                 segments[-1][1].append(step)
             else:
                 segments.append((flag, [step]))
-        flags = [flag for flag, _ in segments if flag is not None]
-        if len(flags) != len(set(flags)):
-            split = next(f for f in flags if flags.count(f) > 1)
-            raise ExecutionError(describe(f"the steps gated by %{split}", "one unbroken run of the schedule",
-                                          "a run split by other steps", "keep a gated region's nodes together"))
         return [(None if flag is None else self.bound[flag], steps) for flag, steps in segments]
 
     # ---- running ----------------------------------------------------------------
@@ -305,7 +306,7 @@ class EagerExecutor:
         An op that lists none is joined at once. Pending work is keyed by arena root, so a
         view or an in-place successor of a deferred output joins it too.
         """
-        deferred = get_op(step.node.op).deferred if step.node.op != "body_runner" else ()
+        deferred = get_op(step.node.op).deferred
         read_later = [step.node.outputs[i] for i in deferred if step.node.outputs[i] in self._read_values]
         if len(read_later) < len(deferred):  # an unread output's bytes are free for the next step: join now
             self.side.wait(event)

@@ -17,7 +17,7 @@ from draftgraph.runtime.ir.op_registry import Impl, OpDef
 
 KERNELS = ("auto", "torch", "compiled")
 # Ops whose torch implementation is already one library call (or a view): nothing to fuse.
-NOT_COMPILED = frozenset({"add", "body_runner", "embed", "linear", "minimum", "mul", "offset_positions", "reshape"})
+NOT_COMPILED = frozenset({"add", "embed", "linear", "minimum", "mul", "offset_positions", "reshape"})
 # Long elementwise chains (the Sinkhorn loop written out, ~700 nodes) fuse into one kernel
 # instead of one per 64 nodes (inductor's default).
 INDUCTOR_OPTIONS = {"max_fusion_size": 4096}

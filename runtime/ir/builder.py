@@ -39,11 +39,16 @@ class GraphBuilder:
     def __init__(self, name: str = "graph") -> None:
         self.graph = Graph(name)
         self._prefix: list[str] = []
+        self._guard: str | None = None
 
     # ---- naming ----------------------------------------------------------
     def scoped(self, prefix: str) -> _Scope:
         """``with b.scoped("d0"):`` prefixes node and value names with ``d0.``."""
         return _Scope(self, prefix)
+
+    def guarded(self, flag: Value) -> _Guard:
+        """``with b.guarded(flag):`` the nodes added inside run only where ``flag`` (i32[1]) is nonzero."""
+        return _Guard(self, flag)
 
     def _qualify(self, name: str) -> str:
         return ".".join([*self._prefix, name])
@@ -95,8 +100,13 @@ class GraphBuilder:
         inputs: Sequence[Value],
         name: str | None = None,
         attrs: Mapping[str, Any] | None = None,
+        subgraph: Graph | None = None,
     ) -> Value | tuple[Value, ...]:
-        """Add a node; returns its output value (or a tuple for multi-output ops)."""
+        """Add a node; returns its output value (or a tuple for multi-output ops).
+
+        ``subgraph``: the node's implementation as a graph (inlined by ``flatten``); its inputs
+        are the node's first inputs, in order, and its outputs the node's.
+        """
         opdef = get_op(op_name)
         attrs = normalize_attrs(attrs)
         node_name = self._unique(self._qualify(name or op_name))
@@ -109,7 +119,9 @@ class GraphBuilder:
             out_names = [node_name]
         else:
             out_names = [f"{node_name}.{o}" for o in opdef.output_names]
-        return self._add_node(node_name, op_name, inputs, out_names, specs, attrs, None)
+        if subgraph is not None:
+            self._share_persistent(subgraph)
+        return self._add_node(node_name, op_name, inputs, out_names, specs, attrs, subgraph)
 
     def subgraph(
         self, name: str, graph: Graph, inputs: Sequence[Value], attrs: Mapping[str, Any] | None = None
@@ -124,9 +136,7 @@ class GraphBuilder:
             want = graph.values[formal].spec
             if given.spec != want:
                 raise GraphError(f"subgraph {name!r} input {formal}: expected {want}, got {given.spec}")
-        for value in graph.values.values():
-            if value.is_persistent:
-                self._persistent(value.name, value.spec, value.kind)
+        self._share_persistent(graph)
         node_name = self._unique(self._qualify(name))
         specs = [graph.values[o].spec for o in graph.outputs]
         if len(specs) == 1:
@@ -135,12 +145,18 @@ class GraphBuilder:
             out_names = [f"{node_name}.{o.rsplit('.', 1)[-1]}" for o in graph.outputs]
         return self._add_node(node_name, "subgraph", inputs, out_names, specs, normalize_attrs(attrs), graph)
 
+    def _share_persistent(self, graph: Graph) -> None:
+        for value in graph.values.values():
+            if value.is_persistent:
+                self._persistent(value.name, value.spec, value.kind)
+
     def _add_node(self, node_name, op_name, inputs, out_names, specs, attrs, subgraph):
         for v in inputs:
             if self.graph.values.get(v.name) is not v:
                 raise GraphError(f"%{node_name}: input {v.ref} is not a value of graph {self.graph.name!r}")
         outs = [self._add_value(n, s, ValueKind.INTERMEDIATE, node_name) for n, s in zip(out_names, specs)]
-        node = Node(node_name, op_name, tuple(v.name for v in inputs), tuple(out_names), attrs, subgraph)
+        node = Node(node_name, op_name, tuple(v.name for v in inputs), tuple(out_names), attrs, subgraph,
+                    guard=self._guard)
         self.graph.nodes[node_name] = node
         return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -161,6 +177,21 @@ class GraphBuilder:
 
             run_validate(self.graph)
         return self.graph
+
+
+class _Guard:
+    def __init__(self, builder: GraphBuilder, flag: Value) -> None:
+        if builder._guard is not None:
+            raise GraphError(f"guard {flag.ref}: expected no enclosing guard, got %{builder._guard} "
+                             "(hint: a node has one gate)")
+        self.builder, self.flag = builder, flag
+
+    def __enter__(self) -> GraphBuilder:
+        self.builder._guard = self.flag.name
+        return self.builder
+
+    def __exit__(self, *exc) -> None:
+        self.builder._guard = None
 
 
 class _Scope:

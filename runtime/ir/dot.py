@@ -34,7 +34,7 @@ def to_dot(graph: Graph, offsets: Mapping[str, int] | None = None, colors: Mappi
             lines.append(f'    label={_quote(scope)}; style="rounded,filled"; fillcolor="#f4f4f8";')
             indent = "    "
         for node in nodes:
-            family = "runner" if node.op == "body_runner" else get_op(node.op).family
+            family = get_op(node.op).family
             color = colors.get(family, "#dddddd")
             label = node.name.rsplit(".", 1)[-1] + "\\n" + node.op
             if offsets is not None and node.outputs and node.outputs[0] in offsets:

@@ -10,9 +10,20 @@ edges for state). Values come in four kinds:
   every write orders the schedule against earlier reads and writes;
 - ``intermediate``: produced by a node, placed in the arena.
 
-A node may hold a ``subgraph`` (the ``body``): its inputs and outputs map
-positionally onto the subgraph's; weights and state are shared by name.
-:func:`draftgraph.runtime.ir.schedule.flatten` inlines subgraphs for planning and execution.
+A node may hold a ``subgraph`` as its implementation (the built-in ``body``, a target
+layer): its first inputs and its outputs map positionally onto the subgraph's; weights and
+state are shared by name. :func:`draftgraph.runtime.ir.schedule.flatten` inlines subgraphs.
+
+Control flow is part of the IR, never read from a node's name:
+
+- ``guard``: the name of an i32[1] value; the node runs only where it is nonzero (a
+  confidence gate). Guarded nodes of one flag form one unbroken run of the schedule, which
+  the eager executor runs after reading the flag and the captured one puts in a CUDA
+  conditional node.
+- ``may_reuse``: the node's outputs may take over the bytes of the inputs its op declares
+  ``inplace`` (when such an input dies there). Declared graphs never set it; the
+  ``reuse_dying_inputs`` pass does.
+
 Build graphs with :class:`draftgraph.runtime.ir.builder.GraphBuilder`.
 """
 
@@ -62,10 +73,17 @@ class Node:
     attrs: dict[str, Any] = field(default_factory=dict)
     subgraph: Graph | None = None
     scope: str = ""  # enclosing subgraph node after flattening, e.g. "d0.body"
+    guard: str | None = None  # an i32[1] value: the node runs only where it is nonzero
+    may_reuse: bool = False  # outputs may overwrite the inputs the op declares inplace
 
     @property
     def is_subgraph(self) -> bool:
         return self.subgraph is not None
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """Every value the node needs before it runs: its inputs and its guard."""
+        return self.inputs if self.guard is None else (*self.inputs, self.guard)
 
 
 class Graph:
@@ -103,7 +121,7 @@ class Graph:
         """Value name -> names of the nodes that read it, in node order."""
         readers: dict[str, list[str]] = {name: [] for name in self.values}
         for node in self.nodes.values():
-            for name in node.inputs:
+            for name in node.reads:
                 if name in readers and node.name not in readers[name]:
                     readers[name].append(node.name)
         return readers
@@ -126,7 +144,7 @@ class Graph:
         for index, node in enumerate(self.nodes.values()):
             g.add_node(node.name, op=node.op, index=index, scope=node.scope)
         for node in self.nodes.values():
-            for name in node.inputs:
+            for name in node.reads:
                 producer = self.producer_of(name)
                 if producer is not None:
                     if g.has_edge(producer.name, node.name):
@@ -137,6 +155,12 @@ class Graph:
             if not g.has_edge(before, after):
                 g.add_edge(before, after, values=[state], kind="state")
         return g
+
+    def copy(self) -> Graph:
+        """An independent copy (subgraphs too): what a pass edits instead of its input."""
+        from draftgraph.runtime.ir.serialize import from_json, to_json
+
+        return from_json(to_json(self))
 
     # ---- equality and printing -------------------------------------------
     def __eq__(self, other: object) -> bool:

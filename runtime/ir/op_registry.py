@@ -6,6 +6,10 @@ how much scratch it needs (``workspace``), and implementations. The torch
 implementation is the reference and the CPU path; a fused implementation (e.g.
 Triton) may be registered per device type and is selected at bind time.
 
+An op may leave its implementation to the graph's user: ``bound_by`` names the attr whose
+value is the key of the object the executor is given for it (the ``body``'s runner). Such a
+node may instead carry a subgraph as its implementation, which ``flatten`` inlines.
+
 Implementation contract (what makes capture safe and memory planned):
 ``impl(inputs, outputs, attrs, workspace) -> None`` writes every output in place
 (out= semantics) into the views it is given, never rebinds them, returns
@@ -45,13 +49,14 @@ class OpDef:
     infer: ShapeRule
     impl: Impl
     output_names: tuple[str, ...] = ("out",)
-    inplace: Mapping[int, int] = field(default_factory=dict)  # output index -> input index
+    inplace: Mapping[int, int] = field(default_factory=dict)  # output -> input it may overwrite (on may_reuse)
     views: Mapping[int, int] = field(default_factory=dict)  # output index -> input index
     view_fn: ViewFn | None = None  # builds the view output from the input tensor
     mutates: tuple[int, ...] = ()  # input indices written in place (state)
     workspace: WorkspaceRule | None = None  # bytes of scratch for a concrete batch
     deferred: tuple[int, ...] = ()  # outputs a side_stream() block may still write after the step (ops.overlap)
     fused: dict[str, Impl] = field(default_factory=dict)  # device type -> implementation (register_fused)
+    bound_by: str | None = None  # attrs[bound_by] keys the implementation the executor is given (a runner)
     doc: str = ""
 
     def workspace_bytes(self, specs: Sequence[TensorSpec], attrs: Mapping[str, Any], batch: int) -> int:
@@ -78,7 +83,7 @@ def register_fused(op_name: str, device_type: str, impl: Impl) -> None:
 
     To the registered OpDef itself (its ``fused`` mapping), not to a copy put in its place:
     ``ops.<module>.<OP>`` stays the object ``get_op`` returns on every device. (A copy once made
-    a monkeypatch of ``draftgraph.ops.combine.COMBINE.impl`` silently miss the CUDA path.)
+    a monkeypatch of ``draftgraph.ops.combiner.COMBINER.impl`` silently miss the CUDA path.)
     """
     get_op(op_name).fused[device_type] = impl
 
@@ -90,6 +95,10 @@ def get_op(name: str) -> OpDef:
             "(hint: import the module that registers it; `import draftgraph` registers the built-in ops)"
         )
     return _REGISTRY[name]
+
+
+def has_op(name: str) -> bool:
+    return name in _REGISTRY
 
 
 def all_ops() -> dict[str, OpDef]:

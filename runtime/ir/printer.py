@@ -4,7 +4,10 @@ One line per node, jaxpr/fx style::
 
     %d0.hc_post: bf16[B,4,256] = hc_post(%d0.attn, %d0.x, %d0.pre.post, %d0.pre.comb)  # +0x1200 2K  free %d0.x
 
-weights print as ``@name``, state as ``$name``, attrs sorted in ``[k=v]``.
+weights print as ``@name``, state as ``$name``, attrs sorted in ``[k=v]``; a node with a
+subgraph prints as ``op<subgraph name>`` with the subgraph's lines indented below it. Control
+flow follows the call: ``when %flag`` (a guard: the node runs only where the flag is nonzero)
+and ``may reuse %x`` (its output may take over the bytes of ``%x`` where ``%x`` dies).
 Given a plan (any :class:`PlanNotes`: ``planning.graph_plan.GraphPlan`` is one), the
 lines follow its order, each ends with the plan's comment (arena offsets and bytes, the
 values whose bytes die there), and its summary closes the listing.
@@ -15,6 +18,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from draftgraph.runtime.ir.graph import Graph, Node
+from draftgraph.runtime.ir.op_registry import get_op, has_op
 
 
 class PlanNotes(Protocol):
@@ -48,12 +52,21 @@ def format_node(graph: Graph, node: Node, plan: PlanNotes | None = None) -> str:
     for name in node.outputs:
         shown = "_" if name in graph.discarded else f"%{name}"
         outs.append(f"{shown}: {graph.values[name].spec.short()}")
-    args = ", ".join(graph.values[n].ref if n in graph.values else f"%{n}?" for n in node.inputs)
-    op = node.op if node.subgraph is None else f"subgraph<{node.subgraph.name}>"
+    args = ", ".join(_ref(graph, n) for n in node.inputs)
+    op = node.op if node.subgraph is None else f"{node.op}<{node.subgraph.name}>"
     line = f"{', '.join(outs)} = {op}{format_attrs(node.attrs)}({args})"
+    if node.guard is not None:
+        line += f" when {_ref(graph, node.guard)}"
+    if node.may_reuse and has_op(node.op):
+        reused = sorted({node.inputs[i] for i in get_op(node.op).inplace.values() if i < len(node.inputs)})
+        line += " may reuse " + ", ".join(_ref(graph, n) for n in reused)
     if plan is not None:
         line += plan.comment(graph, node)
     return line
+
+
+def _ref(graph: Graph, name: str) -> str:
+    return graph.values[name].ref if name in graph.values else f"%{name}?"
 
 
 def format_graph(graph: Graph, plan: PlanNotes | None = None, show_weights: bool = True) -> str:

@@ -8,20 +8,20 @@ arena plans are stable from run to run.
 from __future__ import annotations
 
 import networkx as nx
-from draftgraph.runtime.errors import GraphError
+from draftgraph.runtime.errors import GraphError, describe
 from draftgraph.runtime.ir.graph import Graph, Node, Value, ValueKind
+from draftgraph.runtime.ir.op_registry import get_op, has_op
 
 
 def written_state(graph: Graph, node: Node) -> set[str]:
-    """Names of the state values ``node`` mutates (recursing into a subgraph)."""
+    """Names of the state values ``node`` mutates: its op's declared ones, and its subgraph's."""
     if node.subgraph is not None:
-        return {s for inner in node.subgraph.nodes.values() for s in written_state(node.subgraph, inner)}
-    if node.op == "body_runner":
-        return set(node.attrs.get("mutates", []))
-    from draftgraph.runtime.ir.op_registry import get_op
-
-    opdef = get_op(node.op)
-    return {node.inputs[i] for i in opdef.mutates if i < len(node.inputs)}
+        written = {s for inner in node.subgraph.nodes.values() for s in written_state(node.subgraph, inner)}
+        if not has_op(node.op):  # a plain call: its subgraph says it all
+            return written
+    else:
+        written = set()
+    return written | {node.inputs[i] for i in get_op(node.op).mutates if i < len(node.inputs)}
 
 
 def touched_state(graph: Graph, node: Node) -> set[str]:
@@ -68,7 +68,10 @@ def schedule(graph: Graph) -> list[Node]:
 
 
 def flatten(graph: Graph) -> Graph:
-    """Inline every subgraph node; inner names get the node's name as prefix and scope."""
+    """Inline every subgraph node; inner names get the node's name as prefix and scope.
+
+    Inner nodes take the call's guard: a gated body runs, node by node, under its gate.
+    """
     if not graph.has_subgraphs():
         return graph
     flat = Graph(graph.name)
@@ -81,18 +84,20 @@ def flatten(graph: Graph) -> Graph:
             flat.values[value.name] = Value(value.name, value.spec, value.kind)
     for node in graph.nodes.values():
         if node.subgraph is None:
-            _copy_node(flat, graph, node, node.name, {}, node.scope)
+            _copy_node(flat, graph, node, node.name, {}, node.scope, node.guard)
         else:
             _inline(flat, graph, node)
     return flat
 
 
-def _copy_node(flat: Graph, src: Graph, node: Node, new_name: str, rename: dict[str, str], scope: str) -> None:
+def _copy_node(flat: Graph, src: Graph, node: Node, new_name: str, rename: dict[str, str], scope: str,
+               guard: str | None) -> None:
     inputs = tuple(rename.get(n, n) for n in node.inputs)
     outputs = tuple(rename.get(n, n) for n in node.outputs)
     for old, new in zip(node.outputs, outputs):
         flat.values[new] = Value(new, src.values[old].spec, ValueKind.INTERMEDIATE, new_name)
-    flat.nodes[new_name] = Node(new_name, node.op, inputs, outputs, dict(node.attrs), None, scope)
+    flat.nodes[new_name] = Node(new_name, node.op, inputs, outputs, dict(node.attrs), None, scope, guard,
+                                node.may_reuse)
 
 
 def _inline(flat: Graph, parent: Graph, call: Node) -> None:
@@ -105,6 +110,10 @@ def _inline(flat: Graph, parent: Graph, call: Node) -> None:
                 "(hint: a pass-through body is a runner, not a subgraph)"
             )
         rename[formal] = actual
+    for node in inner.nodes.values():
+        if node.guard is not None and call.guard is not None:
+            raise GraphError(describe(f"%{call.name}.{node.name} guard", f"the call's gate %{call.guard} alone",
+                                      f"a gate inside a gated subgraph, %{node.guard}", "a node has one gate"))
     for value in inner.values.values():
         if value.is_persistent:
             flat.values.setdefault(value.name, Value(value.name, value.spec, value.kind))
@@ -112,5 +121,6 @@ def _inline(flat: Graph, parent: Graph, call: Node) -> None:
             rename[value.name] = f"{call.name}.{value.name}"
     for node in inner.nodes.values():
         scope = call.name if not node.scope else f"{call.name}.{node.scope}"
-        _copy_node(flat, inner, node, f"{call.name}.{node.name}", rename, scope)
+        guard = call.guard or (rename.get(node.guard, node.guard) if node.guard else None)
+        _copy_node(flat, inner, node, f"{call.name}.{node.name}", rename, scope, guard)
     flat.discarded.update(rename.get(n, n) for n in inner.discarded)

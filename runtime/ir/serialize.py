@@ -8,7 +8,7 @@ from draftgraph.runtime.errors import GraphError
 from draftgraph.runtime.ir.graph import Graph, Node, Value, ValueKind
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: nodes carry guard and may_reuse (control flow in the IR)
 
 
 def to_json(graph: Graph) -> dict:
@@ -32,6 +32,8 @@ def to_json(graph: Graph) -> dict:
                 "outputs": list(n.outputs),
                 "attrs": n.attrs,
                 "scope": n.scope,
+                "guard": n.guard,
+                "may_reuse": n.may_reuse,
                 "subgraph": to_json(n.subgraph) if n.subgraph is not None else None,
             }
             for n in graph.nodes.values()
@@ -55,7 +57,8 @@ def from_json(data: dict | str) -> Graph:
     for n in data["nodes"]:
         sub = from_json(n["subgraph"]) if n.get("subgraph") else None
         graph.nodes[n["name"]] = Node(
-            n["name"], n["op"], tuple(n["inputs"]), tuple(n["outputs"]), dict(n["attrs"]), sub, n.get("scope", "")
+            n["name"], n["op"], tuple(n["inputs"]), tuple(n["outputs"]), dict(n["attrs"]), sub, n.get("scope", ""),
+            n.get("guard"), bool(n.get("may_reuse", False)),
         )
     return graph
 

@@ -113,10 +113,8 @@ def plan_graph(
 
 
 def _workspace_bytes(graph: Graph, node, batch: int) -> int:
-    if node.op in ("subgraph",):
+    if node.subgraph is not None:  # its own nodes declare theirs once inlined
         return 0
-    if node.op == "body_runner":
-        return int(node.attrs.get("workspace_bytes", 0))
     specs = [graph.values[n].spec for n in node.inputs]
     return get_op(node.op).workspace_bytes(specs, node.attrs, batch)
 

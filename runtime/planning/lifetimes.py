@@ -3,8 +3,9 @@
 Pure functions of (graph, schedule): no device state. A value is live from the
 step that defines it through its last use; a graph output lives to the end.
 Values share bytes only where an op declared it: a ``view`` output always
-shares its base; an ``inplace`` output shares its input when that input's
-group dies at that very step.
+shares its base; an ``inplace`` output of a node allowed to reuse (``may_reuse``, set by
+the ``reuse_dying_inputs`` pass) shares its input when that input's group dies at that
+very step.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def last_uses(graph: Graph, order: list[Node]) -> dict[str, int]:
     """Value name -> last step that reads it (jax's ``last_used``, by step index)."""
     last: dict[str, int] = {}
     for step, node in enumerate(order):
-        for name in node.inputs:
+        for name in node.reads:
             last[name] = step
     for name in graph.outputs:
         last[name] = len(order)
@@ -97,10 +98,11 @@ def alias_groups(graph: Graph, order: list[Node], lifetimes: dict[str, Lifetime]
 
 
 def _declarations(node: Node) -> tuple[dict[int, int], dict[int, int]]:
-    if node.op in ("subgraph", "body_runner"):
+    """The node's (views, in-place reuses): an op's views always, its in-place pairs where allowed."""
+    if node.subgraph is not None:
         return {}, {}
     opdef = get_op(node.op)
-    return dict(opdef.views), dict(opdef.inplace)
+    return dict(opdef.views), dict(opdef.inplace) if node.may_reuse else {}
 
 
 def _can_share(graph, node, input_index, root, group_last, step, outputs) -> bool:

@@ -44,13 +44,14 @@ class DraftBinding:
 
     Attributes
     ----------
-    graph : the K-draft chain graph (with the body as a subgraph or a runner node).
+    graph : the K-draft chain as declared (the body one ``body`` node: its subgraph, or its runner);
+        the executors run it after ``runtime.passes``.
     weights : name -> tensor, every ``@name`` of the graph.
     body_inputs : the body's interface, in order (streams, positions, kv_start, block_table).
     body_output : streams [B, C, D].
     runner : the bound body runner's name ("builtin" for the op subgraph).
     workspace_bytes : the body runner's declared scratch at the largest bucket.
-    arena_bytes : the chain's planned arena at the largest bucket.
+    arena_bytes : the passed chain's planned arena at the largest bucket.
     """
 
     graph: Graph

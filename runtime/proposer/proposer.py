@@ -721,12 +721,12 @@ class DeepseekV4MtpProposer:
 
     # ---- the circuit-draft binding -------------------------------------------------------------
     def circuit_draft(self, num_drafts: int = 1) -> DraftBinding:
-        from draftgraph.runtime.ir.schedule import flatten
+        from draftgraph.runtime.passes import run_passes
         from draftgraph.runtime.planning.graph_plan import plan_graph
 
         graph = self.chain_graph(num_drafts)
         ws = self.runner.workspace_bytes(self.buckets[-1]) if self.runner is not None else 0
-        plan = plan_graph(flatten(graph), self.buckets[-1])
+        plan = plan_graph(run_passes(graph).graph, self.buckets[-1])  # the graph the executors run
         spec = hidden_spec(self.config, "streams")
         return DraftBinding(graph, self.weights, block_interface(self.config, self.geometry), TensorSpec(
             spec.shape, spec.dtype), runner_name(self.runner), ws, plan.arena_bytes)

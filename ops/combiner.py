@@ -21,18 +21,21 @@ from draftgraph.ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require
 from draftgraph.runtime.ir.op_registry import OpDef, expect, expect_count, register
 
 
-def _combine_infer(specs, attrs):
-    expect_count(specs, 6, "combine")
-    require_attrs(attrs, ("eps",), "combine")
+def _combiner_infer(specs, attrs):
+    expect_count(specs, 6, "combiner")
+    require_attrs(attrs, ("eps",), "combiner")
     e, h, e_norm, h_norm, e_proj, h_proj = specs
-    expect(len(h.shape) in (2, 3), "combine h rank", "[B, D] or streams [B, C, D]", h.short())
-    b, d = batch_of(e, "combine e"), h.shape[-1]
-    expect_spec(e, (b, d), ACTIVATIONS, "combine e")
-    expect_spec(h, (b, *h.shape[1:]), e.dtype, "combine h")
+    expect(len(h.shape) in (2, 3), "combiner h rank", "[B, D] or streams [B, C, D]", h.short())
+    b, d = batch_of(e, "combiner e"), h.shape[-1]
+    if len(e.shape) == 3:  # the declared streams mode: e already expanded to h's streams
+        expect_spec(e, h.shape, ACTIVATIONS, "combiner e")
+    else:
+        expect_spec(e, (b, d), ACTIVATIONS, "combiner e")
+    expect_spec(h, (b, *h.shape[1:]), e.dtype, "combiner h")
     for w, what in ((e_norm, "enorm"), (h_norm, "hnorm")):
-        expect_spec(w, (d,), e.dtype, f"combine {what}")
+        expect_spec(w, (d,), e.dtype, f"combiner {what}")
     for w, what in ((e_proj, "e_proj"), (h_proj, "h_proj")):
-        expect_spec(w, (d, d), e.dtype, f"combine {what}")
+        expect_spec(w, (d, d), e.dtype, f"combiner {what}")
     return [h]
 
 
@@ -46,7 +49,7 @@ def projected(normed: torch.Tensor, proj_w: torch.Tensor) -> torch.Tensor:
     return torch.matmul(normed.reshape(-1, normed.shape[-1]), proj_w.t()).view(*normed.shape[:-1], proj_w.shape[0])
 
 
-def _combine_impl(inputs, outputs, attrs, workspace):
+def _combiner_impl(inputs, outputs, attrs, workspace):
     e, h, e_norm, h_norm, e_proj, h_proj = inputs
     (out,) = outputs
     eps = float(attrs["eps"])
@@ -55,18 +58,18 @@ def _combine_impl(inputs, outputs, attrs, workspace):
     # hnorm first it starts at once and the combiner ends ~5 us sooner (ab_combine_fork_9dd546b.txt).
     h_normed = rms_norm(h, h_norm, eps)
     with side_stream():  # its temporaries are the lane's; the main stream reads e_part after the join
-        e_part = project(e, e_norm, e_proj, eps)  # [B, D]
+        e_part = project(e, e_norm, e_proj, eps)  # [B, D], or [B, C, D] as declared in streams mode
     h_part = projected(h_normed, h_proj)  # [B, (C,) D]
     join_side_stream()
-    torch.add(h_part, e_part.unsqueeze(1) if h.dim() == 3 else e_part, out=out)
+    torch.add(h_part, e_part.unsqueeze(1) if e.dim() < h.dim() else e_part, out=out)
 
 
-COMBINE = register(
+COMBINER = register(
     OpDef(
-        name="combine",
+        name="combiner",
         family="linear",
-        infer=_combine_infer,
-        impl=_combine_impl,
+        infer=_combiner_infer,
+        impl=_combiner_impl,
         doc="h_proj(hnorm(h)) + e_proj(enorm(e)), e broadcast over h's streams; e's half beside h's.",
     )
 )
