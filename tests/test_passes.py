@@ -1,0 +1,134 @@
+"""The named passes: pure, validated, and the passed chain computes what the declared chain does.
+
+The declared chain says the math (the seven ops of each step); the passes make it fast. The
+dump goldens (test_tools_dump.py) pin both graphs as printed; here: each pass leaves its input
+alone, does exactly its rewrite, and the executors' graph drafts what the declared one drafts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from draftgraph.graphs.draft_chain import ChainSpec, build_draft_chain
+from draftgraph.graphs.v4_block import CacheGeometry
+from draftgraph.runtime.errors import GraphError
+from draftgraph.runtime.execution.eager import EagerExecutor
+from draftgraph.runtime.ir.serialize import from_json, to_json
+from draftgraph.runtime.ir.validate import validate
+from draftgraph.runtime.passes import DEFAULT_PASSES, parse_passes, run_passes
+from draftgraph.runtime.passes.fold_hc_expand import fold_hc_expand
+from draftgraph.runtime.passes.inline_subgraphs import inline_subgraphs
+from draftgraph.runtime.passes.reuse_dying_inputs import reuse_dying_inputs
+from draftgraph.runtime.passes.view_single_stacks import view_single_stacks
+from proposer_fixtures import TINY, hidden, make_proposer
+
+GEOMETRY = CacheGeometry(64, 4, 16)
+
+
+def chain(num_drafts=2, mode="streams", **kw):
+    return build_draft_chain(TINY, GEOMETRY, ChainSpec(num_drafts=num_drafts, mode=mode, **kw))
+
+
+def ops_of(graph) -> list[str]:
+    return [node.op for node in graph.nodes.values()]
+
+
+@pytest.mark.parametrize("p", DEFAULT_PASSES, ids=lambda p: p.name)
+def test_every_pass_leaves_its_input_unchanged(p):
+    graph = inline_subgraphs(chain(num_drafts=1))[0] if p.name != "inline_subgraphs" else chain(num_drafts=1)
+    before = to_json(graph)
+    after, summary = p.run(graph)
+    assert to_json(graph) == before, f"{p.name} edited its input graph"
+    assert after is not graph and summary and "\n" not in summary
+    validate(after)
+
+
+def test_fold_hc_expand_folds_the_streams_embedding_only():
+    flat, _ = inline_subgraphs(chain(num_drafts=3))
+    folded, summary = fold_hc_expand(flat)
+    assert ops_of(flat).count("hc_expand") == 3 and "hc_expand" not in ops_of(folded)
+    assert summary == "3 hc_expand folded into the combiner's broadcast"
+    combiners = [n for n in folded.nodes.values() if n.op == "combiner"]
+    assert [folded.values[n.inputs[0]].spec.shape for n in combiners] == [("B", TINY.hidden_size)] * 3
+    collapsed, _ = inline_subgraphs(chain(num_drafts=3, mode="collapsed"))
+    same, summary = fold_hc_expand(collapsed)
+    assert ops_of(same) == ops_of(collapsed) and summary == "no hc_expand feeds a combiner"
+
+
+def test_view_single_stacks_turns_only_stacks_of_one_into_reshapes():
+    one, _ = view_single_stacks(chain(num_drafts=1))
+    assert [(one.nodes[n].op, one.nodes[n].attrs) for n in ("drafts", "probs")] == [
+        ("reshape", {"shape": ["B", 1]}), ("reshape", {"shape": ["B", 1]})]
+    three, summary = view_single_stacks(chain(num_drafts=3))
+    assert three.nodes["drafts"].op == "stack" and summary == "no stack of one value"
+
+
+def test_reuse_dying_inputs_marks_exactly_the_ops_that_declare_it():
+    flat, _ = inline_subgraphs(chain(num_drafts=1))
+    marked, summary = reuse_dying_inputs(flat)
+    assert {n.op for n in marked.nodes.values() if n.may_reuse} == {"hc_post", "rms_norm"}
+    assert not any(n.may_reuse for n in flat.nodes.values())
+    assert summary == "4 nodes may write over a dying input (hc_post 2, rms_norm 2)"
+
+
+def test_may_reuse_on_an_op_without_an_inplace_output_is_refused():
+    graph, _ = inline_subgraphs(chain(num_drafts=1))
+    graph.nodes["d0.lm_head"].may_reuse = True
+    with pytest.raises(GraphError, match="may_reuse: expected an op that declares an in-place output"):
+        validate(graph)
+
+
+def test_control_flow_survives_the_json_round_trip():
+    lowered = run_passes(chain(num_drafts=3, conf_tau=0.5)).graph
+    again = from_json(to_json(lowered))
+    assert [(n.guard, n.may_reuse) for n in again.nodes.values()] == [
+        (n.guard, n.may_reuse) for n in lowered.nodes.values()]
+    assert any(n.guard for n in again.nodes.values()) and any(n.may_reuse for n in again.nodes.values())
+
+
+def test_parse_passes():
+    assert parse_passes("all") == DEFAULT_PASSES and parse_passes("none") == ()
+    assert [p.name for p in parse_passes("reuse_dying_inputs, inline_subgraphs")] == [
+        "inline_subgraphs", "reuse_dying_inputs"]  # the pipeline's order, whatever the order named
+    with pytest.raises(GraphError, match="passes: expected 'all', 'none' or names from"):
+        parse_passes("inline,fuse")
+
+
+def test_a_pass_that_breaks_the_graph_is_named():
+    from draftgraph.runtime.passes import Pass
+
+    def drop_the_embed(graph):
+        graph = graph.copy()
+        del graph.nodes["d0.embed"]
+        return graph, "dropped"
+
+    with pytest.raises(GraphError, match="after pass drop_the_embed"):
+        run_passes(chain(num_drafts=1), [Pass("drop_the_embed", drop_the_embed)])
+
+
+@pytest.mark.parametrize("mode", ["streams", "collapsed"])
+@pytest.mark.parametrize("num_drafts", [1, 3])
+def test_the_passed_chain_drafts_what_the_declared_chain_drafts(mode, num_drafts):
+    """Eager, on CPU: the same drafts; the probabilities and hidden within bf16 rounding."""
+    prop = make_proposer(TINY, mode=mode)
+    graph = build_draft_chain(TINY, prop.geometry, ChainSpec(num_drafts=num_drafts, mode=mode))
+    batch = 3
+    gen = torch.Generator().manual_seed(7)
+    inputs = {
+        "token": torch.tensor([5, 17, TINY.vocab_size - 1]),
+        "hidden": torch.stack([hidden(TINY, gen, mode=mode) for _ in range(batch)]),
+        "positions": torch.tensor([0, 3, 9]),
+        "kv_start": torch.zeros(batch, dtype=torch.int32),
+        "block_table": torch.arange(batch * prop.geometry.max_blocks_per_seq, dtype=torch.int32).view(batch, -1),
+        "vocab_limit": torch.tensor([TINY.vocab_size], dtype=torch.int32),
+    }
+    results = []
+    for passes in ((), DEFAULT_PASSES):
+        state = {k: v.clone() for k, v in prop.state_tensors.items()}
+        executor = EagerExecutor(graph, batch, prop.weights, state, passes=passes, kernels="torch")
+        results.append({k: v.clone() for k, v in executor.run(inputs).items()})
+    declared, passed = results
+    assert torch.equal(declared["drafts"], passed["drafts"])
+    assert torch.allclose(declared["probs"], passed["probs"], rtol=1e-2, atol=1e-4)
+    out = f"d{num_drafts - 1}.body" if mode == "streams" else f"d{num_drafts - 1}.hc_head"
+    assert torch.allclose(declared[out].float(), passed[out].float(), rtol=2e-2, atol=2e-2)
