@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call (the lent H200): the draft benchmark's table on this tree and on an older tree
+# in the same session, side by side, then the GPU test suite on this tree.
+#
+#   bash benchmarks/device_run.sh OUT [BASE_DIR]
+#
+# OUT: where the results go ($OUT on the device). BASE_DIR: an older checkout to compare with,
+# e.g. `git archive 873b0e1 | tar -x -C .base` here, carried with the call; it runs its own
+# bench_draft (tools/bench_draft.py before the package layout, benchmarks/bench_draft.py after).
+set -uo pipefail
+out=${1:?usage: device_run.sh OUT [BASE_DIR]}
+base=${2:-}
+cases=1x1,1x3,8x1,32x1
+flags=(--cases "$cases" --kernels torch,fused --no-plain --no-compile)
+mkdir -p "$out/after" "$out/before"
+export PYTHONUNBUFFERED=1
+# The package as users install it (offline: no dependencies fetched, no build isolation).
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.txt" 2>&1 || cat "$out/install.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
+python3 benchmarks/bench_draft.py "${flags[@]}" --out "$out/after" >"$out/after/log.txt" 2>&1
+if [ -n "$base" ]; then
+    script=tools/bench_draft.py
+    [ -f "$base/benchmarks/bench_draft.py" ] && script=benchmarks/bench_draft.py
+    (cd "$base" && python3 "$script" "${flags[@]}" --out "$out/before" >"$out/before/log.txt" 2>&1)
+fi
+timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider >"$out/pytest_cuda.txt" 2>&1
+tail -3 "$out/pytest_cuda.txt"
+for side in before after; do
+    [ -f "$out/$side/log.txt" ] || continue
+    echo "== $side"; grep -A20 "^floor = " "$out/$side/log.txt" | head -16
+done
