@@ -17,11 +17,13 @@ export PYTHONUNBUFFERED=1
 # The package as users install it (offline: no dependencies fetched, no build isolation).
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.txt" 2>&1 || cat "$out/install.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
-python3 benchmarks/bench_draft.py "${flags[@]}" --out "$out/after" >"$out/after/log.txt" 2>&1
+echo "python benchmarks/bench_draft.py ${flags[*]} --out \$OUT/after  (benchmarks/device_run.sh)" >"$out/after/log.txt"
+python3 benchmarks/bench_draft.py "${flags[@]}" --out "$out/after" >>"$out/after/log.txt" 2>&1
 if [ -n "$base" ]; then
     script=tools/bench_draft.py
     [ -f "$base/benchmarks/bench_draft.py" ] && script=benchmarks/bench_draft.py
-    (cd "$base" && python3 "$script" "${flags[@]}" --out "$out/before" >"$out/before/log.txt" 2>&1)
+    echo "python $script ${flags[*]} --out \$OUT/before  (benchmarks/device_run.sh, in $base)" >"$out/before/log.txt"
+    (cd "$base" && python3 "$script" "${flags[@]}" --out "$out/before" >>"$out/before/log.txt" 2>&1)
 fi
 timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider >"$out/pytest_cuda.txt" 2>&1
 tail -3 "$out/pytest_cuda.txt"

@@ -178,8 +178,7 @@ def test_performance_command_is_the_one_that_made_the_run():
     path, _ = saved_run()
     (command,) = re.findall(r"^python benchmarks/bench_draft\.py .*$", section("Performance"), re.M)
     log = path.with_name(path.stem + "_log.txt").read_text().splitlines()[0]
-    # The run predates the move of the script from tools/ to benchmarks/.
-    assert log.startswith(command.replace("benchmarks/", "tools/", 1) + " "), f"{path.name}'s log ran: {log}"
+    assert log.startswith(command + " "), f"{path.name}'s log ran: {log}"
 
 
 # ---- the tiny model's figures ------------------------------------------------------------------
