@@ -54,7 +54,7 @@ def _combiner_impl(inputs, outputs, attrs, workspace):
     (out,) = outputs
     eps = float(attrs["eps"])
     # hnorm before the fork: captured, a fork right after the graph's first two kernels made the
-    # second one start ~9 us late on an H200 (benchmarks/h200/ab_combine_fork_5e4d57c.txt); with
+    # second one start ~9 us late on an H200 (benchmarks/h200/ab_combine_fork_5e4d57c.txt in git at 873b0e1); with
     # hnorm first it starts at once and the combiner ends ~5 us sooner (ab_combine_fork_9dd546b.txt).
     h_normed = rms_norm(h, h_norm, eps)
     with side_stream():  # its temporaries are the lane's; the main stream reads e_part after the join

@@ -91,7 +91,7 @@ def sinkhorn(logits: torch.Tensor, iters: int, hc_eps: float, out: torch.Tensor 
     """Spec section 2 step 4: row softmax + eps, column norm, then (iters - 1) x (row, column).
 
     Two torch forms of the same math, picked by batch (an H200, V4-Flash K=1 chains,
-    benchmarks/h200/ab_batch_b8fcadc.txt): one norm kernel per normalisation
+    benchmarks/h200/ab_batch_b8fcadc.txt in git at 873b0e1): one norm kernel per normalisation
     (``_sinkhorn_by_norms``, 45 kernels) for B <= NORMS_MAX_BATCH, where the launches are
     the cost (B=1: 858 against 907 us a replay); a sum and a divide per normalisation
     (``_sinkhorn_by_divisions``, 81 tiny kernels) above it, where the norm kernels' work
@@ -143,7 +143,7 @@ def _sinkhorn_by_norms(logits, iters: int, hc_eps: float, out=None) -> torch.Ten
     normalises columns. That makes 39 normalisations plus 5 setup kernels for iters = 20 (its
     three constant vectors are made once: draftgraph.ops.constants); at 9 setup kernels it measured on an
     H200, B=1: 110 us alone against 119 for the divisions, and 39 us off the chain beside the
-    MoE (benchmarks/h200/sm_carveout_283311b.txt).
+    MoE (benchmarks/h200/sm_carveout_283311b.txt in git at 873b0e1).
     The state carries a power-of-two scale SIGMA (exact): the norm eps, hc_eps * SIGMA^2 / C,
     stays above cuDNN's batch-norm minimum eps of 1e-5 (below it torch takes its own batch norm,
     not cuDNN's one-kernel path measured here; that fallback was not timed).

@@ -179,7 +179,7 @@ def sms_left_for_lanes() -> Iterator[None]:
     next Sinkhorn kernel back that long: ~100 us of stalls beside the MoE in an H200 timeline.
     torch's grouped GEMM and cuBLAS read the SM carveout when they launch (a capture keeps
     it); with 2 or 4 SMs left, the B=1 chain replayed in 809-814 us against 818-827 without
-    (benchmarks/h200/ab_carveout_1ef6330.txt). The carveout is global torch state: set for
+    (benchmarks/h200/ab_carveout_1ef6330.txt in git at 873b0e1). The carveout is global torch state: set for
     the block only, and put back.
     """
     if torch.compiler.is_compiling() or _ACTIVE.get() is None:

@@ -11,7 +11,7 @@ was, so a graph that did consume random numbers keeps torch's replay.
 
 Design note "compiled launch": cuda-python's ``cudaGraphLaunch`` took 4.6 us a launch on the
 H200 host where the driver's ``cuGraphLaunch`` called through ctypes took 4.1 (its ctypes call
-~0.5 of that; ``benchmarks/h200/launch_paths_fe478a8.txt``), and the Python around it (the device
+~0.5 of that; ``benchmarks/h200/launch_paths_fe478a8.txt`` in git at 873b0e1), and the Python around it (the device
 check, the stream, the result's enum compare) as much again. :func:`launcher` makes a propose's
 launch one closure: ``graph_launch.c``'s ``launch`` (``cuGraphLaunch`` by ``dlsym``, built by
 :mod:`draftgraph.runtime.native.build`) where it is built and finds libcuda, else this module's
