@@ -7,10 +7,48 @@ Field names are the Hugging Face ones (spec section 1), so a real DeepSeek-V4-Fl
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from draftgraph.runtime.errors import WeightError
+from draftgraph.runtime.errors import WeightError, describe
+
+# The fields a config.json must state. They set the shapes of the checkpoint's tensors and differ
+# between any two V4 sizes, so V4-Flash's value as a default would only turn a missing field into
+# dozens of misshapen-tensor errors (or, with a matching checkpoint, a silently different model).
+# Every other field is an architecture constant of V4 (mHC streams, norms' eps, RoPE, routing) or a
+# runtime bound, and defaults to V4-Flash's value.
+REQUIRED_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "head_dim",
+    "qk_rope_head_dim",
+    "q_lora_rank",
+    "o_groups",
+    "o_lora_rank",
+    "vocab_size",
+    "n_routed_experts",
+    "moe_intermediate_size",
+)
+# Sizes and counts that must be >= 1 (the others, e.g. qk_rope_head_dim, only >= 0).
+POSITIVE_FIELDS = (
+    "hidden_size",
+    "num_nextn_predict_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "q_lora_rank",
+    "o_groups",
+    "o_lora_rank",
+    "sliding_window",
+    "hc_mult",
+    "vocab_size",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "max_position_embeddings",
+)
 
 
 @dataclass(frozen=True)
@@ -110,20 +148,54 @@ class V4Config:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @staticmethod
-    def from_dict(data: dict) -> V4Config:
-        known = {f.name for f in fields(V4Config)}
-        kwargs = {k: v for k, v in data.items() if k in known}
+    def from_dict(data: dict, source: str = "config.json") -> V4Config:
+        """The config a parsed ``config.json`` describes; unknown keys are ignored.
+
+        The fields of ``REQUIRED_FIELDS`` (the sizes that set the tensor shapes) must be there;
+        the others default to DeepSeek-V4-Flash's values. Every field present must have its type
+        (an int for sizes, a finite number for eps and factors, ...), and the sizes must fit
+        together (:meth:`check`).
+
+        Raises
+        ------
+        WeightError : naming ``source``, every missing or mistyped field, and what was expected.
+
+        Example
+        -------
+        >>> V4Config.from_dict(V4Config.small().to_dict()) == V4Config.small()
+        True
+        """
+        if not isinstance(data, dict):
+            raise WeightError(describe(source, "a JSON object of config fields", type(data).__name__))
+        problems = []
+        missing = [name for name in REQUIRED_FIELDS if name not in data]
+        if missing:
+            problems.append(f"missing {', '.join(missing)} (no default: they set the tensor shapes)")
+        kwargs = {}
+        for f in fields(V4Config):
+            if f.name in data:
+                expected = _type_problem(f, data[f.name])
+                if expected:
+                    problems.append(f"{f.name}: expected {expected}, got {data[f.name]!r}")
+                kwargs[f.name] = data[f.name]
+        if problems:
+            raise WeightError(
+                describe(
+                    source,
+                    "the fields of a DeepSeek-V4 config.json",
+                    "; ".join(problems),
+                    "compare with the config.json of the checkpoint that was written with it",
+                )
+            )
         if "compress_ratios" in kwargs:
             kwargs["compress_ratios"] = tuple(kwargs["compress_ratios"])
-        try:
-            config = V4Config(**kwargs)
-        except TypeError as exc:  # pragma: no cover - dataclass rejects odd values
-            raise WeightError(f"config.json: {exc}") from exc
-        config.check()
+        config = V4Config(**kwargs)
+        config.check(source)
         return config
 
     @staticmethod
     def load(path: str | Path) -> V4Config:
+        """Read a Hugging Face ``config.json`` (or the one in folder ``path``); see :meth:`from_dict`."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
@@ -132,11 +204,22 @@ class V4Config:
                 f"config: expected a Hugging Face config.json, got no file at {path} "
                 "(hint: point --checkpoint at the folder that holds config.json)"
             )
-        return V4Config.from_dict(json.loads(path.read_text()))
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
+            raise WeightError(
+                describe(f"config {path}", "a JSON object", repr(exc), "write it with V4Config.save")
+            ) from exc
+        return V4Config.from_dict(data, source=str(path))
 
-    def check(self) -> None:
+    def check(self, source: str = "config.json") -> None:
         """Raise WeightError when the sizes do not fit together."""
-        problems = []
+        problems = [f"{name} {getattr(self, name)} must be >= 1" for name in POSITIVE_FIELDS if getattr(self, name) < 1]
+        problems += [
+            f"{f.name} {getattr(self, f.name)} must be >= 0"
+            for f in fields(self)
+            if f.name not in POSITIVE_FIELDS and type(f.default) in (int, float) and getattr(self, f.name) < 0
+        ]
         if self.head_dim <= self.qk_rope_head_dim:
             problems.append(f"head_dim {self.head_dim} must exceed qk_rope_head_dim")
         if self.qk_rope_head_dim % 2:
@@ -151,4 +234,24 @@ class V4Config:
         if self.scoring_func != "sqrtsoftplus":
             problems.append(f"scoring_func: expected 'sqrtsoftplus', got {self.scoring_func!r}")
         if problems:
-            raise WeightError("config.json: " + "; ".join(problems))
+            raise WeightError(describe(source, "sizes that fit together", "; ".join(problems)))
+
+
+def _type_problem(f, value) -> str | None:
+    """What a field's value should have been, or None when it is fine."""
+    if f.name == "quantization_config":
+        return None if value is None or isinstance(value, dict) else "a JSON object or null"
+    if f.name == "compress_ratios":
+        ok = isinstance(value, list) and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in value)
+        return None if ok else "a list of ints >= 0"
+    kind = type(f.default) if f.default is not MISSING else None
+    if kind is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if kind is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an int"
+    if kind is float:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return None if number and math.isfinite(value) else "a finite number"
+    if kind is str:
+        return None if isinstance(value, str) else "a string"
+    return None

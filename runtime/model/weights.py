@@ -36,7 +36,7 @@ from draftgraph.runtime.model.weight_names import (
     scale_name,
     scope_of,
 )
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 __all__ = [
     "Checkpoint",
@@ -54,6 +54,8 @@ __all__ = [
 SCALE_DTYPES = ("F8_E8M0", "U8", "F32")  # UE8M0 bytes, or plain fp32 factors (V3 style)
 MXFP4_DTYPES = ("I8", "U8", "F4")
 ACCEPTED = {"bf16": ("BF16", "F16", "F32"), "fp32": ("F32",), "int32": ("I32", "I64")}
+MAX_LISTED_PROBLEMS = 8  # on the error's first line (the one line the CLI prints); all of them follow
+DAMAGED_HINT = "the file is truncated or not a safetensors file: copy or write it again"
 
 
 @dataclass
@@ -147,21 +149,22 @@ def load_checkpoint(
     catalogue = _read_catalogue(files)
     plan, problems = _check(entries, catalogue, strict)
     if problems:
-        raise WeightError(
-            f"checkpoint {path}: {len(problems)} problem(s) with the requested tensors:\n  - "
-            + "\n  - ".join(problems)
-            + "\n(hint: check that config.json matches the checkpoint, or pass names= / strict=False)"
-        )
+        raise WeightError(_problems_message(path, problems))
     tensors: dict[str, torch.Tensor] = {}
     source: dict[str, str] = {}
     by_file: dict[Path, list[tuple[TensorEntry, str]]] = {}
     for entry, fmt in plan:
         by_file.setdefault(catalogue[entry.name][0], []).append((entry, fmt))
     for file, items in by_file.items():
-        with safe_open(str(file), framework="pt") as handle:
-            for entry, fmt in items:
-                tensors[entry.name] = _materialise(handle, catalogue, entry, fmt, device, dtype)
-                source[entry.name] = fmt
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for entry, fmt in items:
+                    tensors[entry.name] = _materialise(handle, catalogue, entry, fmt, device, dtype)
+                    source[entry.name] = fmt
+        except (SafetensorError, OSError) as exc:  # the headers were checked: this is a damaged file
+            raise WeightError(
+                describe(f"safetensors file {file}", "tensors its header describes", repr(exc), DAMAGED_HINT)
+            ) from exc
     ordered = {e.name: tensors[e.name] for e in entries}
     return Checkpoint(config=config, tensors=ordered, source=source, path=Path(path))
 
@@ -175,8 +178,13 @@ def _locate(path: Path) -> tuple[Path, list[Path]]:
         )
     index = path / INDEX_FILE
     if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({path / f for f in weight_map.values()})
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({path / f for f in weight_map.values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise WeightError(
+                describe(f"shard index {index}", 'JSON with a "weight_map" of name -> file', repr(exc))
+            ) from exc
         absent = [f.name for f in files if not f.exists()]
         if absent:
             raise WeightError(describe(f"shards listed in {index}", "files beside it", f"{absent} missing"))
@@ -241,15 +249,67 @@ def _read_catalogue(files: list[Path]) -> dict[str, tuple[Path, str, tuple[int, 
 
 
 def _read_header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    # The safetensors header: 8-byte little-endian length, then JSON {name: {dtype, shape, ...}}.
+    # The safetensors layout: an 8-byte little-endian header length n, n bytes of JSON
+    # {name: {dtype, shape, data_offsets}}, then the data, which the offsets must cover exactly.
+    # Checked against the file size here, so that a truncated or foreign file is one WeightError
+    # before any tensor is read (unchecked, a random length asks for exabytes).
+    what = f"safetensors file {file}"
     try:
+        file_bytes = file.stat().st_size
         with open(file, "rb") as fh:
-            (length,) = struct.unpack("<Q", fh.read(8))
+            prefix = fh.read(8)
+            if len(prefix) < 8:
+                raise WeightError(describe(what, "an 8-byte header length", f"{file_bytes} byte(s)", DAMAGED_HINT))
+            (length,) = struct.unpack("<Q", prefix)
+            if length > file_bytes - 8:
+                raise WeightError(
+                    describe(what, f"a header length <= {file_bytes - 8} (the bytes after it)", length, DAMAGED_HINT)
+                )
             header = json.loads(fh.read(length))
-    except (OSError, struct.error, ValueError) as exc:
-        raise WeightError(describe(f"safetensors file {file}", "a readable header", repr(exc))) from exc
+    except OSError as exc:
+        raise WeightError(describe(what, "a readable file", repr(exc))) from exc
+    except ValueError as exc:  # not UTF-8 or not JSON
+        raise WeightError(describe(what, "a JSON header", repr(exc), DAMAGED_HINT)) from exc
+    if not isinstance(header, dict):
+        raise WeightError(describe(what, "a JSON object as header", type(header).__name__, DAMAGED_HINT))
     header.pop("__metadata__", None)
-    return {name: (meta["dtype"], tuple(meta["shape"])) for name, meta in header.items()}
+    catalogue, data_end = {}, 0
+    for name, meta in header.items():
+        try:
+            dtype, shape, (begin, end) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
+            valid = isinstance(dtype, str) and all(isinstance(n, int) and n >= 0 for n in (*shape, begin, end))
+        except (KeyError, TypeError, ValueError):
+            valid = False
+        if not valid or begin > end:
+            raise WeightError(
+                describe(f"{what} entry {name!r}", "{dtype, shape, data_offsets}", repr(meta)[:200], DAMAGED_HINT)
+            )
+        catalogue[name] = (dtype, shape)
+        data_end = max(data_end, end)
+    if data_end != file_bytes - 8 - length:
+        raise WeightError(
+            describe(
+                what,
+                f"{data_end} bytes of tensor data after the header (its data_offsets)",
+                f"{file_bytes - 8 - length}",
+                DAMAGED_HINT,
+            )
+        )
+    return catalogue
+
+
+def _problems_message(path, problems: list[str]) -> str:
+    """The first ``MAX_LISTED_PROBLEMS`` problems and the hint on the first line, then all, one a line."""
+    shown = "; ".join(problems[:MAX_LISTED_PROBLEMS])
+    if len(problems) > MAX_LISTED_PROBLEMS:
+        shown += f"; ... and {len(problems) - MAX_LISTED_PROBLEMS} more"
+    first = describe(
+        f"checkpoint {path}",
+        "the tensors config.json describes",
+        f"{len(problems)} problem(s) with the requested tensors: {shown}",
+        "check that config.json matches the checkpoint, or pass names= / strict=False",
+    )
+    return first + "\n  - " + "\n  - ".join(problems)
 
 
 def _check(
