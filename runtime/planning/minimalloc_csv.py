@@ -28,6 +28,9 @@ from draftgraph.runtime.planning.arena_plan import Buffer
 _COLUMNS = {"id": ("id", "buffer"), "lower": ("lower",), "upper": ("upper",), "size": ("size",)}
 _OPTIONAL = ("offset",)
 _CAPACITY_IN_NAME = re.compile(r"\.(\d+)\.csv$")
+# The planner works in int64: steps, sizes and their total (the naive arena, which bounds every
+# offset + size) must stay below 2**62 to leave it headroom. Far beyond any real arena (4 EiB).
+MAX_CSV_INT = 2**62
 
 
 @dataclass(frozen=True)
@@ -44,8 +47,9 @@ def parse_minimalloc_csv(text: str, source: str = "<csv>") -> MiniMallocCsv:
     Raises
     ------
     PlanError
-        On a missing or unknown column, a non-integer field, ``upper <= lower``, a size
-        that is not positive, or a repeated id; the message names the line.
+        On a missing or unknown column, no buffer rows, a non-integer field, a number of
+        ``MAX_CSV_INT`` or more (sizes: in total), ``upper <= lower``, a size that is not
+        positive, or a repeated id; the message names the line.
     """
     rows = list(csv.reader(io.StringIO(text)))
     rows = [(number, row) for number, row in enumerate(rows, start=1) if any(cell.strip() for cell in row)]
@@ -75,6 +79,7 @@ def parse_minimalloc_csv(text: str, source: str = "<csv>") -> MiniMallocCsv:
     buffers: list[Buffer] = []
     offsets: dict[str, int] = {}
     seen: set[str] = set()
+    total_bytes = 0
     for number, row in rows[1:]:
         where = f"{source}:{number}"
         if len(row) != len(header):
@@ -88,6 +93,10 @@ def parse_minimalloc_csv(text: str, source: str = "<csv>") -> MiniMallocCsv:
                     values[column] = int(cell)
                 except ValueError:
                     raise PlanError(describe(f"{where} {column}", "an integer", repr(cell))) from None
+                if abs(values[column]) >= MAX_CSV_INT:
+                    raise PlanError(
+                        describe(f"{where} {column}", f"an integer of magnitude below 2**62 ({MAX_CSV_INT})", cell)
+                    )
         if name in seen:
             raise PlanError(describe(f"{where} id", "unique ids", f"{name!r} again"))
         if values["upper"] <= values["lower"]:
@@ -102,8 +111,17 @@ def parse_minimalloc_csv(text: str, source: str = "<csv>") -> MiniMallocCsv:
             raise PlanError(describe(f"{where} buffer {name!r} size", "a positive size", values["size"]))
         seen.add(name)
         buffers.append(Buffer(name, values["lower"], values["upper"], values["size"]))
+        total_bytes += values["size"]
+        if total_bytes >= MAX_CSV_INT:
+            raise PlanError(
+                describe(f"{where} sizes", f"a total below 2**62 ({MAX_CSV_INT}) bytes", f"{total_bytes} so far")
+            )
         if "offset" in values:
             offsets[name] = values["offset"]
+    if not buffers:
+        raise PlanError(
+            describe(f"{source}", "at least one buffer row after the header", "the header only", "one row per buffer")
+        )
     return MiniMallocCsv(tuple(buffers), offsets if "offset" in position else None)
 
 
