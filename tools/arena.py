@@ -85,7 +85,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         default=None,
         help="plan a MiniMalloc CSV (id,lower,upper,size) or every *.csv in a folder instead",
     )
-    p.add_argument("--time-limit", type=float, default=1.0, help="planner time limit per CSV, seconds")
+    p.add_argument("--time-limit", type=float, default=1.0,
+                   help="planner time limit per CSV, seconds (finite, > 0; default 1)")
     return p
 
 
@@ -187,10 +188,16 @@ def format_table(view: ArenaView) -> str:
 
 
 def run(args) -> int:
+    from draftgraph.tools.arg_checks import check_output_file, check_output_folder, check_seconds
     from draftgraph.tools.cli import UsageError
 
     if args.format == "png" and args.out is None:
         raise UsageError("--out: expected a picture file (.png or .svg) with --format png")
+    check_seconds("--time-limit", args.time_limit)
+    if args.csv is not None and args.csv.is_dir() and args.format == "png":
+        check_output_folder("--out", args.out, what="a folder for the pictures (made if need be)", create=True)
+    else:
+        check_output_file("--out", args.out)
     if args.csv is not None and args.csv.is_dir():
         return _run_folder(args)
     if args.csv is not None:

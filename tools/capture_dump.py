@@ -160,6 +160,10 @@ def kernels_per_op(kept) -> list[tuple[str, str, int]]:
 def run(args) -> int:
     if not torch.cuda.is_available():
         raise UsageError("capture-dump needs a CUDA GPU (none is visible here)")
+    from draftgraph.tools.arg_checks import check_num_drafts, check_output_file
+
+    check_output_file("--out", args.out)
+    check_num_drafts(args.num_drafts)
     from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
     from draftgraph.tools.common import default_checkpoint
 

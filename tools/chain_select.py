@@ -27,22 +27,21 @@ def chain_geometry(config: V4Config, block_size: int = BLOCK_SIZE) -> CacheGeome
 
 
 def chain_spec(args) -> ChainSpec:
-    from draftgraph.tools.cli import UsageError
+    """K within the proposer's cap and a runner that loads (checked before any graph is built)."""
+    from draftgraph.tools.arg_checks import check_num_drafts, check_runner
 
     num_drafts = getattr(args, "num_drafts", 1)
-    if num_drafts < 1:
-        raise UsageError(f"--num-drafts: expected >= 1, got {num_drafts}")
-    return ChainSpec(
-        num_drafts=num_drafts,
-        mode=getattr(args, "mode", "streams"),
-        runner=getattr(args, "runner", "builtin"),
-    )
+    check_num_drafts(num_drafts)
+    runner = getattr(args, "runner", "builtin")
+    check_runner(runner)
+    return ChainSpec(num_drafts=num_drafts, mode=getattr(args, "mode", "streams"), runner=runner)
 
 
 def selected_graph(args) -> Graph:
     """The chain graph as declared (the ``body`` one node with its subgraph)."""
+    spec = chain_spec(args)
     config = selected_config(args)
-    return build_draft_chain(config, chain_geometry(config), chain_spec(args))
+    return build_draft_chain(config, chain_geometry(config), spec)
 
 
 def selected_passes(args) -> tuple:

@@ -47,20 +47,42 @@ def cached_small_checkpoint(purpose: str, fmt: str, seed: int, include_target_la
 
 def add_selectors(parser: argparse.ArgumentParser, batch: bool = True) -> None:
     """--num-drafts, --batch, --mode, --checkpoint, --runner: which chain graph a tool shows."""
-    parser.add_argument("--num-drafts", "-k", type=int, default=3, help="drafts K in the chain (1 = one step)")
+    parser.add_argument("--num-drafts", "-k", type=int, default=3,
+                        help="drafts K in the chain (1 = one step; at most the proposer's max_num_drafts)")
     if batch:
         parser.add_argument("--batch", "-b", type=int, default=1, help="batch size B the arena is planned for")
     parser.add_argument("--mode", choices=("streams", "collapsed"), default="streams", help="hidden input mode")
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="folder with config.json (default: the embedded small config)")
     parser.add_argument("--runner", default="builtin",
-                        help="body runner: builtin, identity, torch_module or package.module:callable")
+                        help="body runner: builtin, identity, torch_module or package.module:callable "
+                             "(refused unless it loads)")
 
 
 def device_arg(value: str | None) -> torch.device:
-    if value:
-        return torch.device(value)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """``--device``: cpu, or cuda[:N] when that GPU is visible; default cuda when present, else cpu.
+
+    Anything else is a UsageError (the runtime runs on the CPU and on CUDA only).
+    """
+    from draftgraph.runtime.errors import describe
+    from draftgraph.tools.cli import UsageError
+
+    if not value:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise UsageError(describe("--device", "cpu or cuda[:N]", repr(value)))
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            hint = "no CUDA GPU is visible here: use --device cpu"
+            raise UsageError(describe("--device", "cpu or a visible CUDA GPU", repr(value), hint))
+        if device.index is not None and device.index >= count:
+            raise UsageError(describe("--device", f"cuda:0..cuda:{count - 1}", repr(value)))
+    return device
 
 
 def selected_config(args) -> V4Config:

@@ -34,13 +34,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_workload_args(p, max_tokens=64)
-    p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace (draft ops, target forwards)")
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="write a Chrome/Perfetto trace (draft ops, target forwards); its folder must exist",
+    )
     return p
 
 
 def run(args) -> int:
+    from draftgraph.tools.arg_checks import check_output_file
     from draftgraph.tools.trace import Tracer
 
+    check_output_file("--trace", args.trace)
     work = load_workload(args)
     target, proposer = work.target, work.proposer
     print(f"# checkpoint {work.checkpoint_note}")

@@ -13,6 +13,7 @@ import argparse
 import time
 
 import torch
+from draftgraph.tools.arg_checks import check_at_least, check_num_drafts, check_output_file
 from draftgraph.tools.common import default_checkpoint, device_arg
 
 EXAMPLES = """examples:
@@ -25,12 +26,14 @@ EXAMPLES = """examples:
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="run the MTP draft step on the embedded default checkpoint",
                        description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=5, help="propose/verify rounds (default 5)")
-    p.add_argument("--num-drafts", "-k", type=int, default=3, help="drafts per propose (default 3)")
+    p.add_argument("--rounds", type=int, default=5, help="propose/verify rounds, >= 1 (default 5)")
+    p.add_argument("--num-drafts", "-k", type=int, default=3,
+                   help="drafts per propose (default 3; at most the proposer's max_num_drafts)")
     p.add_argument("--mode", choices=("streams", "collapsed"), default="streams")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when present)")
     p.add_argument("--eager", action="store_true", help="force the eager executor (no CUDA graphs)")
-    p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the runs to this JSON file")
+    p.add_argument("--trace", default=None,
+                   help="write a Chrome/Perfetto trace of the runs to this JSON file (its folder must exist)")
     p.add_argument("--quiet-graph", action="store_true", help="print only the arena summary, not the graph")
     return p
 
@@ -70,6 +73,9 @@ def run(args) -> int:
     from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
     from draftgraph.tools.trace import Tracer
 
+    check_at_least("--rounds", args.rounds, 1)
+    check_num_drafts(args.num_drafts)
+    check_output_file("--trace", args.trace)
     device = device_arg(args.device)
     path = default_checkpoint()
     executor = "eager" if args.eager else "auto"

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import torch
+from draftgraph.tools.arg_checks import check_at_least, check_num_drafts, check_output_file
 from draftgraph.tools.cli import UsageError
 from draftgraph.tools.common import device_arg
 
@@ -28,14 +29,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--token", required=True, type=int, help="the token after position P (t_{P+1})")
     p.add_argument("--hidden", required=True, type=Path, help="safetensors file with one bf16 tensor 'hidden'")
     p.add_argument("--position", required=True, type=int, help="position P of the hidden")
-    p.add_argument("--num-drafts", "-k", type=int, default=1, help="drafts K (default 1)")
+    p.add_argument("--num-drafts", "-k", type=int, default=1,
+                   help="drafts K (default 1; at most the proposer's max_num_drafts)")
     p.add_argument("--mode", choices=("streams", "collapsed"), default="streams")
     p.add_argument("--vocab-limit", type=int, default=None, help="draft only tokens below N")
     p.add_argument("--mtp-vocab-size", type=int, default=0, help="LM-head rows used for drafting (0 = all)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when present)")
     p.add_argument("--eager", action="store_true", help="force the eager executor")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON of the run")
+    p.add_argument("--trace", default=None,
+                   help="write a Chrome/Perfetto trace JSON of the run (its folder must exist)")
     return p
 
 
@@ -61,16 +64,18 @@ def run(args) -> int:
 
     if not (args.checkpoint / "config.json").exists() and not args.checkpoint.is_file():
         raise UsageError(f"--checkpoint: expected a folder with config.json, got {args.checkpoint}")
-    if args.num_drafts < 1:
-        raise UsageError(f"--num-drafts: expected >= 1, got {args.num_drafts}")
+    check_num_drafts(args.num_drafts)
     if args.position < 0:
         raise UsageError(f"--position: expected >= 0, got {args.position}")
-    hidden = load_hidden(args.hidden)
+    check_at_least("--mtp-vocab-size", args.mtp_vocab_size, 0, "0 drafts over the whole vocabulary")
+    if args.vocab_limit is not None:
+        check_at_least("--vocab-limit", args.vocab_limit, 1)
+    check_output_file("--trace", args.trace)
     device = device_arg(args.device)
+    hidden = load_hidden(args.hidden)
     prop = DeepseekV4MtpProposer.from_checkpoint(
         args.checkpoint, device=device, mode=args.mode, mtp_vocab_size=args.mtp_vocab_size,
-        executor="eager" if args.eager else "auto", max_num_drafts=max(8, args.num_drafts),
-        buckets=(1,))
+        executor="eager" if args.eager else "auto", buckets=(1,))
     if args.vocab_limit is not None:
         prop.set_vocab_limit(args.vocab_limit)
     tracer = Tracer() if args.trace else None

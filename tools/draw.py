@@ -36,7 +36,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--out", "-o", type=Path, required=True, help="output file: .svg or .png")
+    p.add_argument("--out", "-o", type=Path, required=True, help="output file: .svg or .png, in an existing folder")
     add_selectors(p, batch=False)
     p.add_argument(
         "--engine",
@@ -44,7 +44,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         default="auto",
         help="auto = Graphviz when `dot` is on PATH, else matplotlib",
     )
-    p.add_argument("--dpi", type=int, default=110, help="PNG resolution (matplotlib engine)")
+    p.add_argument("--dpi", type=int, default=110, help="PNG resolution, >= 1 (matplotlib engine; default 110)")
     return p
 
 
@@ -58,11 +58,16 @@ def picture_format(path: Path) -> str:
 
 
 def run(args) -> int:
+    from draftgraph.runtime.errors import describe
     from draftgraph.runtime.ir.schedule import flatten
+    from draftgraph.tools.arg_checks import check_output_file
     from draftgraph.tools.chain_select import selected_graph
     from draftgraph.tools.cli import UsageError
 
     fmt = picture_format(args.out)
+    check_output_file("--out", args.out)
+    if args.dpi < 1:
+        raise UsageError(describe("--dpi", "a resolution >= 1 dots per inch", args.dpi, "the default is 110"))
     flat = flatten(selected_graph(args))
     engine = args.engine
     if engine == "auto":

@@ -42,19 +42,22 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_selectors(p)
     p.add_argument("--passes", default="all",
                    help="passes to run: all (default), none (the declared graph), or names, comma-separated")
-    p.add_argument("--out", "-o", type=Path, default=None, help="write to this file instead of stdout")
+    p.add_argument("--out", "-o", type=Path, default=None,
+                   help="write to this file instead of stdout (its folder must exist)")
     return p
 
 
 def render(args) -> str:
     """The dump as a string (what ``run`` prints or writes)."""
     from draftgraph.runtime.planning.graph_plan import plan_graph
+    from draftgraph.tools.arg_checks import check_output_file
     from draftgraph.tools.chain_select import selected_lowering
     from draftgraph.tools.cli import UsageError
 
     batch = getattr(args, "batch", 1)
     if batch < 1:
         raise UsageError(f"--batch: expected >= 1, got {batch}")
+    check_output_file("--out", getattr(args, "out", None))
     lowered = selected_lowering(args)
     graph = lowered.graph
     if args.format == "json":

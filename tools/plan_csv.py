@@ -3,13 +3,16 @@
 Reads ``id,lower,upper,size`` rows (live over [lower, upper)), plans them at alignment 1 and
 prints the number of buffers, the lower bound (max live bytes at any step), the planned arena,
 their ratio, whether it fits the capacity, and the planning time. Exit code 0 when the plan
-fits (or no capacity is known), 1 when it does not fit, 2 on bad input.
+fits (or no capacity is known), 1 when it does not fit, 2 on bad input: one line on stderr
+(a file without buffer rows, a field that is not an integer or is 2**62 or more, sizes adding up
+to 2**62 or more, a time limit that is not a finite number > 0, ...).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -38,7 +41,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object, with every offset")
     parser.add_argument(
-        "--time-limit", type=float, default=1.0, help="seconds the improving search may use (default 1)"
+        "--time-limit",
+        type=float,
+        default=1.0,
+        help="seconds the improving search may use (finite, > 0; default 1)",
     )
     parser.add_argument("--seed", type=int, default=0, help="search seed (default 0)")
     parser.set_defaults(func=run)
@@ -47,7 +53,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Plan ``args.file``; print a report (or JSON); return the exit code."""
-    from draftgraph.runtime.errors import DraftGraphError
+    from draftgraph.runtime.errors import DraftGraphError, describe
     from draftgraph.runtime.planning.arena_plan import plan_arena
     from draftgraph.runtime.planning.minimalloc_csv import capacity_from_name, load_minimalloc_csv
 
@@ -56,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if capacity is not None and capacity < 0:
             raise ValueError(f"--capacity: expected bytes >= 0, got {capacity}")
-        if time_limit_s < 0:
-            raise ValueError(f"--time-limit: expected seconds >= 0, got {time_limit_s}")
+        if not (math.isfinite(time_limit_s) and time_limit_s > 0):
+            raise ValueError(describe("--time-limit", "a finite number of seconds > 0", time_limit_s))
         buffers = load_minimalloc_csv(args.file)
     except FileNotFoundError:
         return _fail(f"{args.file}: no such file")

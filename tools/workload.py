@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from draftgraph.tools.arg_checks import check_at_least, check_num_drafts
 from draftgraph.tools.cli import UsageError
 from draftgraph.tools.common import cached_small_checkpoint, device_arg
 
@@ -37,7 +38,13 @@ def add_workload_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
         default=None,
         help="checkpoint folder with target layers (default: tools/data/tiny_v4 when present)",
     )
-    p.add_argument("--num-drafts", "-k", type=int, default=3, help="drafts K per round (default 3)")
+    p.add_argument(
+        "--num-drafts",
+        "-k",
+        type=int,
+        default=3,
+        help="drafts K per round (default 3; at most the proposer's max_num_drafts)",
+    )
     p.add_argument(
         "--max-tokens",
         "-n",
@@ -48,7 +55,7 @@ def add_workload_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument(
         "--mode", choices=("streams", "collapsed"), default="streams", help="the MTP's hidden input"
     )
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when present)")
     p.add_argument("--eager", action="store_true", help="eager executors only (no CUDA graphs)")
 
 
@@ -82,7 +89,9 @@ class Workload:
 
 
 def load_workload(args) -> Workload:
-    """The workload the arguments of :func:`add_workload_args` name; a bad argument raises UsageError."""
+    """The workload the arguments of :func:`add_workload_args` name; a bad argument raises UsageError
+    (before any model is loaded)."""
+    check_workload_args(args)
     prompts = read_prompts(args)
     path, note = resolve_checkpoint(args.checkpoint)
     target, proposer, tok = load_models(path, args, len(prompts))
@@ -98,11 +107,14 @@ def read_prompts(args) -> list[str]:
         prompts += [line for line in args.batch_prompts.read_text().splitlines() if line.strip()]
     if not prompts:
         prompts = [DEFAULT_PROMPT]
-    if args.num_drafts < 1:
-        raise UsageError(f"--num-drafts: expected >= 1, got {args.num_drafts}")
-    if args.max_tokens < 1:
-        raise UsageError(f"--max-tokens: expected >= 1, got {args.max_tokens}")
     return prompts
+
+
+def check_workload_args(args) -> None:
+    """--num-drafts (1 .. the proposer's cap), --max-tokens >= 1, --device (an available one)."""
+    check_num_drafts(args.num_drafts)
+    check_at_least("--max-tokens", args.max_tokens, 1)
+    device_arg(args.device)
 
 
 def resolve_checkpoint(path: Path | None) -> tuple[Path, str]:
@@ -153,12 +165,5 @@ def load_models(path: Path, args, num_prompts: int):
         buckets=(bucket,),
         max_sequences=max(8, num_prompts),
     )
-    proposer = DeepseekV4MtpProposer(
-        config,
-        mtp_tensors,
-        device=device,
-        mode=args.mode,
-        executor=executor,
-        max_num_drafts=max(8, args.num_drafts),
-    )
+    proposer = DeepseekV4MtpProposer(config, mtp_tensors, device=device, mode=args.mode, executor=executor)
     return target, proposer, ByteTokenizer()
