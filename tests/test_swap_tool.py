@@ -8,8 +8,8 @@ import pytest
 from decode_fixtures import CFG, single_thread  # noqa: F401
 from draftgraph.runtime.model.weights import make_synthetic_checkpoint
 from draftgraph.tools.cli import main
-from draftgraph.tools.swap import COLUMNS, parse_runners
-from draftgraph.tools.workload import row_bucket
+from draftgraph.tools.swap import COLUMNS, parse_runners, prompt_lines
+from draftgraph.tools.workload import DEFAULT_PROMPT, TINY_CHECKPOINT, row_bucket
 
 PROMPTS = ["def f(x):", "hello"]
 
@@ -113,3 +113,21 @@ def test_parse_runners_and_row_bucket():
     assert parse_runners("torch_module,builtin") == ["builtin", "torch_module"]
     assert row_bucket(1, 3) == 16 and row_bucket(5, 3) == 32 and row_bucket(8, 7) == 64
     assert main(["swap", "--runners", "identity,identity"]) == 2
+
+
+@pytest.mark.skipif(not (TINY_CHECKPOINT / "config.json").exists(), reason="tools/data/tiny_v4 is not shipped here")
+def test_swap_default_prompt_tells_the_runners_apart(capsys):
+    """Issue 26.7: on the default prompt the identity body drafts clearly worse than builtin, and the
+    table's header names the prompt (the old one decoded spaces: every runner accepted 1.000)."""
+    assert main(["swap", "--runners", "identity", "--device", "cpu", "--eager"]) == 0
+    out = capsys.readouterr().out
+    assert f"# prompt 0: {DEFAULT_PROMPT!r} (the default; --prompt to change it)" in out.splitlines()
+    rows = [ln.split() for ln in out.splitlines()]
+    acceptance = {r[0]: float(r[1]) for r in rows if r[:1] in (["builtin"], ["identity"])}
+    assert acceptance["builtin"] >= 0.8 and acceptance["identity"] <= acceptance["builtin"] - 0.4, acceptance
+
+
+def test_prompt_lines_name_each_prompt_and_cut_long_ones():
+    lines = prompt_lines(["import os", "x" * 300, DEFAULT_PROMPT], width=20)
+    assert lines[:2] == ["# prompt 0: 'import os'", "# prompt 1: 'xxxxxxxxxxxxxxxx..."]
+    assert lines[2].endswith("... (the default; --prompt to change it)")

@@ -8,15 +8,18 @@ length (tokens per verify, bonus included), draft ms per propose, max |delta
 hidden| of the first propose's final hidden against builtin (same token, hidden
 and position in), and whether the decoded text equals builtin's. Greedy
 verification makes the text independent of the drafter, so the last line must
-say "yes"; the exit code is 1 when it does not.
+say "yes"; the exit code is 1 when it does not. The header names the prompts;
+the default is a short Python class, on which the tiny model's MTP drafts well
+and the identity body does not (so acceptance tells the runners apart).
 """
 
 from __future__ import annotations
 
 import argparse
 
+from draftgraph.tools.arg_checks import check_runner
 from draftgraph.tools.cli import UsageError
-from draftgraph.tools.workload import add_workload_args, load_workload
+from draftgraph.tools.workload import DEFAULT_PROMPT, add_workload_args, load_workload
 
 EXAMPLES = """examples:
   draftgraph swap
@@ -24,6 +27,7 @@ EXAMPLES = """examples:
   draftgraph swap --runners builtin,mypkg.runners:make_runner --max-tokens 64
 """
 
+MAX_PROMPT_CHARS = 100  # of a prompt's literal in the table's header
 COLUMNS = ("runner", "acceptance", "mean acc len", "draft ms/propose", "max |d hidden|", "text identical")
 
 
@@ -57,6 +61,8 @@ def parse_runners(text: str) -> list[str]:
 
 def run(args) -> int:
     runners = parse_runners(args.runners)
+    for name in runners:  # a runner that does not load is refused before any decoding
+        check_runner(name)
     work = load_workload(args)
     proposer, prompts = work.proposer, work.prompts
     print(f"# checkpoint {work.checkpoint_note}")
@@ -64,6 +70,7 @@ def run(args) -> int:
         f"# {len(prompts)} prompt(s), K={args.num_drafts}, max {args.max_tokens} tokens, "
         f"{'captured' if proposer.use_captured else 'eager'}"
     )
+    print("\n".join(prompt_lines(prompts)))
     rows, texts, first_hidden = [], {}, {}
     for name in runners:
         proposer.set_circuit_draft(None if name == "builtin" else name)
@@ -98,6 +105,18 @@ def run(args) -> int:
     for i, (prompt, text) in enumerate(zip(prompts, reference)):
         print(f"\n--- prompt {i}\n{prompt + text}")
     return 0 if identical else 1
+
+
+def prompt_lines(prompts: list[str], width: int = MAX_PROMPT_CHARS) -> list[str]:
+    """``# prompt i: 'text'`` per prompt (as a Python literal, cut at ``width``), the default marked."""
+    lines = []
+    for i, prompt in enumerate(prompts):
+        text = repr(prompt)
+        if len(text) > width:
+            text = text[: width - 3] + "..."
+        default = " (the default; --prompt to change it)" if prompt == DEFAULT_PROMPT else ""
+        lines.append(f"# prompt {i}: {text}{default}")
+    return lines
 
 
 def format_rows(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:

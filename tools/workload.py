@@ -24,13 +24,21 @@ if TYPE_CHECKING:
     from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
 
 TINY_CHECKPOINT = Path(__file__).resolve().parent / "data" / "tiny_v4"
-DEFAULT_PROMPT = "def main():"
+# Stdlib-style code the tiny model was trained on, so that drafting is a measurement: on the tiny
+# model (CPU, K=3, 32 tokens) builtin accepts 0.958 of the drafts, the identity body 0.259. A
+# prompt like "def main():" continues with spaces only, which every drafter guesses (all 1.000).
+DEFAULT_PROMPT = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n"
 MIN_ROW_BUCKET = 16
 
 
 def add_workload_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     """The arguments decode and swap share: prompts, checkpoint, K, max tokens, device, executor."""
-    p.add_argument("--prompt", action="append", default=None, help="prompt text (repeat for several)")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        default=None,
+        help='prompt text (repeat for several; default: a short Python class, "class Point: ...")',
+    )
     p.add_argument("--batch-prompts", type=Path, default=None, help="a file with one prompt per line")
     p.add_argument(
         "--checkpoint",
