@@ -108,6 +108,8 @@ def build_draft_chain(config: V4Config, geometry: CacheGeometry, spec: ChainSpec
     ins = {k: b.input(k, s) for k, s in chain_inputs(config, geometry, spec).items()}
     body = build_block(config, geometry, prefix="mtp.0.", name="mtp_body") if spec.runner == "builtin" else None
     token, hidden = ins["token"], ins["hidden"]
+    # A row whose hidden is not finite is dead from here on: it writes no cache row (ops/nonfinite.py).
+    rows_at = b.op("drop_nonfinite", [ins["positions"], hidden], name="rows_at")  # [B]
     tokens, probs = [], []
     gated = is_gated(spec.conf_tau, spec.num_drafts)
     gate_values, alive, go = [], None, None
@@ -115,21 +117,20 @@ def build_draft_chain(config: V4Config, geometry: CacheGeometry, spec: ChainSpec
         if gated and k > 0:
             # The gate is not guarded itself: it always runs, and step k runs only where it sets go.
             with b.scoped(f"g{k}"):
-                gate_inputs = [probs[-1], ins["positions"], ins["kv_start"]] + ([alive] if alive is not None else [])
+                gate_inputs = [probs[-1], rows_at, ins["kv_start"]] + ([alive] if alive is not None else [])
                 alive, go = b.op("draft_gate", gate_inputs, name="gate", attrs={"tau": float(spec.conf_tau)})
             gate_values += [alive, go]
         with b.scoped(f"d{k}"), (b.guarded(go) if go is not None else nullcontext()):
-            positions = ins["positions"]
+            positions = rows_at
             if k > 0:
-                positions = b.op("offset_positions", [ins["positions"]], name="positions", attrs={"offset": k})
+                positions = b.op("offset_positions", [rows_at], name="positions", attrs={"offset": k})
             token, prob, hidden = _step(b, config, geometry, spec, ins, token, hidden, positions, body)
         tokens.append(token)
         probs.append(prob)
+    drafts = b.op("stack", tokens, name="stacked_drafts")  # [B, K]
     if gated:
-        stacked = b.op("stack", tokens, name="stacked_drafts")
-        drafts = b.op("cut_drafts", [stacked, *gate_values], name="drafts")
-    else:
-        drafts = b.op("stack", tokens, name="drafts")  # [B, K]
+        drafts = b.op("cut_drafts", [drafts, *gate_values], name="cut_drafts")
+    drafts = b.op("mark_dropped", [drafts, rows_at], name="drafts")
     confidences = b.op("stack", probs, name="probs")  # [B, K]
     b.output(drafts, confidences, hidden)
     graph = b.build()

@@ -9,7 +9,7 @@
 - ``model``: the DeepSeek-V4 config, tensor names, checkpoint loading and writing, FP8 / MXFP4.
 - ``execution``: the eager and captured executors, CUDA conditional nodes, graph launch.
 - ``cache``: the MTP's paged latent cache, its decode metadata, the staging buffers.
-- ``proposer``: the seed's DraftProposer (API, input checks, state, binding, body runners).
+- ``proposer``: the seed's DraftProposer (API, options, input checks, the persistent batch of its
+  sequences, state handles, binding, body runners).
 - ``decode``: the speculative decode loop (target model, loop, stats, tokenizer).
-- ``native``: the compiled twins of the host path's per-row loops.
 """

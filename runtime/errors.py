@@ -44,6 +44,10 @@ class InputError(DraftGraphError, ValueError):
     """Bad input at a public boundary (token, position, hidden, batch, mask)."""
 
 
+class NonFiniteError(InputError):
+    """A hidden given to the proposer holds a NaN or an infinity (refused; nothing was written)."""
+
+
 def describe(what: str, expected: object, got: object, hint: str | None = None) -> str:
     """The one message shape: ``what: expected X, got Y (hint: ...)``."""
     text = f"{what}: expected {expected}, got {got}"

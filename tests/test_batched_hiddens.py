@@ -17,6 +17,7 @@ from draftgraph.runtime.errors import InputError
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
 from draftgraph.runtime.proposer.checks import check_hiddens
 from proposer_fixtures import TINY, hidden, make_proposer
+from staging_fixtures import stage_rows
 
 SHAPES = {"streams": (TINY.hc_mult, TINY.hidden_size), "collapsed": (TINY.hidden_size,)}
 CPU = torch.device("cpu")
@@ -138,8 +139,7 @@ def test_check_hiddens_takes_a_tensor_as_it_is_and_a_list_as_before():
     shape = SHAPES["streams"]
     block = torch.zeros(5, *shape, dtype=torch.bfloat16)
     assert check_hiddens(block, shape, CPU, 5) is block
-    assert check_hiddens(block, shape, CPU) is block  # n from its leading size
-    rows = check_hiddens([block[0], block[1].unsqueeze(0)], shape, CPU)  # a list still takes [1, C, D] rows
+    rows = check_hiddens([block[0], block[1].unsqueeze(0)], shape, CPU, 2)  # a list still takes [1, C, D] rows
     assert isinstance(rows, list) and [r.shape for r in rows] == [shape, shape]
     with pytest.raises(InputError, match=r"expected \[4, 4, 64\], got \[5, 4, 64\]"):
         check_hiddens(block, shape, CPU, 4)
@@ -158,8 +158,8 @@ def test_staging_a_tensor_writes_the_bytes_staging_its_rows_writes():
         rows = [(rng.randrange(0, 48), 0, [rng.randrange(0, 50) for _ in range(3)]) for _ in range(n)]
         tokens = [rng.randrange(0, 100) for _ in range(n)]
         block = strided(torch.randn(n, 2, 3).bfloat16(), rng.choice(["contiguous", "step", "transposed"]))
-        by_rows.stage(rows, tokens, list(block), 50)
-        by_block.stage(rows, tokens, block, 50)
+        stage_rows(by_rows, rows, tokens, list(block), 50)
+        stage_rows(by_block, rows, tokens, block, 50)
         for name in ("host_buf", "device_buf", "hidden_buf"):
             assert torch.equal(getattr(by_rows, name), getattr(by_block, name)), name
         assert torch.equal(by_block.hidden_buf[:n], block) and not by_block.hidden_buf[n:].any()
@@ -186,8 +186,8 @@ def test_a_tensor_gives_row_addresses_by_arithmetic_and_the_gather_reads_its_row
     else:
         block = strided(torch.randn(3, 2, 3).bfloat16(), layout)
     rows = [(p, 0, [i]) for i, p in enumerate((3, 5, 7))]
-    st.stage(rows, [1, 2, 3], block, 100, copy_in=False)
-    addresses = st.host["hidden_address"].tolist()
+    stage_rows(st, rows, [1, 2, 3], block, 100, copy_in=False)
+    addresses = st.addresses.tolist()
     if layout == "transposed":  # strided inside a row: one contiguous copy, kept until the next stage
         assert len(st._kept) == 1 and addresses[:3] == [st._kept[0].data_ptr() + i * row_bytes for i in range(3)]
     else:
@@ -197,8 +197,8 @@ def test_a_tensor_gives_row_addresses_by_arithmetic_and_the_gather_reads_its_row
     gather(st)
     assert torch.equal(st.hidden_buf[:3], block) and not st.hidden_buf[3].any()
     only = block[:1].clone(memory_format=torch.contiguous_format)  # alive until the gather: a caller keeps it
-    st.stage(rows[:1], [4], only, 100, copy_in=False)  # a smaller batch: the stale addresses cleared
-    assert st._kept == [] and st.host["hidden_address"].tolist()[1:] == [0, 0, 0]
+    stage_rows(st, rows[:1], [4], only, 100, copy_in=False)  # a smaller batch: the stale addresses cleared
+    assert st._kept == [] and st.addresses.tolist()[1:] == [0, 0, 0]
     gather(st)
     assert torch.equal(st.hidden_buf[0], only[0]) and not st.hidden_buf[1:].any()
 
@@ -215,9 +215,9 @@ def test_the_same_tensor_again_keeps_its_addresses_and_anything_else_rewrites_th
     rows = [(p, 0, [i]) for i, p in enumerate((3, 5, 7))]
 
     def staged(hiddens, n=3) -> list[int]:
-        st.stage(rows[:n], [1] * n, hiddens, 100, copy_in=False)
+        stage_rows(st, rows[:n], [1] * n, hiddens, 100, copy_in=False)
         st._is_copy_pending = False  # what the replay's read-back does (no replay here)
-        return st.host["hidden_address"].tolist()
+        return st.addresses.tolist()
 
     def block_addresses(block, n=3) -> list[int]:
         return [block.data_ptr() + i * row_bytes for i in range(n)] + [0] * (4 - n)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from draftgraph.runtime.cache.staging import ChainStaging
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
+from staging_fixtures import stage_rows
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs where there is no CUDA")
@@ -20,7 +21,7 @@ C, D = 4, 96
 
 def staging(bucket=4) -> ChainStaging:
     return ChainStaging(bucket, TensorSpec(("B", C, D), torch.bfloat16), max_blocks_per_seq=4, mask_words=2,
-                        device=torch.device("cpu"), gather_hiddens=True)
+                        device=torch.device("cpu"), window=16, gather_hiddens=True)
 
 
 def replay_prologue(st: ChainStaging, staged: torch.Tensor | None = None) -> None:
@@ -40,8 +41,8 @@ def test_rows_are_gathered_from_their_addresses_and_padding_is_zero():
     st.hidden_buf.fill_(7.0)  # stale contents: the gather rewrites every row
     big = torch.randn(6, C, D).bfloat16()
     hiddens = [big[4], torch.randn(C, D).bfloat16(), big[1]]  # views at offsets, and a tensor of its own
-    st.stage(rows(3), [1, 2, 3], hiddens, vocab_limit=100, copy_in=False)
-    assert st.host["hidden_address"].tolist() == [h.data_ptr() for h in hiddens] + [0]
+    stage_rows(st, rows(3), [1, 2, 3], hiddens, vocab_limit=100, copy_in=False)
+    assert st.addresses.tolist() == [h.data_ptr() for h in hiddens] + [0]
     replay_prologue(st)
     for i, h in enumerate(hiddens):
         assert torch.equal(st.hidden_buf[i], h)
@@ -50,7 +51,7 @@ def test_rows_are_gathered_from_their_addresses_and_padding_is_zero():
 
 def test_the_kernel_copies_the_host_buffer_it_is_given():
     st = staging()
-    st.stage(rows(2), [11, 12], [torch.randn(C, D).bfloat16() for _ in range(2)], 100, copy_in=False)
+    stage_rows(st, rows(2), [11, 12], [torch.randn(C, D).bfloat16() for _ in range(2)], 100, copy_in=False)
     st.host_buf[st._mask_at:] = 9  # the masks' bytes: copied only with the whole buffer
     st.device_buf.fill_(3)
     replay_prologue(st, staged=st._device_head)  # an unmasked chain: the head only
@@ -63,11 +64,11 @@ def test_the_kernel_copies_the_host_buffer_it_is_given():
 
 def test_a_smaller_batch_clears_the_stale_addresses():
     st = staging()
-    st.stage(rows(3), [1, 2, 3], [torch.randn(C, D).bfloat16() for _ in range(3)], 100, copy_in=False)
+    stage_rows(st, rows(3), [1, 2, 3], [torch.randn(C, D).bfloat16() for _ in range(3)], 100, copy_in=False)
     replay_prologue(st)
     only = torch.randn(C, D).bfloat16()
-    st.stage(rows(1), [4], [only], 100, copy_in=False)
-    assert st.host["hidden_address"].tolist() == [only.data_ptr(), 0, 0, 0]
+    stage_rows(st, rows(1), [4], [only], 100, copy_in=False)
+    assert st.addresses.tolist() == [only.data_ptr(), 0, 0, 0]
     replay_prologue(st)
     assert torch.equal(st.hidden_buf[0], only) and not st.hidden_buf[1:].any()
 
@@ -76,17 +77,17 @@ def test_a_strided_hidden_is_gathered_from_a_copy_kept_until_the_next_stage():
     st = staging()
     wide = torch.randn(C, 2 * D).bfloat16()
     strided = wide[:, ::2]
-    st.stage(rows(1), [1], [strided], 100, copy_in=False)
-    assert st.host["hidden_address"][0] != strided.data_ptr()
-    assert len(st._kept) == 1 and st._kept[0].data_ptr() == st.host["hidden_address"][0]
+    stage_rows(st, rows(1), [1], [strided], 100, copy_in=False)
+    assert st.addresses[0] != strided.data_ptr()
+    assert len(st._kept) == 1 and st._kept[0].data_ptr() == st.addresses[0]
     replay_prologue(st)
     assert torch.equal(st.hidden_buf[0], strided)
-    st.stage(rows(1), [1], [torch.randn(C, D).bfloat16()], 100, copy_in=False)
+    stage_rows(st, rows(1), [1], [torch.randn(C, D).bfloat16()], 100, copy_in=False)
     assert st._kept == []
 
 
 def test_a_staging_copy_run_still_copies_the_hiddens():
     st = staging()
     h = torch.randn(C, D).bfloat16()
-    st.stage(rows(1), [1], [h], 100, copy_in=True)  # an executor without the in-graph copy
+    stage_rows(st, rows(1), [1], [h], 100, copy_in=True)  # an executor without the in-graph copy
     assert torch.equal(st.hidden_buf[0], h)

@@ -1,4 +1,4 @@
-"""PagedLatentCache: slots, window recycling, all-or-nothing errors, carry, metadata, threads.
+"""PagedLatentCache: slots, window recycling, all-or-nothing errors, carry, threads.
 
 The random test keeps its own model of which logical blocks each table holds (derived from
 the rules in the docstrings, not from the cache's code) and checks the pool's bookkeeping
@@ -7,28 +7,17 @@ against it after every one of 10,000 operations.
 
 from __future__ import annotations
 
-import copy
 import math
 import random
-import struct
 import threading
 
 import pytest
 import torch
-from draftgraph.runtime.cache.metadata import MetadataView, max_blocks_for, pack_metadata, row_bytes_for
 from draftgraph.runtime.cache.paged_cache import BlockTable, PagedLatentCache, TakenBlocks
 from draftgraph.runtime.errors import CacheError, InputError
 from draftgraph.runtime.model.config import V4Config
-from native_fixtures import use_compiled
 
 BS = 16
-
-
-@pytest.fixture(autouse=True, params=["compiled", "python"])
-def trims(request, monkeypatch):
-    """Every test here runs with the compiled trim and with the Python one (design note "compiled pass")."""
-    use_compiled(monkeypatch, request.param == "compiled")
-    return request.param
 
 
 def _cache(num_blocks=16, window=128, max_seq_len=100_000, head_dim=8):
@@ -36,7 +25,7 @@ def _cache(num_blocks=16, window=128, max_seq_len=100_000, head_dim=8):
 
 
 def _snapshot(cache, *tables):
-    return cache.num_free_blocks, [copy.deepcopy(t.blocks) for t in tables], list(cache._state)
+    return cache.num_free_blocks, [t.blocks.tolist() for t in tables], list(cache._state)
 
 
 # ---- construction and slots ------------------------------------------------------------------
@@ -93,7 +82,7 @@ def test_window_recycling_over_10000_positions():
             assert table.blocks[j] >= 0, (p, j)
     assert cache.num_free_blocks == 12 - cache.blocks_held(table)
     cache.free(table)
-    assert cache.num_free_blocks == 12 and table.blocks == []
+    assert cache.num_free_blocks == 12 and table.entries() == []
 
 
 def test_a_trim_past_every_block_leaves_the_table_mapping_no_cache():
@@ -119,7 +108,7 @@ def test_truncate_drops_only_blocks_wholly_past_length():
     assert cache.blocks_held(table) == 2 and cache.num_free_blocks == 14
     assert cache.truncate(table, 1000) == []
     cache.truncate(table, 0)
-    assert table.blocks == [] and cache.num_free_blocks == 16
+    assert table.entries() == [] and cache.num_free_blocks == 16
 
 
 # ---- all-or-nothing errors --------------------------------------------------------------------
@@ -146,7 +135,7 @@ def test_take_install_and_free_blocks():
     cache.trim_window(a, 20 + 128 + 16)  # window from 37: block 1 (16..31) goes back
     slots = {p: a.slot(p) for p in range(32, 51)}
     taken = cache.take(a)
-    assert isinstance(taken, TakenBlocks) and a.blocks == [] and a.is_empty
+    assert isinstance(taken, TakenBlocks) and a.entries() == [] and a.is_empty
     assert cache.num_free_blocks == 8 - len(taken.block_ids)  # carried, not freed
     b = BlockTable()
     cache.install(b, taken)
@@ -200,7 +189,7 @@ def _check_invariants(cache, tables, loose, model):
         held_logical = {j for j, b in enumerate(table.blocks) if b >= 0}
         assert held_logical == model[i], (i, sorted(held_logical), sorted(model[i]))
         # design note "trimmed front": the count a trim trusts is never above the truth
-        assert all(b < 0 for b in table.blocks[: table.num_trimmed]), (i, table.num_trimmed, table.blocks)
+        assert all(b < 0 for b in table.blocks[: table.num_trimmed]), (i, table.num_trimmed, table.entries())
     for taken in loose:
         for block in taken.block_ids:
             assert block not in owners, f"loose block {block} also owned by {owners[block]}"
@@ -270,61 +259,6 @@ def test_random_operations_keep_the_pool_exact():
     for taken, _ in loose:
         cache.free_blocks(taken)
     assert cache.num_free_blocks == num_blocks
-
-
-# ---- metadata ----------------------------------------------------------------------------------
-
-
-def test_metadata_pack_round_trip_with_padding():
-    cache = _cache(num_blocks=16, max_seq_len=64)
-    mb = cache.max_blocks_per_seq
-    assert mb == max_blocks_for(64) == 5 and row_bytes_for(mb) == 320  # 256 + 20 -> 320
-    a, b = BlockTable(), BlockTable()
-    cache.ensure(a, 0, 37)
-    cache.ensure(b, 0, 5)
-    buf = cache.pack_metadata([(37, 0, a), None, (5, 3, b)])
-    assert buf.dtype == torch.uint8 and buf.shape == (3, 320)
-    # Independent reading of the bytes, by the layout in the spec.
-    raw = buf.numpy().tobytes()
-    rows = []
-    for r in range(3):
-        row = raw[r * 320 : (r + 1) * 320]
-        pos, slot = struct.unpack_from("<qq", row, 0)
-        seq_len, kv_start = struct.unpack_from("<ii", row, 16)
-        table = list(struct.unpack_from(f"<{mb}i", row, 256))
-        rows.append((pos, slot, seq_len, kv_start, table))
-        assert row[24:256] == bytes(232)
-    assert rows[0] == (37, a.slot(37), 38, 0, a.blocks + [-1] * (mb - 3))
-    assert rows[1] == (0, -1, 0, 1, [-1] * mb)  # dead row: kv_start > pos reads nothing
-    assert rows[2] == (5, b.slot(5), 6, 3, b.blocks + [-1] * (mb - 1))
-    view = MetadataView.of(buf, mb)
-    assert view.pos.tolist() == [37, 0, 5] and view.slot.tolist() == [rows[0][1], -1, rows[2][1]]
-    assert view.seq_len.tolist() == [38, 0, 6] and view.kv_start.tolist() == [0, 1, 3]
-    assert view.block_table.tolist() == [r[4] for r in rows]
-    # Views share the buffer: a device-side advance is a write through them.
-    view.pos.add_(1)
-    assert struct.unpack_from("<q", buf.numpy().tobytes(), 320 * 2)[0] == 6
-    for field in (view.pos, view.slot, view.seq_len, view.kv_start, view.block_table):
-        assert field.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
-
-
-def test_metadata_into_an_existing_buffer_and_errors():
-    cache = _cache(max_seq_len=64)
-    a = BlockTable()
-    cache.ensure(a, 0, 3)
-    out = torch.full((4, 320), 0xAB, dtype=torch.uint8)
-    pack_metadata([(3, 0, a)], 5, out=out)
-    view = MetadataView.of(out, 5)
-    assert view.pos.tolist() == [3, 0, 0, 0] and view.slot.tolist()[1:] == [-1, -1, -1]
-    assert view.kv_start.tolist() == [0, 1, 1, 1]
-    with pytest.raises(CacheError, match="allocated block"):
-        pack_metadata([(20, 0, a)], 5)
-    with pytest.raises(InputError, match="kv_start"):
-        pack_metadata([(3, 4, a)], 5)
-    with pytest.raises(InputError, match="block table"):
-        pack_metadata([(3, 0, [0] * 6)], 5)
-    with pytest.raises(InputError, match="pack_metadata out"):
-        pack_metadata([(3, 0, a)], 5, out=torch.zeros(1, 256, dtype=torch.uint8))
 
 
 # ---- threads -------------------------------------------------------------------------------------

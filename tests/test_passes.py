@@ -57,18 +57,18 @@ def test_fold_hc_expand_folds_the_streams_embedding_only():
 
 def test_view_single_stacks_turns_only_stacks_of_one_into_reshapes():
     one, _ = view_single_stacks(chain(num_drafts=1))
-    assert [(one.nodes[n].op, one.nodes[n].attrs) for n in ("drafts", "probs")] == [
+    assert [(one.nodes[n].op, one.nodes[n].attrs) for n in ("stacked_drafts", "probs")] == [
         ("reshape", {"shape": ["B", 1]}), ("reshape", {"shape": ["B", 1]})]
     three, summary = view_single_stacks(chain(num_drafts=3))
-    assert three.nodes["drafts"].op == "stack" and summary == "no stack of one value"
+    assert three.nodes["stacked_drafts"].op == "stack" and summary == "no stack of one value"
 
 
 def test_reuse_dying_inputs_marks_exactly_the_ops_that_declare_it():
     flat, _ = inline_subgraphs(chain(num_drafts=1))
     marked, summary = reuse_dying_inputs(flat)
-    assert {n.op for n in marked.nodes.values() if n.may_reuse} == {"hc_post", "rms_norm"}
+    assert {n.op for n in marked.nodes.values() if n.may_reuse} == {"hc_post", "rms_norm", "mark_dropped"}
     assert not any(n.may_reuse for n in flat.nodes.values())
-    assert summary == "4 nodes may write over a dying input (hc_post 2, rms_norm 2)"
+    assert summary == "5 nodes may write over a dying input (hc_post 2, rms_norm 2, mark_dropped 1)"
 
 
 def test_may_reuse_on_an_op_without_an_inplace_output_is_refused():

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from draftgraph.graphs.target import build_target, layer_cache_name
 from draftgraph.graphs.v4_block import CacheGeometry
@@ -152,9 +153,7 @@ class TargetModel:
         if budget_tokens is not None and (not isinstance(budget_tokens, int) or budget_tokens < 1):
             raise InputError(describe("budget_tokens", "an int >= 1 or None", repr(budget_tokens)))
         limit = self.max_seq_len if budget_tokens is None else min(budget_tokens, self.max_seq_len)
-        return TargetSeqState(
-            table=BlockTable(block_size=self.cache.block_size), max_positions=limit, owner=self.id
-        )
+        return TargetSeqState(table=self.cache.new_table(), max_positions=limit, owner=self.id)
 
     def free(self, state: TargetSeqState) -> None:
         """Return every block the sequence holds; the state cannot be used again."""
@@ -273,9 +272,9 @@ class TargetModel:
         for i, (first, last) in segments.items():
             self.cache.ensure(states[i].table, first, last)
         staging = self._staging_for(bucket)
-        staged = staging.stage(
-            [(pos, 0, states[i].table) for i, pos, _ in rows], [t for _, _, t in rows], [], 1
-        )
+        tables = np.stack([state.table.blocks for state in states])  # [S, max_blocks]: every table is fit now
+        which, pos, tokens = (np.array(column, dtype=np.int64) for column in zip(*rows))
+        staged = staging.stage(tables, which, pos, np.zeros_like(pos), tokens, [], 1)
         inputs = {name: staged[name] for name in self.graph.inputs}
         executor = self._executor(bucket)
         start = time.perf_counter_ns()
@@ -314,7 +313,8 @@ class TargetModel:
     def _staging_for(self, bucket: int) -> ChainStaging:
         if bucket not in self._staging:
             self._staging[bucket] = ChainStaging(
-                bucket, TensorSpec((B, 1), torch.bfloat16), self.cache.max_blocks_per_seq, 1, self.device
+                bucket, TensorSpec((B, 1), torch.bfloat16), self.cache.max_blocks_per_seq, 1, self.device,
+                window=self.config.sliding_window, block_size=self.cache.block_size,
             )
         return self._staging[bucket]
 

@@ -90,7 +90,7 @@ class CapturedExecutor:
         self._device_index = device.index if device.index is not None else torch.cuda.current_device()
         # How a replay launches (runtime/execution/launch.py): through torch until the first replay has
         # shown that the graph draws no random numbers, then its exec handle through _launch
-        # (raw_launch.launcher: graph_launch.c's cuGraphLaunch where built, else cuda-python).
+        # (raw_launch.launcher: cudaGraphLaunch through cuda-python).
         self._replayed, self._exec = False, None
         self._own_exec: raw_launch.NodePriorityExec | None = None
         self._launch = None  # raw_launch.launcher of _exec, set with it

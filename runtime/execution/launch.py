@@ -9,13 +9,9 @@ launch alone is the whole replay. :class:`draftgraph.runtime.execution.captured.
 only after its first replay (through torch) left the device's default generator where it
 was, so a graph that did consume random numbers keeps torch's replay.
 
-Design note "compiled launch": cuda-python's ``cudaGraphLaunch`` took 4.6 us a launch on the
-H200 host where the driver's ``cuGraphLaunch`` called through ctypes took 4.1 (its ctypes call
-~0.5 of that; ``benchmarks/h200/launch_paths_fe478a8.txt`` in git at 873b0e1), and the Python around it (the device
-check, the stream, the result's enum compare) as much again. :func:`launcher` makes a propose's
-launch one closure: ``graph_launch.c``'s ``launch`` (``cuGraphLaunch`` by ``dlsym``, built by
-:mod:`draftgraph.runtime.native.build`) where it is built and finds libcuda, else this module's
-:func:`launch`.
+A launch here took 4.06 us on the H200 host, ``CUDAGraph.replay()`` 4.69
+(``benchmarks/h200/launch_paths_514f961.txt``); a compiled ``cuGraphLaunch`` saved 0.9 us more,
+not worth a C extension beside this module (issue 26 removed it).
 
 It launches an exec handle of its own (:class:`NodePriorityExec`), instantiated with
 ``cudaGraphInstantiateFlagUseNodePriority``: kernel nodes keep the priority of the stream they
@@ -27,7 +23,6 @@ from __future__ import annotations
 
 import torch
 from draftgraph.runtime.execution.raw_copy import _cudart, _raw_stream
-from draftgraph.runtime.native import build as native_build
 
 is_enabled = _cudart is not None and _raw_stream is not None  # a switch for benchmarks and tests
 
@@ -104,19 +99,15 @@ def launch(handle, device_index: int) -> None:
 
 
 def launcher(handle, device_index: int):
-    """A zero-argument launch of ``handle`` on the current stream of ``device_index`` (design note "compiled launch").
+    """A zero-argument :func:`launch` of ``handle`` on the current stream of ``device_index``.
 
-    Through ``graph_launch.c`` where it is built and libcuda is found; else :func:`launch`.
     The caller checks that ``device_index`` is the current device, as for :func:`launch`.
     """
-    native = native_build.load("graph_launch")
-    if native is None or not native.is_available():
-        return lambda: launch(handle, device_index)
-    address, launch_c, stream = int(handle), native.launch, _raw_stream
+    graph_launch, stream, success = _cudart.cudaGraphLaunch, _raw_stream, _cudart.cudaError_t.cudaSuccess
 
-    def launch_compiled() -> None:
-        err = launch_c(address, stream(device_index))
-        if err:
-            raise RawLaunchError(f"cuGraphLaunch failed: {native.error_name(err) or err}")
+    def launch_one() -> None:
+        (err,) = graph_launch(handle, stream(device_index))
+        if err != success:
+            raise RawLaunchError(f"cudaGraphLaunch failed: {err.name}")
 
-    return launch_compiled
+    return launch_one

@@ -1,64 +1,113 @@
-"""Input checks at the proposer's boundary: typed errors, expected vs got, before any change."""
+"""Input checks at the proposer's boundary: typed errors, expected vs got, before any change.
+
+Integers: Python ints and numpy integers are taken alike (and 0-d integer tensors, read with
+one ``.item()``); a bool, a float or anything else is refused with an InputError naming it. A
+batch's tokens and positions come back as one int64 array: checked with a few array ops for
+the batch, and only when those find something, item by item, so that the error is the one of
+the first bad item.
+"""
 
 from __future__ import annotations
 
-import functools
+import operator
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from draftgraph.runtime.errors import InputError, describe
+from draftgraph.runtime.proposer.sequences import SequenceRows
 from draftgraph.runtime.proposer.state import MtpProposerState
 
-# Design note "bulk checks": a batch is checked in one inline loop per kind of input, which
-# proves the usual batch good as a whole; a call of the single-item check per item costs
-# ~0.2 us more an item (~6 us at B = 32 for each kind). A loop with plain attribute loads is
-# also cheaper than passes of map / attrgetter: the interpreter specializes the loads. Only when
-# the loop finds something does the batch go item by item through the single-item checks, so
-# the error (type and message) is the one of the first bad item, as it always was.
+_PLAIN_INTS = frozenset({int, np.int64, np.int32, np.int16, np.int8, np.uint8, np.uint16, np.uint32, np.uint64})
 
 
-def check_token(token: object, vocab: int, what: str = "last_token") -> int:
-    if isinstance(token, torch.Tensor) and token.numel() == 1:
-        token = int(token.item())
-    if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
-        raise InputError(describe(what, f"an int token id in [0, {vocab})", repr(token)))
-    return token
+def as_int(value: object, what: str, expected: str) -> int:
+    """``value`` as an int: an int, a numpy integer or a 0-d integer tensor; never a bool."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise InputError(describe(what, expected, repr(value), "a bool is not a count or an id"))
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dim() <= 1:
+        value = value.reshape(()).item() if not value.is_floating_point() else value
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InputError(describe(what, expected, repr(value))) from None
 
 
-def check_tokens(tokens: Sequence, vocab: int) -> list[int]:
-    """``check_token`` of every token (design note "bulk checks")."""
-    for token in tokens:
-        if type(token) is not int or not 0 <= token < vocab:  # a bool, a tensor: item by item
-            return [check_token(t, vocab) for t in tokens]
-    return list(tokens)
+def check_count(value: object, what: str, low: int, high: int) -> int:
+    """An int in [low, high] (``as_int``'s rules)."""
+    expected = f"an int in [{low}, {high}]"
+    count = as_int(value, what, expected)
+    if not low <= count <= high:
+        raise InputError(describe(what, expected, repr(value)))
+    return count
 
 
-def check_position(position: object, num_drafts: int, state: MtpProposerState, what: str = "position") -> int:
-    if not isinstance(position, int) or isinstance(position, bool) or position < 0:
-        raise InputError(describe(what, "an int >= 0", repr(position)))
-    if position + num_drafts > state.max_positions:
-        raise InputError(
-            describe(what, f"position + num_drafts <= {state.max_positions}", f"{position} + {num_drafts}",
-                     "the sequence's budget (alloc_state_for) or max_seq_len is reached")
-        )
-    return position
+def check_ints(values: Sequence | np.ndarray, what: str, low: int, high: int, n: int) -> np.ndarray:
+    """``n`` ints in [low, high) as int64 [n]: a sequence of ints / numpy integers, or an integer array."""
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iu" and values.ndim == 1:
+        array = values.astype(np.int64, copy=False)
+    elif not isinstance(values, (str, bytes, torch.Tensor, np.ndarray)) and set(map(type, values)) <= _PLAIN_INTS:
+        array = np.array(values, dtype=np.int64)
+    else:
+        try:
+            items = list(values)
+        except TypeError:
+            raise InputError(describe(what, f"a sequence of {n} ints", type(values).__name__)) from None
+        array = np.array([as_int(v, f"{what}[{i}]", f"an int in [{low}, {high})") for i, v in enumerate(items)],
+                         dtype=np.int64)
+    if array.shape != (n,):
+        raise InputError(describe(f"{what} length", n, len(array), "one entry per sequence"))
+    if n and (array.min() < low or array.max() >= high):
+        i = int(np.flatnonzero((array < low) | (array >= high))[0])
+        raise InputError(describe(f"{what}[{i}]" if n > 1 else what, f"an int in [{low}, {high})", int(array[i])))
+    return array
 
 
-def check_positions(positions: Sequence, num_drafts: int, states: Sequence[MtpProposerState]) -> list[int]:
-    """``check_position`` of every position against its (checked) state (design note "bulk checks")."""
-    for position, state in zip(positions, states):
-        if type(position) is not int or position < 0 or position + num_drafts > state.max_positions:
-            return [check_position(p, num_drafts, s) for p, s in zip(positions, states)]
-    return list(positions)
+def check_state(state: object, owner: int, rows: SequenceRows, what: str = "state") -> MtpProposerState:
+    if not isinstance(state, MtpProposerState):
+        raise InputError(describe(what, "an MtpProposerState from alloc_state()", type(state).__name__))
+    if state.owner != owner:
+        raise InputError(describe(what, "a state of this proposer", "a state of another proposer"))
+    if not rows.is_live(state.row, state.serial):
+        raise InputError(describe(what, "a live state", "a freed state", "alloc_state() a new one"))
+    return state
 
 
-def check_num_drafts(num_drafts: object, max_drafts: int) -> int:
-    if not isinstance(num_drafts, int) or isinstance(num_drafts, bool) or not 1 <= num_drafts <= max_drafts:
-        raise InputError(describe("num_drafts", f"an int in [1, {max_drafts}]", repr(num_drafts)))
-    return num_drafts
+def check_states(states: Sequence, owner: int, rows: SequenceRows, n: int) -> np.ndarray:
+    """The batch's rows in the persistent batch, int64 [n]: live states of this proposer, all distinct."""
+    if len(states) != n:
+        raise InputError(describe("states length", n, len(states), "one entry per sequence"))
+    try:
+        found = np.array([s.row for s in states], dtype=np.int64)
+        serials = np.array([s.serial for s in states], dtype=np.int64)
+        ok = bool((serials == rows.serial[found]).all()) and all(type(s) is MtpProposerState for s in states)
+    except (AttributeError, IndexError, TypeError, ValueError):
+        ok = False
+    if not ok:  # serials are unique over every proposer: a match is a live state of this one
+        for i, state in enumerate(states):
+            check_state(state, owner, rows, f"states[{i}]" if n > 1 else "state")
+    if n > 1 and len(set(found.tolist())) != n:
+        raise InputError(describe("states", "distinct states", "the same state twice"))
+    return found
 
 
-def check_hidden(hidden: object, shape: tuple[int, ...], device: torch.device, what: str = "target_hidden"):
+def check_hiddens(hiddens: Sequence | torch.Tensor, shape: tuple[int, ...], device: torch.device,
+                  n: int) -> list[torch.Tensor] | torch.Tensor:
+    """The batch's hiddens: one bf16 tensor [n, *shape] on ``device`` (returned as it is), or a
+    sequence of n tensors of ``shape`` (a leading 1 accepted)."""
+    if isinstance(hiddens, torch.Tensor):
+        return check_hidden_batch(hiddens, shape, device, n)
+    if isinstance(hiddens, (str, bytes)) or not hasattr(hiddens, "__len__"):
+        raise InputError(describe("target_hiddens", f"a tensor [{n}, {', '.join(map(str, shape))}] or {n} tensors",
+                                  type(hiddens).__name__))
+    if len(hiddens) != n:
+        raise InputError(describe("target_hiddens length", n, len(hiddens), "one entry per sequence"))
+    return [check_hidden(h, shape, device, f"target_hiddens[{i}]" if n > 1 else "target_hidden")
+            for i, h in enumerate(hiddens)]
+
+
+def check_hidden(hidden: object, shape: tuple[int, ...], device: torch.device,
+                 what: str = "target_hidden") -> torch.Tensor:
     """A bf16 tensor of ``shape`` (a leading 1 is accepted) on the proposer's device."""
     if not isinstance(hidden, torch.Tensor):
         raise InputError(describe(what, f"a bf16 tensor {list(shape)}", type(hidden).__name__))
@@ -67,30 +116,7 @@ def check_hidden(hidden: object, shape: tuple[int, ...], device: torch.device, w
         raise InputError(describe(f"{what} shape", list(shape), list(got),
                                   "streams mode takes [C, D], collapsed mode [D]"))
     _check_bf16_on(hidden, device, what)
-    return hidden if got == shape else hidden.reshape(shape)  # a reshape is a dispatch (~1 us): only if needed
-
-
-def _check_bf16_on(hidden: torch.Tensor, device: torch.device, what: str) -> None:
-    if hidden.dtype != torch.bfloat16:
-        raise InputError(describe(f"{what} dtype", torch.bfloat16, hidden.dtype))
-    if not _is_on(hidden, device):
-        raise InputError(describe(f"{what} device", device, hidden.device))
-
-
-def check_hiddens(hiddens: Sequence | torch.Tensor, shape: tuple[int, ...], device: torch.device,
-                  n: int | None = None) -> list[torch.Tensor] | torch.Tensor:
-    """``check_hidden`` of every hidden (design note "bulk checks"), or one check of a batched tensor.
-
-    A tensor must be exactly ``[n, *shape]`` (no leading 1 per row): one bf16 block on ``device``,
-    returned as it is. ``n`` is the batch (a tensor's leading size when None).
-    """
-    if isinstance(hiddens, torch.Tensor):  # one check for the batch, not one per row
-        if n is None:
-            n = hiddens.shape[0] if hiddens.dim() else 1
-        return check_hidden_batch(hiddens, shape, device, n)
-    if _are_ready(hiddens, shape, device):
-        return list(hiddens)
-    return [check_hidden(h, shape, device) for h in hiddens]
+    return hidden if got == shape else hidden.reshape(shape)
 
 
 def check_hidden_batch(hiddens: torch.Tensor, shape: tuple[int, ...], device: torch.device, n: int,
@@ -104,43 +130,21 @@ def check_hidden_batch(hiddens: torch.Tensor, shape: tuple[int, ...], device: to
     return hiddens
 
 
-def _are_ready(hiddens: Sequence, shape: tuple[int, ...], device: torch.device) -> bool:
-    """Whether every hidden is a plain bf16 tensor of exactly ``shape`` on ``device`` (check_hidden's no-op)."""
-    kind, index = _device_key(device)
-    if kind not in ("cpu", "cuda"):
-        return False
-    tensor, bf16, on_cpu = torch.Tensor, torch.bfloat16, kind == "cpu"
-    for hidden in hiddens:  # a subclass, a [1, ...] shape: item by item
-        if (type(hidden) is not tensor or hidden.shape != shape or hidden.dtype is not bf16 or not (
-                hidden.is_cpu if on_cpu else hidden.is_cuda and (index is None or hidden.get_device() == index))):
-            return False
-    return True
-
-
-def _is_on(tensor: torch.Tensor, device: torch.device) -> bool:
-    """Whether ``tensor`` is on ``device`` (any CUDA device for a bare "cuda").
-
-    Per sequence on every propose: ``is_cuda`` / ``get_device()`` take ~0.05 us where
-    ``tensor.device.type`` builds a string (~0.4 us on these hosts).
-    """
-    kind, index = _device_key(device)
-    if kind == "cuda":
-        return tensor.is_cuda and (index is None or tensor.get_device() == index)
-    if kind == "cpu":
-        return tensor.is_cpu
-    on = tensor.device
-    return on.type == device.type and (device.index is None or on == device)
-
-
-@functools.cache
-def _device_key(device: torch.device) -> tuple[str, int | None]:
-    return device.type, device.index
+def _check_bf16_on(hidden: torch.Tensor, device: torch.device, what: str) -> None:
+    if hidden.dtype != torch.bfloat16:
+        raise InputError(describe(f"{what} dtype", torch.bfloat16, hidden.dtype))
+    on = hidden.device
+    if on.type != device.type or (device.index is not None and on.index != device.index):
+        raise InputError(describe(f"{what} device", device, on))
 
 
 def check_bitmask(mask: object, words: int) -> torch.Tensor | None:
     if mask is None:
         return None
-    tensor = torch.as_tensor(mask)
+    try:
+        tensor = torch.as_tensor(mask)
+    except (TypeError, ValueError, RuntimeError):
+        raise InputError(describe("grammar_bitmask", f"{words} int32 words", type(mask).__name__)) from None
     if tensor.dim() != 1 or tensor.numel() != words:
         raise InputError(describe("grammar_bitmask length", f"{words} int32 words (ceil(vocab / 32))",
                                   list(tensor.shape)))
@@ -149,24 +153,8 @@ def check_bitmask(mask: object, words: int) -> torch.Tensor | None:
     return tensor.to(torch.int64).bitwise_and(0xFFFFFFFF).to(torch.int32) if tensor.dtype == torch.int64 else tensor
 
 
-def check_state(state: object, owner: int) -> MtpProposerState:
-    if not isinstance(state, MtpProposerState):
-        raise InputError(describe("state", "an MtpProposerState from alloc_state()", type(state).__name__))
-    if state.owner != owner:
-        raise InputError(describe("state", "a state of this proposer", "a state of another proposer"))
-    if state.is_freed:
-        raise InputError(describe("state", "a live state", "a freed state", "alloc_state() a new one"))
-    return state
-
-
-def check_states(states: Sequence, owner: int) -> list[MtpProposerState]:
-    """``check_state`` of every state (design note "bulk checks")."""
-    for state in states:
-        if type(state) is not MtpProposerState or state.owner != owner or state.is_freed:
-            return [check_state(s, owner) for s in states]
-    return list(states)
-
-
-def check_batch(name: str, items: Sequence, n: int) -> None:
+def check_batch(name: str, items: object, n: int) -> None:
+    if isinstance(items, (str, bytes)) or not hasattr(items, "__len__"):
+        raise InputError(describe(name, f"a sequence of {n}" if n >= 0 else "a sequence", type(items).__name__))
     if len(items) != n:
         raise InputError(describe(f"{name} length", n, len(items), "one entry per sequence"))

@@ -1,28 +1,39 @@
 """DeepseekV4MtpProposer: the seed's DraftProposer over the graph executor.
 
-A propose is ONE run of the K-draft chain graph: the K drafts chain on the
-device (each argmax feeds the next embed, positions advance inside the graph)
-and the host reads the K tokens back once, at the end (the seed reads after
-every draft). Executors are made per (batch bucket, K, masked) and kept; the
-captured executor (CUDA) and the eager one run the same graph on the same kind
-of arena, behind the same API.
+A propose is ONE run of the K-draft chain graph: the K drafts chain on the device (each argmax
+feeds the next embed, positions advance inside the graph) and the host reads the K tokens back
+once, at the end. Executors are made per (batch bucket, K, masked) and kept; the captured
+executor (CUDA) and the eager one run the same graph behind the same API.
 
-Drafter rows are position-indexed (see proposer_state.py). Pair semantics, as
-in the seed: the row at position p is computed from the pair (token t_{p+1},
-hidden of position p); ``propose(t, h, p, K)`` writes rows p .. p+K-1 (row p
-from the target's hidden, later rows from the MTP's own hidden).
+Design note "one path": what the host knows of its sequences is a persistent batch of flat
+arrays (proposer/sequences.py). A propose checks its batch with array ops, maps blocks only for
+the rows that cross into a block they do not hold, writes the staging buffer with array ops
+(cache/staging.py), launches, reads the drafts back, and writes the batch's rows back with
+array ops; the per-row work left is the few rows that cross a block boundary. Every call runs
+this one path, whatever the batch.
+
+Design note "threads": every call that reads or writes sequences, the cache, the staging
+buffers or the executors holds the proposer's one lock, from its checks to its read-back. A
+proposer may so be shared by threads that use separate states: each call is atomic, and the
+drafts are those of the same calls made one after another. The lock costs ~0.1 us uncontended;
+contended, calls wait for each other (the device runs one chain at a time anyway).
+
+Drafter rows are position-indexed (see state.py). Pair semantics, as in the seed: the row at
+position p is computed from the pair (token t_{p+1}, hidden of position p); ``propose(t, h, p,
+K)`` writes rows p .. p+K-1 (row p from the target's hidden, later rows from the MTP's own).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from draftgraph.graphs.draft_chain import (
     ChainSpec,
@@ -34,45 +45,37 @@ from draftgraph.graphs.draft_chain import (
 )
 from draftgraph.graphs.v4_block import CacheGeometry, block_interface
 from draftgraph.ops.draft_gate import CUT
-from draftgraph.runtime.cache.metadata import check_rows
-from draftgraph.runtime.cache.paged_cache import BlockTable, PagedLatentCache
+from draftgraph.ops.nonfinite import NONFINITE
+from draftgraph.runtime.cache.paged_cache import PagedLatentCache, TakenBlocks
 from draftgraph.runtime.cache.staging import ChainStaging
-from draftgraph.runtime.errors import InputError, describe
+from draftgraph.runtime.errors import CaptureError, InputError, NonFiniteError, describe
 from draftgraph.runtime.execution.eager import EagerExecutor, concrete_device
-from draftgraph.runtime.execution.kernel_choice import check_kernels
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
 from draftgraph.runtime.model.config import V4Config
 from draftgraph.runtime.proposer.binding import DraftBinding, prepare_weights
 from draftgraph.runtime.proposer.checks import (
+    as_int,
     check_batch,
     check_bitmask,
-    check_hidden,
+    check_count,
+    check_hidden_batch,
     check_hiddens,
-    check_num_drafts,
-    check_position,
-    check_positions,
+    check_ints,
     check_state,
     check_states,
-    check_token,
-    check_tokens,
 )
-from draftgraph.runtime.proposer.front import commit_rows, kv_start_after, stage_ensured_rows, stage_front
+from draftgraph.runtime.proposer.options import DEFAULT_BUCKETS, ProposerOptions
 from draftgraph.runtime.proposer.runners.base import RunnerNode, load_runner, runner_name
+from draftgraph.runtime.proposer.sequences import SequenceRows
 from draftgraph.runtime.proposer.state import MtpProposerState
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+__all__ = ["DEFAULT_BUCKETS", "CarriedKv", "DeepseekV4MtpProposer", "LaunchPlan", "ProposerOptions"]
 _ids = iter(range(1, 1 << 62))
 
 
-def _scalars(state: MtpProposerState) -> tuple:
-    """The state's fields besides its table (what a failed propose must leave as they were)."""
-    return state.seq_len, state.kv_start, state.last_num_drafted, state.is_freed
-
-
 class LaunchPlan(NamedTuple):
-    """What a propose of one batch size, K and maskedness looks up (design note "launch plans")."""
+    """What a propose of one batch size, K and maskedness looks up, once per generation."""
 
-    num_drafts: int
     bucket: int
     staging: ChainStaging
     executor: object
@@ -88,21 +91,15 @@ class CarriedKv(tuple):
         return obj
 
 
-@dataclass
-class ProposerOptions:
-    mode: str = "streams"
-    mtp_vocab_size: int = 0
-    max_seq_len: int | None = None  # default: config.max_position_embeddings
-    num_cache_blocks: int | None = None  # default: enough for max batch x window x max drafts
-    buckets: tuple[int, ...] = DEFAULT_BUCKETS
-    max_num_drafts: int = 8
-    draft_conf_tau: float = 0.0  # > 0: stop drafting inside the chain once confidence < tau (fewer than K drafts)
-    executor: str = "auto"  # "auto" (captured on CUDA), "eager", "captured"
-    kernels: str = "auto"  # "auto" (fused on CUDA), "torch", "compiled" (draftgraph.runtime.execution.kernel_choice)
-    overlap: bool = True  # on CUDA, ops may queue work that only later steps read on a side stream (ops.overlap)
-    debug: bool = False
-    poison_arena: bool = False  # fill the arena with NaN before every run (tests of invariant 3)
-    extra: dict = field(default_factory=dict)
+def _serialized(method):
+    """Run ``method`` under the proposer's lock (design note "threads")."""
+
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    locked.__name__, locked.__doc__, locked.__wrapped__ = method.__name__, method.__doc__, method
+    return locked
 
 
 class DeepseekV4MtpProposer:
@@ -118,34 +115,32 @@ class DeepseekV4MtpProposer:
     """
 
     def __init__(self, config: V4Config, tensors, *, device=None, options: ProposerOptions | None = None, **kw):
-        self.options = options or ProposerOptions(**kw)
-        opts = self.options
-        if opts.mode not in ("streams", "collapsed"):
-            raise InputError(describe("mode", "'streams' or 'collapsed'", repr(opts.mode)))
-        check_kernels(opts.kernels)
-        if not 0.0 <= opts.draft_conf_tau <= 1.0:
-            raise InputError(describe("draft_conf_tau", "in [0, 1] (0: never stop early)", opts.draft_conf_tau))
+        self.options = opts = options or ProposerOptions(**kw)
+        opts.check(config.vocab_size, 16)
         self.config = config
         self.device = concrete_device(device) if device is not None else torch.device("cpu")
         self.id = next(_ids)
         self.max_seq_len = opts.max_seq_len or config.max_position_embeddings
         self.buckets = tuple(sorted(set(opts.buckets)))
         blocks = opts.num_cache_blocks or self.buckets[-1] * (
-            math.ceil((config.sliding_window + opts.max_num_drafts) / 16) + 2
-        )
+            math.ceil((config.sliding_window + opts.max_num_drafts) / 16) + 2)
         self.cache = PagedLatentCache(config, blocks, max_seq_len=self.max_seq_len, device=self.device)
         self.geometry = CacheGeometry(self.cache.kv.shape[0], self.cache.max_blocks_per_seq, self.cache.block_size)
+        self.rows = SequenceRows(self.cache.max_blocks_per_seq, self.cache.block_size)
         self.weights = prepare_weights(config, tensors, self.device)
         self.state_tensors = {"mtp.0.kv_cache": self.cache.kv}
         self.runner = None
+        self._lock = threading.RLock()
         self._executors: dict[tuple, object] = {}
         self._staging: dict[int, ChainStaging] = {}
-        # (batch, K, masked) -> a propose's lookups (design note "launch plans" in _propose)
-        self._plans: dict[tuple[int, int, bool], LaunchPlan] = {}
+        self._plans: dict[tuple[int, int, bool], LaunchPlan] = {}  # (n, K, masked) -> what a propose looks up
+        self._hidden_shape = tuple(hidden_spec(config, opts.mode).shape[1:])
+        self._mask_words = mask_words(config, opts.mtp_vocab_size)
         self._last_confidence: float | None = None
         self._deferred_token: torch.Tensor | None = None
-        self.last_propose_seconds = 0.0
-        self.last_host_seconds = 0.0
+        self.last_propose_seconds = 0.0  # entering propose to its return
+        self.last_host_seconds = 0.0  # entering propose to the (asynchronous) launch
+        self.last_times: tuple[float, ...] = ()  # perf_counter at entry, launch, read-back done, return
         self.last_outputs: dict[str, torch.Tensor] = {}
         self.tracer = None  # draftgraph.tools.trace.Tracer, set by attach(); handed to every executor
         self.generation = 0  # bumped whenever executors are dropped; a stale executor never runs
@@ -163,19 +158,21 @@ class DeepseekV4MtpProposer:
     def alloc_state(self) -> MtpProposerState:
         return self.alloc_state_for(None)
 
+    @_serialized
     def alloc_state_for(self, budget_tokens: int | None) -> MtpProposerState:
         """A fresh state; ``budget_tokens`` (prompt + max tokens) bounds its positions (None = max)."""
-        if budget_tokens is not None and (not isinstance(budget_tokens, int) or budget_tokens < 1):
-            raise InputError(describe("budget_tokens", "an int >= 1 or None", repr(budget_tokens)))
-        limit = self.max_seq_len if budget_tokens is None else min(budget_tokens, self.max_seq_len)
-        return MtpProposerState(table=BlockTable(block_size=self.cache.block_size), max_positions=limit, owner=self.id)
+        limit = self.max_seq_len
+        if budget_tokens is not None:
+            limit = min(check_count(budget_tokens, "budget_tokens", 1, 1 << 62), self.max_seq_len)
+        row, serial = self.rows.alloc(limit)
+        return MtpProposerState(self.rows, row, serial, self.id)
 
+    @_serialized
     def free_state(self, state: MtpProposerState) -> None:
         """Return every block the state holds; the state cannot be used again."""
-        check_state(state, self.id)
-        self.cache.free(state.table)
-        state.reset()
-        state.is_freed = True
+        check_state(state, self.id, self.rows)
+        self.cache.free(self.rows.table_of[state.row])
+        self.rows.release(state.row)
 
     # ---- propose -----------------------------------------------------------------------------
     def propose(self, last_token, target_hidden, position, num_drafts, state, grammar_bitmask=None,
@@ -183,16 +180,18 @@ class DeepseekV4MtpProposer:
         """Draft ``num_drafts`` tokens after ``last_token`` (t_{p+1}) given the target's hidden at ``position`` (p).
 
         The hidden is [C, D] (streams mode: the target's pre-hc_head streams) or [D]
-        (collapsed). One run of the K-draft chain; the K tokens are read back once.
-        A grammar bitmask (int32 words, bit t of word t // 32) is applied on the
-        device to every draft; one that allows nothing gives draft 0 and a warning.
-        With ``draft_embed_target`` the last draft's embedding row is left there (on
-        the device) and ``read_deferred_draft_token()`` returns its id.
+        (collapsed). One run of the K-draft chain; the K tokens are read back once. A grammar
+        bitmask (int32 words, bit t of word t // 32) is applied on the device to every draft;
+        one that allows nothing gives draft 0 and a warning. With ``draft_embed_target`` the last
+        draft's embedding row is left there (on the device) and ``read_deferred_draft_token()``
+        returns its id. A hidden holding a NaN or an infinity raises NonFiniteError.
         """
-        drafted = self._propose([last_token], [target_hidden], [position], num_drafts, [state], grammar_bitmask)
-        if draft_embed_target is not None:  # the last draft kept (fewer than K when confidence gated)
-            self._leave_embedding(self.last_outputs["drafts"][:1, len(drafted[0]) - 1], draft_embed_target)
-        return drafted[0]
+        with self._lock:
+            drafted = self._propose([last_token], [target_hidden], [position], num_drafts, [state],
+                                    grammar_bitmask)
+            if draft_embed_target is not None:  # the last draft kept (fewer than K when confidence gated)
+                self._leave_embedding(self.last_outputs["drafts"][:1, len(drafted[0]) - 1], draft_embed_target)
+            return drafted[0]
 
     def propose_batch(self, last_tokens, target_hiddens, positions, num_drafts, states, out_conf=None):
         """B sequences in one chain run (weights read once per draft position); equals B ``propose`` calls.
@@ -200,219 +199,141 @@ class DeepseekV4MtpProposer:
         ``target_hiddens`` is either a sequence of B hiddens, each as ``propose`` takes it, or
         one bf16 tensor [B, C, D] (streams) or [B, D] (collapsed) on the proposer's device, as
         vLLM and SGLang hold them: checked once and staged as one block, with no work per row.
-        ``out_conf``, a list, receives each sequence's per-draft top-1 probabilities.
+        ``last_tokens`` and ``positions`` are sequences of ints (numpy integers too) or integer
+        numpy arrays. ``out_conf``, a list, receives each sequence's per-draft top-1 probabilities.
 
         Example
         -------
         >>> prop.propose_batch([5, 17], torch.stack([h0, h1]), [40, 9], 3, [s0, s1])  # doctest: +SKIP
         """
-        n = len(last_tokens)
-        if not isinstance(target_hiddens, torch.Tensor):  # a tensor's [B, ...] shape is checked in _propose
-            check_batch("target_hiddens", target_hiddens, n)
-        for name, items in (("positions", positions), ("states", states)):
-            check_batch(name, items, n)
+        if isinstance(states, (str, bytes, MtpProposerState)) or not hasattr(states, "__len__"):
+            raise InputError(describe("states", "a sequence of states", type(states).__name__))
+        n = len(states)
         if not 1 <= n <= self.propose_batch_max():
             raise InputError(describe("batch size", f"1..{self.propose_batch_max()} (propose_batch_max)", n))
-        drafts = self._propose(last_tokens, target_hiddens, positions, num_drafts, states, None)
-        if out_conf is not None:
-            probs = self.last_outputs["probs"]
-            out_conf.clear()
-            out_conf.extend(probs[i, : len(row)].tolist() for i, row in enumerate(drafts))
-        return drafts
+        with self._lock:
+            drafts = self._propose(last_tokens, target_hiddens, positions, num_drafts, states, None)
+            if out_conf is not None:
+                probs = self._read_probs(len(drafts))
+                out_conf.clear()
+                out_conf.extend(probs[i, : len(row)].tolist() for i, row in enumerate(drafts))
+            return drafts
 
     def propose_batch_max(self) -> int:
         return self.buckets[-1]
 
-    def _propose(self, tokens, hiddens, positions, num_drafts, states, bitmask):
+    def _propose(self, tokens, hiddens, positions, num_drafts, states, bitmask) -> list[list[int]]:
+        """The one path of every propose (design note "one path"); the caller holds the lock."""
         entered = time.perf_counter()
-        n = len(tokens)
-        vocab, shape, words = self._propose_constants()
-        # Design note "launch plans": the checked K, the bucket, its staging and its executor
-        # are the same for every propose of a batch size, K and maskedness until executors are
-        # dropped (the generation moves on). Looked up once, they save ~2 us of checks and
-        # lookups on the CI machine (~5 on the H200 hosts). An int K only: True == 1 as a key.
-        plan = self._plans.get((n, num_drafts, bitmask is not None)) if type(num_drafts) is int else None
-        if plan is not None and plan.generation == self.generation:
-            k, bucket, staging, executor = plan.num_drafts, plan.bucket, plan.staging, plan.executor
-            executor.tracer = self.tracer
-        else:
-            k = check_num_drafts(num_drafts, self.options.max_num_drafts)
-            bucket = self._bucket(n)
-            staging, executor = self._staging_for(bucket), None  # the executor once the inputs passed
-        # The hiddens and the mask first, so that a batch refused for them has mapped no block;
-        # but the error is the first kind's, as item by item: states, tokens, positions, hiddens.
+        rows_of, n = self.rows, len(states)
+        k = num_drafts if type(num_drafts) is int and 1 <= num_drafts <= self.options.max_num_drafts else \
+            check_count(num_drafts, "num_drafts", 1, self.options.max_num_drafts)
+        rows = check_states(states, self.id, rows_of, n)
+        tokens = check_ints(tokens, "last_tokens" if n > 1 else "last_token", 0, self.config.vocab_size, n)
+        pos = check_ints(positions, "positions" if n > 1 else "position", 0, self.max_seq_len, n)
+        self._check_budget(rows, pos, k)
+        hiddens = check_hiddens(hiddens, self._hidden_shape, self.device, n)
+        mask = self._checked_mask(bitmask)
+        _, staging, executor, _ = self._plan(n, k, mask is not None)
+        seq_len, kv_start = rows_of.seq_len[rows], rows_of.kv_start[rows]
+        # A propose continuing its rows (kv_start <= p <= seq_len) keeps kv_start; one that jumps
+        # ahead, or back before them, starts the rows afresh at p.
+        kv = np.where((kv_start <= pos) & (pos <= seq_len), kv_start, pos)
+        mapped = self._ensure(rows, pos, pos + (k - 1))
         try:
-            hiddens = check_hiddens(hiddens, shape, self.device, n)  # a list, or one [n, ...] tensor
-            mask = self._checked_mask(bitmask, words)
-        except InputError:
-            checked = check_states(states, self.id)
-            check_tokens(tokens, vocab)
-            check_positions(positions, k, checked)
-            raise
-        staging.wait_for_copy()  # the host buffer is written from here on
-        # Design notes "one pass" and "compiled front" (draftgraph.runtime.proposer.front): the usual batch is
-        # checked, ensured and staged in one call; anything else goes item by item, as it always did.
-        front = stage_front(staging, self.cache, states, tokens, positions, k, self.id, vocab)
-        undo: list[tuple] = []
-        if front is None:
-            states = check_states(states, self.id)
-            tables = [state.table for state in states]
-            are_distinct = self._are_tables_distinct(states, tables)
-            tokens = check_tokens(tokens, vocab)
-            positions = check_positions(positions, k, states)
-        elif front.records:  # blocks the front mapped: a refusal from here on gives them back
-            undo = [(states[i], length, new) for i, length, new in front.records]
-        try:
-            if front is None:
-                undo = self._ensure_undoable(states, tables, positions, k, are_distinct)
-                self._stage_rows(staging, states, positions, tables)
-            else:
-                tables = None  # made after the launch, for the trim (host time)
-                if not front.done:
-                    rows = front.unheld
-                    if rows:
-                        tables = [state.table for state in states]
-                        if front.records is None:
-                            undo = self._ensure_undoable(states, tables, positions, k, rows=rows)
-                        if not stage_ensured_rows(staging.writer, self.cache, states, tokens, positions, k, self.id,
-                                                  vocab, rows):
-                            ensured = self._checked_rows([states[i] for i in rows], [positions[i] for i in rows],
-                                                         [tables[i] for i in rows])
-                            if ensured is None:  # a table of another type or edited by hand: the general path's rows
-                                self._stage_rows(staging, states, positions, tables)
-                            else:
-                                staging.writer.write_rows_at(rows, ensured)
-                    staging.writer.write_padding_from(n)
-            start = time.perf_counter()
-            if executor is None:
-                executor = self._executor(bucket, k, mask is not None)
-                self._plans[(n, k, mask is not None)] = LaunchPlan(k, bucket, staging, executor, self.generation)
-            staging.stage_after_rows(tokens, hiddens, self._vocab_limit(), [mask] * n if mask is not None else None,
-                                     copy_in=not getattr(executor, "copies_staging", False),
-                                     tokens_written=front is not None and front.done)
+            staging.stage(rows_of.tables, rows, pos, kv, tokens, hiddens, self._vocab_limit(),
+                          [mask] * n if mask is not None else None,
+                          copy_in=not getattr(executor, "copies_staging", False))
             if self.options.poison_arena:
                 executor.poison()
-            outputs = executor.run(staging.chain_inputs(words if mask is not None else None), check=False)
-            self.last_host_seconds = time.perf_counter() - entered  # host work up to the (async) launch
-            drafts = staging.read_rows(outputs["drafts"], n)  # the one device-to-host read of the K tokens
+            outputs = executor.run(staging.chain_inputs(self._mask_words if mask is not None else None), check=False)
+            launched = time.perf_counter()
+            drafts = staging.read_rows(outputs["drafts"], n)  # [n, K]: the one device-to-host read
+            read = time.perf_counter()
             self.last_outputs = outputs
-            self.last_propose_seconds = time.perf_counter() - start
+            if (drafts[:, 0] == NONFINITE).any():
+                bad = np.flatnonzero(drafts[:, 0] == NONFINITE).tolist()
+                raise NonFiniteError(describe("target_hiddens" if n > 1 else "target_hidden",
+                                              "finite values", f"a NaN or an infinity in row(s) {bad}",
+                                              "the call is refused: no state or cache row changed"))
         except BaseException:
-            for record in reversed(undo):
-                self._undo_ensure(*record)
-            if front is not None:  # the rows the pass staged, as they were (once no copy reads them)
-                staging.wait_for_copy()
-                staging.writer.restore()
+            self._unensure(mapped)
             raise
-        drafted = drafts.tolist()
-        if is_gated(self.options.draft_conf_tau, k):  # a cut draft is -1, and so are all after it
-            drafted = [row[: row.index(CUT)] if CUT in row else row for row in drafted]
-        short, committed = commit_rows(states, positions, drafted, k)
-        for i in short:  # the blocks ensured for the drafts the chain did not make go back
-            self.cache.truncate(states[i].table, states[i].seq_len)
-        self.cache.trim_batch(tables if tables is not None else committed, positions)
+        kept = (drafts != CUT).sum(axis=1) if is_gated(self.options.draft_conf_tau, k) else np.full(n, k)
+        new_len = pos + kept
+        rows_of.seq_len[rows], rows_of.kv_start[rows], rows_of.last_drafted[rows] = new_len, kv, kept
+        rows_of.verify_due[rows] = True
+        if kept.min() < k:  # the blocks mapped for drafts the chain did not make go back
+            for row, length in zip(rows[kept < k].tolist(), new_len[kept < k].tolist()):
+                self.cache.truncate(rows_of.table_of[row], length)
+        self._trim(rows, pos)
+        drafted = drafts.tolist() if kept.min() == k else [d[:m] for d, m in zip(drafts.tolist(), kept.tolist())]
         if self.options.draft_conf_tau > 0:
-            self._last_confidence = self._chain_confidence(outputs["probs"][:n], [len(row) for row in drafted])
+            probs = self._read_probs(n)
+            self._last_confidence = min(float(probs[i, :m].min()) for i, m in enumerate(kept.tolist()))
         else:
             self._last_confidence = None
-        return drafted  # the device outputs stay in last_outputs (slicing them costs a dispatch each)
+        done = time.perf_counter()
+        self.last_host_seconds, self.last_propose_seconds = launched - entered, done - entered
+        self.last_times = (entered, launched, read, done)
+        return drafted
 
-    @staticmethod
-    def _chain_confidence(probs: torch.Tensor, kept: list[int]) -> float:
-        """Min top-1 probability over the drafts each row kept (the probs of cut drafts are stale)."""
-        if min(kept) == probs.shape[1]:
-            return float(probs.amin())
-        host = probs.cpu()
-        return min(float(host[i, :m].amin()) for i, m in enumerate(kept))
+    def _check_budget(self, rows: np.ndarray, pos: np.ndarray, span: int | np.ndarray, what: str = "position",
+                      count: str = "num_drafts") -> None:
+        """Every row's positions pos .. pos + span - 1 within its budget (alloc_state_for)."""
+        budget = self.rows.max_positions[rows]
+        over = pos + span > budget
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            n = span if isinstance(span, int) else int(span[i])
+            raise InputError(describe(f"{what}s[{i}]" if len(rows) > 1 else what,
+                                      f"{what} + {count} <= {int(budget[i])}", f"{int(pos[i])} + {n}",
+                                      "the sequence's budget (alloc_state_for) or max_seq_len is reached"))
 
-    def _propose_constants(self) -> tuple[int, tuple[int, ...], int]:
-        """(vocab size, hidden shape per sequence, drafted mask words), kept while config and options hold."""
-        key = (self.config, self.options.mode, self.options.mtp_vocab_size)
-        cached = self.__dict__.get("_propose_constants_cache")
-        if cached is None or cached[0] != key:
-            shape = tuple(hidden_spec(self.config, self.options.mode).shape[1:])
-            words = mask_words(self.config, self.options.mtp_vocab_size)
-            cached = self.__dict__["_propose_constants_cache"] = (key, (self.config.vocab_size, shape, words))
-        return cached[1]
+    def _ensure(self, rows: np.ndarray, first: np.ndarray, last: np.ndarray) -> list[tuple]:
+        """Map blocks for the rows whose positions first..last cross into a block they do not hold.
 
-    def _checked_mask(self, bitmask, words: int) -> torch.Tensor | None:
+        All or nothing (CacheError when the pool is short, nothing mapped). Returns what to
+        undo: (table, row, new block ids) per row that got blocks; none in the usual step.
+        """
+        tables, bs = self.rows.tables, self.cache.block_size
+        unheld = (tables[rows, first // bs] < 0) | (tables[rows, last // bs] < 0)
+        if not unheld.any():
+            return []
+        which = rows[unheld].tolist()
+        owned = [self.rows.table_of[r] for r in which]
+        new = self.cache.ensure_batch(owned, first[unheld].tolist(), last[unheld].tolist())
+        for row, table in zip(which, owned):
+            self.rows.num_trimmed[row] = table.num_trimmed
+        return [(table, row, ids) for table, row, ids in zip(owned, which, new) if ids]
+
+    def _unensure(self, mapped: list[tuple]) -> None:
+        for table, _, ids in reversed(mapped):
+            self.cache.unmap(table, ids)
+
+    def _trim(self, rows: np.ndarray, next_pos: np.ndarray) -> None:
+        """Give back the blocks wholly before each row's window (design note "trimmed front")."""
+        stop = (next_pos - (self.config.sliding_window - 1)) // self.cache.block_size
+        due = stop > self.rows.num_trimmed[rows]
+        if due.any():
+            for row, p in zip(rows[due].tolist(), next_pos[due].tolist()):
+                table = self.rows.table_of[row]
+                self.cache.trim_window(table, p)
+                self.rows.num_trimmed[row] = table.num_trimmed
+
+    def _read_probs(self, n: int) -> np.ndarray:
+        """The last propose's per-draft top-1 probabilities [n, K] (a second read-back)."""
+        return self._staging_for(self._bucket(n)).read_rows(self.last_outputs["probs"], n)
+
+    def _checked_mask(self, bitmask) -> torch.Tensor | None:
         """The grammar mask cut to the drafted vocab rows (None when there is none); warns when it allows nothing."""
         if bitmask is None:
             return None
-        mask = check_bitmask(bitmask, (self.config.vocab_size + 31) // 32)[:words]
+        mask = check_bitmask(bitmask, (self.config.vocab_size + 31) // 32)[: self._mask_words]
         if not bool(mask.ne(0).any()):
             warnings.warn("grammar mask allows no token: the drafts are 0 (pad drafts, rejected at verify)",
                           stacklevel=4)
         return mask
-
-    @staticmethod
-    def _are_tables_distinct(states: list[MtpProposerState], tables: list[BlockTable]) -> bool:
-        """Whether no two (checked) states share a table; raises for a state given twice.
-
-        One set of the tables answers both for the usual batch: distinct tables are distinct
-        states. Distinct states sharing a table (one set by hand) are for ``ensure_batch`` to refuse.
-        """
-        if len(tables) == 1 or len(set(map(id, tables))) == len(tables):
-            return True
-        if len(set(map(id, states))) != len(states):
-            raise InputError(describe("states", "distinct states", "the same state twice"))
-        return False
-
-    def _stage_rows(self, staging: ChainStaging, states: list[MtpProposerState], positions: list[int],
-                    tables: list[BlockTable]) -> None:
-        """Stage every row's metadata (the general path)."""
-        rows = self._checked_rows(states, positions, tables)
-        are_rows_checked = rows is not None
-        if not are_rows_checked:  # a row the staging's checks refuse: they raise its error
-            rows = self._metadata_rows(states, positions, tables)
-        staging.writer.write(rows if are_rows_checked else check_rows(rows, staging.max_blocks))
-
-    def _checked_rows(self, states: list[MtpProposerState], positions: list[int],
-                      tables: list[BlockTable]) -> list | None:
-        """``_metadata_rows`` in ``check_rows``' form, checked as it does, or None when a row fails.
-
-        After ensure every row passes, so a propose stages them unchecked: one loop that knows its
-        rows' types instead of check_rows' general one. None leaves the error to the staging's checks.
-        """
-        max_blocks, rows = self.geometry.max_blocks_per_seq, []
-        for state, p, table in zip(states, positions, tables):
-            kv_start = kv_start_after(state, p)
-            blocks, block_size = table.blocks, table.block_size
-            j = p // block_size
-            if kv_start < 0 or type(blocks) is not list or not j < len(blocks) <= max_blocks or blocks[j] < 0:
-                return None
-            rows.append((p, kv_start, blocks, block_size))
-        return rows
-
-    @staticmethod
-    def _metadata_rows(states: list[MtpProposerState], positions: list[int], tables: list[BlockTable]) -> list:
-        """(p, kv_start after this propose, table) per sequence: the rows to stage (``kv_start_after``)."""
-        return [(p, kv_start_after(s, p), t) for s, p, t in zip(states, positions, tables)]
-
-    def _ensure_undoable(self, states: list[MtpProposerState], tables: list[BlockTable], positions: list[int],
-                         k: int, are_distinct: bool = True, rows: list[int] | None = None) -> list[tuple]:
-        """``cache.ensure`` of positions p..p+k-1 for every state (all or nothing), and the undo records.
-
-        Only a row that got blocks has a record: its table's old length and the new block ids, not
-        a copy of the table (a long sequence's table is thousands of entries). In the usual step
-        every range is held already (design note "held rows" in :mod:`draftgraph.runtime.cache.paged_cache`).
-        """
-        if len(states) == 1:  # one sequence: the plain ensure (no batch bookkeeping)
-            state, length, p = states[0], len(tables[0].blocks), positions[0]
-            new = self.cache.ensure(tables[0], p, p + k - 1)
-            return [(state, length, new)] if new else []
-        if not are_distinct:  # distinct states sharing a table: ensure_batch refuses them, as it always did
-            self.cache.ensure_batch(tables, positions, [p + k - 1 for p in positions])
-        records = self.cache.ensure_unheld(tables, positions, k, rows)
-        return [(states[i], length, new) for i, length, new in records]
-
-    def _undo_ensure(self, state: MtpProposerState, length: int, new: list[int]) -> None:
-        """Give back the blocks ensure added and the table's old length (the state's other fields untouched)."""
-        scalars, blocks = _scalars(state), state.table.blocks
-        self.cache._release(state.table, [blocks.index(b) for b in new])  # each id is in one entry only
-        del blocks[length:]
-        restored = (len(blocks), [b for b in new if b in blocks], _scalars(state))
-        assert restored == (length, [], scalars), f"state not restored: {restored} != {(length, [], scalars)}"
 
     def last_hidden(self, n: int = 1) -> torch.Tensor:
         """A copy of the last propose's final hidden (streams or h_out) for its first ``n`` rows.
@@ -422,26 +343,14 @@ class DeepseekV4MtpProposer:
         """
         return self.last_outputs[list(self.last_outputs)[2]][:n].clone()
 
-    def _restore_blocks(self, state: MtpProposerState, before: list[int]) -> None:
-        new = [j for j, b in enumerate(state.table.blocks) if b >= 0 and (j >= len(before) or before[j] < 0)]
-        self.cache._release(state.table, new)
-        del state.table.blocks[len(before):]
-
-    def _graph_inputs(self, staged: dict, masked: bool) -> dict:
-        names = ["token", "hidden", "positions", "kv_start", "block_table", "vocab_limit"]
-        inputs = {n: staged[n] for n in names}
-        if masked:
-            words = mask_words(self.config, self.options.mtp_vocab_size)
-            inputs["grammar_mask"] = staged["grammar_mask"][:, :words]
-        return inputs
-
     def _vocab_limit(self) -> int:
         return self.options.extra.get("vocab_limit", self.config.vocab_size)
 
+    @_serialized
     def set_vocab_limit(self, limit: int | None) -> None:
         """Draft only tokens below ``limit`` (a device value: no re-capture)."""
-        if limit is not None and not 1 <= limit <= self.config.vocab_size:
-            raise InputError(describe("vocab_limit", f"1..{self.config.vocab_size}", limit))
+        if limit is not None:
+            limit = check_count(limit, "vocab_limit", 1, self.config.vocab_size)
         self.options.extra["vocab_limit"] = limit or self.config.vocab_size
 
     def _bucket(self, n: int) -> int:
@@ -455,10 +364,22 @@ class DeepseekV4MtpProposer:
             spec = hidden_spec(self.config, self.options.mode)
             words = (self.config.vocab_size + 31) // 32
             self._staging[bucket] = ChainStaging(bucket, spec, self.cache.max_blocks_per_seq, words, self.device,
-                                                 window=self.config.sliding_window)
+                                                 window=self.config.sliding_window,
+                                                 span=self.options.max_num_drafts - 1,
+                                                 block_size=self.cache.block_size)
         return self._staging[bucket]
 
     # ---- executors -------------------------------------------------------------------------
+    def _plan(self, n: int, k: int, masked: bool) -> LaunchPlan:
+        """The bucket, staging and executor of a propose of n rows, K drafts: looked up once per generation."""
+        plan = self._plans.get((n, k, masked))
+        if plan is None or plan.generation != self.generation:
+            bucket = self._bucket(n)
+            plan = self._plans[(n, k, masked)] = LaunchPlan(bucket, self._staging_for(bucket),
+                                                            self._executor(bucket, k, masked), self.generation)
+        plan.executor.tracer = self.tracer
+        return plan
+
     def chain_spec(self, num_drafts: int, masked: bool = False) -> ChainSpec:
         ws = self.runner.workspace_bytes(self.buckets[-1]) if self.runner is not None else 0
         return ChainSpec(num_drafts=num_drafts, mode=self.options.mode, mtp_vocab_size=self.options.mtp_vocab_size,
@@ -466,6 +387,7 @@ class DeepseekV4MtpProposer:
                          conf_tau=self.options.draft_conf_tau)
 
     def chain_graph(self, num_drafts: int, masked: bool = False):
+        """The K-draft chain as declared (the executors run it after runtime/passes)."""
         return build_draft_chain(self.config, self.geometry, self.chain_spec(num_drafts, masked))
 
     def _executor(self, bucket: int, num_drafts: int, masked: bool):
@@ -479,8 +401,6 @@ class DeepseekV4MtpProposer:
 
     def _checked(self, executor):
         if getattr(executor, "generation", self.generation) != self.generation:
-            from draftgraph.runtime.errors import CaptureError
-
             raise CaptureError("a stale executor (from before a runner swap or reload) was asked to run")
         executor.tracer = self.tracer
         return executor
@@ -507,6 +427,7 @@ class DeepseekV4MtpProposer:
         executor.generation = self.generation
         return executor
 
+    @_serialized
     def capture(self, num_drafts: Sequence[int] = (1,), masked: bool = False) -> None:
         """Build (and on CUDA capture) the chain for every bucket, largest bucket first."""
         for bucket in sorted(self.buckets, reverse=True):
@@ -515,6 +436,7 @@ class DeepseekV4MtpProposer:
                 if hasattr(executor, "capture") and executor.cuda_graph is None:
                     executor.capture()
 
+    @_serialized
     def drop_executors(self) -> None:
         """Forget every executor and captured graph: after a runner swap, new weights, config or buckets.
 
@@ -528,9 +450,10 @@ class DeepseekV4MtpProposer:
         self._plans.clear()
         self.generation += 1
 
+    @_serialized
     def set_buckets(self, buckets: Sequence[int]) -> None:
         """A new bucket set: every captured graph is dropped."""
-        if not buckets or any((not isinstance(b, int)) or b < 1 for b in buckets):
+        if not buckets or any((not isinstance(b, int)) or isinstance(b, bool) or b < 1 for b in buckets):
             raise InputError(describe("buckets", "ints >= 1", list(buckets)))
         if max(buckets) * (math.ceil((self.config.sliding_window + self.options.max_num_drafts) / 16) + 1) > \
                 self.cache.num_blocks:
@@ -540,6 +463,7 @@ class DeepseekV4MtpProposer:
         self._staging.clear()
         self.drop_executors()
 
+    @_serialized
     def load_weights(self, tensors) -> None:
         """Replace the weights (same config): every captured graph is dropped."""
         self.weights = prepare_weights(self.config, tensors, self.device)
@@ -548,29 +472,45 @@ class DeepseekV4MtpProposer:
         self.drop_executors()
 
     # ---- verification and catch-up ---------------------------------------------------------------
+    @_serialized
     def after_verify(self, num_accepted: int, state: MtpProposerState) -> None:
-        """The seed's rollback: seq_len -= max(drafted, 1) - num_accepted (saturating)."""
-        check_state(state, self.id)
-        if not isinstance(num_accepted, int) or not 0 <= num_accepted <= max(state.last_num_drafted, 1):
-            raise InputError(describe("num_accepted", f"an int in [0, {max(state.last_num_drafted, 1)}]",
-                                      repr(num_accepted)))
-        trim = max(state.last_num_drafted, 1) - num_accepted
+        """The seed's rollback: seq_len -= max(drafted, 1) - num_accepted (saturating).
+
+        Once per propose: a second call, or one before any propose, raises InputError.
+        """
+        check_state(state, self.id, self.rows)
+        row = state.row
+        drafted = max(int(self.rows.last_drafted[row]), 1)
+        accepted = check_count(num_accepted, "num_accepted", 0, drafted)
+        if not self.rows.verify_due[row]:
+            raise InputError(describe("after_verify", "one call after each propose",
+                                      "a call with no propose since the last one",
+                                      "call it once per verify of the drafts a propose made"))
+        trim = drafted - accepted
         if trim > 0:
-            state.seq_len = max(state.seq_len - trim, state.kv_start)
-            self.cache.truncate(state.table, state.seq_len)
+            length = max(int(self.rows.seq_len[row]) - trim, int(self.rows.kv_start[row]))
+            self.rows.seq_len[row] = length
+            self.cache.truncate(self.rows.table_of[row], length)
+        self.rows.verify_due[row] = False
 
     def prefill_drafter(self, prompt_tokens: Sequence[int], hiddens: torch.Tensor, state) -> int:
         """Write drafter rows for the prompt: row i from (prompt_tokens[i + 1], hiddens[i]), i < P - 1.
 
-        ``hiddens`` is [P, C, D] (streams) or [P, D] (collapsed), row i the target's hidden
-        for prompt_tokens[i]. Returns the rows written (P - 1); the first propose then comes
+        ``hiddens`` is one tensor [P, C, D] (streams) or [P, D] (collapsed), row i the target's
+        hidden for prompt_tokens[i]. Returns the rows written (P - 1); the first propose then comes
         at position P - 1 with the token the target sampled after the prompt.
         """
-        tokens = list(prompt_tokens)
-        if len(tokens) < 1 or hiddens.shape[0] != len(tokens):
+        tokens = list(prompt_tokens) if not isinstance(prompt_tokens, (str, bytes)) else None
+        if not tokens:
+            raise InputError(describe("prefill_drafter prompt_tokens", "a non-empty sequence of token ids",
+                                      repr(prompt_tokens)))
+        if not isinstance(hiddens, torch.Tensor):
+            raise InputError(describe("prefill_drafter hiddens", f"one tensor [{len(tokens)}, ...]",
+                                      type(hiddens).__name__, "torch.stack a list of hiddens"))
+        if hiddens.dim() == 0 or hiddens.shape[0] != len(tokens):
             raise InputError(describe("prefill_drafter hiddens", f"[{len(tokens)}, ...] (one per prompt token)",
                                       list(hiddens.shape)))
-        return self.catchup_drafter(tokens[1:], hiddens[:-1], 0, 0, state)
+        return self.catchup_batch([tokens[1:]], [hiddens[:-1]], [0], [state])
 
     def catchup_drafter(self, tokens: Sequence[int], hiddens: torch.Tensor, row_base: int, pos_base: int,
                         state) -> int:
@@ -578,59 +518,79 @@ class DeepseekV4MtpProposer:
 
         Rows are position-indexed here, so ``row_base`` must equal ``pos_base``.
         """
+        row_base = as_int(row_base, "catchup_drafter row_base", "an int")
+        pos_base = as_int(pos_base, "catchup_drafter pos_base", "an int")
         if row_base != pos_base:
             raise InputError(describe("catchup_drafter row_base", f"pos_base ({pos_base}): rows are positions",
                                       row_base))
-        return self.catchup_batch([list(tokens)], [hiddens], [pos_base], [state])
+        return self.catchup_batch([tokens], [hiddens], [pos_base], [state])
 
+    @_serialized
     def catchup_batch(self, tokens: Sequence[Sequence[int]], hiddens, first_pos: Sequence[int], states) -> int:
-        """Append rows for several sequences in one prefill run; ``hiddens[i]`` [n_i, ...] pairs ``tokens[i]``."""
+        """Append rows for several sequences in one prefill run; ``hiddens[i]`` [n_i, ...] pairs ``tokens[i]``.
+
+        Every input is checked before anything is written, the hiddens' finiteness too (one
+        host sync for the call): a NaN or an infinity raises NonFiniteError and writes nothing.
+        """
+        if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
+            raise InputError(describe("tokens", "one sequence of token ids per state", type(tokens).__name__))
         n = len(tokens)
         check_batch("hiddens", hiddens, n)
-        check_batch("first_pos", first_pos, n)
-        check_batch("states", states, n)
-        states = [check_state(s, self.id) for s in states]
-        shape = hidden_spec(self.config, self.options.mode).shape[1:]
-        flat: list[tuple[MtpProposerState, int, int, torch.Tensor]] = []
-        for toks, hs, p0, state in zip(tokens, hiddens, first_pos, states):
-            if len(toks) == 0:
-                continue
-            if not isinstance(hs, torch.Tensor) or hs.shape[0] != len(toks):
-                raise InputError(describe("catch-up hiddens", f"[{len(toks)}, *{list(shape)}]",
-                                          getattr(hs, "shape", type(hs).__name__)))
-            check_position(p0, len(toks), state, "first_pos")
-            for j, tok in enumerate(toks):
-                flat.append((state, p0 + j, check_token(tok, self.config.vocab_size, "catch-up token"),
-                             check_hidden(hs[j], shape, self.device, "catch-up hidden")))
-        if not flat:
+        rows = check_states(states, self.id, self.rows, n)
+        starts = check_ints(first_pos, "first_pos", 0, self.max_seq_len, n)
+        counts, toks, blocks = [], [], []
+        for i in range(n):
+            check_batch(f"tokens[{i}]", tokens[i], len(tokens[i]) if hasattr(tokens[i], "__len__") else -1)
+            tok = check_ints(tokens[i], "catch-up tokens", 0, self.config.vocab_size, len(tokens[i]))
+            if not isinstance(hiddens[i], torch.Tensor):
+                raise InputError(describe("catch-up hiddens", f"one tensor [{len(tok)}, ...] per sequence",
+                                          type(hiddens[i]).__name__, "torch.stack a list of hiddens"))
+            blocks.append(check_hidden_batch(hiddens[i], self._hidden_shape, self.device, len(tok), "catch-up hiddens"))
+            counts.append(len(tok))
+            toks.append(tok)
+        count = np.array(counts, dtype=np.int64)
+        self._check_budget(rows, starts, count, "first_pos", "rows")
+        live = count > 0
+        if not live.any():
             return 0
-        snapshots = [(s, s.snapshot(), list(s.table.blocks)) for s in states]
+        hidden = torch.cat([b for b, c in zip(blocks, counts) if c])  # [N, ...]
+        if not bool(torch.isfinite(hidden).all()):  # the one sync: nothing is staged or mapped yet
+            raise NonFiniteError(describe("catch-up hiddens", "finite values", "a NaN or an infinity",
+                                          "the call is refused: no state or cache row changed"))
+        rows, starts, count = rows[live], starts[live], count[live]
+        seq_len, kv_start = self.rows.seq_len[rows], self.rows.kv_start[rows]
+        kv = np.where((starts > seq_len) | (starts < kv_start), starts, kv_start)
+        mapped = self._ensure_ranges(rows, starts, starts + count - 1)
+        which = np.repeat(rows, count)
+        pos = np.concatenate([np.arange(s, s + c, dtype=np.int64) for s, c in zip(starts.tolist(), count.tolist())])
+        kv_of = np.repeat(kv, count)
+        token = np.concatenate([t for t, c in zip(toks, counts) if c])
         try:
-            for toks, p0, state in zip(tokens, first_pos, states):
-                if toks:
-                    self.cache.ensure(state.table, p0, p0 + len(toks) - 1)
-            starts = {}
-            for toks, p0, state in zip(tokens, first_pos, states):
-                if toks:
-                    starts[id(state)] = p0 if (p0 > state.seq_len or p0 < state.kv_start) else state.kv_start
             chunk = self.buckets[-1]
-            for at in range(0, len(flat), chunk):
-                part = flat[at : at + chunk]
-                bucket = self._bucket(len(part))
-                rows = [(p, starts[id(s)], s.table) for s, p, _, _ in part]
-                staged = self._staging_for(bucket).stage(rows, [t for _, _, t, _ in part], [h for *_, h in part],
-                                                         self._vocab_limit())
+            for at in range(0, len(pos), chunk):
+                part = slice(at, at + chunk)
+                bucket = self._bucket(len(pos[part]))
+                staged = self._staging_for(bucket).stage(self.rows.tables, which[part], pos[part], kv_of[part],
+                                                         token[part], hidden[part], self._vocab_limit())
                 self._prefill_executor(bucket).run(
                     {k: staged[k] for k in ("token", "hidden", "positions", "kv_start", "block_table")}, check=False)
         except BaseException:
-            for state, _, before in snapshots:
-                self._restore_blocks(state, before)
+            self._unensure(mapped)
             raise
-        for toks, p0, state in zip(tokens, first_pos, states):
-            if toks:
-                state.kv_start, state.seq_len = starts[id(state)], p0 + len(toks)
-                self.cache.trim_window(state.table, state.seq_len)
-        return len(flat)
+        self.rows.kv_start[rows], self.rows.seq_len[rows] = kv, starts + count
+        for row, length in zip(rows.tolist(), (starts + count).tolist()):
+            table = self.rows.table_of[row]
+            self.cache.trim_window(table, length)
+            self.rows.num_trimmed[row] = table.num_trimmed
+        return int(count.sum())
+
+    def _ensure_ranges(self, rows: np.ndarray, first: np.ndarray, last: np.ndarray) -> list[tuple]:
+        """``_ensure`` of any ranges (a catch-up's may span many blocks): all or nothing."""
+        owned = [self.rows.table_of[r] for r in rows.tolist()]
+        new = self.cache.ensure_batch(owned, first.tolist(), last.tolist())
+        for row, table in zip(rows.tolist(), owned):
+            self.rows.num_trimmed[row] = table.num_trimmed
+        return [(table, row, ids) for table, row, ids in zip(owned, rows.tolist(), new) if ids]
 
     def _prefill_executor(self, bucket: int):
         key = ("prefill", bucket, self.use_captured)
@@ -640,54 +600,66 @@ class DeepseekV4MtpProposer:
             self._executors[key] = self._make_executor(graph, bucket)
         return self._checked(self._executors[key])
 
+    @_serialized
     def drafter_rows(self, state) -> int:
         """Valid drafter rows held (seq_len - kv_start)."""
-        check_state(state, self.id)
-        return state.seq_len - state.kv_start
+        check_state(state, self.id, self.rows)
+        return int(self.rows.seq_len[state.row] - self.rows.kv_start[state.row])
 
+    @_serialized
     def last_pair_key(self, state) -> int | None:
         """Sequence position of the newest drafter row, None when there is none."""
-        check_state(state, self.id)
-        return state.seq_len - 1 if state.seq_len > state.kv_start else None
+        check_state(state, self.id, self.rows)
+        seq_len, kv_start = int(self.rows.seq_len[state.row]), int(self.rows.kv_start[state.row])
+        return seq_len - 1 if seq_len > kv_start else None
 
     # ---- carrying drafter KV between turns ----------------------------------------------------
+    @_serialized
     def take_drafter_kv(self, state) -> CarriedKv | None:
         """Move the state's blocks out: returns (blocks, rows, last_pair_key); the state is as new."""
-        check_state(state, self.id)
-        if state.table.is_empty:
+        check_state(state, self.id, self.rows)
+        row, table = state.row, self.rows.table_of[state.row]
+        if table.is_empty:
             return None
         key = self.last_pair_key(state)
-        taken = self.cache.take(state.table)
-        carried = CarriedKv(list(taken.blocks), state.seq_len, key, state.kv_start, taken)
-        state.reset()
-        return carried
+        seq_len, kv_start = int(self.rows.seq_len[row]), int(self.rows.kv_start[row])
+        taken = self.cache.take(table)
+        self.rows.reset(row)
+        self.rows.num_trimmed[row] = 0
+        return CarriedKv(list(taken.blocks), seq_len, key, kv_start, taken)
 
-    def install_drafter_kv(
-        self, state, blocks, rows: int, last_pair_key: int | None, kv_start: int | None = None
-    ) -> bool:
+    @_serialized
+    def install_drafter_kv(self, state, blocks, rows: int, last_pair_key: int | None,
+                           kv_start: int | None = None) -> bool:
         """Install carried blocks into a fresh state (the inverse of take). False when not possible."""
-        check_state(state, self.id)
+        check_state(state, self.id, self.rows)
+        row, table = state.row, self.rows.table_of[state.row]
         taken = getattr(blocks, "taken", None) if isinstance(blocks, CarriedKv) else None
         if isinstance(blocks, CarriedKv):
             kv_start = blocks.kv_start if kv_start is None else kv_start
             blocks = blocks[0]
-        if not state.table.is_empty or state.seq_len:
+        count = check_count(rows, "install_drafter_kv rows", 0, self.max_seq_len)
+        if kv_start is not None:
+            kv_start = check_count(kv_start, "install_drafter_kv kv_start", 0, count)
+        if not table.is_empty or self.rows.seq_len[row]:
             return False
-        from draftgraph.runtime.cache.paged_cache import TakenBlocks
-
-        ids = tuple(b for b in blocks if b >= 0)
-        taken = taken or TakenBlocks(tuple(blocks), ids, self.cache.cache_id)
-        self.cache.install(state.table, taken)
+        ids = tuple(int(b) for b in blocks if b >= 0)
+        self.cache.install(table, taken or TakenBlocks(tuple(int(b) for b in blocks), ids, self.cache.cache_id))
         first_block = next((j for j, b in enumerate(blocks) if b >= 0), 0)
-        state.seq_len = rows
-        state.kv_start = kv_start if kv_start is not None else first_block * self.cache.block_size
+        self.rows.seq_len[row] = count
+        self.rows.kv_start[row] = kv_start if kv_start is not None else first_block * self.cache.block_size
+        self.rows.num_trimmed[row] = table.num_trimmed
         return True
 
+    @_serialized
     def free_drafter_kv(self, blocks) -> None:
         """Release carried blocks no state owns."""
         if isinstance(blocks, CarriedKv):
-            blocks = blocks[0]
-        self.cache.free_blocks([b for b in blocks if b >= 0])
+            blocks = blocks.taken if blocks.taken is not None else blocks[0]
+        if isinstance(blocks, TakenBlocks):
+            self.cache.free_blocks(blocks)
+        else:
+            self.cache.free_blocks([int(b) for b in blocks if b >= 0])
 
     # ---- small queries (the seed's trait) -------------------------------------------------------
     def last_confidence(self) -> float | None:
@@ -709,9 +681,10 @@ class DeepseekV4MtpProposer:
 
     def _leave_embedding(self, token: torch.Tensor, target: torch.Tensor) -> None:
         table = self.weights["embed.weight"]
-        if target.shape[-1] != table.shape[1] or target.dtype != table.dtype:
+        if not isinstance(target, torch.Tensor) or target.shape[-1] != table.shape[1] or target.dtype != table.dtype:
             raise InputError(describe("draft_embed_target", f"bf16 [..., {table.shape[1]}]",
-                                      f"{target.dtype} {list(target.shape)}"))
+                                      f"{getattr(target, 'dtype', type(target).__name__)} "
+                                      f"{list(getattr(target, 'shape', []))}"))
         torch.index_select(table, 0, token.to(self.device), out=target.view(1, -1))
         self._deferred_token = token
 
@@ -720,6 +693,7 @@ class DeepseekV4MtpProposer:
         return int(self._deferred_token.item()) if self._deferred_token is not None else 0
 
     # ---- the circuit-draft binding -------------------------------------------------------------
+    @_serialized
     def circuit_draft(self, num_drafts: int = 1) -> DraftBinding:
         from draftgraph.runtime.passes import run_passes
         from draftgraph.runtime.planning.graph_plan import plan_graph
@@ -731,6 +705,7 @@ class DeepseekV4MtpProposer:
         return DraftBinding(graph, self.weights, block_interface(self.config, self.geometry), TensorSpec(
             spec.shape, spec.dtype), runner_name(self.runner), ws, plan.arena_bytes)
 
+    @_serialized
     def set_circuit_draft(self, runner) -> None:
         """Run ``runner`` (a DraftRunner, a shipped name or 'module:callable') as the body; None restores it.
 

@@ -1,0 +1,78 @@
+"""drop_nonfinite and mark_dropped: a row whose input hidden is not finite drafts nothing, writes nothing.
+
+The target's hidden is the one input of a chain a caller computes on the device; one NaN in it
+would go through the step into the drafter cache and poison the window of every later draft.
+The check runs inside the chain, with no host sync:
+
+- ``drop_nonfinite(positions, hidden)``: a row whose hidden holds a NaN or an infinity gets the
+  position ``DROPPED`` (far below 0, and below 0 still after any step's offset). A row at a
+  negative position is dead to the attention: its own slot does not exist, so it writes no
+  cache row and reads no key (ops/attention.py), at every step of the chain.
+- ``mark_dropped(drafts, positions)``: every draft of such a row becomes ``NONFINITE``, so the one
+  device-to-host read of the drafts also says which rows the proposer must refuse.
+"""
+
+from __future__ import annotations
+
+import torch
+from draftgraph.ops import constants
+from draftgraph.ops.v4_shapes import batch_of, expect_spec
+from draftgraph.runtime.ir.op_registry import OpDef, expect, expect_count, register
+from draftgraph.runtime.ir.tensor_spec import TensorSpec
+
+NONFINITE = -2  # the token id of every draft of a row whose hidden is not finite
+DROPPED = -(1 << 40)  # the position of such a row
+
+
+def _drop_infer(specs, attrs):
+    expect_count(specs, 2, "drop_nonfinite")
+    positions, hidden = specs
+    b = batch_of(positions, "drop_nonfinite positions")
+    expect_spec(positions, (b,), torch.int64, "drop_nonfinite positions")
+    expect(len(hidden.shape) >= 2 and hidden.shape[0] == b, "drop_nonfinite hidden", "[B, ...]", hidden.short())
+    return [TensorSpec((b,), torch.int64)]
+
+
+def _drop_impl(inputs, outputs, attrs, workspace):
+    positions, hidden = inputs
+    finite = torch.isfinite(hidden.view(hidden.shape[0], -1)).all(dim=1)  # [B]
+    torch.where(finite, positions, constants.full(1, DROPPED, torch.int64, positions.device), out=outputs[0])
+
+
+DROP_NONFINITE = register(
+    OpDef(
+        name="drop_nonfinite",
+        family="sample",
+        infer=_drop_infer,
+        impl=_drop_impl,
+        doc="positions of rows whose hidden is not finite become DROPPED (the row is dead).",
+    )
+)
+
+
+def _mark_infer(specs, attrs):
+    expect_count(specs, 2, "mark_dropped")
+    drafts, positions = specs
+    b = batch_of(drafts, "mark_dropped drafts")
+    expect(len(drafts.shape) == 2, "mark_dropped drafts", "i64[B, K]", drafts.short())
+    expect_spec(drafts, (b, drafts.shape[1]), torch.int64, "mark_dropped drafts")
+    expect_spec(positions, (b,), torch.int64, "mark_dropped positions")
+    return [drafts]
+
+
+def _mark_impl(inputs, outputs, attrs, workspace):
+    drafts, positions = inputs
+    dropped = positions.unsqueeze(1) == DROPPED  # [B, 1]
+    torch.where(dropped, constants.full(1, NONFINITE, torch.int64, drafts.device), drafts, out=outputs[0])
+
+
+MARK_DROPPED = register(
+    OpDef(
+        name="mark_dropped",
+        family="sample",
+        infer=_mark_infer,
+        impl=_mark_impl,
+        inplace={0: 0},
+        doc="drafts of dropped rows (position DROPPED) become NONFINITE (-2).",
+    )
+)
