@@ -1,4 +1,4 @@
-"""Host time per propose: everything the CPU does from entering ``_propose`` to the graph launch.
+"""Host time per propose: everything the CPU does from entering ``_propose`` to the graph launch, and after.
 
     python benchmarks/bench_host.py [--device cpu|cuda] [--iters N] [--positions 200,3000] [--cases 1x1,1x3,32x1,32x3]
                                [--copies raw,torch] [--hiddens list|tensor] [--rows staggered|lockstep]
@@ -16,17 +16,14 @@ steps, as a serving batch's rows do; ``--rows lockstep`` starts them all at ``po
   launch; ``mean`` and ``p90``, its mean and 90th percentile (the steps where rows cross);
 - ``call``: the median of the whole ``propose`` / ``propose_batch`` call, launch and
   read-back included, and the median of
-- the phases of the host path, from a second, instrumented pass (wrappers add ~0.3 us each):
-  ``pass`` (:func:`draftgraph.runtime.proposer.front.stage_front`: the usual batch's checks, held test and
-  metadata rows in one loop, and where compiled also the ensure of the rows that need blocks,
-  their rows, the padding and the tokens; ``stage_usual_batch`` on a tree before it), ``ensure``
-  (every ``cache.ensure`` / ``ensure_batch`` / ``ensure_unheld``: the ones outside the front),
-  ``rows`` (the general path's row staging, ``_stage_rows``: a batch the pass gave up on),
-  ``other`` (the rest before the stage: entry, hidden and mask checks, the general path's
-  checks, executor and staging lookup), ``stage`` (the tokens where the front did not write
-  them, the hiddens' addresses or copy, the staging copy), ``run`` (the executor's ``run``: the
-  replay launch on CUDA) and ``after`` (read-back and commit, from the end of ``run`` to the
-  return).
+- the phases of one propose, from a second, instrumented pass (wrappers add ~0.3 us each):
+  ``checks`` (entering ``_propose`` up to the stage: the batch's arrays, the hiddens' checks,
+  the launch plan's lookup, and the batch kernel's checks and the blocks it maps for the rows
+  crossing into a block), ``stage`` (``ChainStaging.stage``: the metadata, tokens and hiddens'
+  addresses; the staging copy where the graph does not copy it itself), ``run`` (the
+  executor's ``run``: the replay's launch on CUDA), ``wait`` (``read_rows``: waiting for the
+  replay, the device-to-host copy of the drafts and its sync) and ``commit`` (the batch kernel
+  writing the rows back and giving back the blocks behind the windows, to the return).
 
 The harness that isolates host work (``--device cpu``): the chain executor's ``run`` is
 replaced by a function that returns the outputs of one real run, so no graph executes and
@@ -52,10 +49,9 @@ from draftgraph.runtime.execution import launch as raw_launch
 from draftgraph.runtime.execution import raw_copy
 from draftgraph.runtime.model.config import V4Config
 from draftgraph.runtime.model.synthetic_weights import random_mtp_weights
-from draftgraph.runtime.proposer import proposer as proposer_module
 from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
 
-PHASES = ("pass", "ensure", "rows", "other", "stage", "run", "after")
+PHASES = ("checks", "stage", "run", "wait", "commit")
 WARMUP_ROUNDS = 100
 
 
@@ -150,22 +146,15 @@ def time_loop(loop: DecodeLoop, iters: int, stub: bool) -> LoopTimes:
 
 
 class PhaseClock:
-    """Wraps the proposer's hot calls with timestamps; ``phases()`` splits one propose."""
+    """Wraps the proposer's steps with timestamps; ``phases()`` splits one propose."""
 
     def __init__(self, prop: DeepseekV4MtpProposer):
         self.marks: list[tuple[str, float]] = []
         self._wrapped: list[tuple[object, str, object]] = []  # (object, attribute, its own value or None)
         self._wrap(prop, "_propose", "propose")
-        # The front (pass and ensure in one call) since 2026-12-04; the pass alone before.
-        self._wrap(proposer_module, "stage_front" if hasattr(proposer_module, "stage_front") else "stage_usual_batch",
-                   "pass")
-        self._wrap(prop.cache, "ensure", "ensure")
-        self._wrap(prop.cache, "ensure_batch", "ensure")
-        self._wrap(prop.cache, "ensure_unheld", "ensure")
-        # An older runtime (a baseline run) has no pass: its row checks are _checked_rows, its stage stage.
-        self._wrap(prop, "_stage_rows" if hasattr(prop, "_stage_rows") else "_checked_rows", "rows")
         for staging in prop._staging.values():
-            self._wrap(staging, "stage_after_rows" if hasattr(staging, "stage_after_rows") else "stage", "stage")
+            self._wrap(staging, "stage", "stage")
+            self._wrap(staging, "read_rows", "read")
         for key, executor in prop._executors.items():
             if key[0] == "chain":
                 self._wrap(executor, "run", "run")
@@ -194,25 +183,17 @@ class PhaseClock:
                 setattr(obj, attr, own)
 
     def phases(self) -> dict[str, float]:
-        """One propose's marks as phase durations; a phase that did not happen (no ensure, no pass) is 0."""
-        at, spent = {}, dict.fromkeys(("pass", "ensure", "rows"), 0.0)
+        """One propose's marks as phase durations (the first read only: the drafts')."""
+        at: dict[str, float] = {}
         for label, t in self.marks:
-            name, edge = label[:-1], label[-1]
-            if name in spent:  # ensure may come more than once
-                if edge == "<":
-                    began = t
-                else:
-                    spent[name] += t - began
-            else:
-                at[label] = t
+            at.setdefault(label, t)
         self.marks.clear()
-        before_stage = at["stage<"] - at["propose<"]
         return {
-            **spent,
-            "other": before_stage - sum(spent.values()),
+            "checks": at["stage<"] - at["propose<"],
             "stage": at["stage>"] - at["stage<"],
-            "run": at["run>"] - at["run<"],
-            "after": at["propose>"] - at["run>"],
+            "run": at["run>"] - at["stage>"],
+            "wait": at["read>"] - at["run>"],
+            "commit": at["propose>"] - at["read>"],
         }
 
 

@@ -1,15 +1,16 @@
-"""drop_nonfinite and mark_dropped: a row whose input hidden is not finite drafts nothing, writes nothing.
+"""drop_nonfinite and mark_dropped: a batch whose hiddens are not all finite drafts nothing, writes nothing.
 
 The target's hidden is the one input of a chain a caller computes on the device; one NaN in it
 would go through the step into the drafter cache and poison the window of every later draft.
 The check runs inside the chain, with no host sync:
 
-- ``drop_nonfinite(positions, hidden)``: a row whose hidden holds a NaN or an infinity gets the
-  position ``DROPPED`` (far below 0, and below 0 still after any step's offset). A row at a
-  negative position is dead to the attention: its own slot does not exist, so it writes no
-  cache row and reads no key (ops/attention.py), at every step of the chain.
-- ``mark_dropped(drafts, positions)``: every draft of such a row becomes ``NONFINITE``, so the one
-  device-to-host read of the drafts also says which rows the proposer must refuse.
+- ``drop_nonfinite(positions, hidden)``: when any row's hidden holds a NaN or an infinity, every
+  row gets the position ``DROPPED`` (far below 0, and below 0 still after any step's offset):
+  the proposer refuses the whole call, so no row of it may take effect. A row at a negative
+  position is dead to the attention: its own slot does not exist, so it writes no cache row
+  and reads no key (ops/attention.py), at every step of the chain.
+- ``mark_dropped(drafts, positions)``: every draft of a dropped row becomes ``NONFINITE``, so the
+  one device-to-host read of the drafts also says that the proposer must refuse the call.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _drop_infer(specs, attrs):
 
 def _drop_impl(inputs, outputs, attrs, workspace):
     positions, hidden = inputs
-    finite = torch.isfinite(hidden.view(hidden.shape[0], -1)).all(dim=1)  # [B]
+    finite = torch.isfinite(hidden).all()  # []: the whole batch, or none of it
     torch.where(finite, positions, constants.full(1, DROPPED, torch.int64, positions.device), out=outputs[0])
 
 
@@ -45,7 +46,7 @@ DROP_NONFINITE = register(
         family="sample",
         infer=_drop_infer,
         impl=_drop_impl,
-        doc="positions of rows whose hidden is not finite become DROPPED (the row is dead).",
+        doc="every position becomes DROPPED (the rows are dead) when some row's hidden is not finite.",
     )
 )
 

@@ -12,4 +12,5 @@
 - ``proposer``: the seed's DraftProposer (API, options, input checks, the persistent batch of its
   sequences, state handles, binding, body runners).
 - ``decode``: the speculative decode loop (target model, loop, stats, tokenizer).
+- ``native``: the compiled twin of the propose's array steps (C over flat buffers) and its builder.
 """

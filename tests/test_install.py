@@ -28,7 +28,7 @@ def test_the_wheel_holds_one_top_level_package(tmp_path):
     assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["draftgraph"]
     for needed in ("draftgraph/__init__.py", "draftgraph/runtime/ir/graph.py", "draftgraph/ops/triton/gemv.py",
                    "draftgraph/tools/cli.py", "draftgraph/tools/data/tiny_v4/model.safetensors",
-                   "draftgraph/runtime/proposer/sequences.py"):
+                   "draftgraph/runtime/native/batch_kernel.c"):
         assert needed in names, f"{needed}: expected in the wheel, got {len(names)} files without it"
     assert not [n for n in names if n.startswith(("draftgraph/tests", "draftgraph/benchmarks"))]
 

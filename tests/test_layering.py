@@ -21,7 +21,7 @@ PACKAGE_DIRS = ("runtime", "ops", "graphs", "tools")
 # DeepSeek-V4 that imports only the errors, so the declared graphs may read its config.
 LAYERS = [
     {"runtime.errors"},
-    {"runtime.ir", "runtime.model"},
+    {"runtime.ir", "runtime.model", "runtime.native"},
     {"runtime.planning", "runtime.passes", "ops"},
     {"graphs"},
     {"runtime.execution"},

@@ -44,15 +44,10 @@ def test_a_raw_launch_replays_the_graph_on_the_current_stream():
     assert bool((out == 11.0).all())
 
 
-def test_the_compiled_launcher_replays_the_graph_on_the_current_stream():
-    """graph_launch.c's cuGraphLaunch (design note "compiled launch"), queued as cuda-python's."""
-    from draftgraph.runtime.native import build as native_build
-
-    native = native_build.load("graph_launch")
-    assert native is not None and native.is_available(), native_build.why_not("graph_launch")
+def test_the_launcher_replays_the_graph_on_the_current_stream():
+    """``launcher``'s closure launches as ``launch`` does, queued on the calling thread's stream."""
     plain, out = captured(lambda t: t.add_(1.0))
     launch = raw_launch.launcher(raw_launch.exec_handle(plain), torch.cuda.current_device())
-    assert launch.__name__ == "launch_compiled"
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         torch.cuda._sleep(5_000_000)
@@ -65,7 +60,7 @@ def test_the_compiled_launcher_replays_the_graph_on_the_current_stream():
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Each launch of an executor's launcher (compiled or cuda-python) appends the device index."""
+    """Each launch of an executor's launcher appends the device index."""
     calls = []
     real = raw_launch.launcher
 

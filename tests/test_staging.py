@@ -41,7 +41,7 @@ def read_entries(window: int, span: int, pos: int) -> range:
 
 
 def check_batch(st: ChainStaging, tables, which, pos, kv, tokens, window, span, limit, masks) -> None:
-    view = MetadataView.of(st.host_buf[: st.rows.batch * st.rows.pos.strides[0]].view(st.bucket, -1), MAX_BLOCKS)
+    view = MetadataView.of(st.host_buf[: st.bucket * st.row_bytes].view(st.bucket, -1), MAX_BLOCKS)
     n = len(pos)
     for i in range(st.bucket):
         if i < n:

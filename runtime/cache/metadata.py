@@ -15,10 +15,10 @@ can advance ``pos`` / ``slot`` / ``seq_len`` on the device through the same view
 Design note "window columns": the attention reads a row's table only at the positions
 p - window + 1 .. p of each step, so a chain of K steps reads the blocks of p - window + 1 ..
 p + K - 1: ``window_columns`` entries from ``(p - window + 1) // block_size``. Those are the
-only entries :class:`MetadataRows` writes (~10 of the thousands a long table has), as one
-array op for the whole batch; the others keep whatever an earlier row left there, which no
-kernel reads. A dead (padded) row: pos 0, slot -1, seq_len 0, kv_start 1 (> pos, so no key is
-read) and its window columns -1, so its own slot does not exist and it writes nothing.
+only entries a stage writes (~10 of the thousands a long table has: native/batch_kernel.py's
+``write``); the others keep whatever an earlier row left there, which no kernel reads. A dead
+(padded) row: pos 0, slot -1, seq_len 0, kv_start 1 (> pos, so no key is read) and its window
+columns -1, so its own slot does not exist and it writes nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from draftgraph.runtime.errors import InputError, describe
 
@@ -80,53 +79,3 @@ class MetadataView:
         return MetadataView(buf=buf, pos=as64[:, POS_OFFSET // 8], slot=as64[:, SLOT_OFFSET // 8],
                             seq_len=as32[:, SEQ_LEN_OFFSET // 4], kv_start=as32[:, KV_START_OFFSET // 4],
                             block_table=as32[:, bt : bt + num])
-
-
-class MetadataRows:
-    """Writes a batch's rows into a contiguous CPU metadata buffer with array ops (no loop per row).
-
-    ``write`` stages rows 0..n-1 from a 2-D array of block tables (one row per sequence) and,
-    for each batch row, which table row, position and kv_start it takes; rows from n up to the
-    last call's n become dead rows. Rows are not checked here: the caller (the proposer, the
-    target model) has ensured every position it stages.
-    """
-
-    def __init__(self, buf: torch.Tensor, max_blocks_per_seq: int, window: int, span: int = 0,
-                 block_size: int = 16) -> None:
-        MetadataView.of(buf, max_blocks_per_seq)  # the layout's checks
-        if buf.device.type != "cpu" or not buf.is_contiguous():
-            raise InputError(describe("metadata buffer", "a contiguous CPU tensor",
-                                      f"{buf.device} strides {buf.stride()}"))
-        self.batch, self.max_blocks, self.window, self.block_size = buf.shape[0], max_blocks_per_seq, window, block_size
-        words64 = buf.numpy().view(np.int64)  # [B, row_bytes / 8]
-        words32 = buf.numpy().view(np.int32)  # [B, row_bytes / 4]
-        self.pos, self.slot = words64[:, POS_OFFSET // 8], words64[:, SLOT_OFFSET // 8]
-        self.seq_len, self.kv_start = words32[:, SEQ_LEN_OFFSET // 4], words32[:, KV_START_OFFSET // 4]
-        first = BLOCK_TABLE_OFFSET // 4
-        self.table = words32[:, first : first + max_blocks_per_seq]
-        self.columns = window_columns(window, span, block_size, max_blocks_per_seq)
-        self._cols = np.arange(self.columns, dtype=np.int64)  # [W]
-        self._rows = np.arange(self.batch, dtype=np.int64)[:, None]  # [B, 1]
-        self.num_live = self.batch  # rows that may hold a live row: all, until the first write
-        self.write_dead(0)
-
-    def write(self, tables: np.ndarray, which: np.ndarray, pos: np.ndarray, kv_start: np.ndarray) -> None:
-        """Rows 0..n-1 from ``tables[which[i]]`` at ``pos[i]`` with ``kv_start[i]``; the rest dead."""
-        n, bs = len(pos), self.block_size
-        self.pos[:n] = pos
-        block = tables[which, pos // bs]  # [n]
-        self.slot[:n] = np.where(block >= 0, block.astype(np.int64) * bs + pos % bs, -1)
-        self.seq_len[:n] = pos + 1
-        self.kv_start[:n] = kv_start
-        lo = np.clip((pos - (self.window - 1)) // bs, 0, self.max_blocks - self.columns)  # [n]
-        cols = lo[:, None] + self._cols  # [n, W]
-        self.table[self._rows[:n], cols] = tables[which[:, None], cols]
-        self.write_dead(n)
-
-    def write_dead(self, first: int) -> None:
-        """Rows ``first`` up to the last live row become dead rows."""
-        if first < self.num_live:
-            dead = slice(first, self.num_live)
-            self.pos[dead], self.slot[dead], self.seq_len[dead], self.kv_start[dead] = 0, -1, 0, 1
-            self.table[dead, : self.columns] = -1
-        self.num_live = first

@@ -19,6 +19,10 @@ Block ownership (design note "block states"): every physical block is in exactly
 and every transition is checked, so a double free, freeing a block a table still maps, or
 installing a block twice raises :class:`CacheError`. Every operation validates first and
 mutates after, under one lock: on any error nothing changes, neither a table nor the pool.
+
+The pool is flat arrays too (``block_state`` int8 per block, ``free_stack`` int32 with its
+height in ``free_top``), so that a proposer's batch kernel maps and gives back its rows' blocks
+in place, under :attr:`lock` (runtime/native/batch_kernel.py), with the same rules.
 """
 
 from __future__ import annotations
@@ -51,13 +55,24 @@ class BlockTable:
     batch). Only :class:`PagedLatentCache` writes it.
     """
 
-    __slots__ = ("blocks", "block_size", "cache_id", "num_trimmed")
+    __slots__ = ("blocks", "block_size", "cache_id", "trimmed")
 
-    def __init__(self, blocks: np.ndarray | None = None, block_size: int = 16) -> None:
+    def __init__(self, blocks: np.ndarray | None = None, block_size: int = 16,
+                 trimmed: np.ndarray | None = None) -> None:
         self.blocks = np.empty(0, dtype=np.int32) if blocks is None else blocks
         self.block_size = block_size
         self.cache_id = 0  # the cache whose blocks it maps; 0 while it maps none
-        self.num_trimmed = 0  # entries below it are -1 (design note "trimmed front")
+        # int64 [1]: entries below it are -1 (design note "trimmed front"); a view of a persistent
+        # batch's column for its tables, so that the batch kernel reads and moves it too.
+        self.trimmed = np.zeros(1, dtype=np.int64) if trimmed is None else trimmed
+
+    @property
+    def num_trimmed(self) -> int:
+        return int(self.trimmed[0])
+
+    @num_trimmed.setter
+    def num_trimmed(self, value: int) -> None:
+        self.trimmed[0] = value
 
     def block_of(self, pos: int) -> int:
         """Physical block id of position ``pos``, or -1."""
@@ -151,11 +166,12 @@ class PagedLatentCache:
         self.cache_id = next(_cache_ids)
         self.kv = torch.zeros(num_blocks * block_size, head_dim, dtype=dtype, device=device)  # [P*16, d]
         self._lock = threading.Lock()
-        self._state = [FREE] * num_blocks
+        self._state = np.zeros(num_blocks, dtype=np.int8)  # FREE / OWNED / LOOSE per block
         self._taken_by: dict[int, int] = {}  # LOOSE block -> serial of the take() that loosed it
         self._serials = itertools.count(1)
         # A stack: the most recently freed block is reused first (its rows are likely cached).
-        self._free = list(range(num_blocks))
+        self.free_stack = np.arange(num_blocks, dtype=np.int32)
+        self.free_top = np.array([num_blocks], dtype=np.int64)  # the stack's height
 
     # ---- queries -----------------------------------------------------------------------------
     @property
@@ -163,15 +179,30 @@ class PagedLatentCache:
         return len(self._state)
 
     @property
+    def lock(self) -> threading.Lock:
+        """The pool's lock: held by every change of a table or the pool, the batch kernel's too."""
+        return self._lock
+
+    @property
     def block_states(self) -> list[int]:
         """FREE / OWNED / LOOSE per physical block (a copy)."""
         with self._lock:
-            return list(self._state)
+            return self._state.tolist()
+
+    @property
+    def block_state(self) -> np.ndarray:
+        """FREE / OWNED / LOOSE per physical block: the pool's own array (for the batch kernel)."""
+        return self._state
+
+    @property
+    def _free(self) -> list[int]:
+        """The free blocks, bottom of the stack first (a copy)."""
+        return self.free_stack[: self.free_top[0]].tolist()
 
     @property
     def num_free_blocks(self) -> int:
         with self._lock:
-            return len(self._free)
+            return int(self.free_top[0])
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -196,7 +227,7 @@ class PagedLatentCache:
 
     def can_ensure(self, table: BlockTable, first_pos: int, last_pos: int) -> bool:
         with self._lock:
-            return self.blocks_needed(table, first_pos, last_pos) <= len(self._free)
+            return self.blocks_needed(table, first_pos, last_pos) <= self.free_top[0]
 
     # ---- mutations (validate, then mutate, under the lock) -----------------------------------
     def ensure(self, table: BlockTable, first_pos: int, last_pos: int) -> list[int]:
@@ -220,9 +251,9 @@ class PagedLatentCache:
                 self._check_table(table)
                 missing.append(self._missing(table, first_pos, last_pos))
             needed = sum(map(len, missing))
-            if needed > len(self._free):
+            if needed > self.free_top[0]:
                 raise CacheError(describe(f"MTP cache blocks for {what or f'{len(tables)} sequences'}",
-                                          f"{needed} free block(s)", f"{len(self._free)} free of {self.num_blocks}",
+                                          f"{needed} free block(s)", f"{self.free_top[0]} free of {self.num_blocks}",
                                           "free finished sequences, call trim_window, or size the pool larger"))
             return [self._allocate(table, m) for table, m in zip(tables, missing)]
 
@@ -323,7 +354,7 @@ class PagedLatentCache:
             for block in ids:
                 self._state[block] = FREE
                 del self._taken_by[block]
-                self._free.append(block)
+                self._push(block)
 
     # ---- helpers (under the lock) -------------------------------------------------------------
     def _fit(self, table: BlockTable) -> None:
@@ -335,13 +366,22 @@ class PagedLatentCache:
         if not missing:
             return []
         self._fit(table)
-        new = [self._free.pop() for _ in missing]
+        new = [self._pop() for _ in missing]
         table.blocks[missing] = new
         for block in new:
             self._state[block] = OWNED
         table.num_trimmed = min(table.num_trimmed, min(missing))  # design note "trimmed front"
         table.cache_id, table.block_size = self.cache_id, self.block_size
         return new
+
+    def _pop(self) -> int:
+        top = int(self.free_top[0]) - 1
+        self.free_top[0] = top
+        return int(self.free_stack[top])
+
+    def _push(self, block: int) -> None:
+        self.free_stack[self.free_top[0]] = block
+        self.free_top[0] += 1
 
     def _release(self, table: BlockTable, logical: range) -> list[int]:
         """Free the blocks at the ``logical`` entries of a checked table."""
@@ -351,7 +391,7 @@ class PagedLatentCache:
         row[at] = -1
         for block in released:
             self._state[block] = FREE
-            self._free.append(block)
+            self._push(block)
         if table.cache_id and table.is_empty:
             table.cache_id = 0
         return released
@@ -387,7 +427,7 @@ class PagedLatentCache:
             if not (isinstance(block, int) and 0 <= block < self.num_blocks):
                 wrong.append(f"{block} (no such block)")
             elif self._state[block] != want:
-                wrong.append(f"{block} ({_STATE_NAMES[self._state[block]]})")
+                wrong.append(f"{block} ({_STATE_NAMES[int(self._state[block])]})")
             elif serial is not None and self._taken_by[block] != serial:
                 wrong.append(f"{block} (freed since, and taken again by another take)")
         if wrong:

@@ -16,7 +16,7 @@ from types import MappingProxyType
 
 import numpy as np
 import torch
-from draftgraph.runtime.cache.metadata import MetadataRows, MetadataView, row_bytes_for
+from draftgraph.runtime.cache.metadata import MetadataView, row_bytes_for, window_columns
 from draftgraph.runtime.execution import raw_copy
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
 
@@ -48,11 +48,13 @@ class ChainStaging:
     max_blocks_per_seq, window, block_size : the cache's geometry.
     span : positions a row writes after its own (K - 1 for a chain of K drafts at most).
     mask_words : int32 words of a full-vocabulary grammar mask.
+    kernel : what writes the metadata rows and tokens (``native/batch_kernel.py``'s ``write``, or
+        its compiled twin); the numpy twin by default.
     """
 
     def __init__(self, bucket: int, hidden: TensorSpec, max_blocks_per_seq: int, mask_words: int,
                  device: torch.device, window: int, span: int = 0, block_size: int = 16,
-                 gather_hiddens: bool | None = None) -> None:
+                 gather_hiddens: bool | None = None, kernel=None) -> None:
         self.bucket, self.device, self.max_blocks, self.mask_words = bucket, device, max_blocks_per_seq, mask_words
         row = row_bytes_for(max_blocks_per_seq)
         self._meta_at, self._token_at = 0, _align(bucket * row)
@@ -69,9 +71,14 @@ class ChainStaging:
         self.device_buf = torch.zeros(total, dtype=torch.uint8, device=device) if separate else self.host_buf
         self._device_index = self.device_buf.device.index if on_cuda else None
         self.hidden_buf = torch.zeros(hidden.concrete(bucket), dtype=hidden.dtype, device=device)
-        meta = self.host_buf[: bucket * row].view(bucket, row)
-        self.rows = MetadataRows(meta, max_blocks_per_seq, window, span, block_size)
         host = self.host_buf.numpy()
+        if kernel is None:
+            from draftgraph.runtime.native import batch_kernel as kernel  # the numpy twin
+        self._write = kernel.write
+        # Design note "window columns" (cache/metadata.py): the table entries a row's steps read.
+        self.window, self.block_size, self.row_bytes = window, block_size, row
+        self.columns = window_columns(window, span, block_size, max_blocks_per_seq)
+        self.meta = host[: bucket * row]  # uint8 [B * row_bytes]: the metadata rows
         self.tokens = host[self._token_at : self._token_at + 8 * bucket].view(np.int64)
         self.vocab_limit = host[self._limit_at : self._limit_at + 4].view(np.int32)
         self.addresses = host[self._address_at : self._address_at + 8 * bucket].view(np.int64)
@@ -82,7 +89,13 @@ class ChainStaging:
         self._hidden_shape = self.hidden_buf.shape[1:]
         self._row_bytes = self.hidden_buf[0].nbytes  # a contiguous row's step
         self._row_strides = self.hidden_buf[0].stride()
-        self._num_tokens = self._num_hiddens = self._num_addresses = self._num_masked = 0
+        self._num_hiddens = self._num_addresses = self._num_masked = 0
+        self._arange = np.arange(bucket, dtype=np.int64)
+        no_table = np.full((1, max_blocks_per_seq), -1, dtype=np.int32)
+        empty = np.empty(0, dtype=np.int64)
+        # Every row dead to start with: a warm-up or capture run on these buffers writes no cache row.
+        self.num_live = self._write(self.meta, row, max_blocks_per_seq, self.columns, window, block_size, no_table,
+                                    empty, empty, empty, self.tokens, empty, bucket)
         # Everything before the masks: the one copy when the batch has no mask.
         self._host_head, self._device_head = self.host_buf[: self._mask_at], self.device_buf[: self._mask_at]
         # The pinned host buffer is copied asynchronously: it must not be rewritten before the last
@@ -127,12 +140,8 @@ class ChainStaging:
         :meth:`in_graph_copy` as its first node). The returned mapping is shared between calls.
         """
         self.wait_for_copy()
-        n = len(pos)
-        self.rows.write(tables, which, pos, kv_start)
-        self.tokens[:n] = tokens
-        if n < self._num_tokens:
-            self.tokens[n : self._num_tokens] = 0
-        self._num_tokens = n
+        self.num_live = self._write(self.meta, self.row_bytes, self.max_blocks, self.columns, self.window,
+                                    self.block_size, tables, which, pos, kv_start, self.tokens, tokens, self.num_live)
         self.vocab_limit[0] = vocab_limit
         self._write_masks(masks)
         if not copy_in and self._gather is not None:
@@ -236,7 +245,9 @@ class ChainStaging:
                 hiddens = hiddens.contiguous()
                 self._kept.append(hiddens)
             n, step = hiddens.shape[0], hiddens.stride(0) * hiddens.element_size()
-            self.addresses[:n] = hiddens.data_ptr() + step * np.arange(n, dtype=np.int64)
+            addresses = self.addresses[:n]
+            np.multiply(self._arange[:n], step, out=addresses)
+            addresses += hiddens.data_ptr()
         else:
             n = len(hiddens)
             for i, hidden in enumerate(hiddens):
@@ -255,8 +266,10 @@ class ChainStaging:
                 self.hidden_buf[:n].copy_(hiddens, non_blocking=True)
         else:
             n = len(hiddens)
-            if n:
-                torch.stack([h.reshape(self._hidden_shape) for h in hiddens], out=self.hidden_buf[:n])
+            if n == 1:  # one copy, not a stack (a dispatch the less)
+                self.hidden_buf[0].copy_(hiddens[0].view(self._hidden_shape), non_blocking=True)
+            elif n:
+                torch.stack([h.view(self._hidden_shape) for h in hiddens], out=self.hidden_buf[:n])
         if n < self._num_hiddens:  # rows that held a hidden last time are padding now: zeros
             self.hidden_buf[n : self._num_hiddens].zero_()
         self._num_hiddens = n

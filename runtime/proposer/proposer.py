@@ -26,6 +26,7 @@ K)`` writes rows p .. p+K-1 (row p from the target's hidden, later rows from the
 from __future__ import annotations
 
 import math
+import operator
 import threading
 import time
 import warnings
@@ -44,14 +45,14 @@ from draftgraph.graphs.draft_chain import (
     mask_words,
 )
 from draftgraph.graphs.v4_block import CacheGeometry, block_interface
-from draftgraph.ops.draft_gate import CUT
 from draftgraph.ops.nonfinite import NONFINITE
 from draftgraph.runtime.cache.paged_cache import PagedLatentCache, TakenBlocks
 from draftgraph.runtime.cache.staging import ChainStaging
-from draftgraph.runtime.errors import CaptureError, InputError, NonFiniteError, describe
+from draftgraph.runtime.errors import CacheError, CaptureError, InputError, NonFiniteError, describe
 from draftgraph.runtime.execution.eager import EagerExecutor, concrete_device
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
 from draftgraph.runtime.model.config import V4Config
+from draftgraph.runtime.native import batch_kernel
 from draftgraph.runtime.proposer.binding import DraftBinding, prepare_weights
 from draftgraph.runtime.proposer.checks import (
     as_int,
@@ -89,6 +90,23 @@ class CarriedKv(tuple):
         obj = super().__new__(cls, (blocks, rows, last_pair_key))
         obj.kv_start, obj.taken = kv_start, taken
         return obj
+
+
+_PLAIN_INTS = frozenset({int, np.int64, np.int32})
+_KEY = operator.attrgetter("key")
+
+
+def _plain_ints(values, n: int) -> bool:
+    """Whether ``values`` is n plain ints (a list or tuple) or an int64/int32 array: no item checks due."""
+    if type(values) in (list, tuple):
+        return len(values) == n and set(map(type, values)) <= _PLAIN_INTS
+    return isinstance(values, np.ndarray) and values.dtype.kind in "iu" and values.shape == (n,)
+
+
+def _nonfinite_rows(hiddens) -> list[int]:
+    """The rows holding a NaN or an infinity (the error's message: a host sync, on that path only)."""
+    rows = hiddens if isinstance(hiddens, torch.Tensor) else torch.stack([h.reshape(-1) for h in hiddens])
+    return torch.nonzero(~torch.isfinite(rows.reshape(rows.shape[0], -1)).all(dim=1)).flatten().tolist()
 
 
 def _serialized(method):
@@ -134,6 +152,8 @@ class DeepseekV4MtpProposer:
         self._executors: dict[tuple, object] = {}
         self._staging: dict[int, ChainStaging] = {}
         self._plans: dict[tuple[int, int, bool], LaunchPlan] = {}  # (n, K, masked) -> what a propose looks up
+        self._kernel = batch_kernel.load()  # design note "flat kernel": the compiled twin where it builds
+        self._size_batch_buffers()
         self._hidden_shape = tuple(hidden_spec(config, opts.mode).shape[1:])
         self._mask_words = mask_words(config, opts.mtp_vocab_size)
         self._last_confidence: float | None = None
@@ -164,8 +184,7 @@ class DeepseekV4MtpProposer:
         limit = self.max_seq_len
         if budget_tokens is not None:
             limit = min(check_count(budget_tokens, "budget_tokens", 1, 1 << 62), self.max_seq_len)
-        row, serial = self.rows.alloc(limit)
-        return MtpProposerState(self.rows, row, serial, self.id)
+        return MtpProposerState(self.rows, self.rows.alloc(limit), self.id)
 
     @_serialized
     def free_state(self, state: MtpProposerState) -> None:
@@ -222,26 +241,44 @@ class DeepseekV4MtpProposer:
     def propose_batch_max(self) -> int:
         return self.buckets[-1]
 
+    def _size_batch_buffers(self) -> None:
+        """The kernel's per-row outputs, one row per sequence of the largest bucket."""
+        size = self.buckets[-1]
+        self._kv, self._kept = np.zeros(size, dtype=np.int64), np.zeros(size, dtype=np.int64)
+        # (row, entry) pairs of the blocks a propose mapped; K <= the block size: two entries a row
+        self._mapped = np.zeros(4 * size, dtype=np.int64)
+
     def _propose(self, tokens, hiddens, positions, num_drafts, states, bitmask) -> list[list[int]]:
         """The one path of every propose (design note "one path"); the caller holds the lock."""
         entered = time.perf_counter()
-        rows_of, n = self.rows, len(states)
+        seqs, n, kernel = self.rows, len(states), self._kernel
         k = num_drafts if type(num_drafts) is int and 1 <= num_drafts <= self.options.max_num_drafts else \
             check_count(num_drafts, "num_drafts", 1, self.options.max_num_drafts)
-        rows = check_states(states, self.id, rows_of, n)
-        tokens = check_ints(tokens, "last_tokens" if n > 1 else "last_token", 0, self.config.vocab_size, n)
-        pos = check_ints(positions, "positions" if n > 1 else "position", 0, self.max_seq_len, n)
-        self._check_budget(rows, pos, k)
-        hiddens = check_hiddens(hiddens, self._hidden_shape, self.device, n)
-        mask = self._checked_mask(bitmask)
-        _, staging, executor, _ = self._plan(n, k, mask is not None)
-        seq_len, kv_start = rows_of.seq_len[rows], rows_of.kv_start[rows]
-        # A propose continuing its rows (kv_start <= p <= seq_len) keeps kv_start; one that jumps
-        # ahead, or back before them, starts the rows afresh at p.
-        kv = np.where((kv_start <= pos) & (pos <= seq_len), kv_start, pos)
-        mapped = self._ensure(rows, pos, pos + (k - 1))
+        keys, tokens, pos = self._batch_arrays(states, tokens, positions, n)
         try:
-            staging.stage(rows_of.tables, rows, pos, kv, tokens, hiddens, self._vocab_limit(),
+            hiddens = check_hiddens(hiddens, self._hidden_shape, self.device, n)
+            mask = self._checked_mask(bitmask)
+        except InputError:  # the error is the first kind's, as item by item: states, tokens, positions first
+            self._check_items(states, tokens, pos, k, n)
+            raise
+        _, staging, executor, _ = self._plan(n, k, mask is not None)
+        kv, cache = self._kv[:n], self.cache
+        # The checks, each row's kv_start after it (kept by a propose continuing its rows, kv_start <= p
+        # <= seq_len; p for one jumping ahead or back), and blocks for the rows crossing into a block
+        # they do not hold, all or nothing, in one kernel call (design note "flat kernel").
+        with cache.lock:
+            status, index, m = kernel.place(keys, tokens, pos, k, self.config.vocab_size, self.max_seq_len, seqs.key,
+                                            seqs.seq_len, seqs.kv_start, seqs.max_positions, seqs.tables,
+                                            cache.block_size, seqs.num_trimmed, cache.block_state, cache.free_stack,
+                                            cache.free_top, kv, self._mapped)
+        if status != batch_kernel.OK:
+            self._refuse(status, index, states, tokens, pos, k, n)
+        mapped = self._mapped[: 2 * m].reshape(m, 2).copy() if m else None
+        if mapped is not None:
+            for row in set(mapped[:, 0].tolist()):
+                seqs.table_of[row].cache_id = cache.cache_id
+        try:
+            staging.stage(seqs.tables, keys, pos, kv, tokens, hiddens, self._vocab_limit(),
                           [mask] * n if mask is not None else None,
                           copy_in=not getattr(executor, "copies_staging", False))
             if self.options.poison_arena:
@@ -251,23 +288,24 @@ class DeepseekV4MtpProposer:
             drafts = staging.read_rows(outputs["drafts"], n)  # [n, K]: the one device-to-host read
             read = time.perf_counter()
             self.last_outputs = outputs
-            if (drafts[:, 0] == NONFINITE).any():
-                bad = np.flatnonzero(drafts[:, 0] == NONFINITE).tolist()
-                raise NonFiniteError(describe("target_hiddens" if n > 1 else "target_hidden",
-                                              "finite values", f"a NaN or an infinity in row(s) {bad}",
+            if drafts[0, 0] == NONFINITE:  # the chain dropped every row: it wrote no cache row
+                raise NonFiniteError(describe("target_hiddens" if n > 1 else "target_hidden", "finite values",
+                                              f"a NaN or an infinity in row(s) {_nonfinite_rows(hiddens)}",
                                               "the call is refused: no state or cache row changed"))
         except BaseException:
-            self._unensure(mapped)
+            if mapped is not None:
+                self._unmap(mapped)
             raise
-        kept = (drafts != CUT).sum(axis=1) if is_gated(self.options.draft_conf_tau, k) else np.full(n, k)
-        new_len = pos + kept
-        rows_of.seq_len[rows], rows_of.kv_start[rows], rows_of.last_drafted[rows] = new_len, kv, kept
-        rows_of.verify_due[rows] = True
-        if kept.min() < k:  # the blocks mapped for drafts the chain did not make go back
-            for row, length in zip(rows[kept < k].tolist(), new_len[kept < k].tolist()):
-                self.cache.truncate(rows_of.table_of[row], length)
-        self._trim(rows, pos)
-        drafted = drafts.tolist() if kept.min() == k else [d[:m] for d, m in zip(drafts.tolist(), kept.tolist())]
+        gated, kept = is_gated(self.options.draft_conf_tau, k), self._kept[:n]
+        with cache.lock:
+            kernel.commit(keys, pos, kv, drafts, k, gated, seqs.seq_len, seqs.kv_start, seqs.last_drafted,
+                          seqs.verify_due, seqs.tables, seqs.num_trimmed, self.config.sliding_window,
+                          cache.block_size, cache.block_state, cache.free_stack, cache.free_top, kept)
+        drafted = drafts.tolist()
+        if gated and kept.min() < k:  # the blocks mapped for drafts the chain did not make go back
+            drafted = [d[:c] for d, c in zip(drafted, kept.tolist())]
+            for key, length in zip(keys[kept < k].tolist(), (pos + kept)[kept < k].tolist()):
+                self.cache.truncate(seqs.table_of[key & batch_kernel.ROW_MASK], length)
         if self.options.draft_conf_tau > 0:
             probs = self._read_probs(n)
             self._last_confidence = min(float(probs[i, :m].min()) for i, m in enumerate(kept.tolist()))
@@ -277,6 +315,45 @@ class DeepseekV4MtpProposer:
         self.last_host_seconds, self.last_propose_seconds = launched - entered, done - entered
         self.last_times = (entered, launched, read, done)
         return drafted
+
+    def _batch_arrays(self, states, tokens, positions, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The batch as the kernel's arrays: the states' keys, tokens, positions (int64 [n]).
+
+        The usual batch (states, plain ints) takes three conversions; anything else goes through
+        the item-by-item checks in their order (states, tokens, positions), which convert what
+        they accept (numpy integers, 0-d tensors) and raise for the first bad item.
+        """
+        try:
+            keys = np.fromiter(map(_KEY, states), np.int64, n)
+        except (TypeError, ValueError, AttributeError):
+            keys = None
+        tok = np.array(tokens, dtype=np.int64) if _plain_ints(tokens, n) else None
+        pos = np.array(positions, dtype=np.int64) if _plain_ints(positions, n) else None
+        if keys is None or tok is None or pos is None:
+            keys = check_states(states, self.id, self.rows, n)
+            tok = check_ints(tokens, "last_tokens" if n > 1 else "last_token", 0, self.config.vocab_size, n)
+            pos = check_ints(positions, "positions" if n > 1 else "position", 0, self.max_seq_len, n)
+        return keys, tok, pos
+
+    def _check_items(self, states, tokens, pos, k: int, n: int) -> None:
+        """The item-by-item checks, in their order: each raises the typed error of its first bad item."""
+        keys = check_states(states, self.id, self.rows, n)
+        check_ints(tokens, "last_tokens" if n > 1 else "last_token", 0, self.config.vocab_size, n)
+        check_ints(pos, "positions" if n > 1 else "position", 0, self.max_seq_len, n)
+        self._check_budget(keys & batch_kernel.ROW_MASK, pos, k)
+
+    def _refuse(self, status: int, index: int, states, tokens: np.ndarray, pos: np.ndarray, k: int, n: int):
+        """Raise the typed error of what the kernel refused (nothing was mapped)."""
+        self._check_items(states, tokens, pos, k, n)
+        if status == batch_kernel.POOL:
+            rows = np.fromiter(map(_KEY, states), np.int64, n) & batch_kernel.ROW_MASK
+            tables, bs = self.rows.tables, self.cache.block_size
+            needy = int(((tables[rows, pos // bs] < 0) | (tables[rows, (pos + k - 1) // bs] < 0)).sum())
+            free = self.cache.num_free_blocks
+            raise CacheError(describe(f"MTP cache blocks for {needy} sequences", f"{index} free block(s)",
+                                      f"{free} free of {self.cache.num_blocks}",
+                                      "free finished sequences, call trim_window, or size the pool larger"))
+        raise AssertionError(f"the batch kernel refused (status {status}, row {index}) a batch every check passes")
 
     def _check_budget(self, rows: np.ndarray, pos: np.ndarray, span: int | np.ndarray, what: str = "position",
                       count: str = "num_drafts") -> None:
@@ -290,36 +367,15 @@ class DeepseekV4MtpProposer:
                                       f"{what} + {count} <= {int(budget[i])}", f"{int(pos[i])} + {n}",
                                       "the sequence's budget (alloc_state_for) or max_seq_len is reached"))
 
-    def _ensure(self, rows: np.ndarray, first: np.ndarray, last: np.ndarray) -> list[tuple]:
-        """Map blocks for the rows whose positions first..last cross into a block they do not hold.
+    def _unmap(self, mapped: np.ndarray) -> None:
+        """Give back the blocks a failed propose mapped: (row, entry) pairs."""
+        for row in sorted(set(mapped[:, 0].tolist())):
+            table = self.rows.table_of[row]
+            self.cache.unmap(table, table.blocks[mapped[mapped[:, 0] == row, 1]].tolist())
 
-        All or nothing (CacheError when the pool is short, nothing mapped). Returns what to
-        undo: (table, row, new block ids) per row that got blocks; none in the usual step.
-        """
-        tables, bs = self.rows.tables, self.cache.block_size
-        unheld = (tables[rows, first // bs] < 0) | (tables[rows, last // bs] < 0)
-        if not unheld.any():
-            return []
-        which = rows[unheld].tolist()
-        owned = [self.rows.table_of[r] for r in which]
-        new = self.cache.ensure_batch(owned, first[unheld].tolist(), last[unheld].tolist())
-        for row, table in zip(which, owned):
-            self.rows.num_trimmed[row] = table.num_trimmed
-        return [(table, row, ids) for table, row, ids in zip(owned, which, new) if ids]
-
-    def _unensure(self, mapped: list[tuple]) -> None:
-        for table, _, ids in reversed(mapped):
-            self.cache.unmap(table, ids)
-
-    def _trim(self, rows: np.ndarray, next_pos: np.ndarray) -> None:
-        """Give back the blocks wholly before each row's window (design note "trimmed front")."""
-        stop = (next_pos - (self.config.sliding_window - 1)) // self.cache.block_size
-        due = stop > self.rows.num_trimmed[rows]
-        if due.any():
-            for row, p in zip(rows[due].tolist(), next_pos[due].tolist()):
-                table = self.rows.table_of[row]
-                self.cache.trim_window(table, p)
-                self.rows.num_trimmed[row] = table.num_trimmed
+    def _trim(self, row: int, next_pos: int) -> None:
+        """Give back the blocks wholly before the row's window (design note "trimmed front")."""
+        self.cache.trim_window(self.rows.table_of[row], next_pos)
 
     def _read_probs(self, n: int) -> np.ndarray:
         """The last propose's per-draft top-1 probabilities [n, K] (a second read-back)."""
@@ -366,7 +422,7 @@ class DeepseekV4MtpProposer:
             self._staging[bucket] = ChainStaging(bucket, spec, self.cache.max_blocks_per_seq, words, self.device,
                                                  window=self.config.sliding_window,
                                                  span=self.options.max_num_drafts - 1,
-                                                 block_size=self.cache.block_size)
+                                                 block_size=self.cache.block_size, kernel=self._kernel)
         return self._staging[bucket]
 
     # ---- executors -------------------------------------------------------------------------
@@ -460,6 +516,7 @@ class DeepseekV4MtpProposer:
             raise InputError(describe("largest bucket", f"one the cache pool ({self.cache.num_blocks} blocks) can "
                                       "serve", max(buckets)))
         self.buckets = tuple(sorted(set(buckets)))
+        self._size_batch_buffers()
         self._staging.clear()
         self.drop_executors()
 
@@ -536,7 +593,7 @@ class DeepseekV4MtpProposer:
             raise InputError(describe("tokens", "one sequence of token ids per state", type(tokens).__name__))
         n = len(tokens)
         check_batch("hiddens", hiddens, n)
-        rows = check_states(states, self.id, self.rows, n)
+        rows = check_states(states, self.id, self.rows, n) & batch_kernel.ROW_MASK
         starts = check_ints(first_pos, "first_pos", 0, self.max_seq_len, n)
         counts, toks, blocks = [], [], []
         for i in range(n):
@@ -560,7 +617,8 @@ class DeepseekV4MtpProposer:
         rows, starts, count = rows[live], starts[live], count[live]
         seq_len, kv_start = self.rows.seq_len[rows], self.rows.kv_start[rows]
         kv = np.where((starts > seq_len) | (starts < kv_start), starts, kv_start)
-        mapped = self._ensure_ranges(rows, starts, starts + count - 1)
+        owned = [self.rows.table_of[r] for r in rows.tolist()]
+        new = self.cache.ensure_batch(owned, starts.tolist(), (starts + count - 1).tolist())
         which = np.repeat(rows, count)
         pos = np.concatenate([np.arange(s, s + c, dtype=np.int64) for s, c in zip(starts.tolist(), count.tolist())])
         kv_of = np.repeat(kv, count)
@@ -575,22 +633,14 @@ class DeepseekV4MtpProposer:
                 self._prefill_executor(bucket).run(
                     {k: staged[k] for k in ("token", "hidden", "positions", "kv_start", "block_table")}, check=False)
         except BaseException:
-            self._unensure(mapped)
+            for table, ids in zip(owned, new):
+                if ids:
+                    self.cache.unmap(table, ids)
             raise
         self.rows.kv_start[rows], self.rows.seq_len[rows] = kv, starts + count
         for row, length in zip(rows.tolist(), (starts + count).tolist()):
-            table = self.rows.table_of[row]
-            self.cache.trim_window(table, length)
-            self.rows.num_trimmed[row] = table.num_trimmed
+            self._trim(row, length)
         return int(count.sum())
-
-    def _ensure_ranges(self, rows: np.ndarray, first: np.ndarray, last: np.ndarray) -> list[tuple]:
-        """``_ensure`` of any ranges (a catch-up's may span many blocks): all or nothing."""
-        owned = [self.rows.table_of[r] for r in rows.tolist()]
-        new = self.cache.ensure_batch(owned, first.tolist(), last.tolist())
-        for row, table in zip(rows.tolist(), owned):
-            self.rows.num_trimmed[row] = table.num_trimmed
-        return [(table, row, ids) for table, row, ids in zip(owned, rows.tolist(), new) if ids]
 
     def _prefill_executor(self, bucket: int):
         key = ("prefill", bucket, self.use_captured)

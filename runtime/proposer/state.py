@@ -10,18 +10,24 @@ may keep its own attributes on a state.
 from __future__ import annotations
 
 from draftgraph.runtime.cache.paged_cache import BlockTable
+from draftgraph.runtime.native.batch_kernel import ROW_MASK
 from draftgraph.runtime.proposer.sequences import SequenceRows
 
 
 class MtpProposerState:
     """One sequence of one proposer. Fields read the proposer's arrays (a freed state reads zeros)."""
 
-    def __init__(self, rows: SequenceRows, row: int, serial: int, owner: int) -> None:
-        self._rows, self.row, self.serial, self.owner = rows, row, serial, owner
+    def __init__(self, rows: SequenceRows, key: int, owner: int) -> None:
+        self._rows, self.key, self.owner = rows, key, owner
+
+    @property
+    def row(self) -> int:
+        """Its row in the proposer's persistent batch."""
+        return self.key & ROW_MASK
 
     @property
     def is_freed(self) -> bool:
-        return not self._rows.is_live(self.row, self.serial)
+        return not self._rows.is_live(self.key)
 
     def _read(self, array) -> int:
         return 0 if self.is_freed else int(array[self.row])

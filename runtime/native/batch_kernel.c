@@ -1,0 +1,184 @@
+/* The per-row work of a propose over flat buffers: the C twin of runtime/native/batch_kernel.py.
+ *
+ * Every argument is a flat buffer (the buffer protocol: numpy arrays) or a number; nothing here
+ * reads a Python object's layout. The functions, their arguments and their results are the
+ * numpy twin's, and tests/test_batch_kernel.py holds the two equal on random batches.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { OK, STALE, TWICE, TOKEN, POSITION, BUDGET, POOL };
+enum { FREE = 0, OWNED = 1 };
+enum { POS = 0, SLOT = 8, SEQ_LEN = 16, KV_START = 20, TABLE = 256 };
+#define CUT (-1)
+#define ROW_MASK ((int64_t)((1 << 20) - 1))
+
+static int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+static void release(Py_buffer *views, int count) {
+    for (int i = 0; i < count; i++)
+        if (views[i].obj != NULL) PyBuffer_Release(&views[i]);
+}
+
+/* place(keys, tokens, pos, k, vocab, max_seq_len, seq_key, seq_len, kv_start, max_positions, tables, block_size,
+ *       num_trimmed, block_state, free_stack, free_top, kv_out, mapped_out) -> (status, index, m) */
+static PyObject *place(PyObject *self, PyObject *args) {
+    Py_buffer v[14] = {{0}};
+    long long k, vocab, max_seq_len, block_size;
+    if (!PyArg_ParseTuple(args, "y*y*y*LLLy*y*y*y*w*Lw*w*y*w*w*w*", &v[0], &v[1], &v[2], &k, &vocab, &max_seq_len,
+                          &v[3], &v[4], &v[5], &v[6], &v[7], &block_size, &v[8], &v[9], &v[10], &v[11], &v[12],
+                          &v[13]))
+        return NULL;
+    const int64_t *keys = v[0].buf, *tokens = v[1].buf, *pos = v[2].buf, *seq_key = v[3].buf;
+    const int64_t *seq_len = v[4].buf, *kv_start = v[5].buf, *max_positions = v[6].buf;
+    int32_t *tables = v[7].buf, *free_stack = v[10].buf;
+    int64_t *num_trimmed = v[8].buf, *free_top = v[11].buf, *kv_out = v[12].buf, *mapped_out = v[13].buf;
+    int8_t *block_state = v[9].buf;
+    Py_ssize_t n = v[2].len / 8, rows = v[3].len / 8;
+    Py_ssize_t width = rows ? v[7].len / 4 / rows : 0;
+    int status = OK;
+    Py_ssize_t index = 0, m = 0;
+    for (Py_ssize_t i = 0; i < n && status == OK; i++) {
+        int64_t row = keys[i] & ROW_MASK;
+        if (keys[i] == 0 || row >= rows || seq_key[row] != keys[i]) status = STALE, index = i;
+    }
+    for (Py_ssize_t i = 1; i < n && status == OK; i++)
+        for (Py_ssize_t j = 0; j < i; j++)
+            if ((keys[i] & ROW_MASK) == (keys[j] & ROW_MASK)) {
+                status = TWICE, index = i;
+                break;
+            }
+    for (Py_ssize_t i = 0; i < n && status == OK; i++)
+        if (tokens[i] < 0 || tokens[i] >= vocab) status = TOKEN, index = i;
+    for (Py_ssize_t i = 0; i < n && status == OK; i++)
+        if (pos[i] < 0 || pos[i] >= max_seq_len) status = POSITION, index = i;
+    for (Py_ssize_t i = 0; i < n && status == OK; i++)
+        if (pos[i] + k > max_positions[keys[i] & ROW_MASK]) status = BUDGET, index = i;
+    if (status == OK) {  /* the blocks missing, all or nothing */
+        Py_ssize_t needed = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const int32_t *table = tables + (keys[i] & ROW_MASK) * width;
+            for (int64_t j = pos[i] / block_size; j <= (pos[i] + k - 1) / block_size; j++) needed += table[j] < 0;
+        }
+        if (needed > free_top[0]) status = POOL, index = needed;
+    }
+    if (status == OK) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t row = keys[i] & ROW_MASK, p = pos[i], first = kv_start[row];
+            int32_t *table = tables + row * width;
+            for (int64_t j = p / block_size; j <= (p + k - 1) / block_size; j++) {
+                if (table[j] >= 0) continue;
+                int32_t block = free_stack[--free_top[0]];
+                table[j] = block;
+                block_state[block] = OWNED;
+                if (j < num_trimmed[row]) num_trimmed[row] = j;
+                mapped_out[2 * m] = row, mapped_out[2 * m + 1] = j, m++;
+            }
+            kv_out[i] = (first <= p && p <= seq_len[row]) ? first : p;
+        }
+    }
+    release(v, 14);
+    return Py_BuildValue("(inn)", status, index, m);
+}
+
+/* write(meta, row_bytes, max_blocks, columns, window, block_size, tables, rows, pos, kv, token_buf, tokens,
+ *       num_live) -> n */
+static PyObject *write_rows(PyObject *self, PyObject *args) {
+    Py_buffer v[7] = {{0}};
+    Py_ssize_t row_bytes, max_blocks, columns, window, block_size, num_live;
+    if (!PyArg_ParseTuple(args, "w*nnnnny*y*y*y*w*y*n", &v[0], &row_bytes, &max_blocks, &columns, &window,
+                          &block_size, &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], &num_live))
+        return NULL;
+    char *meta = v[0].buf;
+    const int32_t *tables = v[1].buf;
+    const int64_t *rows = v[2].buf, *pos = v[3].buf, *kv = v[4].buf, *tokens = v[6].buf;
+    int64_t *token_buf = v[5].buf;
+    Py_ssize_t n = v[3].len / 8;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char *row = meta + i * row_bytes;
+        const int32_t *table = tables + (rows[i] & ROW_MASK) * max_blocks;
+        int64_t p = pos[i], block = table[p / block_size];
+        int64_t slot = block >= 0 ? block * block_size + p % block_size : -1;
+        int32_t seq_len = (int32_t)(p + 1), kv_start = (int32_t)kv[i];
+        memcpy(row + POS, &p, 8);
+        memcpy(row + SLOT, &slot, 8);
+        memcpy(row + SEQ_LEN, &seq_len, 4);
+        memcpy(row + KV_START, &kv_start, 4);
+        int64_t lo = floor_div(p - (window - 1), block_size);
+        if (lo > max_blocks - columns) lo = max_blocks - columns;
+        if (lo < 0) lo = 0;
+        memcpy(row + TABLE + 4 * lo, table + lo, 4 * columns);
+        token_buf[i] = tokens[i];
+    }
+    for (Py_ssize_t i = n; i < num_live; i++) {
+        char *row = meta + i * row_bytes;
+        int64_t zero = 0, dead = -1;
+        int32_t none = 0, one = 1;
+        memcpy(row + POS, &zero, 8);
+        memcpy(row + SLOT, &dead, 8);
+        memcpy(row + SEQ_LEN, &none, 4);
+        memcpy(row + KV_START, &one, 4);
+        memset(row + TABLE, 0xff, 4 * columns);
+        token_buf[i] = 0;
+    }
+    release(v, 7);
+    return PyLong_FromSsize_t(n);
+}
+
+/* commit(keys, pos, kv, drafts, k, gated, seq_len, kv_start, last_drafted, verify_due, tables, num_trimmed, window,
+ *        block_size, block_state, free_stack, free_top, kept_out) -> blocks given back */
+static PyObject *commit(PyObject *self, PyObject *args) {
+    Py_buffer v[15] = {{0}};
+    Py_ssize_t k, window, block_size;
+    int gated;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*npw*w*w*w*w*w*nnw*w*w*w*", &v[0], &v[1], &v[2], &v[3], &k, &gated, &v[4],
+                          &v[5], &v[6], &v[7], &v[8], &v[9], &window, &block_size, &v[10], &v[11], &v[12], &v[13]))
+        return NULL;
+    const int64_t *keys = v[0].buf, *pos = v[1].buf, *kv = v[2].buf, *drafts = v[3].buf;
+    int64_t *seq_len = v[4].buf, *kv_start = v[5].buf, *last_drafted = v[6].buf, *num_trimmed = v[9].buf;
+    uint8_t *verify_due = v[7].buf;
+    int32_t *tables = v[8].buf, *free_stack = v[11].buf;
+    int8_t *block_state = v[10].buf;
+    int64_t *free_top = v[12].buf, *kept_out = v[13].buf;
+    Py_ssize_t n = v[1].len / 8, rows = v[4].len / 8, freed = 0;
+    Py_ssize_t width = rows ? v[8].len / 4 / rows : 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t kept = k, row = keys[i] & ROW_MASK;
+        if (gated) {
+            kept = 0;
+            for (Py_ssize_t j = 0; j < k; j++) kept += drafts[i * k + j] != CUT;
+        }
+        kept_out[i] = kept;
+        seq_len[row] = pos[i] + kept;
+        kv_start[row] = kv[i];
+        last_drafted[row] = kept;
+        verify_due[row] = 1;
+        int64_t stop = floor_div(pos[i] - (window - 1), block_size);
+        if (stop > num_trimmed[row]) {
+            int32_t *table = tables + row * width;
+            for (int64_t j = num_trimmed[row]; j < stop && j < width; j++) {
+                if (table[j] < 0) continue;
+                free_stack[free_top[0]++] = table[j];
+                block_state[table[j]] = FREE;
+                table[j] = -1;
+                freed++;
+            }
+            num_trimmed[row] = stop;
+        }
+    }
+    release(v, 15);
+    return PyLong_FromSsize_t(freed);
+}
+
+static PyMethodDef methods[] = {
+    {"place", place, METH_VARARGS, "Check a batch and place its rows (see batch_kernel.py)."},
+    {"write", write_rows, METH_VARARGS, "Write a batch's metadata rows and tokens (see batch_kernel.py)."},
+    {"commit", commit, METH_VARARGS, "Write a propose's rows back (see batch_kernel.py)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "batch_kernel_native", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit_batch_kernel_native(void) { return PyModule_Create(&module_def); }

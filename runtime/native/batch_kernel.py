@@ -1,0 +1,135 @@
+"""The per-row work of a propose over flat arrays, in numpy: the twin of ``batch_kernel.c`` beside it.
+
+Design note "flat kernel": a propose's host work is a handful of array steps over the batch's
+rows (checks, the kv_start rule, the block test, the metadata and tokens, the commit). Done as
+numpy ops, each costs ~1 us of dispatch whatever the batch, about 30 of them a propose: on the
+lent H200 hosts, whose Python runs ~2x slower than the CI machine's, more than the whole budget
+of a propose's host time. The same three steps in C take well under a microsecond each. Both
+read and write only flat buffers (numpy arrays, through the buffer protocol in C), take the
+same arguments and give the same results; ``tests/test_batch_kernel.py`` holds them equal on
+random batches. Where the C cannot be built (no compiler, ``DRAFTGRAPH_NATIVE=0``), these run.
+
+- :func:`place` checks a batch (live keys, distinct, token and position ranges, budgets),
+  writes each row's kv_start after the propose into ``kv_out``, and maps a block from the pool
+  to every entry of positions pos .. pos + k - 1 that has none (all or nothing: when the pool is
+  short, nothing). It answers (status, index, m): on OK, m mapped (row, entry) pairs in
+  ``mapped_out`` (the caller's undo); else the first failing check and the row it failed on (for
+  POOL, the blocks needed), and the caller raises that item's typed error.
+- :func:`write` writes rows 0..n-1 of a staging buffer's metadata (cache/metadata.py's layout,
+  the window columns only) and tokens, and rows n .. num_live - 1 as dead rows.
+- :func:`commit` writes a propose's result back (seq_len, kv_start, drafts made, verify due),
+  the number of drafts each row kept into ``kept_out`` (those before the first CUT), and gives
+  back every block wholly behind a row's window (its trimmed front moves on); it answers how
+  many blocks went back.
+
+The batch's keys are ``serial << ROW_BITS | row`` (proposer/sequences.py): one number a state.
+The pool is the cache's (block_state, free_stack, free_top: cache/paged_cache.py); the caller
+holds the cache's lock around place and commit.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+OK, STALE, TWICE, TOKEN, POSITION, BUDGET, POOL = range(7)
+CUT = -1
+FREE, OWNED = 0, 1  # block states (cache/paged_cache.py)
+ROW_BITS = 20
+ROW_MASK = (1 << ROW_BITS) - 1
+POS, SLOT, SEQ_LEN, KV_START, TABLE = 0, 8, 16, 20, 256  # byte offsets of a metadata row
+
+
+def place(keys, tokens, pos, k, vocab, max_seq_len, seq_key, seq_len, kv_start, max_positions, tables,
+          block_size, num_trimmed, block_state, free_stack, free_top, kv_out, mapped_out) -> tuple[int, int, int]:
+    """``keys`` int64 [n]: the batch's states. See the module docstring."""
+    n = len(pos)
+    rows = keys & ROW_MASK
+    live = (keys != 0) & (rows < len(seq_key))
+    live[live] = seq_key[rows[live]] == keys[live]
+    if not live.all():
+        return STALE, int(np.flatnonzero(~live)[0]), 0
+    if n > 1:
+        repeated = np.ones(n, dtype=bool)
+        repeated[np.unique(rows, return_index=True)[1]] = False  # each row's first place is no repeat
+        if repeated.any():
+            return TWICE, int(np.flatnonzero(repeated)[0]), 0
+    bad = (tokens < 0) | (tokens >= vocab)
+    if bad.any():
+        return TOKEN, int(np.flatnonzero(bad)[0]), 0
+    bad = (pos < 0) | (pos >= max_seq_len)
+    if bad.any():
+        return POSITION, int(np.flatnonzero(bad)[0]), 0
+    bad = pos + k > max_positions[rows]
+    if bad.any():
+        return BUDGET, int(np.flatnonzero(bad)[0]), 0
+    missing = [(int(r), j) for r, p in zip(rows.tolist(), pos.tolist())
+               for j in range(p // block_size, (p + k - 1) // block_size + 1) if tables[r, j] < 0]
+    if len(missing) > free_top[0]:
+        return POOL, len(missing), 0
+    for m, (row, j) in enumerate(missing):
+        free_top[0] -= 1
+        block = free_stack[free_top[0]]
+        tables[row, j], block_state[block] = block, OWNED
+        num_trimmed[row] = min(num_trimmed[row], j)
+        mapped_out[2 * m : 2 * m + 2] = row, j
+    first, last = seq_len[rows], kv_start[rows]
+    kv_out[:n] = np.where((last <= pos) & (pos <= first), last, pos)
+    return OK, 0, len(missing)
+
+
+def write(meta, row_bytes, max_blocks, columns, window, block_size, tables, rows, pos, kv, token_buf, tokens,
+          num_live) -> int:
+    """``rows`` int64 [n]: each batch row's table row, or its key (its low bits are the row)."""
+    n, batch = len(pos), len(meta) // row_bytes
+    rows = rows & ROW_MASK
+    words = meta.view(np.int32).reshape(batch, row_bytes // 4)
+    wide = meta.view(np.int64).reshape(batch, row_bytes // 8)
+    table = words[:, TABLE // 4 : TABLE // 4 + max_blocks]
+    wide[:n, POS // 8] = pos
+    block = tables[rows, pos // block_size]
+    wide[:n, SLOT // 8] = np.where(block >= 0, block.astype(np.int64) * block_size + pos % block_size, -1)
+    words[:n, SEQ_LEN // 4] = pos + 1
+    words[:n, KV_START // 4] = kv
+    lo = np.clip((pos - (window - 1)) // block_size, 0, max_blocks - columns)
+    cols = lo[:, None] + np.arange(columns)
+    table[np.arange(n)[:, None], cols] = tables[rows[:, None], cols]
+    token_buf[:n] = tokens
+    if n < num_live:
+        dead = slice(n, num_live)
+        wide[dead, POS // 8], wide[dead, SLOT // 8], words[dead, SEQ_LEN // 4], words[dead, KV_START // 4] = 0, -1, 0, 1
+        table[dead, :columns] = -1
+        token_buf[dead] = 0
+    return n
+
+
+def commit(keys, pos, kv, drafts, k, gated, seq_len, kv_start, last_drafted, verify_due, tables, num_trimmed,
+           window, block_size, block_state, free_stack, free_top, kept_out) -> int:
+    """A propose's rows written back; see the module docstring."""
+    n, rows = len(pos), keys & ROW_MASK
+    kept = (drafts != CUT).sum(axis=1) if gated else np.full(n, k)
+    kept_out[:n] = kept
+    seq_len[rows] = pos + kept
+    kv_start[rows] = kv
+    last_drafted[rows] = kept
+    verify_due[rows] = True
+    freed = 0
+    for row, p in zip(rows.tolist(), pos.tolist()):
+        stop = (p - (window - 1)) // block_size  # blocks wholly before the window of a write at p
+        if stop > num_trimmed[row]:
+            for j in range(int(num_trimmed[row]), min(stop, tables.shape[1])):
+                block = tables[row, j]
+                if block >= 0:
+                    free_stack[free_top[0]], block_state[block], tables[row, j] = block, FREE, -1
+                    free_top[0] += 1
+                    freed += 1
+            num_trimmed[row] = stop
+    return freed
+
+
+def load():
+    """The compiled twin (runtime/native/batch_kernel.c) where it builds, else this module."""
+    from draftgraph.runtime.native import build
+
+    return build.load("batch_kernel") or sys.modules[__name__]

@@ -1,0 +1,136 @@
+"""API misuse is typed and harmless; a non-finite hidden never reaches the drafter cache.
+
+Each misuse raises an InputError (NonFiniteError for a NaN or an infinity) and leaves every
+state, the block pool and the cache's bytes exactly as they were; numpy integers are taken where
+ints are. A refused non-finite propose leaves the proposer drafting exactly what a twin that never
+saw the call drafts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from draftgraph.runtime.errors import InputError, NonFiniteError
+from proposer_fixtures import TINY, hidden, make_proposer
+
+
+def frozen(prop, states) -> tuple:
+    return [s.snapshot() for s in states], prop.cache.num_free_blocks, prop.cache.kv.clone()
+
+
+def assert_unchanged(prop, states, before) -> None:
+    snaps, free, kv = before
+    assert [s.snapshot() for s in states] == snaps
+    assert prop.cache.num_free_blocks == free
+    assert torch.equal(prop.cache.kv, kv)
+
+
+def prefilled(seed=0, tokens=(1, 2, 3, 4, 5, 6)):
+    gen = torch.Generator().manual_seed(seed)
+    prop = make_proposer(TINY)
+    state = prop.alloc_state()
+    prop.prefill_drafter(list(tokens), hidden(TINY, gen, n=len(tokens)), state)
+    return prop, state, gen
+
+
+def test_after_verify_without_a_propose_since_the_last_verify_is_refused():
+    prop, state, gen = prefilled()
+    before = frozen(prop, [state])
+    with pytest.raises(InputError, match="after_verify: expected one call after each propose"):
+        prop.after_verify(0, state)  # before any propose: it would drop a prefill row
+    assert_unchanged(prop, [state], before)
+    prop.propose(7, hidden(TINY, gen), 5, 3, state)
+    prop.after_verify(1, state)
+    before = frozen(prop, [state])
+    with pytest.raises(InputError, match="a call with no propose since the last one"):
+        prop.after_verify(1, state)  # twice: it would trim again
+    assert_unchanged(prop, [state], before)
+    assert state.seq_len == 6  # 5 + 3 drafted - (3 - 1) rejected, once
+
+
+@pytest.mark.parametrize("count", [True, False, np.bool_(True), 1.0, "1", None], ids=repr)
+def test_a_count_that_is_no_int_is_refused(count):
+    prop, state, gen = prefilled()
+    prop.propose(7, hidden(TINY, gen), 5, 3, state)
+    before = frozen(prop, [state])
+    with pytest.raises(InputError, match="num_accepted"):
+        prop.after_verify(count, state)
+    assert_unchanged(prop, [state], before)
+    prop.after_verify(np.int64(2), state)  # a numpy integer is an int
+    assert state.seq_len == 7
+
+
+def test_numpy_integers_are_taken_wherever_ints_are():
+    prop, state, gen = prefilled()
+    twin, twin_state, twin_gen = prefilled()
+    h = hidden(TINY, gen)
+    assert prop.propose(np.int64(7), h, np.int32(5), np.int64(3), state) == twin.propose(7, h, 5, 3, twin_state)
+    prop.after_verify(np.uint8(2), state)
+    twin.after_verify(2, twin_state)
+    assert state.snapshot() == twin_state.snapshot()
+    budgeted = prop.alloc_state_for(np.int64(40))
+    assert budgeted.max_positions == 40
+    prop.set_vocab_limit(np.int64(50))
+    prop.free_state(budgeted)
+
+
+def test_a_list_of_hiddens_to_prefill_is_refused_with_a_hint():
+    gen = torch.Generator().manual_seed(0)
+    prop = make_proposer(TINY)
+    state = prop.alloc_state()
+    h = hidden(TINY, gen)
+    before = frozen(prop, [state])
+    with pytest.raises(InputError, match=r"prefill_drafter hiddens: expected one tensor \[3, \.\.\.\], got list "
+                                         r"\(hint: torch.stack a list of hiddens\)"):
+        prop.prefill_drafter([1, 2, 3], [h, h, h], state)
+    assert_unchanged(prop, [state], before)
+
+
+def test_a_non_finite_hidden_is_refused_and_the_proposer_drafts_as_if_it_never_came():
+    prop, state, gen = prefilled(seed=3)
+    twin, twin_state, _ = prefilled(seed=3)
+    for value in (float("nan"), float("inf"), -float("inf")):
+        bad = hidden(TINY, gen)
+        bad[1, 7] = value
+        before = frozen(prop, [state])
+        with pytest.raises(NonFiniteError, match=r"target_hidden: expected finite values, got a NaN or an infinity in "
+                                                 r"row\(s\) \[0\]"):
+            prop.propose(7, bad, 5, 3, state)
+        assert_unchanged(prop, [state], before)
+    for step in range(8):  # the next proposes: the twin's drafts, the twin's cache rows
+        h = hidden(TINY, gen)
+        assert prop.propose(7 + step, h, 5 + step, 3, state) == twin.propose(7 + step, h, 5 + step, 3, twin_state)
+        prop.after_verify(1, state)
+        twin.after_verify(1, twin_state)
+    assert state.snapshot() == twin_state.snapshot()
+
+
+def test_one_non_finite_row_refuses_the_whole_batch_and_names_it():
+    gen = torch.Generator().manual_seed(5)
+    prop = make_proposer(TINY)
+    states = [prop.alloc_state() for _ in range(8)]
+    prop.propose_batch(list(range(8)), hidden(TINY, gen, n=8), list(range(0, 80, 10)), 2, states)
+    for state in states:
+        prop.after_verify(2, state)
+    hiddens = hidden(TINY, gen, n=8)
+    hiddens[5, 0, 0] = float("nan")
+    before = frozen(prop, states)
+    with pytest.raises(NonFiniteError, match=r"in row\(s\) \[5\]"):
+        prop.propose_batch(list(range(8)), hiddens, list(range(2, 82, 10)), 2, states)
+    assert_unchanged(prop, states, before)
+
+
+def test_a_non_finite_hidden_to_prefill_or_catch_up_is_refused_before_anything_is_written():
+    gen = torch.Generator().manual_seed(0)
+    prop = make_proposer(TINY)
+    state = prop.alloc_state()
+    hiddens = hidden(TINY, gen, n=5)
+    hiddens[2, 1, 3] = float("inf")
+    before = frozen(prop, [state])
+    with pytest.raises(NonFiniteError, match="catch-up hiddens: expected finite values"):
+        prop.prefill_drafter([1, 2, 3, 4, 5], hiddens, state)
+    assert_unchanged(prop, [state], before)
+    with pytest.raises(NonFiniteError):
+        prop.catchup_drafter([1, 2], hiddens[1:3], 0, 0, state)
+    assert_unchanged(prop, [state], before)
