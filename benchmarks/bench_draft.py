@@ -250,13 +250,19 @@ def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, ke
     tokens = list(range(1, batch + 1))
     states = [prop.alloc_state() for _ in range(batch)]
 
-    def propose():
+    def reject():
         for s in states:
             if s.last_num_drafted:
                 prop.after_verify(0, s)  # reject every draft: the same positions again
+
+    def call():
         if batch == 1:
             return [prop.propose(tokens[0], hiddens[0], 200, k, states[0])]
         return prop.propose_batch(tokens, hiddens, [200] * batch, k, states)
+
+    def propose():
+        reject()
+        return call()
 
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_allocated()
@@ -276,6 +282,23 @@ def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, ke
         propose()
         host.append(prop.last_host_seconds)
     row["host_us"] = statistics.median(host) * 1e6
+    # What the caller of propose waits, the call alone (the after_verify of the loop outside it), and
+    # where the time after the launch goes: waiting for the replay and the drafts' read-back, and the
+    # commit after it (from the proposer's own timestamps, where it keeps them).
+    calls, waits, commits = [], [], []
+    for _ in range(100):
+        reject()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()  # returns once the drafts are on the host: its read-back synchronizes
+        calls.append(time.perf_counter() - start)
+        times = getattr(prop, "last_times", ())
+        if len(times) == 4:
+            waits.append(times[2] - times[1])
+            commits.append(times[3] - times[2])
+    row["call_ms"] = statistics.median(calls) * 1e3
+    if waits:
+        row["wait_us"], row["commit_us"] = statistics.median(waits) * 1e6, statistics.median(commits) * 1e6
     phases = time_phases(prop, propose, iters=30)
     row["host_phases_us"] = {name: round(us, 1) for name, us in phases.items()}
     gc.unfreeze()  # frozen objects are never collected: the bench frees proposers between cases
@@ -350,6 +373,17 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
               f"{num(r.get('host_us'), '.0f'):>7} {num(r.get('capture_s'), '.2f'):>9} "
               f"{num(r.get('mem_mb'), '.0f'):>7} {num(r.get('nodes_per_step'), '.1f'):>10} "
               f"{num(r.get('agree'), '.2f'):>6}")
+    timed = [r for r in rows if r.get("call_ms") is not None and r["variant"] != "draftgraph eager executor, torch ops"]
+    if timed:  # runs from 2026-12-05 on: the call alone and where the time after the launch goes
+        print("\nthe propose call alone (what its caller waits; propose ms above also holds the loop's after_verify"
+              " of each row),\nits host time up to the launch, the wait for the replay and the drafts' read-back, "
+              "and the commit after it")
+        print(f"{'B':>3} {'K':>2}  {'variant':<36} {'replay ms':>9} {'call ms':>8} {'call-replay us':>14} "
+              f"{'host us':>7} {'wait us':>7} {'commit us':>9}")
+        for r in timed:
+            print(f"{r['batch']:>3} {r['k']:>2}  {r['variant']:<36} {r['replay_ms']:>9.3f} {r['call_ms']:>8.3f} "
+                  f"{(r['call_ms'] - r['replay_ms']) * 1e3:>14.0f} {r['host_us']:>7.0f} "
+                  f"{num(r.get('wait_us'), '.0f'):>7} {num(r.get('commit_us'), '.0f'):>9}")
 
 
 def main() -> int:

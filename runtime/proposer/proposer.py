@@ -535,20 +535,28 @@ class DeepseekV4MtpProposer:
 
         Once per propose: a second call, or one before any propose, raises InputError.
         """
-        check_state(state, self.id, self.rows)
-        row = state.row
-        drafted = max(int(self.rows.last_drafted[row]), 1)
-        accepted = check_count(num_accepted, "num_accepted", 0, drafted)
-        if not self.rows.verify_due[row]:
+        rows = self.rows
+        if type(state) is not MtpProposerState or state.owner != self.id or not rows.is_live(state.key):
+            check_state(state, self.id, rows)
+        row = state.key & batch_kernel.ROW_MASK
+        drafted = max(int(rows.last_drafted[row]), 1)
+        accepted = num_accepted if type(num_accepted) is int and 0 <= num_accepted <= drafted else \
+            check_count(num_accepted, "num_accepted", 0, drafted)
+        if not rows.verify_due[row]:
             raise InputError(describe("after_verify", "one call after each propose",
                                       "a call with no propose since the last one",
                                       "call it once per verify of the drafts a propose made"))
         trim = drafted - accepted
         if trim > 0:
-            length = max(int(self.rows.seq_len[row]) - trim, int(self.rows.kv_start[row]))
-            self.rows.seq_len[row] = length
-            self.cache.truncate(self.rows.table_of[row], length)
-        self.rows.verify_due[row] = False
+            last = int(rows.seq_len[row])
+            length = max(last - trim, int(rows.kv_start[row]))
+            rows.seq_len[row] = length
+            # Blocks wholly past the new length go back; only the entries the rows dropped can hold one.
+            bs = self.cache.block_size
+            dropped = rows.tables[row, -(-length // bs) : (last - 1) // bs + 1]
+            if (dropped >= 0).any():
+                self.cache.truncate(rows.table_of[row], length)
+        rows.verify_due[row] = False
 
     def prefill_drafter(self, prompt_tokens: Sequence[int], hiddens: torch.Tensor, state) -> int:
         """Write drafter rows for the prompt: row i from (prompt_tokens[i + 1], hiddens[i]), i < P - 1.
