@@ -14,20 +14,23 @@ cases=1x1,1x3,8x1,32x1
 flags=(--cases "$cases" --kernels torch,fused --no-plain --no-compile)
 mkdir -p "$out/after" "$out/before"
 export PYTHONUNBUFFERED=1
-# The package as users install it (offline: no dependencies fetched, no build isolation).
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.txt" 2>&1 || cat "$out/install.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
-echo "python benchmarks/bench_draft.py ${flags[*]} --out \$OUT/after  (benchmarks/device_run.sh)" >"$out/after/log.txt"
-python3 benchmarks/bench_draft.py "${flags[@]}" --out "$out/after" >>"$out/after/log.txt" 2>&1
 if [ -n "$base" ]; then
+    # The older tree imports its own package: a folder holding only a link named draftgraph to it,
+    # first on the path (this tree is installed only after).
     script=tools/bench_draft.py
     [ -f "$base/benchmarks/bench_draft.py" ] && script=benchmarks/bench_draft.py
+    link=$(mktemp -d) && ln -s "$(cd "$base" && pwd)" "$link/draftgraph"
     echo "python $script ${flags[*]} --out \$OUT/before  (benchmarks/device_run.sh, in $base)" >"$out/before/log.txt"
-    (cd "$base" && python3 "$script" "${flags[@]}" --out "$out/before" >>"$out/before/log.txt" 2>&1)
+    (cd "$base" && PYTHONPATH="$link" python3 "$script" "${flags[@]}" --out "$out/before" >>"$out/before/log.txt" 2>&1)
 fi
+# The package as users install it (offline: no dependencies fetched, no build isolation).
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.txt" 2>&1 || cat "$out/install.txt"
+echo "python benchmarks/bench_draft.py ${flags[*]} --out \$OUT/after  (benchmarks/device_run.sh)" >"$out/after/log.txt"
+python3 benchmarks/bench_draft.py "${flags[@]}" --out "$out/after" >>"$out/after/log.txt" 2>&1
 timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider >"$out/pytest_cuda.txt" 2>&1
 tail -3 "$out/pytest_cuda.txt"
 for side in before after; do
     [ -f "$out/$side/log.txt" ] || continue
-    echo "== $side"; grep -A20 "^floor = " "$out/$side/log.txt" | head -16
+    echo "== $side"; grep -A40 "^floor = " "$out/$side/log.txt" | grep -v "^{" | head -30
 done

@@ -40,8 +40,11 @@ def test_after_verify_without_a_propose_since_the_last_verify_is_refused():
     with pytest.raises(InputError, match="after_verify: expected one call after each propose"):
         prop.after_verify(0, state)  # before any propose: it would drop a prefill row
     assert_unchanged(prop, [state], before)
+    assert not state.awaiting_verify
     prop.propose(7, hidden(TINY, gen), 5, 3, state)
+    assert state.awaiting_verify
     prop.after_verify(1, state)
+    assert not state.awaiting_verify
     before = frozen(prop, [state])
     with pytest.raises(InputError, match="a call with no propose since the last one"):
         prop.after_verify(1, state)  # twice: it would trim again

@@ -48,6 +48,11 @@ class MtpProposerState:
         return self._read(self._rows.last_drafted)
 
     @property
+    def awaiting_verify(self) -> bool:
+        """A propose since the last after_verify: the one call after_verify takes now."""
+        return bool(self._read(self._rows.verify_due))
+
+    @property
     def max_positions(self) -> int:
         """Positions this sequence may reach (its token budget)."""
         return self._read(self._rows.max_positions)
