@@ -18,7 +18,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(raw_copy, "is_enabled", True)
     monkeypatch.setattr(raw_copy, "_raw_stream", lambda index: 1000 + index)
     monkeypatch.setattr(raw_copy, "_memcpy", lambda *args: calls.append(args))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(raw_copy, "current_device", lambda: 0)
     return calls
 
 

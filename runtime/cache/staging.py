@@ -187,15 +187,19 @@ class ChainStaging:
         """
         if not tensor.is_cuda:
             return tensor[:n].numpy().copy()
-        host = self._read_bufs.get((tensor.shape, tensor.dtype))
+        key = (tensor.shape, tensor.dtype)
+        host = self._read_bufs.get(key)
         if host is None:
-            host = self._read_bufs[(tensor.shape, tensor.dtype)] = torch.empty(tensor.shape, dtype=tensor.dtype,
-                                                                               pin_memory=True)
-        rows = host[:n]
-        rows.copy_(tensor[:n], non_blocking=True)
-        torch.cuda.current_stream(tensor.device).synchronize()
+            pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host = self._read_bufs[key] = (pinned, pinned.numpy(), pinned[:1].nbytes)
+        pinned, array, row_bytes = host
+        if raw_copy.is_enabled and tensor.is_contiguous() and raw_copy.current_device() == self._device_index:
+            raw_copy.read_back(pinned.data_ptr(), tensor.data_ptr(), n * row_bytes, self._device_index)
+        else:
+            pinned[:n].copy_(tensor[:n], non_blocking=True)
+            torch.cuda.current_stream(tensor.device).synchronize()
         self._is_copy_pending = False  # the staging copy, queued before the run, is done too
-        return rows.numpy()
+        return array[:n]
 
     def in_graph_copy(self, masked: bool) -> Callable[[], None] | None:
         """The staging copy as a function to capture at the head of a chain graph, or None.
@@ -250,14 +254,18 @@ class ChainStaging:
             addresses += hiddens.data_ptr()
         else:
             n = len(hiddens)
-            for i, hidden in enumerate(hiddens):
-                if not hidden.is_contiguous():
-                    hidden = hidden.contiguous()
-                    self._kept.append(hidden)
-                self.addresses[i] = hidden.data_ptr()
+            pointers = [hidden.data_ptr() if hidden.is_contiguous() else self._contiguous_pointer(hidden)
+                        for hidden in hiddens]
+            self.addresses[:n] = pointers
         if n < self._num_addresses:
             self.addresses[n : self._num_addresses] = 0  # padding rows gather zeros
         self._num_addresses = self._num_hiddens = n
+
+    def _contiguous_pointer(self, hidden: torch.Tensor) -> int:
+        """The address of a contiguous copy of a strided hidden, kept until the next stage."""
+        hidden = hidden.contiguous()
+        self._kept.append(hidden)
+        return hidden.data_ptr()
 
     def _copy_hiddens(self, hiddens: Hiddens) -> None:
         if isinstance(hiddens, torch.Tensor):  # [n, ...]: one copy for the batch, whatever its strides

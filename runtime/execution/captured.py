@@ -20,12 +20,9 @@ import torch
 from draftgraph.runtime.errors import CaptureError, InputError, describe
 from draftgraph.runtime.execution import launch as raw_launch
 from draftgraph.runtime.execution.eager import EagerExecutor, run_if_flag_set
+from draftgraph.runtime.execution.raw_copy import current_device as _current_device
 from draftgraph.runtime.ir.graph import Graph
 from draftgraph.runtime.passes import DEFAULT_PASSES, Pass
-
-# The current device's index: what torch.cuda.current_device() answers once CUDA is initialised
-# (a launch needs it; the lazy-init check before it costs as much again).
-_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 class CapturedExecutor:

@@ -24,6 +24,8 @@ except ImportError:  # pragma: no cover - depends on the installed cuda-python
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what inductor's launchers call
 is_enabled = _cudart is not None and _raw_stream is not None  # a switch for benchmarks and tests
+# The calling thread's device: torch.cuda.current_device() without its Python wrapper (lazy init, checks).
+current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 class RawCopyError(RuntimeError):
@@ -49,11 +51,26 @@ def copy_async(dst: torch.Tensor, src: torch.Tensor, device_index: int) -> None:
         and src.nbytes == nbytes
         and dst.is_contiguous()
         and src.is_contiguous()
-        and torch.cuda.current_device() == device_index
+        and current_device() == device_index
     ):
         _memcpy(dst.data_ptr(), src.data_ptr(), nbytes, _raw_stream(device_index))
     else:
         dst.copy_(src, non_blocking=True)
+
+
+def read_back(host_ptr: int, device_ptr: int, nbytes: int, device_index: int) -> None:
+    """Copy ``nbytes`` from the device to pinned host memory on the current stream and wait for it.
+
+    What a propose's read-back of its drafts is, without ``copy_``'s dispatch or a stream
+    object: one ``cudaMemcpyAsync`` after the replay on the stream it ran on, and one
+    ``cudaStreamSynchronize``. The caller checked ``is_enabled`` and that the calling thread
+    is on ``device_index``.
+    """
+    stream = _raw_stream(device_index)
+    _memcpy(host_ptr, device_ptr, nbytes, stream)
+    (err,) = _cudart.cudaStreamSynchronize(stream)
+    if err != _cudart.cudaError_t.cudaSuccess:
+        raise RawCopyError(f"cudaStreamSynchronize after a read-back of {nbytes} bytes failed: {err.name}")
 
 
 def is_device_addressable(host: torch.Tensor) -> bool:

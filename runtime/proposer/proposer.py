@@ -81,6 +81,8 @@ class LaunchPlan(NamedTuple):
     staging: ChainStaging
     executor: object
     generation: int  # the proposer's generation it was made in: stale once executors are dropped
+    copy_in: bool  # the staging copies the host buffer up itself (no graph that copies it at its head)
+    gated: bool  # confidence gates: the chain may stop before K drafts
 
 
 class CarriedKv(tuple):
@@ -154,6 +156,7 @@ class DeepseekV4MtpProposer:
         self._plans: dict[tuple[int, int, bool], LaunchPlan] = {}  # (n, K, masked) -> what a propose looks up
         self._kernel = batch_kernel.load()  # design note "flat kernel": the compiled twin where it builds
         self._size_batch_buffers()
+        self._arrays = None  # _kernel_arrays
         self._hidden_shape = tuple(hidden_spec(config, opts.mode).shape[1:])
         self._mask_words = mask_words(config, opts.mtp_vocab_size)
         self._last_confidence: float | None = None
@@ -245,6 +248,7 @@ class DeepseekV4MtpProposer:
         """The kernel's per-row outputs, one row per sequence of the largest bucket."""
         size = self.buckets[-1]
         self._kv, self._kept = np.zeros(size, dtype=np.int64), np.zeros(size, dtype=np.int64)
+        self._one = tuple(np.zeros(1, dtype=np.int64) for _ in range(3))  # a propose's key, token, position
         # (row, entry) pairs of the blocks a propose mapped; K <= the block size: two entries a row
         self._mapped = np.zeros(4 * size, dtype=np.int64)
 
@@ -261,16 +265,14 @@ class DeepseekV4MtpProposer:
         except InputError:  # the error is the first kind's, as item by item: states, tokens, positions first
             self._check_items(states, tokens, pos, k, n)
             raise
-        _, staging, executor, _ = self._plan(n, k, mask is not None)
+        _, staging, executor, _, copy_in, gated = self._plan(n, k, mask is not None)
         kv, cache = self._kv[:n], self.cache
         # The checks, each row's kv_start after it (kept by a propose continuing its rows, kv_start <= p
         # <= seq_len; p for one jumping ahead or back), and blocks for the rows crossing into a block
         # they do not hold, all or nothing, in one kernel call (design note "flat kernel").
+        _, place_arrays, commit_arrays = self._kernel_arrays()
         with cache.lock:
-            status, index, m = kernel.place(keys, tokens, pos, k, self.config.vocab_size, self.max_seq_len, seqs.key,
-                                            seqs.seq_len, seqs.kv_start, seqs.max_positions, seqs.tables,
-                                            cache.block_size, seqs.num_trimmed, cache.block_state, cache.free_stack,
-                                            cache.free_top, kv, self._mapped)
+            status, index, m = kernel.place(keys, tokens, pos, k, *place_arrays, kv, self._mapped)
         if status != batch_kernel.OK:
             self._refuse(status, index, states, tokens, pos, k, n)
         mapped = self._mapped[: 2 * m].reshape(m, 2).copy() if m else None
@@ -279,8 +281,7 @@ class DeepseekV4MtpProposer:
                 seqs.table_of[row].cache_id = cache.cache_id
         try:
             staging.stage(seqs.tables, keys, pos, kv, tokens, hiddens, self._vocab_limit(),
-                          [mask] * n if mask is not None else None,
-                          copy_in=not getattr(executor, "copies_staging", False))
+                          [mask] * n if mask is not None else None, copy_in=copy_in)
             if self.options.poison_arena:
                 executor.poison()
             outputs = executor.run(staging.chain_inputs(self._mask_words if mask is not None else None), check=False)
@@ -296,11 +297,9 @@ class DeepseekV4MtpProposer:
             if mapped is not None:
                 self._unmap(mapped)
             raise
-        gated, kept = is_gated(self.options.draft_conf_tau, k), self._kept[:n]
+        kept = self._kept[:n]
         with cache.lock:
-            kernel.commit(keys, pos, kv, drafts, k, gated, seqs.seq_len, seqs.kv_start, seqs.last_drafted,
-                          seqs.verify_due, seqs.tables, seqs.num_trimmed, self.config.sliding_window,
-                          cache.block_size, cache.block_state, cache.free_stack, cache.free_top, kept)
+            kernel.commit(keys, pos, kv, drafts, k, gated, *commit_arrays, kept)
         drafted = drafts.tolist()
         if gated and kept.min() < k:  # the blocks mapped for drafts the chain did not make go back
             drafted = [d[:c] for d, c in zip(drafted, kept.tolist())]
@@ -316,6 +315,20 @@ class DeepseekV4MtpProposer:
         self.last_times = (entered, launched, read, done)
         return drafted
 
+    def _kernel_arrays(self) -> tuple[np.ndarray, tuple, tuple]:
+        """The batch kernel's fixed arguments: the rows' and the pool's arrays and sizes, for
+        ``place`` and for ``commit``; made again when the rows grow (new arrays)."""
+        arrays, seqs, cache = self._arrays, self.rows, self.cache
+        if arrays is None or arrays[0] is not seqs.key:
+            place = (self.config.vocab_size, self.max_seq_len, seqs.key, seqs.seq_len, seqs.kv_start,
+                     seqs.max_positions, seqs.tables, cache.block_size, seqs.num_trimmed, cache.block_state,
+                     cache.free_stack, cache.free_top)
+            commit = (seqs.seq_len, seqs.kv_start, seqs.last_drafted, seqs.verify_due, seqs.tables,
+                      seqs.num_trimmed, self.config.sliding_window, cache.block_size, cache.block_state,
+                      cache.free_stack, cache.free_top)
+            arrays = self._arrays = (seqs.key, place, commit)
+        return arrays
+
     def _batch_arrays(self, states, tokens, positions, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The batch as the kernel's arrays: the states' keys, tokens, positions (int64 [n]).
 
@@ -323,6 +336,15 @@ class DeepseekV4MtpProposer:
         the item-by-item checks in their order (states, tokens, positions), which convert what
         they accept (numpy integers, 0-d tensors) and raise for the first bad item.
         """
+        if n == 1 and type(tokens) is list and type(positions) is list and len(tokens) == len(positions) == 1:
+            # propose's one row: three item writes into arrays kept for it (the caller holds the lock)
+            token, position, one = tokens[0], positions[0], self._one
+            if type(token) is int and type(position) is int:
+                try:
+                    one[0][0], one[1][0], one[2][0] = states[0].key, token, position
+                    return one
+                except (TypeError, AttributeError, OverflowError, IndexError, KeyError):
+                    pass  # the checks below name what is wrong
         try:
             keys = np.fromiter(map(_KEY, states), np.int64, n)
         except (TypeError, ValueError, AttributeError):
@@ -431,8 +453,11 @@ class DeepseekV4MtpProposer:
         plan = self._plans.get((n, k, masked))
         if plan is None or plan.generation != self.generation:
             bucket = self._bucket(n)
-            plan = self._plans[(n, k, masked)] = LaunchPlan(bucket, self._staging_for(bucket),
-                                                            self._executor(bucket, k, masked), self.generation)
+            executor = self._executor(bucket, k, masked)
+            plan = self._plans[(n, k, masked)] = LaunchPlan(bucket, self._staging_for(bucket), executor,
+                                                            self.generation,
+                                                            not getattr(executor, "copies_staging", False),
+                                                            is_gated(self.options.draft_conf_tau, k))
         plan.executor.tracer = self.tracer
         return plan
 
