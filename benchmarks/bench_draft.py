@@ -299,6 +299,16 @@ def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, ke
     row["call_ms"] = statistics.median(calls) * 1e3
     if waits:
         row["wait_us"], row["commit_us"] = statistics.median(waits) * 1e6, statistics.median(commits) * 1e6
+    if executor == "captured" and hasattr(prop, "_staging_for"):
+        # The read-back alone on an idle GPU (the drafts' copy and its sync): wait - read - replay is
+        # the launch's latency on an idle GPU.
+        staging, drafts_out, reads = prop._staging_for(prop.buckets[0]), prop.last_outputs["drafts"], []
+        for _ in range(100):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            staging.read_rows(drafts_out, batch)
+            reads.append(time.perf_counter() - start)
+        row["read_us"] = statistics.median(reads) * 1e6
     if batch > 1 and executor == "captured":
         # The hiddens as one [B, C, D] tensor, as vLLM and SGLang hold the target's: the same call,
         # checked and staged as one block (the list above costs host work per row).
@@ -392,16 +402,19 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
         print("\nthe propose call alone (what its caller waits; propose ms above also holds the loop's after_verify"
               " of each row),\nits host time up to the launch, the wait for the replay and the drafts' read-back, "
               "and the commit after it")
-        print("(the hiddens as a list of B [C, D] tensors; B > 1 again as one [B, C, D] tensor: its call - replay "
+        print("(wait: from the launch to the drafts on the host; read: the read-back alone on an idle GPU;\n"
+              " the hiddens as a list of B [C, D] tensors; B > 1 again as one [B, C, D] tensor: its call - replay "
               "and host)")
         print(f"{'B':>3} {'K':>2}  {'variant':<36} {'replay ms':>9} {'call ms':>8} {'call-replay us':>14} "
-              f"{'host us':>7} {'wait us':>7} {'commit us':>9} {'[B,C,D] call-replay us':>22} {'host us':>7}")
+              f"{'host us':>7} {'wait us':>7} {'read us':>7} {'commit us':>9} {'[B,C,D] call-replay us':>22} "
+              f"{'host us':>7}")
         for r in timed:
             stacked = r.get("call_stacked_ms")
+            stacked_us = None if stacked is None else (stacked - r["replay_ms"]) * 1e3
             print(f"{r['batch']:>3} {r['k']:>2}  {r['variant']:<36} {r['replay_ms']:>9.3f} {r['call_ms']:>8.3f} "
                   f"{(r['call_ms'] - r['replay_ms']) * 1e3:>14.0f} {r['host_us']:>7.0f} "
-                  f"{num(r.get('wait_us'), '.0f'):>7} {num(r.get('commit_us'), '.0f'):>9} "
-                  f"{num(None if stacked is None else (stacked - r['replay_ms']) * 1e3, '.0f'):>22} "
+                  f"{num(r.get('wait_us'), '.0f'):>7} {num(r.get('read_us'), '.0f'):>7} "
+                  f"{num(r.get('commit_us'), '.0f'):>9} {num(stacked_us, '.0f'):>22} "
                   f"{num(r.get('host_stacked_us'), '.0f'):>7}")
 
 
