@@ -133,19 +133,3 @@ def test_host_buffer_rewritten_between_replays_is_read_fresh():
         got = captured.propose(token, hidden, position, 2, states[id(captured)])
         assert got == eager.propose(token, hidden, position, 2, states[id(eager)])
 
-
-@pytest.mark.parametrize("raw", [True, False])
-def test_read_rows_returns_the_first_rows_after_the_queued_work(counted, monkeypatch, raw):
-    """The drafts' read-back (ChainStaging.read_rows): raw (cudaMemcpyAsync + stream sync) or copy_,
-    the first n rows exactly, read after work queued on the stream before it has finished."""
-    monkeypatch.setattr(raw_copy, "is_enabled", raw)
-    prop = DeepseekV4MtpProposer(SMALL, random_mtp_weights(SMALL, seed=5), device="cuda", executor="captured",
-                                 buckets=(1, 4))
-    staging = prop._staging_for(4)
-    out = torch.zeros(4, 3, dtype=torch.int64, device="cuda")
-    for n, fill in [(3, 7), (1, -5), (4, 2**40)]:
-        torch.cuda._sleep(2_000_000)  # the read must wait for this and the fill behind it
-        out.fill_(fill)
-        rows = staging.read_rows(out, n)
-        assert rows.shape == (n, 3) and (rows == fill).all()
-    assert len(counted) == (3 if raw else 0)

@@ -187,19 +187,15 @@ class ChainStaging:
         """
         if not tensor.is_cuda:
             return tensor[:n].numpy().copy()
-        key = (tensor.shape, tensor.dtype)
-        host = self._read_bufs.get(key)
+        host = self._read_bufs.get((tensor.shape, tensor.dtype))
         if host is None:
-            pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            host = self._read_bufs[key] = (pinned, pinned.numpy(), pinned[:1].nbytes)
-        pinned, array, row_bytes = host
-        if raw_copy.is_enabled and tensor.is_contiguous() and raw_copy.current_device() == self._device_index:
-            raw_copy.read_back(pinned.data_ptr(), tensor.data_ptr(), n * row_bytes, self._device_index)
-        else:
-            pinned[:n].copy_(tensor[:n], non_blocking=True)
-            torch.cuda.current_stream(tensor.device).synchronize()
+            host = self._read_bufs[(tensor.shape, tensor.dtype)] = torch.empty(tensor.shape, dtype=tensor.dtype,
+                                                                               pin_memory=True)
+        rows = host[:n]
+        rows.copy_(tensor[:n], non_blocking=True)
+        torch.cuda.current_stream(tensor.device).synchronize()
         self._is_copy_pending = False  # the staging copy, queued before the run, is done too
-        return array[:n]
+        return rows.numpy()
 
     def in_graph_copy(self, masked: bool) -> Callable[[], None] | None:
         """The staging copy as a function to capture at the head of a chain graph, or None.

@@ -58,21 +58,6 @@ def copy_async(dst: torch.Tensor, src: torch.Tensor, device_index: int) -> None:
         dst.copy_(src, non_blocking=True)
 
 
-def read_back(host_ptr: int, device_ptr: int, nbytes: int, device_index: int) -> None:
-    """Copy ``nbytes`` from the device to pinned host memory on the current stream and wait for it.
-
-    What a propose's read-back of its drafts is, without ``copy_``'s dispatch or a stream
-    object: one ``cudaMemcpyAsync`` after the replay on the stream it ran on, and one
-    ``cudaStreamSynchronize``. The caller checked ``is_enabled`` and that the calling thread
-    is on ``device_index``.
-    """
-    stream = _raw_stream(device_index)
-    _memcpy(host_ptr, device_ptr, nbytes, stream)
-    (err,) = _cudart.cudaStreamSynchronize(stream)
-    if err != _cudart.cudaError_t.cudaSuccess:
-        raise RawCopyError(f"cudaStreamSynchronize after a read-back of {nbytes} bytes failed: {err.name}")
-
-
 def is_device_addressable(host: torch.Tensor) -> bool:
     """Whether a kernel may read the pinned ``host`` tensor at its own address.
 
