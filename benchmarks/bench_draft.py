@@ -38,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from bench_floor import measure_copy_bandwidth, step_weight_bytes
 from bench_host import time_phases
@@ -250,10 +251,14 @@ def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, ke
     tokens = list(range(1, batch + 1))
     states = [prop.alloc_state() for _ in range(batch)]
 
-    def reject():
-        for s in states:
+    def reject():  # reject every draft: the same positions again
+        if hasattr(prop, "after_verify_batch"):  # one call for the batch, as an engine verifies
+            if states[0].last_num_drafted:
+                prop.after_verify_batch([0] * batch, states)
+            return
+        for s in states:  # trees before it: row by row
             if s.last_num_drafted:
-                prop.after_verify(0, s)  # reject every draft: the same positions again
+                prop.after_verify(0, s)
 
     def call():
         if batch == 1:
@@ -356,7 +361,9 @@ def plain_rows(cfg, weights, prop, batch: int, k: int, compile_baseline: bool):
     st = prop.alloc_state()
     prop.cache.ensure(st.table, 200, 200 + k)
     hidden = torch.zeros(cfg.hc_mult, cfg.hidden_size, dtype=torch.bfloat16, device=prop.device)
-    staged = prop._staging_for(batch).stage([(200, 0, st.table)] * batch, list(range(1, batch + 1)),
+    rows = np.full(batch, st.row, dtype=np.int64)  # every row reads the one sequence's table at 200
+    staged = prop._staging_for(batch).stage(prop.rows.tables, rows, np.full(batch, 200, dtype=np.int64),
+                                            np.zeros(batch, dtype=np.int64), np.arange(1, batch + 1, dtype=np.int64),
                                             [hidden] * batch, cfg.vocab_size)
     inputs = (staged["token"], staged["hidden"], staged["positions"], prop.cache.kv, staged["kv_start"],
               staged["block_table"])

@@ -92,8 +92,7 @@ class DecodeLoop:
             prop.propose(self.tokens[0], self.hidden0, self.positions[0], self.k, self.states[0])
         else:
             prop.propose_batch(self.tokens, self.hiddens, self.positions, self.k, self.states)
-        for state in self.states:
-            prop.after_verify(self.k, state)
+        prop.after_verify_batch([self.k] * self.batch, self.states)
         self.positions = [p + self.k for p in self.positions]
 
 

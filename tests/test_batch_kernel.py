@@ -3,8 +3,8 @@
 Design note "flat kernel" (runtime/native/batch_kernel.py): the same arguments, the same answers,
 the same bytes written. Each case draws a persistent batch (keys, lengths, budgets, block tables
 with holes, a pool with few or many free blocks), a batch of rows (some stale, repeated, out of
-range, over budget or short of blocks, so every status is reached), and runs place, write and
-commit on copies of the same buffers with both: the same blocks mapped from the pool in the same
+range, over budget or short of blocks, so every status is reached), and runs place, write,
+commit and verify on copies of the same buffers with both: the same blocks mapped from the pool in the same
 order, the same blocks given back behind each window.
 """
 
@@ -140,10 +140,33 @@ def test_place_write_and_commit_equal_the_twin(native, seed):
         assert f0 == f1 and np.array_equal(kept0, kept1)
         assert all(np.array_equal(s0[name], s1[name]) for name in s0)
         seqs.update(s1)
+        # verify (after_verify of the batch): counts now and then out of range, a key now and then
+        # stale, repeated or of a row with no propose to verify
+        vkeys = keys.copy()
+        if rng.random() < 0.15:
+            live = [int(x) for x in seqs["key"] if x and not seqs["verify_due"][int(x) & twin.ROW_MASK]]
+            vkeys[rng.randrange(len(vkeys))] = rng.choice([0, vkeys[0], *live])
+        accepted = np.array([rng.randrange(0, int(c) + 1) if rng.random() < 0.97 else rng.choice([-1, int(c) + 1])
+                             for c in np.maximum(seqs["last_drafted"][vkeys & twin.ROW_MASK], 1)], dtype=np.int64)
+        results = []
+        for kernel in (native, twin):
+            state = {name: seqs[name].copy() for name in ("seq_len", "verify_due", *POOL)}
+            answer = kernel.verify(vkeys, accepted, seqs["key"], state["seq_len"], seqs["kv_start"],
+                                   seqs["last_drafted"], state["verify_due"], state["tables"], BS,
+                                   state["block_state"], state["free_stack"], state["free_top"])
+            results.append((answer, state))
+        (a0, s0), (a1, s1) = results
+        assert a0 == a1
+        assert all(np.array_equal(s0[name], s1[name]) for name in s0)
+        VERIFY_STATUSES.add(a0[0])
+        if a0[0] != twin.OK:
+            assert all(np.array_equal(s1[name], seqs[name]) for name in s1)
+        seqs.update(s1)
     STATUSES.update(statuses)
 
 
 STATUSES: set[int] = set()
+VERIFY_STATUSES: set[int] = set()
 
 
 def test_the_random_batches_reach_every_answer(native):
@@ -151,6 +174,7 @@ def test_the_random_batches_reach_every_answer(native):
     if not STATUSES:
         pytest.skip("run with the random cases")
     assert STATUSES == {twin.OK, twin.STALE, twin.TWICE, twin.TOKEN, twin.POSITION, twin.BUDGET, twin.POOL}
+    assert VERIFY_STATUSES == {twin.OK, twin.STALE, twin.TWICE, twin.COUNT, twin.UNPROPOSED}
 
 
 def test_every_refusal_names_its_first_bad_row():

@@ -45,11 +45,12 @@ def fuzz(prop, foreign, seed: int, counts: dict) -> None:
             prop.propose_batch([rng.randrange(V) for _ in pick], hidden(TINY, gen, n=len(pick)),
                                np.array([s.seq_len for s in pick]), rng.randrange(1, 4), pick)
         elif op == "verify":
-            if state.last_num_drafted:
-                try:
-                    prop.after_verify(np.int64(rng.randrange(0, state.last_num_drafted + 1)), state)
-                except DraftGraphError:
-                    pass  # verified already: a misuse this script may make by chance, refused
+            if state.awaiting_verify:
+                prop.after_verify(np.int64(rng.randrange(0, state.last_num_drafted + 1)), state)
+        elif op == "verify_batch":
+            pick = [s for s in states if s.awaiting_verify]
+            if pick:
+                prop.after_verify_batch(np.array([rng.randrange(0, s.last_num_drafted + 1) for s in pick]), pick)
         elif op == "catchup":
             n = rng.randrange(1, 5)
             prop.catchup_drafter([rng.randrange(V) for _ in range(n)], hidden(TINY, gen, n=n), state.seq_len,
@@ -117,8 +118,8 @@ def fuzz(prop, foreign, seed: int, counts: dict) -> None:
             assert snapshot() == before or op == "reverify", op  # a reverify's first call may be good
             counts["bad"] += 1
         else:
-            op = rng.choice(["propose", "batch", "verify", "verify", "catchup", "take", "install", "renew", "rows",
-                             "rows", "rows"])
+            op = rng.choice(["propose", "batch", "verify", "verify_batch", "catchup", "take", "install", "renew",
+                             "rows", "rows", "rows"])
             good(op, state)
             counts["good"] += 1
     for taken in carried:

@@ -137,3 +137,53 @@ def test_a_non_finite_hidden_to_prefill_or_catch_up_is_refused_before_anything_i
     with pytest.raises(NonFiniteError):
         prop.catchup_drafter([1, 2], hiddens[1:3], 0, 0, state)
     assert_unchanged(prop, [state], before)
+
+
+def batch_of_proposed(seed: int, n: int = 4, k: int = 3):
+    """Two proposers (a twin to compare with) with n sequences each, every one after a propose of k."""
+    gen = torch.Generator().manual_seed(seed)
+    props, states = [], []
+    hs = torch.stack([hidden(TINY, gen) for _ in range(n)])
+    for _ in range(2):
+        prop = make_proposer(TINY)
+        st = [prop.alloc_state() for _ in range(n)]
+        prop.propose_batch(list(range(1, n + 1)), hs, [15 + 9 * i for i in range(n)], k, st)
+        props.append(prop)
+        states.append(st)
+    return props, states
+
+
+def test_after_verify_batch_equals_after_verify_row_by_row():
+    """Accepted counts that trim nothing, some rows, and rows back across a block boundary."""
+    (batched, single), (bs, ss) = batch_of_proposed(5)
+    accepted = [3, 0, 1, 2]
+    batched.after_verify_batch(np.array(accepted), bs)
+    for count, state in zip(accepted, ss):
+        single.after_verify(count, state)
+    assert [s.snapshot() for s in bs] == [s.snapshot() for s in ss]
+    assert batched.cache.num_free_blocks == single.cache.num_free_blocks
+    assert not any(s.awaiting_verify for s in bs)
+
+
+@pytest.mark.parametrize("case", ["over", "negative", "bool", "length", "twice", "duplicate", "freed"])
+def test_a_bad_after_verify_batch_changes_no_row(case):
+    (prop, _), (states, _) = batch_of_proposed(6)
+    accepted = [1, 1, 1, 1]
+    if case == "over":
+        accepted[2] = 4  # 3 drafted
+    elif case == "negative":
+        accepted[1] = -1
+    elif case == "bool":
+        accepted[0] = True
+    elif case == "length":
+        accepted = accepted[:3]
+    elif case == "twice":
+        prop.after_verify(1, states[3])  # its verify is done: the batch's would be a second
+    elif case == "duplicate":
+        states = [states[0], states[1], states[1], states[3]]
+    elif case == "freed":
+        prop.free_state(states[2])
+    before = frozen(prop, states)
+    with pytest.raises(InputError):
+        prop.after_verify_batch(accepted, states)
+    assert_unchanged(prop, states, before)

@@ -132,4 +132,3 @@ def test_host_buffer_rewritten_between_replays_is_read_fresh():
     for token, position in [(5, 40), (17, 41), (3, 90)]:
         got = captured.propose(token, hidden, position, 2, states[id(captured)])
         assert got == eager.propose(token, hidden, position, 2, states[id(eager)])
-

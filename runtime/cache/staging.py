@@ -87,6 +87,9 @@ class ChainStaging:
         self.masks[:] = -1  # rows without a mask allow every token
         self.views = self._views(self.device_buf)
         self._hidden_shape = self.hidden_buf.shape[1:]
+        # The first n rows of hidden_buf, made once per n: a slice per copy costs as much as the copy
+        # of a row on the CPU.
+        self._hidden_rows = [self.hidden_buf[:n] for n in range(bucket + 1)]
         self._row_bytes = self.hidden_buf[0].nbytes  # a contiguous row's step
         self._row_strides = self.hidden_buf[0].stride()
         self._num_hiddens = self._num_addresses = self._num_masked = 0
@@ -264,16 +267,17 @@ class ChainStaging:
         return hidden.data_ptr()
 
     def _copy_hiddens(self, hiddens: Hiddens) -> None:
+        # The hiddens are of the row's shape (checked): no view of each before the copy.
         if isinstance(hiddens, torch.Tensor):  # [n, ...]: one copy for the batch, whatever its strides
             n = hiddens.shape[0]
             if n:
-                self.hidden_buf[:n].copy_(hiddens, non_blocking=True)
+                self._hidden_rows[n].copy_(hiddens, non_blocking=True)
         else:
             n = len(hiddens)
             if n == 1:  # one copy, not a stack (a dispatch the less)
-                self.hidden_buf[0].copy_(hiddens[0].view(self._hidden_shape), non_blocking=True)
+                self._hidden_rows[1].copy_(hiddens[0], non_blocking=True)
             elif n:
-                torch.stack([h.view(self._hidden_shape) for h in hiddens], out=self.hidden_buf[:n])
+                torch.stack(hiddens, out=self._hidden_rows[n])
         if n < self._num_hiddens:  # rows that held a hidden last time are padding now: zeros
             self.hidden_buf[n : self._num_hiddens].zero_()
         self._num_hiddens = n

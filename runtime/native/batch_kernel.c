@@ -9,7 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { OK, STALE, TWICE, TOKEN, POSITION, BUDGET, POOL };
+enum { OK, STALE, TWICE, TOKEN, POSITION, BUDGET, POOL, COUNT, UNPROPOSED };
 enum { FREE = 0, OWNED = 1 };
 enum { POS = 0, SLOT = 8, SEQ_LEN = 16, KV_START = 20, TABLE = 256 };
 #define CUT (-1)
@@ -172,10 +172,70 @@ static PyObject *commit(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(freed);
 }
 
+/* verify(keys, accepted, seq_key, seq_len, kv_start, last_drafted, verify_due, tables, block_size, block_state,
+ *        free_stack, free_top) -> (status, index, blocks given back) */
+static PyObject *verify(PyObject *self, PyObject *args) {
+    Py_buffer v[11] = {{0}};
+    long long block_size;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*y*y*w*w*Lw*w*w*", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], &v[7],
+                          &block_size, &v[8], &v[9], &v[10]))
+        return NULL;
+    const int64_t *keys = v[0].buf, *accepted = v[1].buf, *seq_key = v[2].buf, *kv_start = v[4].buf;
+    const int64_t *last_drafted = v[5].buf;
+    int64_t *seq_len = v[3].buf, *free_top = v[10].buf;
+    uint8_t *verify_due = v[6].buf;
+    int32_t *tables = v[7].buf, *free_stack = v[9].buf;
+    int8_t *block_state = v[8].buf;
+    Py_ssize_t n = v[0].len / 8, rows = v[2].len / 8, index = 0, freed = 0;
+    Py_ssize_t width = rows ? v[7].len / 4 / rows : 0;
+    int status = OK;
+    for (Py_ssize_t i = 0; i < n && status == OK; i++) {
+        int64_t row = keys[i] & ROW_MASK;
+        if (keys[i] == 0 || row >= rows || seq_key[row] != keys[i]) status = STALE, index = i;
+    }
+    for (Py_ssize_t i = 1; i < n && status == OK; i++)
+        for (Py_ssize_t j = 0; j < i; j++)
+            if ((keys[i] & ROW_MASK) == (keys[j] & ROW_MASK)) {
+                status = TWICE, index = i;
+                break;
+            }
+    for (Py_ssize_t i = 0; i < n && status == OK; i++) {
+        int64_t drafted = last_drafted[keys[i] & ROW_MASK];
+        if (drafted < 1) drafted = 1;
+        if (accepted[i] < 0 || accepted[i] > drafted) status = COUNT, index = i;
+    }
+    for (Py_ssize_t i = 0; i < n && status == OK; i++)
+        if (!verify_due[keys[i] & ROW_MASK]) status = UNPROPOSED, index = i;
+    for (Py_ssize_t i = 0; i < n && status == OK; i++) {
+        int64_t row = keys[i] & ROW_MASK, drafted = last_drafted[row];
+        if (drafted < 1) drafted = 1;
+        int64_t trim = drafted - accepted[i];
+        verify_due[row] = 0;
+        if (trim <= 0) continue;
+        int64_t last = seq_len[row], length = last - trim;
+        if (length < kv_start[row]) length = kv_start[row];
+        seq_len[row] = length;
+        int32_t *table = tables + row * width;
+        int64_t first = (length + block_size - 1) / block_size, held = 0;
+        for (int64_t j = first; j <= floor_div(last - 1, block_size) && j < width; j++) held |= table[j] >= 0;
+        if (!held) continue;
+        for (int64_t j = first; j < width; j++) {
+            if (table[j] < 0) continue;
+            free_stack[free_top[0]++] = table[j];
+            block_state[table[j]] = FREE;
+            table[j] = -1;
+            freed++;
+        }
+    }
+    release(v, 11);
+    return Py_BuildValue("(inn)", status, index, freed);
+}
+
 static PyMethodDef methods[] = {
     {"place", place, METH_VARARGS, "Check a batch and place its rows (see batch_kernel.py)."},
     {"write", write_rows, METH_VARARGS, "Write a batch's metadata rows and tokens (see batch_kernel.py)."},
     {"commit", commit, METH_VARARGS, "Write a propose's rows back (see batch_kernel.py)."},
+    {"verify", verify, METH_VARARGS, "after_verify of a batch (see batch_kernel.py)."},
     {NULL, NULL, 0, NULL},
 };
 

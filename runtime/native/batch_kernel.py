@@ -21,6 +21,11 @@ random batches. Where the C cannot be built (no compiler, ``DRAFTGRAPH_NATIVE=0`
   the number of drafts each row kept into ``kept_out`` (those before the first CUT), and gives
   back every block wholly behind a row's window (its trimmed front moves on); it answers how
   many blocks went back.
+- :func:`verify` is after_verify of a batch: checks (live keys, distinct, each count in
+  0 .. max(drafts made, 1), a propose since the last verify), then each row's seq_len rolls back
+  by the drafts it did not accept (not below kv_start), and where an entry of the dropped rows
+  holds a block, every block from the new length's first whole block on goes back (the cache's
+  ``truncate``). All or nothing: (status, index, blocks given back).
 
 The batch's keys are ``serial << ROW_BITS | row`` (proposer/sequences.py): one number a state.
 The pool is the cache's (block_state, free_stack, free_top: cache/paged_cache.py); the caller
@@ -33,7 +38,7 @@ import sys
 
 import numpy as np
 
-OK, STALE, TWICE, TOKEN, POSITION, BUDGET, POOL = range(7)
+OK, STALE, TWICE, TOKEN, POSITION, BUDGET, POOL, COUNT, UNPROPOSED = range(9)
 CUT = -1
 FREE, OWNED = 0, 1  # block states (cache/paged_cache.py)
 ROW_BITS = 20
@@ -126,6 +131,45 @@ def commit(keys, pos, kv, drafts, k, gated, seq_len, kv_start, last_drafted, ver
                     freed += 1
             num_trimmed[row] = stop
     return freed
+
+
+def verify(keys, accepted, seq_key, seq_len, kv_start, last_drafted, verify_due, tables, block_size, block_state,
+           free_stack, free_top) -> tuple[int, int, int]:
+    """``keys``, ``accepted`` int64 [n]: the batch's states and accepted counts. See the module docstring."""
+    n = len(keys)
+    rows = keys & ROW_MASK
+    live = (keys != 0) & (rows < len(seq_key))
+    live[live] = seq_key[rows[live]] == keys[live]
+    if not live.all():
+        return STALE, int(np.flatnonzero(~live)[0]), 0
+    if n > 1:
+        repeated = np.ones(n, dtype=bool)
+        repeated[np.unique(rows, return_index=True)[1]] = False
+        if repeated.any():
+            return TWICE, int(np.flatnonzero(repeated)[0]), 0
+    drafted = np.maximum(last_drafted[rows], 1)
+    bad = (accepted < 0) | (accepted > drafted)
+    if bad.any():
+        return COUNT, int(np.flatnonzero(bad)[0]), 0
+    if not verify_due[rows].all():
+        return UNPROPOSED, int(np.flatnonzero(~verify_due[rows])[0]), 0
+    freed = 0
+    for row, trim in zip(rows.tolist(), (drafted - accepted).tolist()):
+        verify_due[row] = False
+        if trim <= 0:
+            continue
+        last = int(seq_len[row])
+        length = max(last - trim, int(kv_start[row]))
+        seq_len[row] = length
+        first = -(-length // block_size)  # the first block wholly at positions >= length
+        if (tables[row, first : (last - 1) // block_size + 1] >= 0).any():
+            for j in range(first, tables.shape[1]):
+                block = tables[row, j]
+                if block >= 0:
+                    free_stack[free_top[0]], block_state[block], tables[row, j] = block, FREE, -1
+                    free_top[0] += 1
+                    freed += 1
+    return OK, 0, freed
 
 
 def load():

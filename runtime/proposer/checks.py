@@ -47,14 +47,19 @@ def check_ints(values: Sequence | np.ndarray, what: str, low: int, high: int, n:
     if isinstance(values, np.ndarray) and values.dtype.kind in "iu" and values.ndim == 1:
         array = values.astype(np.int64, copy=False)
     elif not isinstance(values, (str, bytes, torch.Tensor, np.ndarray)) and set(map(type, values)) <= _PLAIN_INTS:
-        array = np.array(values, dtype=np.int64)
+        try:
+            array = np.array(values, dtype=np.int64)
+        except OverflowError:  # an int past int64: out of any range taken here
+            i = next(i for i, v in enumerate(values) if not -(1 << 63) <= v < (1 << 63))
+            raise InputError(describe(f"{what}[{i}]" if n > 1 else what, f"an int in [{low}, {high})",
+                                      values[i])) from None
     else:
         try:
             items = list(values)
         except TypeError:
             raise InputError(describe(what, f"a sequence of {n} ints", type(values).__name__)) from None
-        array = np.array([as_int(v, f"{what}[{i}]", f"an int in [{low}, {high})") for i, v in enumerate(items)],
-                         dtype=np.int64)
+        array = np.array([as_int(v, f"{what}[{i}]" if n > 1 else what, f"an int in [{low}, {high})")
+                          for i, v in enumerate(items)], dtype=np.int64)
     if array.shape != (n,):
         raise InputError(describe(f"{what} length", n, len(array), "one entry per sequence"))
     if n and (array.min() < low or array.max() >= high):

@@ -105,6 +105,16 @@ def _plain_ints(values, n: int) -> bool:
     return isinstance(values, np.ndarray) and values.dtype.kind in "iu" and values.shape == (n,)
 
 
+def _int64_array(values, n: int) -> np.ndarray | None:
+    """``values`` as int64 [n] when they are n plain ints that fit; else None (the item checks say why)."""
+    if not _plain_ints(values, n):
+        return None
+    try:
+        return np.array(values, dtype=np.int64)
+    except OverflowError:
+        return None
+
+
 def _nonfinite_rows(hiddens) -> list[int]:
     """The rows holding a NaN or an infinity (the error's message: a host sync, on that path only)."""
     rows = hiddens if isinstance(hiddens, torch.Tensor) else torch.stack([h.reshape(-1) for h in hiddens])
@@ -249,6 +259,7 @@ class DeepseekV4MtpProposer:
         size = self.buckets[-1]
         self._kv, self._kept = np.zeros(size, dtype=np.int64), np.zeros(size, dtype=np.int64)
         self._one = tuple(np.zeros(1, dtype=np.int64) for _ in range(3))  # a propose's key, token, position
+        self._verify_one = (np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))  # after_verify's
         # (row, entry) pairs of the blocks a propose mapped; K <= the block size: two entries a row
         self._mapped = np.zeros(4 * size, dtype=np.int64)
 
@@ -270,7 +281,7 @@ class DeepseekV4MtpProposer:
         # The checks, each row's kv_start after it (kept by a propose continuing its rows, kv_start <= p
         # <= seq_len; p for one jumping ahead or back), and blocks for the rows crossing into a block
         # they do not hold, all or nothing, in one kernel call (design note "flat kernel").
-        _, place_arrays, commit_arrays = self._kernel_arrays()
+        _, place_arrays, commit_arrays, _ = self._kernel_arrays()
         with cache.lock:
             status, index, m = kernel.place(keys, tokens, pos, k, *place_arrays, kv, self._mapped)
         if status != batch_kernel.OK:
@@ -315,9 +326,9 @@ class DeepseekV4MtpProposer:
         self.last_times = (entered, launched, read, done)
         return drafted
 
-    def _kernel_arrays(self) -> tuple[np.ndarray, tuple, tuple]:
+    def _kernel_arrays(self) -> tuple[np.ndarray, tuple, tuple, tuple]:
         """The batch kernel's fixed arguments: the rows' and the pool's arrays and sizes, for
-        ``place`` and for ``commit``; made again when the rows grow (new arrays)."""
+        ``place``, ``commit`` and ``verify``; made again when the rows grow (new arrays)."""
         arrays, seqs, cache = self._arrays, self.rows, self.cache
         if arrays is None or arrays[0] is not seqs.key:
             place = (self.config.vocab_size, self.max_seq_len, seqs.key, seqs.seq_len, seqs.kv_start,
@@ -326,7 +337,9 @@ class DeepseekV4MtpProposer:
             commit = (seqs.seq_len, seqs.kv_start, seqs.last_drafted, seqs.verify_due, seqs.tables,
                       seqs.num_trimmed, self.config.sliding_window, cache.block_size, cache.block_state,
                       cache.free_stack, cache.free_top)
-            arrays = self._arrays = (seqs.key, place, commit)
+            verify = (seqs.key, seqs.seq_len, seqs.kv_start, seqs.last_drafted, seqs.verify_due, seqs.tables,
+                      cache.block_size, cache.block_state, cache.free_stack, cache.free_top)
+            arrays = self._arrays = (seqs.key, place, commit, verify)
         return arrays
 
     def _batch_arrays(self, states, tokens, positions, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -349,8 +362,7 @@ class DeepseekV4MtpProposer:
             keys = np.fromiter(map(_KEY, states), np.int64, n)
         except (TypeError, ValueError, AttributeError):
             keys = None
-        tok = np.array(tokens, dtype=np.int64) if _plain_ints(tokens, n) else None
-        pos = np.array(positions, dtype=np.int64) if _plain_ints(positions, n) else None
+        tok, pos = _int64_array(tokens, n), _int64_array(positions, n)
         if keys is None or tok is None or pos is None:
             keys = check_states(states, self.id, self.rows, n)
             tok = check_ints(tokens, "last_tokens" if n > 1 else "last_token", 0, self.config.vocab_size, n)
@@ -560,28 +572,60 @@ class DeepseekV4MtpProposer:
 
         Once per propose: a second call, or one before any propose, raises InputError.
         """
+        self._verify([num_accepted], [state], 1)
+
+    @_serialized
+    def after_verify_batch(self, num_accepted, states) -> None:
+        """``after_verify`` of a batch's rows in one call (an engine verifies a batch at a time).
+
+        ``num_accepted`` is B ints (numpy integers, an integer array); every state must have
+        proposed since its last verify. All or nothing: any bad entry raises the error
+        ``after_verify`` would give for it, and no row changes.
+        """
+        if isinstance(states, (str, bytes, MtpProposerState)) or not hasattr(states, "__len__"):
+            raise InputError(describe("states", "a sequence of states", type(states).__name__))
+        self._verify(num_accepted, states, len(states))
+
+    def _verify(self, counts, states, n: int) -> None:
+        """The one path of after_verify: the batch kernel's verify (checks, roll-back, blocks given back)."""
+        keys, accepted = self._verify_arrays(counts, states, n)
         rows = self.rows
-        if type(state) is not MtpProposerState or state.owner != self.id or not rows.is_live(state.key):
-            check_state(state, self.id, rows)
-        row = state.key & batch_kernel.ROW_MASK
-        drafted = max(int(rows.last_drafted[row]), 1)
-        accepted = num_accepted if type(num_accepted) is int and 0 <= num_accepted <= drafted else \
-            check_count(num_accepted, "num_accepted", 0, drafted)
-        if not rows.verify_due[row]:
-            raise InputError(describe("after_verify", "one call after each propose",
-                                      "a call with no propose since the last one",
+        with self.cache.lock:
+            status, index, _ = self._kernel.verify(keys, accepted, *self._kernel_arrays()[3])
+        if status == batch_kernel.OK:
+            return
+        if status in (batch_kernel.STALE, batch_kernel.TWICE):
+            check_states(states, self.id, rows, n)  # raises the state's own error
+        what = f"num_accepted[{index}]" if n > 1 else "num_accepted"
+        if status == batch_kernel.COUNT:
+            drafted = max(int(rows.last_drafted[keys[index] & batch_kernel.ROW_MASK]), 1)
+            raise InputError(describe(what, f"an int in [0, {drafted}]", int(accepted[index]),
+                                      "at most the drafts of the sequence's last propose"))
+        if status == batch_kernel.UNPROPOSED:
+            raise InputError(describe("after_verify" if n == 1 else f"after_verify of states[{index}]",
+                                      "one call after each propose", "a call with no propose since the last one",
                                       "call it once per verify of the drafts a propose made"))
-        trim = drafted - accepted
-        if trim > 0:
-            last = int(rows.seq_len[row])
-            length = max(last - trim, int(rows.kv_start[row]))
-            rows.seq_len[row] = length
-            # Blocks wholly past the new length go back; only the entries the rows dropped can hold one.
-            bs = self.cache.block_size
-            dropped = rows.tables[row, -(-length // bs) : (last - 1) // bs + 1]
-            if (dropped >= 0).any():
-                self.cache.truncate(rows.table_of[row], length)
-        rows.verify_due[row] = False
+        raise AssertionError(f"the batch kernel's verify refused (status {status}, row {index}) a checked batch")
+
+    def _verify_arrays(self, counts, states, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The kernel's keys and counts (int64 [n]); anything unusual through the item-by-item checks."""
+        if n == 1 and type(counts) is list and type(counts[0]) is int:
+            keys, accepted = self._verify_one
+            try:
+                keys[0], accepted[0] = states[0].key, counts[0]
+                return keys, accepted
+            except (TypeError, AttributeError, OverflowError, IndexError, KeyError):
+                pass  # the checks below name what is wrong
+        try:
+            keys = np.fromiter(map(_KEY, states), np.int64, n)
+        except (TypeError, ValueError, AttributeError):
+            keys = check_states(states, self.id, self.rows, n)  # raises for the first bad state
+        accepted = _int64_array(counts, n)
+        if accepted is None:  # the kernel checks the keys; the counts that are no ints are named here
+            drafted = np.maximum(self.rows.last_drafted[check_states(states, self.id, self.rows, n)
+                                                        & batch_kernel.ROW_MASK], 1)
+            accepted = check_ints(counts, "num_accepted", 0, int(drafted.max(initial=1)) + 1, n)
+        return keys, accepted
 
     def prefill_drafter(self, prompt_tokens: Sequence[int], hiddens: torch.Tensor, state) -> int:
         """Write drafter rows for the prompt: row i from (prompt_tokens[i + 1], hiddens[i]), i < P - 1.

@@ -65,7 +65,8 @@ class MtpProposerState:
 
     def snapshot(self) -> tuple:
         """Everything a failed call must leave unchanged (tests compare before/after)."""
-        return (tuple(self.table.entries()), self.seq_len, self.kv_start, self.last_num_drafted, self.is_freed)
+        return (tuple(self.table.entries()), self.seq_len, self.kv_start, self.last_num_drafted, self.awaiting_verify,
+                self.is_freed)
 
     def __repr__(self) -> str:
         if self.is_freed:
