@@ -187,3 +187,22 @@ def test_a_bad_after_verify_batch_changes_no_row(case):
     with pytest.raises(InputError):
         prop.after_verify_batch(accepted, states)
     assert_unchanged(prop, states, before)
+
+
+@pytest.mark.parametrize("where", ["token", "position", "batch token", "count"])
+def test_an_int_past_int64_is_a_typed_error(where):
+    prop, state, gen = prefilled()
+    h, huge = hidden(TINY, gen), 1 << 70
+    if where == "count":
+        prop.propose(7, h, 5, 3, state)
+    before = frozen(prop, [state])
+    with pytest.raises(InputError, match="expected an int in"):
+        if where == "token":
+            prop.propose(huge, h, 5, 3, state)
+        elif where == "position":
+            prop.propose(7, h, -huge, 3, state)
+        elif where == "batch token":
+            prop.propose_batch([huge], [h], [5], 3, [state])
+        else:
+            prop.after_verify(huge, state)
+    assert_unchanged(prop, [state], before)

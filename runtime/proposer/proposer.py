@@ -6,11 +6,14 @@ once, at the end. Executors are made per (batch bucket, K, masked) and kept; the
 executor (CUDA) and the eager one run the same graph behind the same API.
 
 Design note "one path": what the host knows of its sequences is a persistent batch of flat
-arrays (proposer/sequences.py). A propose checks its batch with array ops, maps blocks only for
-the rows that cross into a block they do not hold, writes the staging buffer with array ops
-(cache/staging.py), launches, reads the drafts back, and writes the batch's rows back with
-array ops; the per-row work left is the few rows that cross a block boundary. Every call runs
-this one path, whatever the batch.
+arrays (proposer/sequences.py). A propose checks its batch and maps blocks for the rows that
+cross into a block they do not hold (the batch kernel's ``place``), writes the staging buffer
+(``write``, cache/staging.py), launches, reads the drafts back, and writes the batch's rows back
+(``commit``); an after_verify is the kernel's ``verify``. The kernel is one C call per step over
+the flat arrays (runtime/native/batch_kernel.py, its numpy twin where no compiler is), so the
+Python per row left is turning the caller's lists into arrays (one [B, C, D] hiddens tensor is
+checked once; a list of B is checked tensor by tensor). Every call runs this one path, whatever
+the batch; a refused call is named item by item, on the error path only.
 
 Design note "threads": every call that reads or writes sequences, the cache, the staging
 buffers or the executors holds the proposer's one lock, from its checks to its read-back. A
