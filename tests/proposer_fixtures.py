@@ -40,5 +40,13 @@ def accepted_batch(positions: list[int], num_drafts: int, seed: int):
     return prop, states, hiddens, [p + num_drafts for p in positions]
 
 
-def cache_snapshot(prop) -> tuple:
-    return (prop.cache.num_free_blocks, prop.cache.kv.clone())
+def frozen(prop, states) -> tuple:
+    """What a refused call must leave as it was: the states, the pool's free count, the cache rows."""
+    return [s.snapshot() for s in states], prop.cache.num_free_blocks, prop.cache.kv.clone()
+
+
+def assert_unchanged(prop, states, before) -> None:
+    snaps, free, kv = before
+    assert [s.snapshot() for s in states] == snaps
+    assert prop.cache.num_free_blocks == free
+    assert torch.equal(prop.cache.kv, kv)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from draftgraph.runtime.cache.paged_cache import BlockTable
 from draftgraph.runtime.errors import CacheError, InputError, describe
-from proposer_fixtures import TINY, accepted_batch, make_proposer
+from proposer_fixtures import TINY, accepted_batch, assert_unchanged, frozen, make_proposer
 
 B, K = 32, 2
 BAD_AT = (0, 17, 31)
@@ -26,17 +26,6 @@ SHAPE = (TINY.hc_mult, TINY.hidden_size)
 def batch():
     """A proposer and 32 states that hold blocks, at their next positions (mid-block and on a boundary)."""
     return accepted_batch([20 + i for i in range(B)], K, seed=0)
-
-
-def frozen(prop, states) -> tuple:
-    return [s.snapshot() for s in states], prop.cache.num_free_blocks, prop.cache.kv.clone()
-
-
-def assert_unchanged(prop, states, before) -> None:
-    snaps, free, kv = before
-    assert [s.snapshot() for s in states] == snaps
-    assert prop.cache.num_free_blocks == free
-    assert torch.equal(prop.cache.kv, kv)
 
 
 def propose_with(prop, states, hiddens, positions, tokens=None):

@@ -12,18 +12,7 @@ import numpy as np
 import pytest
 import torch
 from draftgraph.runtime.errors import InputError, NonFiniteError
-from proposer_fixtures import TINY, hidden, make_proposer
-
-
-def frozen(prop, states) -> tuple:
-    return [s.snapshot() for s in states], prop.cache.num_free_blocks, prop.cache.kv.clone()
-
-
-def assert_unchanged(prop, states, before) -> None:
-    snaps, free, kv = before
-    assert [s.snapshot() for s in states] == snaps
-    assert prop.cache.num_free_blocks == free
-    assert torch.equal(prop.cache.kv, kv)
+from proposer_fixtures import TINY, assert_unchanged, frozen, hidden, make_proposer
 
 
 def prefilled(seed=0, tokens=(1, 2, 3, 4, 5, 6)):

@@ -22,6 +22,18 @@ static void release(Py_buffer *views, int count) {
         if (views[i].obj != NULL) PyBuffer_Release(&views[i]);
 }
 
+/* STALE at the first key of no live row, TWICE at the first row named again, else OK. */
+static int check_keys(const int64_t *keys, Py_ssize_t n, const int64_t *seq_key, Py_ssize_t rows, Py_ssize_t *index) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t row = keys[i] & ROW_MASK;
+        if (keys[i] == 0 || row >= rows || seq_key[row] != keys[i]) return *index = i, STALE;
+    }
+    for (Py_ssize_t i = 1; i < n; i++)
+        for (Py_ssize_t j = 0; j < i; j++)
+            if ((keys[i] & ROW_MASK) == (keys[j] & ROW_MASK)) return *index = i, TWICE;
+    return OK;
+}
+
 /* place(keys, tokens, pos, k, vocab, max_seq_len, seq_key, seq_len, kv_start, max_positions, tables, block_size,
  *       num_trimmed, block_state, free_stack, free_top, kv_out, mapped_out) -> (status, index, m) */
 static PyObject *place(PyObject *self, PyObject *args) {
@@ -38,18 +50,8 @@ static PyObject *place(PyObject *self, PyObject *args) {
     int8_t *block_state = v[9].buf;
     Py_ssize_t n = v[2].len / 8, rows = v[3].len / 8;
     Py_ssize_t width = rows ? v[7].len / 4 / rows : 0;
-    int status = OK;
     Py_ssize_t index = 0, m = 0;
-    for (Py_ssize_t i = 0; i < n && status == OK; i++) {
-        int64_t row = keys[i] & ROW_MASK;
-        if (keys[i] == 0 || row >= rows || seq_key[row] != keys[i]) status = STALE, index = i;
-    }
-    for (Py_ssize_t i = 1; i < n && status == OK; i++)
-        for (Py_ssize_t j = 0; j < i; j++)
-            if ((keys[i] & ROW_MASK) == (keys[j] & ROW_MASK)) {
-                status = TWICE, index = i;
-                break;
-            }
+    int status = check_keys(keys, n, seq_key, rows, &index);
     for (Py_ssize_t i = 0; i < n && status == OK; i++)
         if (tokens[i] < 0 || tokens[i] >= vocab) status = TOKEN, index = i;
     for (Py_ssize_t i = 0; i < n && status == OK; i++)
@@ -188,17 +190,7 @@ static PyObject *verify(PyObject *self, PyObject *args) {
     int8_t *block_state = v[8].buf;
     Py_ssize_t n = v[0].len / 8, rows = v[2].len / 8, index = 0, freed = 0;
     Py_ssize_t width = rows ? v[7].len / 4 / rows : 0;
-    int status = OK;
-    for (Py_ssize_t i = 0; i < n && status == OK; i++) {
-        int64_t row = keys[i] & ROW_MASK;
-        if (keys[i] == 0 || row >= rows || seq_key[row] != keys[i]) status = STALE, index = i;
-    }
-    for (Py_ssize_t i = 1; i < n && status == OK; i++)
-        for (Py_ssize_t j = 0; j < i; j++)
-            if ((keys[i] & ROW_MASK) == (keys[j] & ROW_MASK)) {
-                status = TWICE, index = i;
-                break;
-            }
+    int status = check_keys(keys, n, seq_key, rows, &index);
     for (Py_ssize_t i = 0; i < n && status == OK; i++) {
         int64_t drafted = last_drafted[keys[i] & ROW_MASK];
         if (drafted < 1) drafted = 1;

@@ -46,20 +46,28 @@ ROW_MASK = (1 << ROW_BITS) - 1
 POS, SLOT, SEQ_LEN, KV_START, TABLE = 0, 8, 16, 20, 256  # byte offsets of a metadata row
 
 
+def _check_keys(keys, rows, seq_key) -> tuple[int, int]:
+    """(STALE, i) for the first key of no live row, (TWICE, i) for the first row named again, else (OK, 0)."""
+    live = (keys != 0) & (rows < len(seq_key))
+    live[live] = seq_key[rows[live]] == keys[live]
+    if not live.all():
+        return STALE, int(np.flatnonzero(~live)[0])
+    if len(keys) > 1:
+        repeated = np.ones(len(keys), dtype=bool)
+        repeated[np.unique(rows, return_index=True)[1]] = False  # each row's first place is no repeat
+        if repeated.any():
+            return TWICE, int(np.flatnonzero(repeated)[0])
+    return OK, 0
+
+
 def place(keys, tokens, pos, k, vocab, max_seq_len, seq_key, seq_len, kv_start, max_positions, tables,
           block_size, num_trimmed, block_state, free_stack, free_top, kv_out, mapped_out) -> tuple[int, int, int]:
     """``keys`` int64 [n]: the batch's states. See the module docstring."""
     n = len(pos)
     rows = keys & ROW_MASK
-    live = (keys != 0) & (rows < len(seq_key))
-    live[live] = seq_key[rows[live]] == keys[live]
-    if not live.all():
-        return STALE, int(np.flatnonzero(~live)[0]), 0
-    if n > 1:
-        repeated = np.ones(n, dtype=bool)
-        repeated[np.unique(rows, return_index=True)[1]] = False  # each row's first place is no repeat
-        if repeated.any():
-            return TWICE, int(np.flatnonzero(repeated)[0]), 0
+    status, index = _check_keys(keys, rows, seq_key)
+    if status != OK:
+        return status, index, 0
     bad = (tokens < 0) | (tokens >= vocab)
     if bad.any():
         return TOKEN, int(np.flatnonzero(bad)[0]), 0
@@ -136,17 +144,10 @@ def commit(keys, pos, kv, drafts, k, gated, seq_len, kv_start, last_drafted, ver
 def verify(keys, accepted, seq_key, seq_len, kv_start, last_drafted, verify_due, tables, block_size, block_state,
            free_stack, free_top) -> tuple[int, int, int]:
     """``keys``, ``accepted`` int64 [n]: the batch's states and accepted counts. See the module docstring."""
-    n = len(keys)
     rows = keys & ROW_MASK
-    live = (keys != 0) & (rows < len(seq_key))
-    live[live] = seq_key[rows[live]] == keys[live]
-    if not live.all():
-        return STALE, int(np.flatnonzero(~live)[0]), 0
-    if n > 1:
-        repeated = np.ones(n, dtype=bool)
-        repeated[np.unique(rows, return_index=True)[1]] = False
-        if repeated.any():
-            return TWICE, int(np.flatnonzero(repeated)[0]), 0
+    status, index = _check_keys(keys, rows, seq_key)
+    if status != OK:
+        return status, index, 0
     drafted = np.maximum(last_drafted[rows], 1)
     bad = (accepted < 0) | (accepted > drafted)
     if bad.any():
