@@ -205,3 +205,9 @@ def test_tiny_model_acceptance_is_what_eval_prints(only_when_slow_selected):
     first = re.search(r"^\s+accepted\s+([\d.]+)", done.stdout, re.M).group(1)
     mean = re.search(r"mean accepted length\s+([\d.]+)", done.stdout).group(1)
     assert f"first-draft acceptance {first}, mean accepted length {mean}" in PROSE
+
+
+def test_the_readme_stays_short():
+    """User documentation of at most 250 lines (issue 25); measurement history lives in benchmarks/."""
+    lines = len(README.splitlines())
+    assert lines <= 250, f"README.md: expected at most 250 lines, got {lines} (move history to benchmarks/)"
