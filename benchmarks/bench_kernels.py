@@ -32,6 +32,7 @@ if "--cpu-dry-run" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
 import torch
+from draftgraph.graphs.v4_block import CacheGeometry, attention_attrs
 from draftgraph.runtime.ir.op_registry import get_op
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
 from draftgraph.runtime.model.config import V4Config
@@ -180,17 +181,7 @@ def attention_case(cfg, b):
         torch.zeros(b, dtype=I32, device=DEV),
         table,
     ]
-    attrs = {
-        "num_heads": h,
-        "head_dim": d,
-        "rope_dim": cfg.qk_rope_head_dim,
-        "o_groups": g,
-        "o_lora_rank": ol,
-        "window": cfg.sliding_window,
-        "rope_theta": cfg.rope_theta,
-        "eps": cfg.rms_norm_eps,
-        "block_size": 16,
-    }
+    attrs = attention_attrs(cfg, CacheGeometry(num_slots=num_blocks * 16, max_blocks_per_seq=blocks))
     if dim < 1024:
         attrs["kv_fp8_round"] = True  # the small shapes also exercise the FP8-rounded cache write
     return inputs, attrs

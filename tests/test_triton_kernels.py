@@ -49,6 +49,7 @@ K = _load_kernel_modules()
 if INTERPRET:
     K["_common"].patch_interpreter_rounding()
 
+from draftgraph.graphs.v4_block import CacheGeometry, attention_attrs  # noqa: E402
 from draftgraph.runtime.ir.op_registry import get_op  # noqa: E402
 from draftgraph.runtime.ir.tensor_spec import TensorSpec  # noqa: E402
 from draftgraph.runtime.model.config import V4Config  # noqa: E402
@@ -489,17 +490,7 @@ def test_flash_swa_attention(attn_impl):
         torch.zeros(b, dtype=torch.int32, device="cuda"),
         table,
     ]
-    attrs = {
-        "num_heads": h,
-        "head_dim": d,
-        "rope_dim": cfg.qk_rope_head_dim,
-        "o_groups": g,
-        "o_lora_rank": ol,
-        "window": cfg.sliding_window,
-        "rope_theta": cfg.rope_theta,
-        "eps": cfg.rms_norm_eps,
-        "block_size": 16,
-    }
+    attrs = attention_attrs(cfg, CacheGeometry(num_slots=(b * blocks + 3) * 16, max_blocks_per_seq=blocks))
     compare("swa_attention", inputs, attrs)
 
 
