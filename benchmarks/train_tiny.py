@@ -1,6 +1,6 @@
 """Train the tiny V4-shaped target model and its MTP head on the Python standard library's source.
 
-    python benchmarks/train_tiny.py [--minutes 18] [--out tools/data/tiny_v4] [--seed 0]
+    python benchmarks/train_tiny.py [--minutes 18] [--out tools/data/tiny_v4] [--seed 0] [--init DIR]
 
 Data: every ``*.py`` under ``sysconfig.get_paths()["stdlib"]`` (site-packages excluded), sorted by
 relative path, byte-tokenized, each file framed as BOS + bytes + EOS. A file whose
@@ -9,6 +9,11 @@ relative path, byte-tokenized, each file framed as BOS + bytes + EOS. A file who
 Loss: target next-token CE + ``--mtp-weight`` * MTP CE for token t+2. The MTP reads the target's
 streams at t DETACHED (the target learns only from its own loss, as a frozen target would be seen
 at inference) and the TRUE token t+1; the shared embedding and head get gradients from both.
+
+Schedule: linear warm-up over min(30 s, 5 % of the budget), then cosine decay to 0.1 x ``--lr`` at
+the end of the wall-time budget. ``--init DIR`` warm-starts from a checkpoint this script wrote
+(its config.json sets the sizes; the bf16 weights are widened to fp32; the optimizer starts fresh,
+hence the warm-up again), so a later run continues an earlier one instead of starting over.
 
 Writes ``config.json``, ``model.safetensors`` (bf16 linears; fp32 ``hc_*``, ``attn_sink`` and gate
 bias; int32 ``tid2eid``; real DeepSeek-V4 tensor names) and ``metrics.json``, after evaluating
@@ -84,6 +89,16 @@ def tiny_config(**overrides) -> V4Config:
     return V4Config.small(**base)
 
 
+def load_init(path: Path) -> tuple[V4Config, TinyV4Target, TinyV4Mtp]:
+    """A checkpoint written by this script as fp32 models to continue training from."""
+    config, target, mtp = load_tiny_checkpoint(path)
+    for module in (target, mtp):
+        for tensor in (*module.parameters(), *module.buffers()):
+            if tensor.is_floating_point():
+                tensor.data = tensor.data.float()
+    return config, target, mtp
+
+
 # ---- training ----------------------------------------------------------------------------------
 
 
@@ -123,14 +138,16 @@ def train(
     mtp_weight: float = 0.5,
     max_steps: int | None = None,
     progress: bool = True,
+    init: tuple[TinyV4Target, TinyV4Mtp] | None = None,
 ) -> tuple[TinyV4Target, TinyV4Mtp, list[dict]]:
     """Train until ``seconds`` of wall time (or ``max_steps``); warmup, then cosine over the budget.
 
+    ``init``: fp32 models to continue from (see ``load_init``) instead of fresh ones.
     Returns the fp32 models and one history entry per step (loss, ce_target, ce_mtp, lr, t).
     """
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    target, mtp = TinyV4Target(config), TinyV4Mtp(config)
+    target, mtp = init if init is not None else (TinyV4Target(config), TinyV4Mtp(config))
     params = [p for m in (target, mtp) for p in m.parameters()]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -252,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--mtp-weight", type=float, default=0.5)
+    parser.add_argument("--init", type=Path, default=None, help="warm-start from this checkpoint folder")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -265,7 +283,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{len(eval_files)} held out ({len(eval_stream):,} tokens)"
     )
 
-    config = tiny_config()
+    init = None
+    if args.init is not None:
+        config, *init = load_init(args.init)
+        print(f"init: {args.init} (its sizes; optimizer fresh)")
+    else:
+        config = tiny_config()
     target, mtp, history = train(
         config,
         train_stream,
@@ -275,6 +298,7 @@ def main(argv: list[str] | None = None) -> None:
         seq_len=args.seq_len,
         lr=args.lr,
         mtp_weight=args.mtp_weight,
+        init=None if init is None else tuple(init),
     )
     train_s = history[-1]["t"] if history else 0.0
     size = save_checkpoint(args.out, config, target, mtp)
@@ -298,6 +322,10 @@ def main(argv: list[str] | None = None) -> None:
         wall_seconds=round(time.perf_counter() - wall, 1),
         command="python benchmarks/train_tiny.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     )
+    if args.init is not None and (args.init / "metrics.json").exists():
+        # A warm start's lineage: the run it continued (its command, steps and seconds).
+        before = json.loads((args.init / "metrics.json").read_text())
+        metrics["init"] = {k: before[k] for k in ("command", "steps", "train_seconds", "init") if k in before}
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     print(
         f"target next-token accuracy {metrics['target_accuracy']:.4f}, MTP first-position agreement "

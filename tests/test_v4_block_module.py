@@ -420,6 +420,33 @@ def test_smoke_training_lowers_the_loss():
     assert last < first - 1.0, (first, last)
 
 
+def test_warm_start_continues_from_the_saved_checkpoint(tmp_path):
+    """--init: the saved bf16 checkpoint comes back as fp32 models with the saved values (bf16-rounded),
+    and train() continues those models instead of fresh ones."""
+    from train_tiny import FP32_NAMES, joint_loss, load_init, save_checkpoint, tiny_config, train
+
+    config = tiny_config(hidden_size=64, n_routed_experts=4, moe_intermediate_size=64, q_lora_rank=32)
+    torch.manual_seed(0)
+    target, mtp = TinyV4Target(config), TinyV4Mtp(config)
+    save_checkpoint(tmp_path, config, target, mtp)
+    loaded_config, target2, mtp2 = load_init(tmp_path)
+    assert loaded_config == config
+    saved = {**target.state_dict_v4(), **mtp.state_dict_v4()}
+    for name, t in {**target2.state_dict_v4(), **mtp2.state_dict_v4()}.items():
+        kept = not t.is_floating_point() or any(key in name for key in FP32_NAMES)  # stored exactly
+        expected = saved[name] if kept else saved[name].bfloat16().float()
+        assert t.dtype == saved[name].dtype and torch.equal(t, expected), (name, t.dtype)
+    stream = torch.randint(0, 256, (4096,), dtype=torch.int16)
+    window = stream[:66].long().unsqueeze(0).expand(2, -1)  # [B, T+2]
+    with torch.no_grad():
+        fresh, loaded = joint_loss(target, mtp, window, 0.5)[0].item(), joint_loss(target2, mtp2, window, 0.5)[0].item()
+    assert abs(fresh - loaded) < 0.05, (fresh, loaded)
+    trained, trained_mtp, history = train(
+        config, stream, seconds=60, batch=2, seq_len=32, max_steps=2, progress=False, init=(target2, mtp2)
+    )
+    assert trained is target2 and trained_mtp is mtp2 and len(history) == 2, len(history)
+
+
 # ---- CUDA graph capture --------------------------------------------------------------------------
 
 
