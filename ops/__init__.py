@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from . import attention, basic, body, combiner, draft_gate, embed, lm_head, mhc, moe, nonfinite, sampling  # noqa: F401
+from . import attention, basic, body, collectives, combiner, draft_gate, embed, lm_head, mhc, moe, nonfinite, sampling  # noqa: F401
 
 if torch.cuda.is_available() and os.environ.get("DRAFTGRAPH_FUSED", "1") != "0":
     from .triton import register_all

@@ -30,6 +30,7 @@ FAMILY_COLORS: dict[str, str] = {
     "view": "#eeeeee",
     "runner": "#f0b8dc",
     "subgraph": "#f0b8dc",
+    "comm": "#ff8c69",  # where ranks talk: meant to stand out
 }
 
 # For families not listed above, picked by crc32 of the family name.

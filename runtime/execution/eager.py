@@ -52,7 +52,8 @@ class EagerExecutor:
         Persistent tensors bound by name (state is mutated in place by ops).
     runners : mapping of name -> runner, optional
         Implementations of the nodes whose op leaves its implementation to the user (``OpDef.bound_by``:
-        the ``body`` under ``attrs["runner"]``), as objects with ``run_node`` (proposer/runners).
+        the ``body`` under ``attrs["runner"]``, a comm node under ``attrs["group"]``), as objects with
+        ``run_<op>`` or ``run_node`` (proposer/runners, ops.collectives.RankGroup).
     passes : sequence of Pass
         The rewrites the graph runs after (``draftgraph.runtime.passes``; default all of them).
     alias : bool
@@ -161,7 +162,8 @@ class EagerExecutor:
             if key not in self.runners:
                 raise ExecutionError(describe(f"%{node.name} {opdef.bound_by}", f"one of {sorted(self.runners)}",
                                               repr(key), "pass the implementation in runners="))
-            impl = self.runners[key].run_node
+            runner = self.runners[key]  # one object may implement several ops: run_<op> first
+            impl = getattr(runner, f"run_{node.op}", None) or runner.run_node
         else:
             impl = select_impl(opdef, self.device, self.kernels)
         inputs = [self.bound.get(n, n) for n in node.inputs]
