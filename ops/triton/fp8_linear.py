@@ -1,0 +1,344 @@
+"""FP8 block-scaled GEMV / skinny GEMM: out[B, N] = x[B, K] @ dequant(W)[N, K]^T, B <= 64.
+
+W is ``float8_e4m3fn`` [N, K] with one UE8M0 scale per 128 x 128 tile, ``[ceil(N/128),
+ceil(K/128)]`` (``runtime/model/quant.py``; edge tiles may be partial). The kernel is
+``gemv.py``'s with the weight read as bytes: half the bf16 bytes, the same tiling.
+
+Note "dequantised in registers": a W tile [BLOCK_N, BLOCK_K] never straddles a scale column
+(BLOCK_K divides 128), so each of its rows has one scale. The codes are decoded to fp32
+(exact: e4m3 is a subset of bf16 and of fp32), multiplied by x in the dot or FMA, and the
+row's scale multiplies the tile's partial product, not each weight: a power of two, so
+``(q . x) * s == (q * s) . x`` exactly in fp32 (no overflow at these magnitudes). Nothing is
+dequantised to memory.
+
+Note "decode": the CPU interpreter has no float8 loads, so the weight is passed as uint8 and
+decoded with integer ops (:func:`e4m3_to_f32`); scales always are (:func:`ue8m0_to_f32`: the
+byte shifted into an fp32 exponent, so 2^(byte-127) exactly with no exp2). On a GPU with
+native e4m3 conversion (sm89+, ``native_fp8``) the codes are loaded as fp8 and converted by
+the hardware instead; the CPU tests run the integer decode, the CUDA tests both.
+
+Variants and options as ``gemv.gemv``: dot (any batch, activations padded to 16 rows) or FMA
+(batch 1), ``PRO_NORM``, ``GROUPED`` (wo_a), ``TWO_W`` (wq_a + wkv: the second matrix has its
+own scale grid), ``SPLIT_K``, plus ``ACCUMULATE`` (out += x @ W^T: a residual, or the sum of
+e_proj and h_proj into one buffer).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from draftgraph.ops.triton._common import batch_block, interpreting, mma, next_pow2, pdl_args, pdl_wait
+from draftgraph.ops.triton.gemv import GemvConfig
+from draftgraph.runtime.errors import InputError, describe
+from draftgraph.runtime.model.quant import FP8_BLOCK, fp8_scale_shape
+
+# Untuned (no GPU yet): the bf16 tiles at the byte widths of fp8; BLOCK_K is at most 128 here.
+DEFAULT = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
+BATCH1_CONFIG = GemvConfig(block_n=16, block_k=128, num_warps=4, num_stages=4, use_dot=False)
+
+
+# ---- decoding bytes in registers ------------------------------------------------------------
+
+
+@triton.jit
+def e4m3_to_f32(q):
+    """e4m3 bytes (uint8) -> fp32, exactly: sign, 4-bit exponent (bias 7), 3-bit mantissa; 0x7F/0xFF NaN."""
+    b = q.to(tl.uint32)
+    exp = (b >> 3) & 0xF
+    man = b & 0x7
+    normal = (((b & 0x80) << 24) | ((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    sub = man.to(tl.float32) * 0.001953125  # exponent 0: man * 2^-9
+    sub = tl.where((b & 0x80) != 0, -sub, sub)
+    v = tl.where(exp == 0, sub, normal)
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def ue8m0_to_f32(s):
+    """UE8M0 bytes (uint8) -> 2^(byte - 127) in fp32, exactly (byte 0: the subnormal 2^-127; 255: NaN)."""
+    b = s.to(tl.uint32)
+    bits = tl.where(b == 0, (b + 1) << 22, b << 23)
+    bits = bits | ((b == 255).to(tl.uint32) << 22)  # 0x7F800000 (inf) -> 0x7FC00000 (NaN)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_tile(w_rows, s_rows, kk, k0, n_mask, K, EVEN: tl.constexpr, NATIVE: tl.constexpr):
+    """(codes [BLOCK_N, BLOCK_K] in fp32, the rows' block scales [BLOCK_N]) of the K tile at k0.
+
+    w_rows: [BLOCK_N, 1] pointers to the rows' first byte; s_rows: [BLOCK_N] pointers to the
+    rows' scale-grid rows. The tile must lie in one 128-column scale block.
+    """
+    if EVEN:
+        q = tl.load(w_rows + kk[None, :])
+    else:
+        q = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0)
+    if NATIVE:
+        v = q.to(tl.float32)
+    else:
+        v = e4m3_to_f32(q)
+    s = ue8m0_to_f32(tl.load(s_rows + k0 // 128, mask=n_mask, other=127))
+    return v, s
+
+
+@triton.jit
+def _accumulate(
+    acc, v, s, x_rows, nw_ptr, inv, kk, row_mask, K, PRO_NORM: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr
+):
+    """acc += (codes x activation columns) * row scale (the activation normed first under PRO_NORM)."""
+    xv = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & (kk < K)[None, :], other=0.0)
+    if PRO_NORM:
+        nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        xv = (xv.to(tl.float32) * inv[:, None] * nw[None, :]).to(xv.dtype)  # rounded as the bf16 norm is
+    if USE_DOT:
+        xt = tl.trans(xv)
+        acc += mma(v.to(xt.dtype), xt, INTERP) * s[:, None]
+    else:
+        acc += (v * s[:, None]) * xv.to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    w2_ptr,
+    s2_ptr,
+    nw_ptr,
+    out_ptr,
+    B,
+    N,
+    N_A,
+    K,
+    stride_xb,
+    stride_wn,
+    stride_sn,
+    stride_w2n,
+    stride_s2n,
+    stride_ob,
+    stride_os,
+    group_rows,
+    eps,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr,
+    EVEN_W: tl.constexpr,
+    GROUPED: tl.constexpr,
+    TWO_W: tl.constexpr,
+    PRO_NORM: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    NATIVE: tl.constexpr,
+    INTERP: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    rows = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)  # BLOCK_B = 1 without dot
+    row_mask = rows < B
+
+    if TWO_W:
+        if n0 >= N_A:
+            local = offs_n - N_A
+            w_rows = w2_ptr + local.to(tl.int64)[:, None] * stride_w2n
+            s_rows = s2_ptr + (local // 128) * stride_s2n
+        else:
+            w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+            s_rows = s_ptr + (offs_n // 128) * stride_sn
+    else:
+        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+        s_rows = s_ptr + (offs_n // 128) * stride_sn
+    x_col0 = 0
+    if GROUPED:
+        x_col0 = (n0 // group_rows) * K
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xb + x_col0
+    k_begin = pid_k * K_PER_SPLIT
+    # The first weight tile before pdl_wait, as in gemv: weights are constant during a step.
+    v_first, s_first = fp8_tile(w_rows, s_rows, k_begin + offs_k, k_begin, n_mask, K, EVEN_W, NATIVE)
+    pdl_wait(PDL)
+
+    if PRO_NORM:
+        ss = tl.zeros([BLOCK_B], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            xv = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & (kk < K)[None, :], other=0.0)
+            xv = xv.to(tl.float32)
+            ss += tl.sum(xv * xv, 1)
+        inv = 1.0 / tl.sqrt(ss / K + eps)
+    else:
+        inv = tl.zeros([BLOCK_B], dtype=tl.float32)
+
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
+    acc = _accumulate(
+        acc, v_first, s_first, x_rows, nw_ptr, inv, k_begin + offs_k, row_mask, K, PRO_NORM, USE_DOT, INTERP
+    )
+    for k0 in range(k_begin + BLOCK_K, k_begin + K_PER_SPLIT, BLOCK_K):
+        kk = k0 + offs_k
+        v, s = fp8_tile(w_rows, s_rows, kk, k0, n_mask, K, EVEN_W, NATIVE)
+        acc = _accumulate(acc, v, s, x_rows, nw_ptr, inv, kk, row_mask, K, PRO_NORM, USE_DOT, INTERP)
+
+    if USE_DOT:
+        total = acc
+    else:
+        total = tl.sum(acc, 1)[:, None]
+    ptrs = out_ptr + pid_k * stride_os + rows.to(tl.int64)[None, :] * stride_ob + offs_n[:, None]
+    mask = n_mask[:, None] & row_mask[None, :]
+    if ACCUMULATE:
+        total += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- host side ------------------------------------------------------------------------------
+
+
+def native_fp8_supported(device: torch.device) -> bool:
+    """Whether e4m3 codes can be loaded as fp8 and converted by the hardware (compiled, sm89+)."""
+    if device.type != "cuda" or interpreting() or not hasattr(tl, "float8e4nv"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _weight_bytes(w: torch.Tensor, name: str) -> torch.Tensor:
+    if w.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise InputError(describe(f"fp8_gemv {name} dtype", "float8_e4m3fn or its uint8 bytes", w.dtype))
+    if w.dim() != 2 or w.stride(1) != 1:
+        raise InputError(
+            describe(
+                f"fp8_gemv {name}",
+                "a 2-D [N, K] weight with unit last stride",
+                f"shape {list(w.shape)} strides {list(w.stride())}",
+            )
+        )
+    return w
+
+
+def _scale_bytes(s: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
+    expected = fp8_scale_shape(w.shape)
+    if tuple(s.shape) != expected or s.dtype not in (torch.float8_e8m0fnu, torch.uint8) or s.stride(1) != 1:
+        raise InputError(
+            describe(
+                f"fp8_gemv {name}",
+                f"float8_e8m0fnu / uint8 {list(expected)}, unit last stride",
+                f"{s.dtype} {list(s.shape)}",
+                "one UE8M0 byte per 128 x 128 tile",
+            )
+        )
+    return s.view(torch.uint8)
+
+
+def fp8_gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    w2: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    norm_w: torch.Tensor | None = None,
+    eps: float = 0.0,
+    group_rows: int = 0,
+    split_k: int = 1,
+    accumulate: bool = False,
+    config: GemvConfig = DEFAULT,
+    native_fp8: bool | None = None,
+) -> None:
+    """out[B, N] (+)= x[B, K] @ dequant([W; W2])^T, W FP8 e4m3 with 128 x 128 UE8M0 block scales.
+
+    Mirrors ``gemv.gemv`` (same options, same strided ``x`` / ``out`` with unit last stride);
+    the weights come with their scales. ``accumulate`` adds into ``out`` (fp32 add, one
+    rounding). With ``split_k`` > 1, out is [split_k, B, N] fp32 partials. ``native_fp8``:
+    None picks the hardware conversion where it exists (:func:`native_fp8_supported`).
+
+    Example
+    -------
+    >>> q, s = quantize_fp8(torch.randn(4096, 4096, device="cuda") / 64)  # runtime.model.quant
+    >>> x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    >>> out = torch.empty(1, 4096, device="cuda", dtype=torch.bfloat16)
+    >>> fp8_gemv(x, q, s, out)
+    """
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2 or x.stride(1) != 1:
+        raise InputError(
+            describe(
+                "fp8_gemv x",
+                "bf16 / fp16 [B, K] with unit last stride",
+                f"{x.dtype} {list(x.shape)}",
+                "the dot path multiplies in x's dtype",
+            )
+        )
+    _weight_bytes(w, "w")
+    s = _scale_bytes(w_scale, w, "w_scale")
+    if (w2 is None) != (w2_scale is None):
+        raise InputError(describe("fp8_gemv w2 / w2_scale", "both or neither", (w2 is None, w2_scale is None)))
+    b, k = x.shape[0], w.shape[1]
+    n_a = w.shape[0]
+    if w2 is not None:
+        _weight_bytes(w2, "w2")
+        s2 = _scale_bytes(w2_scale, w2, "w2_scale")
+        if w2.shape[1] != k:
+            raise InputError(describe("fp8_gemv w2 columns", k, w2.shape[1]))
+    n = n_a + (w2.shape[0] if w2 is not None else 0)
+    native = native_fp8_supported(x.device) if native_fp8 is None else bool(native_fp8)
+    native = native and w.dtype == torch.float8_e4m3fn and (w2 is None or w2.dtype == torch.float8_e4m3fn)
+    cfg = config
+    if not cfg.use_dot and b != 1:
+        cfg = DEFAULT  # the FMA variant holds one activation row
+    block_n = min(cfg.block_n, max(16 if cfg.use_dot else 1, next_pow2(n)))
+    block_k = min(cfg.block_k, FP8_BLOCK, max(16, next_pow2(k)))
+    if FP8_BLOCK % block_k:
+        raise InputError(
+            describe("fp8_gemv block_k", "a power of two dividing 128", block_k, "a K tile must lie in one scale block")
+        )
+    while block_n > 1 and ((w2 is not None and n_a % block_n) or (group_rows and group_rows % block_n)):
+        block_n //= 2  # a row block must not straddle the two matrices or two groups
+    if cfg.use_dot and block_n < 16:
+        if b != 1:
+            raise InputError(
+                describe("fp8_gemv row blocks", f"16 rows tiling {n_a} rows / groups of {group_rows}", f"batch {b}")
+            )
+        cfg = GemvConfig(block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, use_dot=False)
+    if split_k > 1 and (k % (split_k * block_k) or accumulate or out.dtype != torch.float32):
+        raise InputError(
+            describe(
+                "fp8_gemv split_k",
+                f"K {k} in {split_k} x {block_k} tiles, fp32 partials, no accumulate",
+                f"out {out.dtype}, accumulate={accumulate}",
+            )
+        )
+    k_per = k // split_k if split_k > 1 else triton.cdiv(k, block_k) * block_k
+    block_b = batch_block(b) if cfg.use_dot else 1
+    grid = (triton.cdiv(n, block_n), triton.cdiv(b, block_b), split_k)
+    wk = w if native else w.view(torch.uint8)
+    w2k = (w2 if native else w2.view(torch.uint8)) if w2 is not None else wk
+    s2k = s2 if w2 is not None else s
+    nw = norm_w if norm_w is not None else x
+    stride_os = out.stride(0) if split_k > 1 else 0
+    out2 = out[0] if split_k > 1 else out
+    _fp8_gemv_kernel[grid](
+        x, wk, s, w2k, s2k, nw, out2,
+        b, n, n_a, k,
+        x.stride(0), wk.stride(0), s.stride(0), w2k.stride(0), s2k.stride(0), out2.stride(0), stride_os,
+        max(group_rows, 1), float(eps),
+        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_B=block_b, K_PER_SPLIT=k_per,
+        EVEN_W=(n % block_n == 0) and (k % block_k == 0),
+        GROUPED=bool(group_rows), TWO_W=w2 is not None, PRO_NORM=norm_w is not None, ACCUMULATE=accumulate,
+        USE_DOT=cfg.use_dot, NATIVE=native, INTERP=interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_args(x.device),
+    )  # fmt: skip
+
+
+def fp8_gemv_bytes(n: int, k: int, batch: int = 1, x_itemsize: int = 2, out_itemsize: int = 2) -> int:
+    """The bytes one call must move: the FP8 weight, its scale grid, x once, out once."""
+    grid_r, grid_c = fp8_scale_shape((n, k))
+    return n * k + grid_r * grid_c + batch * (k * x_itemsize + n * out_itemsize)
