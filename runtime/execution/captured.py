@@ -43,6 +43,8 @@ class CapturedExecutor:
         parallel branch of the graph.
     """
 
+    num_captures = 0  # CUDA graphs captured in this process (each one a warm-up, a capture, an instantiate)
+
     def __init__(
         self,
         graph: Graph,
@@ -100,6 +102,7 @@ class CapturedExecutor:
     def capture(self) -> None:
         """Warm up on a side stream, then capture every step into one CUDA graph."""
         start = time.perf_counter()
+        CapturedExecutor.num_captures += 1
         self._drop_exec()  # a handle of an earlier capture's graph must never launch
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))

@@ -75,6 +75,8 @@ class EagerExecutor:
     >>> out = ex.run({"x": x})["proj"]                          # doctest: +SKIP
     """
 
+    num_built = 0  # executors built in this process (graph passes, plan, bind): what a warm-up must do once
+
     def __init__(
         self,
         graph: Graph,
@@ -92,6 +94,7 @@ class EagerExecutor:
         overlap: bool = True,
         passes: Sequence[Pass] = DEFAULT_PASSES,
     ) -> None:
+        EagerExecutor.num_built += 1
         self.graph = flatten(run_passes(graph, passes).graph)
         validate(self.graph)
         self.batch = batch
