@@ -78,13 +78,24 @@ class OracleProposer(DeepseekV4MtpProposer):
         drafts = super()._propose(tokens, hiddens, positions, num_drafts, states, bitmask)
         self.calls += 1
         for row, (state, p) in enumerate(zip(states, positions)):
-            seq = self._owner_of[id(state)]
-            truth = self.truths[seq][p + 2 : p + 2 + num_drafts]
-            truth = truth + [0] * (num_drafts - len(truth))
-            right = (self.calls + seq) % (num_drafts + 1)  # leading drafts that are right
-            wrong = [(t + 1) % self.config.vocab_size for t in truth]
-            drafts[row] = truth[:right] + wrong[right:]
+            drafts[row] = self._oracle_drafts(state, p, num_drafts)
         return drafts
+
+    def propose_device(self, tokens, hiddens, positions, num_drafts, states):
+        """The device loop's propose, its drafts overwritten on the device by the oracle's."""
+        handle = super().propose_device(tokens, hiddens, positions, num_drafts, states)
+        self.calls += 1
+        rows = [self._oracle_drafts(state, p, num_drafts) for state, p in zip(states, positions)]
+        handle.drafts.copy_(torch.tensor(rows, dtype=torch.int64))
+        return handle
+
+    def _oracle_drafts(self, state, p: int, num_drafts: int) -> list[int]:
+        seq = self._owner_of[id(state)]
+        truth = self.truths[seq][p + 2 : p + 2 + num_drafts]
+        truth = truth + [0] * (num_drafts - len(truth))
+        right = (self.calls + seq) % (num_drafts + 1)  # leading drafts that are right
+        wrong = [(t + 1) % self.config.vocab_size for t in truth]
+        return truth[:right] + wrong[right:]
 
 
 class FailingRunner:

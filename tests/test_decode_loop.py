@@ -37,25 +37,28 @@ def oracle(greedy, **kw):
     return make_proposer(cls=OracleProposer, truths=truths, **kw)
 
 
+@pytest.mark.parametrize("device_loop", [True, False])
 @pytest.mark.parametrize("drafter", ["builtin", "identity", "random_weights"])
-def test_speculative_equals_greedy_for_any_drafter(target, greedy, drafter):
+def test_speculative_equals_greedy_for_any_drafter(target, greedy, drafter, device_loop):
     proposer = make_proposer(seed=7 if drafter == "random_weights" else 0)
     if drafter == "identity":
         proposer.set_circuit_draft("identity")
-    result = speculative_decode(target, proposer, PROMPTS, MAX_NEW, K)
+    result = speculative_decode(target, proposer, PROMPTS, MAX_NEW, K, device_loop=device_loop)
     assert result.tokens == greedy
     assert result.finish_reasons == ["length"] * 3
     assert pools_full(target, proposer)
     assert result.stats.num_generated == 3 * MAX_NEW and result.stats.num_verifies > 0
 
 
+@pytest.mark.parametrize("device_loop", [True, False])
 @pytest.mark.parametrize("mode", ["streams", "collapsed"])
-def test_every_acceptance_count_rolls_back_and_catches_up(greedy, mode):
+def test_every_acceptance_count_rolls_back_and_catches_up(greedy, mode, device_loop):
     target = make_target(mode=mode)
     proposer = oracle(greedy, mode=mode)
     counts = []
     result = speculative_decode(
-        target, proposer, PROMPTS, MAX_NEW, K, on_step=lambda s, e: counts.extend(e.accepted.values())
+        target, proposer, PROMPTS, MAX_NEW, K, on_step=lambda s, e: counts.extend(e.accepted.values()),
+        device_loop=device_loop,
     )
     assert result.tokens == greedy
     assert set(counts) == {0, 1, 2, 3}  # rejection at every draft position, and all accepted
@@ -72,23 +75,29 @@ def test_more_rows_than_the_bucket_split_into_runs(target):
     many = prompts((2, 5, 3, 7, 4), seed=9)  # 5 x (K + 1) = 20 verify rows > 16
     want = greedy_decode(target, many, 6).tokens
     proposer = make_proposer(buckets=(1, 2, 4, 8))
-    assert speculative_decode(target, proposer, many, 6, K).tokens == want
+    with pytest.raises(InputError, match="device_loop"):  # one verify run cannot hold them: host path only
+        DecodeSession(target, proposer, many, 6, K, device_loop=True)
+    session = DecodeSession(target, proposer, many, 6, K)
+    assert not session.device_loop
+    assert session.run().tokens == want
     assert pools_full(target, proposer)
 
 
-def test_eos_ends_one_sequence(target, greedy):
+@pytest.mark.parametrize("device_loop", [True, False])
+def test_eos_ends_one_sequence(target, greedy, device_loop):
     eos = greedy[1][4]  # the fifth token of sequence 1 becomes EOS
     want = greedy_decode(target, PROMPTS, MAX_NEW, eos_id=eos)
     proposer = oracle(greedy)
-    result = speculative_decode(target, proposer, PROMPTS, MAX_NEW, K, eos_id=eos)
+    result = speculative_decode(target, proposer, PROMPTS, MAX_NEW, K, eos_id=eos, device_loop=device_loop)
     assert result.tokens == want.tokens and result.finish_reasons == want.finish_reasons
     assert result.tokens[1][-1] == eos and len(result.tokens[1]) <= 5 and result.finish_reasons[1] == "eos"
     assert pools_full(target, proposer)
 
 
-def test_cancel_midway_frees_the_sequence(target, greedy):
+@pytest.mark.parametrize("device_loop", [True, False])
+def test_cancel_midway_frees_the_sequence(target, greedy, device_loop):
     proposer = oracle(greedy)
-    with DecodeSession(target, proposer, PROMPTS, MAX_NEW, K) as session:
+    with DecodeSession(target, proposer, PROMPTS, MAX_NEW, K, device_loop=device_loop) as session:
         assert session.step() and session.step()  # prefill, one round
         held = target.cache.num_free_blocks
         assert session.cancel(1) and not session.cancel(1)
@@ -114,21 +123,37 @@ def test_cancel_every_sequence_ends_the_loop(target):
     assert pools_full(target, proposer)
 
 
+@pytest.mark.parametrize("device_loop", [True, False])
 @pytest.mark.parametrize("fail_at", [1, 2, 7])  # drafter prefill, first propose, a later round
-def test_a_failing_runner_mid_step_leaves_the_pools_exact(target, fail_at):
+def test_a_failing_runner_mid_step_leaves_the_pools_exact(target, fail_at, device_loop):
     proposer = make_proposer()
     proposer.set_circuit_draft(FailingRunner(fail_at))
-    with pytest.raises(ExecutionError, match="injected runner failure"):
-        speculative_decode(target, proposer, PROMPTS, MAX_NEW, K)
+    with pytest.raises(ExecutionError, match="injected runner failure"):  # warm-up off: the steps fail
+        speculative_decode(target, proposer, PROMPTS, MAX_NEW, K, warmup=False, device_loop=device_loop)
     assert pools_full(target, proposer)
 
 
-def test_a_failing_verify_or_callback_leaves_the_pools_exact(target, monkeypatch):
+def test_a_failing_warm_up_leaves_the_pools_exact(target):
     proposer = make_proposer()
+    proposer.set_circuit_draft(FailingRunner(1))  # the warm-up's first drafter run raises
     session = DecodeSession(target, proposer, PROMPTS, MAX_NEW, K)
+    with pytest.raises(ExecutionError, match="injected runner failure"):
+        session.step()
+    assert session.is_closed and session.result().finish_reasons == ["error"] * 3
+    assert pools_full(target, proposer)
+
+
+@pytest.mark.parametrize("device_loop", [True, False])
+def test_a_failing_verify_or_callback_leaves_the_pools_exact(target, monkeypatch, device_loop):
+    proposer = make_proposer()
+    session = DecodeSession(target, proposer, PROMPTS, MAX_NEW, K, device_loop=device_loop)
     session.step()
     session.step()
-    monkeypatch.setattr(target, "verify", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("verify died")))
+    died = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("verify died"))  # noqa: E731
+    if device_loop:
+        monkeypatch.setattr(session._verifier, "run", died)
+    else:
+        monkeypatch.setattr(target, "verify", died)
     with pytest.raises(RuntimeError, match="verify died"):
         session.step()
     assert session.result().finish_reasons == ["error"] * 3 and not session.step()

@@ -25,6 +25,20 @@ the target to one row bucket; see TargetModel's ``buckets``.)
 Every path out of a sequence (EOS, max tokens, cancel, an exception anywhere in
 a step) frees its target and proposer states, so both block pools end exact.
 
+Two ways to run a round (``device_loop``; both give the same tokens):
+
+- the device loop (the default where it can run: an ungated chain, every live batch in one
+  verify run): ``propose_device`` leaves the drafts on the device, the target's verify graph
+  takes them from there and accepts on the device (decode/device_verify.py), and the host
+  reads back ONE small tensor per step, [a, dropped, non-finite, g_0..g_K] per sequence;
+  the proposer commits its rows in ``after_verify_device`` from it;
+- the host path: ``propose`` / ``propose_batch`` read the drafts back, ``verify`` reads the
+  target's argmax back, ``accept_greedy`` accepts on the host.
+
+Warm-up (design note "warm-up apart", decode/warmup.py): before its first step a session
+builds, captures and compiles every executor any of its steps can use, timed on its own
+(``stats.warmup_seconds``); the figures of the stats are steady state.
+
 Example
 -------
 >>> result = speculative_decode(target, proposer, [[256, 104, 105]], 16, 3)   # doctest: +SKIP
@@ -37,9 +51,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+from draftgraph.graphs.draft_chain import is_gated
+from draftgraph.runtime.decode import warmup as warmups
+from draftgraph.runtime.decode.device_verify import ACCEPTED, DROPPED, NONFINITE_HIDDEN, TOKENS
 from draftgraph.runtime.decode.stats import DecodeProgress, DecodeStats
-from draftgraph.runtime.errors import InputError, describe
+from draftgraph.runtime.errors import InputError, NonFiniteError, describe
 
 LIVE, EOS, LENGTH, CANCELLED, FAILED = "live", "eos", "length", "cancelled", "error"
 
@@ -118,9 +136,13 @@ class DecodeSession:
         eos_id: int | None = None,
         on_step: Callable[[DecodeSession, StepEvent], None] | None = None,
         progress: bool | None = False,
+        *,
+        warmup: bool = True,
+        device_loop: bool | None = None,
+        sync_phases: bool = False,
     ) -> None:
         _check_request(target, prompts, max_new_tokens)
-        if not isinstance(num_drafts, int) or num_drafts < 1:
+        if not isinstance(num_drafts, int) or isinstance(num_drafts, bool) or num_drafts < 1:
             raise InputError(describe("num_drafts", "an int >= 1", repr(num_drafts)))
         if proposer.options.mode != target.mode:
             raise InputError(
@@ -148,6 +170,12 @@ class DecodeSession:
             raise InputError(
                 describe("prompt + max_new_tokens + num_drafts + 1", f"<= {limit} (max_seq_len)", budget)
             )
+        why_not = _device_loop_refusal(target, proposer, len(prompts), num_drafts)
+        if device_loop and why_not:
+            raise InputError(describe("device_loop", "a session the device loop can run", why_not,
+                                      "device_loop=None picks the host path there"))
+        self.device_loop = why_not is None if device_loop is None else bool(device_loop)
+        self.warmup, self.sync_phases, self.is_warm = warmup, sync_phases, False
         self.target, self.proposer = target, proposer
         self.max_new_tokens, self.num_drafts = max_new_tokens, num_drafts
         self.eos_id, self.on_step = eos_id, on_step
@@ -156,6 +184,9 @@ class DecodeSession:
         self.progress = DecodeProgress(len(prompts) * max_new_tokens, progress, desc=f"decode K={num_drafts}")
         self.num_steps_run = 0
         self.is_closed = False
+        self._verifier = target.device_verifier(num_drafts) if self.device_loop else None
+        self._slots: list[int] = []  # sequence index of each row of the verifier's next_hidden
+        self._verdict_host: torch.Tensor | None = None
         if max_new_tokens == 0:
             for seq in self.sequences:
                 seq.status = LENGTH
@@ -165,11 +196,34 @@ class DecodeSession:
     def live(self) -> list[_Sequence]:
         return [s for s in self.sequences if s.status == LIVE]
 
+    def warm_up(self) -> float:
+        """Build, capture and compile every executor this session's steps can use; its seconds.
+
+        The first ``step()`` calls it (unless ``warmup=False``); a second call does nothing.
+        ``warmups.build_counts()`` after it stays put for the rest of the decode.
+        """
+        if self.is_warm or self.is_closed:
+            return 0.0
+        started = time.perf_counter()
+        plan = warmups.plan_warmup(self.target, self.proposer, [len(s.prompt) for s in self.sequences],
+                                   self.num_drafts, self.device_loop)
+        try:
+            warmups.warm_up(self.target, self.proposer, plan, self.num_drafts)
+        except BaseException:
+            self._abort()
+            raise
+        self._sync()
+        self.is_warm = True
+        self.stats.warmup_seconds += time.perf_counter() - started
+        return self.stats.warmup_seconds
+
     def step(self) -> bool:
         """Prefill (first call) or run one round; True while some sequence is still live."""
         if self.is_closed or not self.live:
             self.close()
             return False
+        if self.warmup and not self.is_warm:
+            self.warm_up()
         started = time.perf_counter()
         event = StepEvent(self.num_steps_run)
         try:
@@ -229,9 +283,16 @@ class DecodeSession:
                 [0] * len(drafting),
                 [s.draft_state for s, _ in drafting],
             )
+            if self.device_loop:  # the first propose reads its hiddens from the verifier's rows
+                self._verifier.next_hidden[: len(drafting)].copy_(torch.stack([h[-1] for _, h in drafting]))
+                self._slots = [s.index for s, _ in drafting]
+        self._sync()
         self.stats.prefill_seconds += time.perf_counter() - start
 
     def _round(self, event: StepEvent) -> None:
+        if self.device_loop:
+            self._round_on_device(event)
+            return
         live = self.live
         t0 = time.perf_counter()
         drafts = self._propose(live)
@@ -242,6 +303,8 @@ class DecodeSession:
             [s.target_state.length for s in live],
         )
         t2 = time.perf_counter()
+        rows = len(live) * (self.num_drafts + 1)
+        self.stats.num_read_backs += -(-rows // self.target.buckets[-1])  # the argmax of each target run
         catchup = []
         for seq, d, out in zip(live, drafts, outs):
             a, bonus = accept_greedy(d, out.tokens)
@@ -261,22 +324,99 @@ class DecodeSession:
         t3 = time.perf_counter()
         if catchup:
             self.proposer.catchup_batch(*map(list, zip(*catchup)))
+            self.stats.num_read_backs += 1  # its finiteness check
+        self._sync()
         t4 = time.perf_counter()
         self.stats.num_steps += 1
         self.stats.propose_seconds += t1 - t0
         self.stats.verify_seconds += t2 - t1
         self.stats.catchup_seconds += t4 - t3
 
+    def _round_on_device(self, event: StepEvent) -> None:
+        """One round with the drafts, the verify input and the acceptance on the device; one read-back."""
+        live, k, verifier = self.live, self.num_drafts, self._verifier
+        n = len(live)
+        self._arrange_hiddens(live)
+        t0 = time.perf_counter()
+        handle = self.proposer.propose_device(
+            [s.token for s in live], verifier.next_hidden[:n], [s.position for s in live], k,
+            [s.draft_state for s in live],
+        )
+        self.stats.num_proposes += 1
+        self._sync()
+        t1 = time.perf_counter()
+        verifier.run([s.target_state for s in live], [s.token for s in live], handle.drafts)
+        verdict = self._read_verdict(n)  # [n, 3 + K + 1]: the step's one device-to-host read
+        t2 = time.perf_counter()
+        accepted = verdict[:, ACCEPTED]
+        self.proposer.after_verify_device(handle, accepted, bool(verdict[:, DROPPED].any()))
+        catchup = []
+        for i, seq in enumerate(live):
+            a = int(accepted[i])
+            g = verdict[i, TOKENS : TOKENS + a + 1].tolist()  # d_1..d_a (== g_0..g_{a-1}), bonus g_a
+            self.stats.record_verify(a)
+            event.accepted[seq.index] = a
+            p = seq.position
+            self.target.truncate(seq.target_state, p + a + 2)  # keep t_{p+1}, d_1..d_a
+            event.new_tokens[seq.index] = self._emit(seq, g)
+            if seq.status != LIVE:
+                self._release(seq)
+                continue
+            if verdict[i, NONFINITE_HIDDEN]:
+                raise NonFiniteError(describe(f"the target's hiddens of sequence {seq.index}", "finite values",
+                                              "a NaN or an infinity", "the decode is stopped: no drafter row written"))
+            catchup.append(([seq.token, *g[:a]], verifier.pair_hidden[i, : a + 1], p, seq.draft_state))
+            seq.position, seq.token = p + a + 1, g[a]
+        self._slots = [s.index for s in live]  # next_hidden row i: the hidden of live[i]'s new position
+        t3 = time.perf_counter()
+        if catchup:
+            self.proposer.catchup_batch(*map(list, zip(*catchup)), assume_finite=True)
+        self._sync()
+        t4 = time.perf_counter()
+        self.stats.num_steps += 1
+        self.stats.propose_seconds += t1 - t0
+        self.stats.verify_seconds += t2 - t1
+        self.stats.catchup_seconds += t4 - t3
+
+    def _arrange_hiddens(self, live: list[_Sequence]) -> None:
+        """Rows 0..n-1 of next_hidden in ``live``'s order (rows of ended sequences dropped)."""
+        order = [s.index for s in live]
+        if order != self._slots:
+            rows = [self._slots.index(i) for i in order]
+            hidden = self._verifier.next_hidden
+            hidden[: len(rows)] = hidden[torch.tensor(rows, device=hidden.device)]
+            self._slots = order
+
+    def _read_verdict(self, n: int) -> np.ndarray:
+        """The verdict's first n rows on the host: one copy, one wait (counted in stats.num_read_backs)."""
+        verdict = self._verifier.verdict
+        self.stats.num_read_backs += 1
+        if not verdict.is_cuda:
+            return verdict[:n].numpy().copy()
+        if self._verdict_host is None:
+            self._verdict_host = torch.empty(verdict.shape, dtype=verdict.dtype, pin_memory=True)
+        host = self._verdict_host[:n]
+        host.copy_(verdict[:n], non_blocking=True)
+        torch.cuda.current_stream(verdict.device).synchronize()
+        return host.numpy()
+
+    def _sync(self) -> None:
+        """With ``sync_phases``: wait for the device here, so each phase's time holds its device work."""
+        if self.sync_phases and self.target.device.type == "cuda":
+            torch.cuda.synchronize(self.target.device)
+
     def _propose(self, live: list[_Sequence]) -> list[list[int]]:
         k = self.num_drafts
         self.stats.num_proposes += 1
         if len(live) == 1:
             s = live[0]
+            self.stats.num_read_backs += 1
             return [self.proposer.propose(s.token, s.hidden, s.position, k, s.draft_state)]
         drafts: list[list[int]] = []
         step = self.proposer.propose_batch_max()
         for at in range(0, len(live), step):
             part = live[at : at + step]
+            self.stats.num_read_backs += 1
             drafts += self.proposer.propose_batch(
                 [s.token for s in part],
                 [s.hidden for s in part],
@@ -367,6 +507,10 @@ def speculative_decode(
     eos_id: int | None = None,
     on_step=None,
     progress: bool | None = False,
+    *,
+    warmup: bool = True,
+    device_loop: bool | None = None,
+    sync_phases: bool = False,
 ) -> DecodeResult:
     """Speculative greedy decoding of every prompt; equals :func:`greedy_decode` token for token.
 
@@ -379,20 +523,37 @@ def speculative_decode(
     eos_id : a sequence ends after emitting it (None: only at max_new_tokens).
     on_step : called as ``on_step(session, StepEvent)`` after every step.
     progress : tqdm bar on stderr (None: only when stderr is a terminal).
+    warmup : build, capture and compile every executor first, timed apart (``stats.warmup_seconds``).
+    device_loop : drafts, verify input and acceptance on the device, one read-back a step (None: where
+        it can run; True: refuse a session it cannot run; False: the host path).
+    sync_phases : wait for the device at each phase's end, so that the time split holds device time.
     """
-    with DecodeSession(target, proposer, prompts, max_new_tokens, num_drafts, eos_id, on_step, progress) as s:
+    with DecodeSession(target, proposer, prompts, max_new_tokens, num_drafts, eos_id, on_step, progress,
+                       warmup=warmup, device_loop=device_loop, sync_phases=sync_phases) as s:
         return s.run()
 
 
 def greedy_decode(
-    target, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int | None = None
+    target,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_id: int | None = None,
+    *,
+    warmup: bool = True,
 ) -> DecodeResult:
-    """Plain greedy decoding with the target alone (the oracle): one token per sequence per forward."""
+    """Plain greedy decoding with the target alone (the oracle): one token per sequence per forward.
+
+    ``warmup``: build (capture, compile) every target bucket it can use first, timed apart.
+    """
     _check_request(target, prompts, max_new_tokens)
     stats = DecodeStats(num_drafts=0, num_sequences=len(prompts))
     tokens: list[list[int]] = [[] for _ in prompts]
     reasons = [LENGTH if max_new_tokens == 0 else LIVE for _ in prompts]
     states = {}
+    if warmup and max_new_tokens > 0:
+        begun = time.perf_counter()
+        target.warm_up(warmups.plan_greedy_warmup(target, [len(p) for p in prompts]))
+        stats.warmup_seconds = time.perf_counter() - begun
     started = time.perf_counter()
     try:
         if max_new_tokens > 0:
@@ -431,6 +592,22 @@ def greedy_decode(
             target.free(state)
         stats.total_seconds = time.perf_counter() - started
     return DecodeResult(tokens, reasons, stats)
+
+
+def _device_loop_refusal(target, proposer, num_sequences: int, num_drafts: int) -> str | None:
+    """Why the device loop cannot run this session (None: it can)."""
+    if not hasattr(proposer, "propose_device"):
+        return f"a proposer without propose_device ({type(proposer).__name__})"
+    if is_gated(proposer.options.draft_conf_tau, num_drafts):
+        return f"a confidence-gated chain (draft_conf_tau {proposer.options.draft_conf_tau})"
+    if num_sequences * (num_drafts + 1) > target.buckets[-1]:
+        return (f"{num_sequences} sequences x (K + 1) = {num_sequences * (num_drafts + 1)} verify rows "
+                f"> the target's largest row bucket {target.buckets[-1]}")
+    if num_sequences > proposer.propose_batch_max():
+        return f"{num_sequences} sequences > propose_batch_max {proposer.propose_batch_max()}"
+    if target.device != proposer.device:
+        return f"target on {target.device}, proposer on {proposer.device}"
+    return None
 
 
 def _check_request(target, prompts, max_new_tokens) -> None:

@@ -7,7 +7,9 @@ Definitions (per sequence and verify step, K drafts proposed, a of them accepted
 - mean accepted length: mean(a + 1), the tokens one target forward yields (bonus included);
 - time split: ``prefill`` (target over the prompts + drafter prefill), ``draft`` (proposes and
   drafter catch-up), ``verify`` (target forwards), ``host`` (the rest: acceptance, bookkeeping);
-- tokens per second: generated tokens / wall time of the whole run.
+- tokens per second: generated tokens / wall time of the run (prefill and steps);
+- warm-up (building, capturing and compiling every executor the run can use) is timed apart
+  and is in none of the figures above: they are steady state.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class DecodeStats:
     catchup_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
+    warmup_seconds: float = 0.0  # apart: not in total_seconds nor any figure derived from it
+    num_read_backs: int = 0  # device-to-host reads of the steps (the device loop: one per step)
 
     def __post_init__(self) -> None:
         if not self.accepted_at:
@@ -81,6 +85,14 @@ class DecodeStats:
         return 1e3 * self.propose_seconds / self.num_proposes if self.num_proposes else 0.0
 
     @property
+    def verify_ms_per_step(self) -> float:
+        return 1e3 * self.verify_seconds / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def host_ms_per_step(self) -> float:
+        return 1e3 * self.host_seconds / self.num_steps if self.num_steps else 0.0
+
+    @property
     def tokens_per_second(self) -> float:
         return self.num_generated / self.total_seconds if self.total_seconds > 0 else 0.0
 
@@ -95,6 +107,9 @@ class DecodeStats:
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
             "draft_ms_per_propose": self.draft_ms_per_propose,
+            "verify_ms_per_step": self.verify_ms_per_step,
+            "read_backs": self.num_read_backs,
+            "warmup_seconds": self.warmup_seconds,
             "seconds": {
                 "prefill": self.prefill_seconds,
                 "draft": self.draft_seconds,
@@ -122,7 +137,10 @@ class DecodeStats:
             ("acceptance rate", f"{self.acceptance_rate:.3f}"),
             ("mean accepted length", f"{self.mean_accepted_length:.2f} tokens per verify (bonus included)"),
             ("draft ms / propose", f"{self.draft_ms_per_propose:.2f}"),
+            ("verify ms / step", f"{self.verify_ms_per_step:.2f}"),
+            ("host ms / step", f"{self.host_ms_per_step:.2f}"),
             ("tokens / s", f"{self.tokens_per_second:.1f}"),
+            ("warm-up", f"{self.warmup_seconds:.3f} s (apart: in no figure above or below)"),
         ]
         width = max(len(name) for name, _ in summary) + 2
         lines += [f"  {name:<{width}}{value}" for name, value in summary]

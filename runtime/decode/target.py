@@ -136,6 +136,7 @@ class TargetModel:
         self._executors: dict[int, object] = {}
         self._staging: dict[int, ChainStaging] = {}
         self._pool = None
+        self._verifiers: dict[int, object] = {}  # K -> DeviceVerifier
         self.tracer = None  # draftgraph.tools.trace.Tracer: per-op slices plus one slice per run
         self.last_forward_seconds = 0.0
 
@@ -318,13 +319,17 @@ class TargetModel:
             )
         return self._staging[bucket]
 
+    def graph_pool(self):
+        """The one CUDA graph memory pool every capture of this target shares."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
     def _executor(self, bucket: int):
         if bucket not in self._executors:
             if self.use_captured:
                 from draftgraph.runtime.execution.captured import CapturedExecutor
 
-                if self._pool is None:
-                    self._pool = torch.cuda.graph_pool_handle()
                 staged = self._staging_for(bucket).graph_inputs()
                 self._executors[bucket] = CapturedExecutor(
                     self.graph,
@@ -333,7 +338,7 @@ class TargetModel:
                     self.state_tensors,
                     device=self.device,
                     static_inputs={n: staged[n] for n in self.graph.inputs},
-                    pool=self._pool,
+                    pool=self.graph_pool(),
                 )
             else:
                 self._executors[bucket] = EagerExecutor(
@@ -342,6 +347,34 @@ class TargetModel:
         executor = self._executors[bucket]
         executor.tracer = self.tracer
         return executor
+
+    def mark_dead(self, bucket: int):
+        """Stage a run of no rows on the bucket's buffers (every row dead: it writes no cache row)."""
+        empty = np.zeros(0, dtype=np.int64)
+        no_table = np.full((1, self.cache.max_blocks_per_seq), -1, dtype=np.int32)
+        return self._staging_for(bucket).stage(no_table, empty, empty, empty, empty, [], 1)
+
+    def warm_up(self, buckets: Sequence[int]) -> None:
+        """Build every bucket's executor and run it once on dead rows (captured: capture it), so that
+        no run of these buckets builds, captures or compiles anything later. Unknown buckets: InputError."""
+        unknown = sorted(set(buckets) - set(self.buckets))
+        if unknown:
+            raise InputError(describe("warm-up buckets", f"row buckets of the target {self.buckets}", unknown))
+        for bucket in sorted(set(buckets), reverse=True):
+            staged = self.mark_dead(bucket)
+            executor = self._executor(bucket)
+            if getattr(executor, "cuda_graph", False) is None:
+                executor.capture()
+            elif not hasattr(executor, "cuda_graph"):
+                executor.run({name: staged[name] for name in self.graph.inputs}, check=False)
+
+    def device_verifier(self, num_drafts: int):
+        """The :class:`~draftgraph.runtime.decode.device_verify.DeviceVerifier` for K drafts (one per K, kept)."""
+        from draftgraph.runtime.decode.device_verify import DeviceVerifier
+
+        if num_drafts not in self._verifiers:
+            self._verifiers[num_drafts] = DeviceVerifier(self, num_drafts)
+        return self._verifiers[num_drafts]
 
     def capture(self, buckets: Sequence[int] | None = None) -> None:
         """Build (and on CUDA capture) the executor of every bucket, largest first."""

@@ -257,6 +257,28 @@ class DeepseekV4MtpProposer:
     def propose_batch_max(self) -> int:
         return self.buckets[-1]
 
+    def propose_device(self, last_tokens, target_hiddens, positions, num_drafts, states):
+        """``propose_batch`` whose drafts stay on the device (no read-back); see proposer/device_propose.py.
+
+        Returns a DeviceDrafts: ``.drafts`` int64 [B, K] on the device. Finish it with
+        ``after_verify_device(handle, num_accepted, dropped)`` once the verify has been read back.
+        """
+        from draftgraph.runtime.proposer.device_propose import propose_device
+
+        return propose_device(self, last_tokens, target_hiddens, positions, num_drafts, states)
+
+    def after_verify_device(self, handle, num_accepted, dropped: bool | None = None) -> None:
+        """Commit a ``propose_device`` and roll it back to ``num_accepted`` (proposer/device_propose.py)."""
+        from draftgraph.runtime.proposer.device_propose import after_verify_device
+
+        after_verify_device(self, handle, num_accepted, dropped)
+
+    def warm_up(self, num_drafts: int, chain_buckets, prefill_buckets) -> None:
+        """Build, and on CUDA capture, the chains and drafter-prefill graphs of these buckets (device_propose.py)."""
+        from draftgraph.runtime.proposer.device_propose import warm_up
+
+        warm_up(self, num_drafts, chain_buckets, prefill_buckets)
+
     def _size_batch_buffers(self) -> None:
         """The kernel's per-row outputs, one row per sequence of the largest bucket."""
         size = self.buckets[-1]
@@ -663,11 +685,14 @@ class DeepseekV4MtpProposer:
         return self.catchup_batch([tokens], [hiddens], [pos_base], [state])
 
     @_serialized
-    def catchup_batch(self, tokens: Sequence[Sequence[int]], hiddens, first_pos: Sequence[int], states) -> int:
+    def catchup_batch(self, tokens: Sequence[Sequence[int]], hiddens, first_pos: Sequence[int], states,
+                      assume_finite: bool = False) -> int:
         """Append rows for several sequences in one prefill run; ``hiddens[i]`` [n_i, ...] pairs ``tokens[i]``.
 
         Every input is checked before anything is written, the hiddens' finiteness too (one
         host sync for the call): a NaN or an infinity raises NonFiniteError and writes nothing.
+        ``assume_finite``: the caller has checked that on the device (the device decode loop's
+        verify does), so no sync.
         """
         if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
             raise InputError(describe("tokens", "one sequence of token ids per state", type(tokens).__name__))
@@ -691,7 +716,7 @@ class DeepseekV4MtpProposer:
         if not live.any():
             return 0
         hidden = torch.cat([b for b, c in zip(blocks, counts) if c])  # [N, ...]
-        if not bool(torch.isfinite(hidden).all()):  # the one sync: nothing is staged or mapped yet
+        if not assume_finite and not bool(torch.isfinite(hidden).all()):  # the one sync: nothing staged or mapped yet
             raise NonFiniteError(describe("catch-up hiddens", "finite values", "a NaN or an infinity",
                                           "the call is refused: no state or cache row changed"))
         rows, starts, count = rows[live], starts[live], count[live]

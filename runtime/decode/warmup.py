@@ -1,0 +1,150 @@
+"""The decode loop's warm-up: which buckets a decode can use, building them all, and counting builds.
+
+Design note "warm-up apart" (issue 27): every executor of the loop is made on first use, per
+bucket: the target's per row bucket, the K-draft chain's per batch bucket, the drafter-prefill
+graph's per row bucket of a catch-up. On CUDA each first use is a capture (two warm-up runs
+and the capture) and, for every kernel whose launch arguments fall in a new specialisation
+(Triton specialises int arguments equal to 1 and divisible by 16; the batch block and the
+batch-1 FMA variant of the gemv are picked per batch), a kernel compile. Done lazily these land
+inside the timed loop, and not only at its start: a catch-up bucket first seen when every draft
+of every sequence is accepted, or the batch-1 chain when all sequences but one have ended, are
+built in the middle of the decode. :func:`plan_warmup` names every bucket a decode can use, from
+the prompts, K and the bucket sets alone, and :func:`warm_up` builds them all before the first
+step; :func:`build_counts` counts what was built, so a test can require none after it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+from draftgraph.runtime.execution.eager import EagerExecutor
+
+
+@dataclass(frozen=True)
+class BuildCounts:
+    """What this process has built so far; subtract two snapshots for what happened in between.
+
+    executors : EagerExecutor builds (a captured executor builds one too): graph passes, plan, bind.
+    captures : CUDA graph captures (CapturedExecutor.capture).
+    kernel_compiles : Triton kernel compiles (the JIT's post-compile hook; 0 without triton).
+    torch_compiles : torch.compile graph compiles (dynamo's unique graphs).
+    """
+
+    executors: int = 0
+    captures: int = 0
+    kernel_compiles: int = 0
+    torch_compiles: int = 0
+
+    def __sub__(self, other: BuildCounts) -> BuildCounts:
+        return BuildCounts(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+
+_kernel_compiles = [0]
+_hook_lock = threading.Lock()
+_hook_installed = [False]
+
+
+def _install_compile_hook() -> None:
+    """Count Triton compiles through ``triton.knobs.runtime.jit_post_compile_hook`` (chaining any hook set)."""
+    with _hook_lock:
+        if _hook_installed[0]:
+            return
+        _hook_installed[0] = True
+        try:
+            from triton import knobs
+        except Exception:  # no triton (or an old one without knobs): nothing compiles through it here
+            return
+        previous = knobs.runtime.jit_post_compile_hook
+
+        def hook(*args, **kwargs):
+            _kernel_compiles[0] += 1
+            return previous(*args, **kwargs) if previous is not None else None
+
+        knobs.runtime.jit_post_compile_hook = hook
+
+
+def build_counts() -> BuildCounts:
+    """A snapshot of the counters (installs the Triton compile hook on first call)."""
+    _install_compile_hook()
+    from draftgraph.runtime.execution.captured import CapturedExecutor
+
+    try:
+        from torch._dynamo.utils import counters
+
+        torch_compiles = int(counters["stats"]["unique_graphs"])
+    except Exception:
+        torch_compiles = 0
+    return BuildCounts(EagerExecutor.num_built, CapturedExecutor.num_captures, _kernel_compiles[0], torch_compiles)
+
+
+@dataclass(frozen=True)
+class WarmupPlan:
+    """The buckets a decode can use, per executor family."""
+
+    target: tuple[int, ...]  # the target's own graph (prefill, host-path verify, greedy)
+    verify: tuple[int, ...]  # the device verify graphs (device loop only)
+    chain: tuple[int, ...]  # the K-draft chain's batch buckets
+    prefill: tuple[int, ...]  # the drafter-prefill graph's row buckets (prompt and per-step catch-up)
+
+    def describe(self) -> str:
+        return (f"target {list(self.target)}, verify {list(self.verify)}, chain {list(self.chain)}, "
+                f"drafter prefill {list(self.prefill)}")
+
+
+def _bucket(buckets: Sequence[int], rows: int) -> int:
+    return next(b for b in buckets if b >= rows)
+
+
+def _chunk_buckets(buckets: Sequence[int], rows: int) -> set[int]:
+    """The buckets of a run of ``rows`` rows split into runs of at most the largest bucket."""
+    largest, used = buckets[-1], set()
+    if rows >= largest:
+        used.add(largest)
+    if rows % largest:
+        used.add(_bucket(buckets, rows % largest))
+    return used
+
+
+def plan_warmup(target, proposer, prompt_lengths: Sequence[int], num_drafts: int, device_loop: bool) -> WarmupPlan:
+    """Every bucket a speculative decode of these prompts can use (any EOS, cancel or acceptance).
+
+    Sequences end in any order, so every live count 1..N occurs; catch-up rows of n live
+    sequences are n .. n (K + 1); the drafter prefill covers any subset of the prompts.
+    """
+    n, width = len(prompt_lengths), num_drafts + 1
+    tb, pb = target.buckets, proposer.buckets
+    target_buckets = _chunk_buckets(tb, sum(prompt_lengths))
+    verify = set()
+    for live in range(1, n + 1):
+        if device_loop:
+            verify.add(_bucket(tb, live * width))
+        else:
+            target_buckets |= _chunk_buckets(tb, live * width)
+    step = proposer.propose_batch_max()
+    chain = {_bucket(pb, size) for live in range(1, n + 1) for size in {min(live, step), live % step} if size}
+    catchup_rows = max(sum(max(p - 1, 0) for p in prompt_lengths), n * width)
+    top = _bucket(pb, min(catchup_rows, pb[-1]))
+    prefill = {b for b in pb if b <= top}
+    return WarmupPlan(*(tuple(sorted(s)) for s in (target_buckets, verify, chain, prefill)))
+
+
+def plan_greedy_warmup(target, prompt_lengths: Sequence[int]) -> tuple[int, ...]:
+    """The target buckets a plain greedy decode of these prompts can use (prefill, then 1 row a sequence)."""
+    used = _chunk_buckets(target.buckets, sum(prompt_lengths))
+    for live in range(1, len(prompt_lengths) + 1):
+        used |= _chunk_buckets(target.buckets, live)
+    return tuple(sorted(used))
+
+
+def warm_up(target, proposer, plan: WarmupPlan, num_drafts: int) -> None:
+    """Build (and on CUDA capture and compile) every executor of ``plan``; see the module docstring."""
+    target.warm_up(plan.target)
+    if plan.verify:
+        target.device_verifier(num_drafts).warm_up(plan.verify)
+    proposer.warm_up(num_drafts, plan.chain, plan.prefill)

@@ -1,0 +1,205 @@
+"""A propose whose drafts stay on the device: the half of a decode loop that never leaves the GPU.
+
+Design note "device drafts": ``propose`` and ``propose_batch`` read the K drafts back and
+commit the batch's rows on the host. A decode loop that verifies on the device (the target's
+verify graph takes the drafts from a device buffer and computes the acceptance there) needs
+neither: :func:`propose_device` runs the same chain on the same executors and returns a
+:class:`DeviceDrafts`, whose ``drafts`` are a view of the chain's static output buffer, with
+no read-back and no host sync. What the host must know of the drafts to commit the rows is
+deferred to :func:`after_verify_device`, which the loop calls with what its one read-back
+gave (the accepted counts, and whether the chain dropped the batch for a non-finite hidden):
+only then are the rows committed (seq_len, kv_start, verify due) and rolled back to the
+accepted drafts, in one call, all or nothing. Until then the batch's states are *placed*:
+their blocks for the K drafts are mapped (free_state gives them back), their rows unchanged.
+
+The chain must be ungated (draft_conf_tau 0, or K = 1): a gated chain's kept drafts are a
+host decision of the commit. ``drafts`` stays valid until the proposer's next run of the same
+(batch bucket, K) chain; the loop copies it into the verify input right away.
+
+Example
+-------
+>>> handle = prop.propose_device([5, 17], hiddens, [40, 9], 3, [s0, s1])   # doctest: +SKIP
+>>> verify_input[:2].copy_(handle.drafts)                                  # doctest: +SKIP
+>>> prop.after_verify_device(handle, [3, 1], dropped=False)                # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from draftgraph.graphs.draft_chain import is_gated
+from draftgraph.ops.nonfinite import NONFINITE
+from draftgraph.runtime.errors import InputError, NonFiniteError, describe
+from draftgraph.runtime.native import batch_kernel
+from draftgraph.runtime.proposer.checks import check_count, check_hiddens, check_ints, check_states
+from draftgraph.runtime.proposer.state import MtpProposerState
+
+
+@dataclass(eq=False)
+class DeviceDrafts:
+    """A device propose awaiting its verify: the drafts on the device and what the commit needs.
+
+    drafts : int64 [n, K] on the proposer's device, a view of the chain's output buffer
+        (``NONFINITE`` in every entry when the chain dropped the batch for a non-finite hidden).
+    """
+
+    drafts: torch.Tensor  # [n, K]
+    num_drafts: int
+    states: list
+    keys: np.ndarray  # int64 [n]
+    positions: np.ndarray  # int64 [n]
+    kv_start: np.ndarray  # int64 [n]: each row's kv_start after the propose
+    seq_len: np.ndarray  # int64 [n]: each row's seq_len at the propose (a propose since changes it)
+    mapped: np.ndarray | None  # (row, entry) pairs of the blocks the propose mapped
+    proposer_id: int
+    is_finished: bool = field(default=False)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.keys)
+
+
+def _pending(prop) -> dict[int, DeviceDrafts]:
+    """The proposer's placed keys -> their unfinished device propose (made on first use)."""
+    pending = getattr(prop, "_device_pending", None)
+    if pending is None:
+        pending = prop._device_pending = {}
+    return pending
+
+
+def propose_device(prop, last_tokens, target_hiddens, positions, num_drafts, states) -> DeviceDrafts:
+    """``propose_batch`` without the read-back: the chain runs, the drafts stay on the device.
+
+    Takes what ``propose_batch`` takes (B tokens, B hiddens or one [B, C, D] / [B, D] tensor,
+    B positions, K, B states). Checked as propose_batch checks them, all before any work;
+    also refused: a gated chain (draft_conf_tau > 0 and K > 1) and a state whose last device
+    propose is not finished. See the module docstring.
+    """
+    if isinstance(states, (str, bytes, MtpProposerState)) or not hasattr(states, "__len__"):
+        raise InputError(describe("states", "a sequence of states", type(states).__name__))
+    n = len(states)
+    if not 1 <= n <= prop.propose_batch_max():
+        raise InputError(describe("batch size", f"1..{prop.propose_batch_max()} (propose_batch_max)", n))
+    with prop._lock:
+        k = check_count(num_drafts, "num_drafts", 1, prop.options.max_num_drafts)
+        if is_gated(prop.options.draft_conf_tau, k):
+            raise InputError(describe("propose_device chain", "an ungated chain (draft_conf_tau 0 or K = 1)",
+                                      f"draft_conf_tau {prop.options.draft_conf_tau}, K = {k}",
+                                      "a gated chain's kept drafts are a host decision: use propose_batch"))
+        keys, tokens, pos = (a.copy() for a in prop._batch_arrays(states, last_tokens, positions, n))
+        try:
+            hiddens = check_hiddens(target_hiddens, prop._hidden_shape, prop.device, n)
+        except InputError:
+            prop._check_items(states, tokens, pos, k, n)
+            raise
+        pending = _pending(prop)
+        waiting = [i for i, key in enumerate(keys.tolist()) if key in pending]
+        if waiting:
+            check_states(states, prop.id, prop.rows, n)  # a freed state is named as such
+            raise InputError(describe(f"states[{waiting[0]}]", "a state with no unfinished device propose",
+                                      "one whose propose_device awaits after_verify_device",
+                                      "call after_verify_device(handle, ...) first"))
+        _, staging, executor, _, copy_in, _ = prop._plan(n, k, False)
+        kv, cache = np.zeros(n, dtype=np.int64), prop.cache
+        _, place_arrays, _, _ = prop._kernel_arrays()
+        with cache.lock:
+            status, index, m = prop._kernel.place(keys, tokens, pos, k, *place_arrays, kv, prop._mapped)
+        if status != batch_kernel.OK:
+            prop._refuse(status, index, states, tokens, pos, k, n)
+        mapped = prop._mapped[: 2 * m].reshape(m, 2).copy() if m else None
+        if mapped is not None:
+            for row in set(mapped[:, 0].tolist()):
+                prop.rows.table_of[row].cache_id = cache.cache_id
+        try:
+            staging.stage(prop.rows.tables, keys, pos, kv, tokens, hiddens, prop._vocab_limit(), None,
+                          copy_in=copy_in)
+            if prop.options.poison_arena:
+                executor.poison()
+            outputs = executor.run(staging.chain_inputs(None), check=False)
+        except BaseException:
+            if mapped is not None:
+                prop._unmap(mapped)
+            raise
+        rows = keys & batch_kernel.ROW_MASK
+        handle = DeviceDrafts(outputs["drafts"][:n], k, list(states), keys, pos, kv, prop.rows.seq_len[rows].copy(),
+                              mapped, prop.id)
+        for key in keys.tolist():
+            pending[key] = handle
+        prop.last_outputs = outputs
+        return handle
+
+
+def after_verify_device(prop, handle: DeviceDrafts, num_accepted, dropped: bool | None = None) -> None:
+    """Commit a device propose's rows and roll them back to the accepted drafts, in one call.
+
+    ``num_accepted`` : one int per sequence of the handle, 0..K. ``dropped`` : whether the chain
+    dropped the batch (its drafts are ``NONFINITE``), as the caller's read-back says; None reads
+    it here (one host sync). A dropped batch raises NonFiniteError and its states are as before
+    the propose (the blocks it mapped go back). All or nothing: a bad count or a stale handle
+    raises InputError and changes nothing.
+    """
+    if not isinstance(handle, DeviceDrafts) or handle.proposer_id != prop.id:
+        raise InputError(describe("handle", "a DeviceDrafts of this proposer's propose_device",
+                                  type(handle).__name__))
+    with prop._lock:
+        if handle.is_finished:
+            raise InputError(describe("handle", "an unfinished device propose", "one already finished",
+                                      "after_verify_device once per propose_device"))
+        n, k, rows = handle.num_sequences, handle.num_drafts, handle.keys & batch_kernel.ROW_MASK
+        check_states(handle.states, prop.id, prop.rows, n)  # a state freed since: its own error
+        if (prop.rows.verify_due[rows].any() or (prop.rows.seq_len[rows] != handle.seq_len).any()):
+            raise InputError(describe("handle", "the states as propose_device left them",
+                                      "a state proposed or changed since", "one propose per verify"))
+        accepted = np.ascontiguousarray(check_ints(num_accepted, "num_accepted", 0, k + 1, n))
+        if dropped is None:
+            dropped = int(handle.drafts[0, 0]) == NONFINITE
+        pending = _pending(prop)
+        for key in handle.keys.tolist():
+            pending.pop(key, None)
+        handle.is_finished = True
+        if dropped:  # the chain wrote no cache row: the states go back to before the propose
+            if handle.mapped is not None:
+                prop._unmap(handle.mapped)
+            raise NonFiniteError(describe("target_hiddens", "finite values", "a NaN or an infinity",
+                                          "the propose is refused: no state or cache row changed"))
+        _, _, commit_arrays, verify_arrays = prop._kernel_arrays()
+        kept = np.zeros(n, dtype=np.int64)
+        with prop.cache.lock:
+            prop._kernel.commit(handle.keys, handle.positions, handle.kv_start, np.zeros((n, k), dtype=np.int64), k,
+                                False, *commit_arrays, kept)
+            status, index, _ = prop._kernel.verify(handle.keys, accepted, *verify_arrays)
+        if status != batch_kernel.OK:  # every check above holds, so this cannot be refused
+            raise AssertionError(f"the batch kernel's verify refused (status {status}, row {index}) a checked batch")
+
+
+def warm_up(prop, num_drafts: int, chain_buckets: Sequence[int], prefill_buckets: Sequence[int]) -> None:
+    """Build (and on CUDA capture) the K-draft chains and the drafter-prefill graphs of these buckets.
+
+    Eager executors run once on dead rows, so that on CUDA every Triton kernel they launch is
+    compiled here and not in the first propose or catch-up; captured ones are captured (a
+    capture runs them twice first). Every staging buffer is marked dead first: a run writes no
+    cache row. Buckets not in the proposer's set are refused before any work.
+    """
+    k = check_count(num_drafts, "num_drafts", 1, prop.options.max_num_drafts)
+    for what, buckets in (("chain buckets", chain_buckets), ("prefill buckets", prefill_buckets)):
+        unknown = sorted(set(buckets) - set(prop.buckets))
+        if unknown:
+            raise InputError(describe(what, f"buckets of the proposer {prop.buckets}", unknown))
+    with prop._lock:
+        for bucket in sorted(set(chain_buckets), reverse=True):
+            _run_dead(prop, bucket, prop._executor(bucket, k, False))
+        for bucket in sorted(set(prefill_buckets), reverse=True):
+            _run_dead(prop, bucket, prop._prefill_executor(bucket))
+
+
+def _run_dead(prop, bucket: int, executor) -> None:
+    staging = prop._staging_for(bucket)
+    empty = np.zeros(0, dtype=np.int64)
+    staging.stage(prop.rows.tables, empty, empty, empty, empty, [], prop._vocab_limit())  # every row dead
+    if getattr(executor, "cuda_graph", False) is None:
+        executor.capture()
+    elif not hasattr(executor, "cuda_graph"):
+        executor.run(staging.chain_inputs(None), check=False)

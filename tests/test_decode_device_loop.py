@@ -1,0 +1,278 @@
+"""The device loop (issue 27.2, 27.4): drafts, verify input and acceptance on the device, one read-back
+a step; warm-up apart, and no executor built after it; propose_device / after_verify_device."""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import pytest
+import torch
+from decode_fixtures import (  # noqa: F401
+    OracleProposer,
+    make_proposer,
+    make_target,
+    pools_full,
+    prompts,
+    single_thread,
+)
+from draftgraph.runtime.decode.device_verify import ACCEPTED, DROPPED, NONFINITE_HIDDEN, TOKENS
+from draftgraph.runtime.decode.loop import DecodeSession, accept_greedy, greedy_decode, speculative_decode
+from draftgraph.runtime.decode.warmup import build_counts, plan_warmup
+from draftgraph.runtime.errors import InputError, NonFiniteError
+from proposer_fixtures import assert_unchanged, frozen
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
+@functools.lru_cache(maxsize=8)
+def greedy_of(lengths: tuple, max_new: int, eos_id=None):
+    return greedy_decode(make_target(), prompts(lengths), max_new, eos_id=eos_id)
+
+
+def oracle(lengths, max_new, **kw):
+    truths = [p + g for p, g in zip(prompts(lengths), greedy_of(lengths, max_new).tokens)]
+    return make_proposer(cls=OracleProposer, truths=truths, **kw)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("lengths", [(7,), (3, 9, 20)])
+def test_device_loop_equals_greedy_and_the_host_path(target, lengths, k):
+    want = greedy_of(lengths, 14)
+    runs = {}
+    for device_loop in (True, False):
+        for drafter in ("builtin", "oracle"):
+            proposer = make_proposer() if drafter == "builtin" else oracle(lengths, 14)
+            result = speculative_decode(target, proposer, prompts(lengths), 14, k, device_loop=device_loop)
+            assert result.tokens == want.tokens and result.finish_reasons == want.finish_reasons
+            assert pools_full(target, proposer)
+            runs[device_loop, drafter] = (result.tokens, result.stats.num_steps, result.stats.num_accepted)
+    assert runs[True, "builtin"] == runs[False, "builtin"]  # same drafts, same acceptance, step by step
+    assert runs[True, "oracle"] == runs[False, "oracle"]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_device_loop_eos_max_tokens_and_cancel(target, k):
+    lengths = (3, 9, 20)
+    greedy = greedy_of(lengths, 16).tokens
+    eos = greedy[2][5]  # sequence 2 ends at its sixth token (or earlier where the token comes sooner)
+    want = greedy_decode(target, prompts(lengths), 16, eos_id=eos)
+    proposer = oracle(lengths, 16)
+    with DecodeSession(target, proposer, prompts(lengths), 16, k, eos_id=eos, device_loop=True) as session:
+        assert session.device_loop
+        session.step()
+        session.step()
+        session.cancel(0)
+        while session.step():
+            pass
+        result = session.result()
+    assert result.finish_reasons[0] == "cancelled"
+    assert result.tokens[0] == want.tokens[0][: len(result.tokens[0])] and len(result.tokens[0]) < 16
+    assert result.tokens[1:] == want.tokens[1:] and result.finish_reasons[1:] == want.finish_reasons[1:]
+    assert pools_full(target, proposer)
+
+
+_READS = ("cpu", "tolist", "item", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def test_one_read_back_per_step(target, monkeypatch):
+    """Every tensor-to-host call (.cpu, .tolist, .item, .numpy, bool/int/float of a tensor) is counted."""
+    calls = collections.Counter()
+    counting = [False]
+
+    def counted(name):
+        method = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if counting[0]:
+                calls[name] += 1
+            return method(self, *args, **kwargs)
+
+        return read
+
+    for name in _READS:
+        monkeypatch.setattr(torch.Tensor, name, counted(name))
+    reads = {}
+    for device_loop in (True, False):
+        calls.clear()
+        with DecodeSession(target, make_proposer(), prompts((3, 9, 20)), 12, 3, device_loop=device_loop) as s:
+            s.step()  # the prefill: reads the prompts' argmax and checks their hiddens
+            counting[0] = True
+            while s.step():
+                pass
+            counting[0] = False
+        steps = s.stats.num_steps
+        reads[device_loop] = sum(calls.values()) / steps
+        if device_loop:  # (the host path's .cpu().tolist() is one read, counted twice here)
+            assert s.stats.num_read_backs == sum(calls.values()) == steps, calls
+    assert reads[True] == 1  # the verdict, nothing else
+    assert reads[False] >= 3  # the drafts, the target's argmax, the catch-up's finiteness
+
+
+def test_no_executor_built_after_warm_up_in_a_long_decode(target):
+    """A few hundred tokens a sequence, sequences ending at different steps: every bucket was warmed."""
+    lengths, max_new = (3, 9, 20), 150
+    greedy = greedy_decode(target, prompts(lengths), max_new).tokens
+    # sequence 0 ends early at a token the others never emit: the live batch shrinks 3 -> 2
+    eos = next(t for t in greedy[0][10:] if t not in greedy[1] + greedy[2])
+    for device_loop in (True, False):
+        proposer = make_proposer(buckets=(1, 2, 4, 8, 16))
+        with DecodeSession(target, proposer, prompts(lengths), max_new, 3, eos_id=eos,
+                           device_loop=device_loop) as session:
+            session.warm_up()
+            assert session.stats.warmup_seconds > 0
+            before = build_counts()
+            live = set()
+            while session.step():
+                live.add(len(session.live))
+            result = session.result()
+        assert build_counts() - before == type(before)(), device_loop
+        assert result.finish_reasons == ["eos", "length", "length"] and len(live) >= 2  # the batch shrank
+        assert pools_full(target, proposer)
+
+
+def test_lazy_builds_land_in_the_loop_without_warm_up(target):
+    """The oracle of the test above: without warm-up the same decode builds executors mid-loop."""
+    proposer = make_proposer(buckets=(1, 2, 4, 8, 16))
+    with DecodeSession(target, proposer, prompts((3, 9, 20)), 24, 3, warmup=False) as session:
+        session.step()
+        before = build_counts()
+        while session.step():
+            pass
+    assert (build_counts() - before).executors > 0
+
+
+def test_warm_up_plan_covers_every_live_count():
+    target, proposer = make_target(buckets=(4, 8, 16)), make_proposer(buckets=(1, 2, 4, 8))
+    plan = plan_warmup(target, proposer, [3, 9, 20], 3, device_loop=True)
+    assert plan.verify == (4, 8, 16)  # 1, 2, 3 sequences x 4 rows
+    assert plan.chain == (1, 2, 4)  # 1, 2, 3 sequences
+    assert plan.prefill == (1, 2, 4, 8)  # catch-up rows 1 .. 29 (the prompts) in runs of <= 8
+    assert plan.target == (16,)  # the prefill: 32 rows, two runs of 16
+    host = plan_warmup(target, proposer, [3, 9, 20], 3, device_loop=False)
+    assert host.verify == () and host.target == (4, 8, 16)
+
+
+def test_warmup_only_session_decodes_nothing(target):
+    proposer = make_proposer()
+    session = DecodeSession(target, proposer, prompts((5,)), 8, 2)
+    seconds = session.warm_up()
+    assert seconds > 0 and session.warm_up() == 0.0 and session.stats.num_generated == 0
+    session.close()
+    assert pools_full(target, proposer)
+
+
+# ---- the proposer's device entry ---------------------------------------------------------------------
+def _setup(proposer, target, n=2):
+    """n sequences with drafter rows from a prompt, their last hiddens [n, C, D]."""
+    toks = prompts((6, 11, 4)[:n], seed=3)
+    states, hiddens, last = [], [], []
+    for t in toks:
+        ts = target.alloc_state(64)
+        out = target.prefill(ts, t)
+        target.free(ts)
+        state = proposer.alloc_state_for(64)
+        proposer.prefill_drafter(t, out.hiddens, state)
+        states.append(state)
+        hiddens.append(out.hiddens[-1])
+        last.append((out.tokens[-1], len(t) - 1))
+    return states, torch.stack(hiddens), [t for t, _ in last], [p for _, p in last]
+
+
+def test_propose_device_equals_propose_batch_and_after_verify(target):
+    host, device = make_proposer(), make_proposer()
+    hs, hid, tok, pos = _setup(host, target)
+    ds, _, _, _ = _setup(device, target)
+    want = host.propose_batch(tok, hid, pos, 3, hs)
+    handle = device.propose_device(tok, hid, pos, 3, ds)
+    assert handle.drafts.tolist() == want
+    host.after_verify_batch([2, 0], hs)
+    device.after_verify_device(handle, [2, 0], dropped=False)
+    assert [s.snapshot() for s in ds] == [s.snapshot() for s in hs]
+    assert device.cache.num_free_blocks == host.cache.num_free_blocks
+    # the next round from the same rows drafts the same tokens
+    assert device.propose_device([t + 1 for t in tok], hid, [p + 1 for p in pos], 2, ds).drafts.tolist() == \
+        host.propose_batch([t + 1 for t in tok], hid, [p + 1 for p in pos], 2, hs)
+    for p, states in ((host, hs), (device, ds)):
+        for s in states:
+            p.free_state(s)
+        assert p.cache.num_free_blocks == p.cache.num_blocks
+
+
+def test_propose_device_misuse_is_typed_and_harmless(target):
+    proposer = make_proposer()
+    states, hid, tok, pos = _setup(proposer, target)
+    before = frozen(proposer, states)
+    with pytest.raises(InputError, match="num_drafts"):
+        proposer.propose_device(tok, hid, pos, 0, states)
+    with pytest.raises(InputError, match="target_hiddens"):
+        proposer.propose_device(tok, hid[:1], pos, 3, states)
+    with pytest.raises(InputError, match="last_token"):
+        proposer.propose_device([10_000, 1], hid, pos, 3, states)
+    assert_unchanged(proposer, states, before)
+    handle = proposer.propose_device(tok, hid, pos, 3, states)
+    with pytest.raises(InputError, match="unfinished device propose"):
+        proposer.propose_device(tok, hid, pos, 3, states)
+    with pytest.raises(InputError, match="num_accepted"):
+        proposer.after_verify_device(handle, [4, 0], dropped=False)  # K = 3
+    with pytest.raises(InputError, match="one call after each propose"):
+        proposer.after_verify(0, states[0])  # the device propose is not committed yet
+    proposer.after_verify_device(handle, [3, 1], dropped=False)
+    with pytest.raises(InputError, match="already finished"):
+        proposer.after_verify_device(handle, [3, 1], dropped=False)
+    gated = make_proposer(draft_conf_tau=0.5)
+    gs, ghid, gtok, gpos = _setup(gated, target)
+    with pytest.raises(InputError, match="ungated"):
+        gated.propose_device(gtok, ghid, gpos, 3, gs)
+    for p, ss in ((proposer, states), (gated, gs)):
+        for s in ss:
+            p.free_state(s)
+        assert p.cache.num_free_blocks == p.cache.num_blocks
+
+
+def test_a_dropped_device_propose_changes_nothing(target):
+    proposer = make_proposer()
+    states, hid, tok, pos = _setup(proposer, target)
+    before = frozen(proposer, states)
+    bad = hid.clone()
+    bad[1, 0, 0] = float("nan")
+    handle = proposer.propose_device(tok, bad, pos, 3, states)
+    with pytest.raises(NonFiniteError):
+        proposer.after_verify_device(handle, [0, 0])  # dropped=None: reads the mark itself
+    assert_unchanged(proposer, states, before)
+    proposer.after_verify_device(proposer.propose_device(tok, hid, pos, 3, states), [1, 1], dropped=False)
+    for s in states:
+        proposer.free_state(s)
+    assert proposer.cache.num_free_blocks == proposer.cache.num_blocks
+
+
+def test_device_verdict_is_accept_greedy(target):
+    """The verify graph's acceptance against the host rule, for chosen drafts (right, wrong, dropped)."""
+    verifier = target.device_verifier(3)
+    toks = prompts((5, 8), seed=5)
+    states = [target.alloc_state(64) for _ in toks]
+    outs = [target.prefill(s, t) for s, t in zip(states, toks)]
+    last = [o.tokens[-1] for o in outs]
+    truth = [target.verify([s], [[t, 0, 0, 0]], [s.length])[0].tokens for s, t in zip(states, last)]
+    for s, o in zip(states, outs):
+        target.truncate(s, len(o.tokens))
+    # greedy continuations g: drafts right for 2 positions in sequence 0, wrong at once in sequence 1
+    g0 = greedy_decode(target, [toks[0]], 4).tokens[0]
+    drafts = torch.tensor([[g0[1], g0[2], (g0[3] + 1) % 264], [(truth[1][0] + 1) % 264, 5, 6]])
+    verifier.run(states, last, drafts)
+    verdict = verifier.verdict[:2].clone()
+    assert verdict[0, ACCEPTED] == accept_greedy(drafts[0].tolist(), verdict[0, TOKENS:].tolist())[0] == 2
+    assert verdict[1, ACCEPTED] == 0 and verdict[1, TOKENS] == truth[1][0]
+    assert verdict[:, DROPPED].tolist() == [0, 0] and verdict[:, NONFINITE_HIDDEN].tolist() == [0, 0]
+    for s, o in zip(states, outs):
+        target.truncate(s, len(o.tokens))
+    verifier.run(states, last, torch.tensor([[-2, -2, -2], [g0[1], 1, 1]]))  # a dropped chain's marks
+    assert verifier.verdict[:2, DROPPED].tolist() == [1, 0] and verifier.verdict[0, ACCEPTED] == 0
+    with pytest.raises(InputError, match="drafts"):
+        verifier.run(states, last, torch.zeros(2, 2, dtype=torch.int64))
+    for s in states:
+        target.free(s)
+    assert target.cache.num_free_blocks == target.cache.num_blocks
