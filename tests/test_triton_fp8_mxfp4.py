@@ -53,7 +53,9 @@ from draftgraph.runtime.errors import InputError  # noqa: E402
 from draftgraph.runtime.model.quant import (  # noqa: E402
     E2M1_MAGNITUDES,
     dequantize_fp8,
+    dequantize_mxfp4,
     quantize_fp8,
+    quantize_mxfp4,
 )
 
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="the interpreter tests run where there is no CUDA")
@@ -223,3 +225,163 @@ def test_fp8_gemv_rejects_bad_inputs():
         FP8.fp8_gemv(x, q.float(), s, out)
     with pytest.raises(InputError, match="x"):
         FP8.fp8_gemv(x.float(), q, s, out)
+
+
+# ---- moe_mxfp4 --------------------------------------------------------------------------------
+
+
+class Experts:
+    """Routed MXFP4 experts and an FP8 shared expert on ``device``, with their float64 dequantised copies."""
+
+    def __init__(self, g, num_experts, d, inter, device):
+        def mx(rows, cols):
+            w = spread_weight(g, num_experts * rows, cols, (1, 32))  # a scale per 32-column run
+            q, s = quantize_mxfp4(w)
+            w64 = dequantize_mxfp4(q, s, torch.float64).view(num_experts, rows, cols)
+            q, s = q.view(num_experts, rows, cols // 2), s.view(num_experts, rows, cols // 32)
+            return q.to(device), s.to(device), w64
+
+        self.w1, self.s1, self.w1_64 = mx(inter, d)
+        self.w3, self.s3, self.w3_64 = mx(inter, d)
+        self.w2, self.s2, self.w2_64 = mx(d, inter)
+        sw1, sw2, sw3 = (fp8_weight(g, r, c, device) for r, c in ((inter, d), (d, inter), (inter, d)))
+        self.shared = (sw1[0], sw1[1], sw2[0], sw2[1], sw3[0], sw3[1])
+        self.shared_64 = (sw1[2], sw2[2], sw3[2])
+
+    def routed(self):
+        return self.w1, self.s1, self.w2, self.s2, self.w3, self.s3
+
+
+def swiglu64(g, u, limit):
+    g = g.clamp(max=limit)
+    return g * torch.sigmoid(g) * u.clamp(-limit, limit)
+
+
+def moe_reference(x, idx, wts, ex: Experts, limit, with_shared=True, round_act=False, merge_repeats=False):
+    """float64: sum_k w2[e] (w_k * swiglu(w1[e] x, w3[e] x)) + shared; act rounded to bf16 if asked
+    (the kernels round it, as the torch op does). ``merge_repeats``: a row's repeated expert once,
+    with the weights summed (what the expert-major kernels compute; the same sum unrounded)."""
+    x, idx, wts = x.cpu().double(), idx.cpu().long(), wts.cpu().double()
+    if merge_repeats:
+        wts = wts.clone()
+        for b in range(idx.shape[0]):
+            for k in range(idx.shape[1]):
+                first = (idx[b, :k] == idx[b, k]).nonzero()
+                if first.numel():
+                    wts[b, first[0, 0]] += wts[b, k]
+                    wts[b, k] = 0.0
+    rnd = (lambda a: a.to(BF16).double()) if round_act else (lambda a: a)
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    gates = []
+    for b in range(x.shape[0]):
+        for k in range(idx.shape[1]):
+            e = idx[b, k]
+            g = ex.w1_64[e] @ x[b]
+            gates.append(g)
+            out[b] += ex.w2_64[e] @ rnd(wts[b, k] * swiglu64(g, ex.w3_64[e] @ x[b], limit))
+        if with_shared:
+            sw1, sw2, sw3 = ex.shared_64
+            out[b] += sw2 @ rnd(swiglu64(sw1 @ x[b], sw3 @ x[b], limit))
+    return out, torch.cat(gates)
+
+
+def routing(g, batch, top_k, num_experts, device):
+    idx = torch.randint(0, num_experts, (batch, top_k), generator=g, dtype=torch.int32)
+    idx[0, 1] = idx[0, 0]  # a row listing one expert twice
+    if batch > 1:
+        idx[1, 0] = idx[0, 0]  # another row sharing it
+    wts = torch.rand(batch, top_k, generator=g) + 0.25
+    return idx.to(device), (wts / wts.sum(1, keepdim=True) * 1.5).to(device)
+
+
+D_SMALL, I_SMALL, E_SMALL, K_SMALL = 160, 96, 8, 3  # D, I: not multiples of 128 (ragged FP8 scale blocks)
+LIMIT = 1.0  # small enough that the clamp is active on a good part of w1 x and w3 x
+
+
+@pytest.fixture(scope="module")
+def small_experts():
+    return Experts(gen(2000), E_SMALL, D_SMALL, I_SMALL, "cpu")
+
+
+def _experts_on(ex: Experts, device: str) -> Experts:
+    if device == "cpu":
+        return ex
+    moved = Experts.__new__(Experts)
+    moved.__dict__.update(ex.__dict__)
+    for name in ("w1", "s1", "w2", "s2", "w3", "s3"):
+        setattr(moved, name, getattr(ex, name).to(device))
+    moved.shared = tuple(t.to(device) for t in ex.shared)
+    return moved
+
+
+MOE_DOT = (K["gemv"].GemvConfig(16, 64, 4, 2), K["gemv"].GemvConfig(16, 32, 4, 2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "batch,grouped,variant",
+    [(1, False, "fma"), (1, False, "dot"), (4, True, "dot"), (4, False, "dot"), (1, True, "dot")],
+)
+def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
+    """Slot-major (FMA or dot) and expert-major, repeated experts, the clamp active, poisoned out."""
+    if variant == "dot":
+        monkeypatch.setattr(MX, "W13_CONFIG", MOE_DOT[0])
+        monkeypatch.setattr(MX, "W2_CONFIG", MOE_DOT[1])
+    ex = _experts_on(small_experts, device)
+    g = gen(2100 + batch)
+    x = act(g, batch, D_SMALL).to(device)
+    idx, wts = routing(g, batch, K_SMALL, E_SMALL, device)
+    out = poisoned((batch, D_SMALL), BF16, device)
+    MX.moe_mxfp4(x, idx, wts, *ex.routed(), out, swiglu_limit=LIMIT, shared=ex.shared, grouped=grouped)
+    ref, gates = moe_reference(x, idx, wts, ex, LIMIT)
+    clamped = (gates > LIMIT).double().mean().item()
+    assert 0.05 < clamped < 0.95, f"the clamp should bite on part of w1 x: {clamped:.2f} above the limit"
+    check(out.cpu(), ref, f"moe_mxfp4 B={batch} grouped={grouped} {variant}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch,grouped", [(1, False), (3, True)])
+def test_moe_mxfp4_fp32_out_matches_rounded_act(device, small_experts, batch, grouped):
+    """fp32 out against the reference that rounds act to bf16 as the kernel does: only summation order left."""
+    ex = _experts_on(small_experts, device)
+    g = gen(2200 + batch)
+    x = act(g, batch, D_SMALL).to(device)
+    idx, wts = routing(g, batch, K_SMALL, E_SMALL, device)
+    out = poisoned((batch, D_SMALL), torch.float32, device)
+    MX.moe_mxfp4(x, idx, wts, *ex.routed(), out, swiglu_limit=LIMIT, shared=ex.shared, grouped=grouped)
+    ref, _ = moe_reference(x, idx, wts, ex, LIMIT, round_act=True, merge_repeats=grouped)
+    err = rel_err(out.cpu(), ref)
+    assert not torch.isnan(out).any() and err < 1e-5, f"moe_mxfp4 fp32 out: {err:.2e}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch,grouped", [(1, False), (3, True)])
+def test_moe_mxfp4_routed_only_accumulate_and_ids_read_on_device(device, small_experts, batch, grouped):
+    """No shared expert, adding into out; then new ids written into the same idx tensor are the ones used."""
+    ex = _experts_on(small_experts, device)
+    g = gen(2300 + batch)
+    x = act(g, batch, D_SMALL).to(device)
+    idx, wts = routing(g, batch, K_SMALL, E_SMALL, device)
+    base = act(g, batch, D_SMALL).to(device)
+    for step in range(2):
+        out = base.clone()
+        MX.moe_mxfp4(x, idx, wts, *ex.routed(), out, swiglu_limit=LIMIT, accumulate=True, grouped=grouped)
+        ref, _ = moe_reference(x, idx, wts, ex, LIMIT, with_shared=False)
+        check(out.cpu(), base.cpu().double() + ref, f"moe_mxfp4 accumulate, step {step}")
+        idx.copy_((idx + 1 + step) % E_SMALL)  # in place, as the route kernel writes it in a captured graph
+
+
+def test_moe_mxfp4_rejects_bad_inputs(small_experts):
+    ex, g = small_experts, gen(2400)
+    x = act(g, 1, D_SMALL)
+    idx, wts = routing(g, 1, K_SMALL, E_SMALL, "cpu")
+    out = torch.empty(1, D_SMALL, dtype=BF16)
+    w1, s1, w2, s2, w3, s3 = ex.routed()
+    with pytest.raises(InputError, match="w1_scale"):
+        MX.moe_mxfp4(x, idx, wts, w1, s1[:, :, :1], w2, s2, w3, s3, out, swiglu_limit=LIMIT)
+    with pytest.raises(InputError, match="w2"):
+        MX.moe_mxfp4(x, idx, wts, w1, s1, w2.transpose(1, 2), s2, w3, s3, out, swiglu_limit=LIMIT)
+    with pytest.raises(InputError, match="sw2_scale"):
+        bad = list(ex.shared)
+        bad[3] = bad[1]
+        MX.moe_mxfp4(x, idx, wts, *ex.routed(), out, swiglu_limit=LIMIT, shared=tuple(bad))

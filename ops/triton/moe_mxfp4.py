@@ -1,12 +1,65 @@
-"""MXFP4 routed experts (e2m1 pairs, 1 x 32 UE8M0 scales), decoded in registers.
+"""The MoE experts with MXFP4 routed experts and an FP8 shared expert, read in place.
 
-So far the e2m1 decoder only; the MoE kernels that use it come next.
+The routed experts stay as the checkpoint stores them, stacked by ``prepare_weights``:
+w1 / w3 [E, I, D/2] and w2 [E, D, I/2] bytes (two e2m1 codes each, the even column in the
+low nibble) with UE8M0 scales [E, I, D/32] / [E, D, I/32], one per 32 columns of a row
+(``runtime/model/quant.py``). The shared expert is FP8 e4m3 with 128 x 128 block scales
+(``fp8_linear``). Expert ids and routing weights come from the route kernel of ``moe.py``
+(device tensors [B, K]: no host sync, capturable); the gate stays bf16 and is not here.
+
+The kernels are ``moe.py``'s and ``moe_grouped.py``'s with the weight tiles decoded in
+registers:
+- slot-major (batch 1; ``grouped=False``): w13, grid (I blocks, B*K + 1 slots), writes
+  act = w * silu(min(g, limit)) * clamp(u, -limit, limit) per slot (bf16, as the reference
+  rounds it); the last slot is the shared expert, weight 1. w2, grid (D blocks): one flat
+  (slot, k) loop over the routed slots, then the shared expert's K loop, fp32 accumulation,
+  one store into ``out`` (or an add to it: ``accumulate``).
+- expert-major (batch > 1; ``grouped=True``): w13 and w2 on the same grid, but only the
+  owner slot of an expert (``moe_grouped._owned_rows``) streams it, once for all the rows
+  that chose it; w2 writes fp32 partials per (row, k); a reduce sums each row's
+  first-occurrence partials and the shared one in k order (deterministic, no atomics).
+
+Note "MXFP4 tile": a [BLOCK_N, BLOCK_K] tile of logical columns is BLOCK_K / 2 bytes a row.
+Each byte gives two fp32 values (low nibble: even column), each times its 32-column scale
+(gathered per byte: 16 bytes share one, served from L1), and ``tl.join`` + ``reshape``
+interleave them back into column order, so the activation tile is read as it lies. e2m1
+times a power of two is exact in bf16, so the dot path multiplies the decoded tile in x's
+dtype, as ``gemv`` does with bf16 weights. The FP8 shared expert's tiles apply their row
+scale to the tile's partial product instead (see ``fp8_linear``).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+from draftgraph.ops.triton._common import (
+    batch_block,
+    carve,
+    clamped_swiglu,
+    interpreting,
+    mma,
+    next_pow2,
+    pdl_args,
+    pdl_wait,
+    scratch_bytes,
+)
+from draftgraph.ops.triton.fp8_linear import fp8_tile, native_fp8_supported, ue8m0_to_f32
+from draftgraph.ops.triton.gemv import GemvConfig
+from draftgraph.ops.triton.moe_grouped import _owned_rows
+from draftgraph.runtime.errors import InputError, describe
+from draftgraph.runtime.model.quant import FP8_BLOCK, MXFP4_BLOCK, fp8_scale_shape
+
+MAX_BATCH = 64  # the shared slot covers all rows in one activation tile
+GROUPED_MIN_BATCH = 2  # as moe.py: expert-major from this batch on
+# Untuned (no GPU yet): moe.py's tiles, with BLOCK_K at most 128 (an FP8 K tile lies in one scale block).
+W13_CONFIG = GemvConfig(block_n=16, block_k=128, num_warps=4, num_stages=3, use_dot=False)
+W2_CONFIG = GemvConfig(block_n=16, block_k=128, num_warps=4, num_stages=3, use_dot=False)
+W13_CONFIG_BATCHED = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
+W2_CONFIG_BATCHED = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
+REDUCE_BLOCK_D = 1024
+MXFP4_DTYPES = tuple(dt for dt in (torch.int8, torch.uint8, getattr(torch, "float4_e2m1fn_x2", None)) if dt is not None)
+SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
 
 
 @triton.jit
@@ -19,3 +72,522 @@ def e2m1_to_f32(c):
     bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
     bits = bits | ((c & 8).to(tl.uint32) << 28)
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mxfp4_tile(w_rows, s_rows, k0, n_mask, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The dequantised fp32 tile [BLOCK_N, BLOCK_K] of logical columns k0.. (see "MXFP4 tile").
+
+    w_rows / s_rows: [BLOCK_N, 1] pointers to the rows' first byte / first scale; K the logical width.
+    """
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte columns
+    mask = n_mask[:, None] & (kb < K // 2)[None, :]
+    q = tl.load(w_rows + kb[None, :], mask=mask, other=0).to(tl.int32)
+    s = ue8m0_to_f32(tl.load(s_rows + (kb // 16)[None, :], mask=mask, other=127))
+    lo = e2m1_to_f32(q & 15) * s
+    hi = e2m1_to_f32((q >> 4) & 15) * s
+    return tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _expert_tiles(
+    a_rows,
+    a_mask,
+    w_rows,
+    s_rows,
+    n_mask,
+    K,
+    k_end,
+    IS_FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    NATIVE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """W[rows] @ a^T over K (up to k_end: 0 reads nothing) -> fp32 [BLOCK_N, BLOCK_B] ([BLOCK_N, 1] for FMA).
+
+    a_rows: [BLOCK_B, 1] activation row pointers (a_mask: the rows read); W FP8 (s_rows [BLOCK_N]
+    pointers to its scale-grid rows) or MXFP4 (w_rows / s_rows [BLOCK_N, 1]).
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
+    for k0 in range(0, k_end, BLOCK_K):
+        kk = k0 + offs_k
+        av = tl.load(a_rows + kk[None, :], mask=a_mask[:, None] & (kk < K)[None, :], other=0.0)  # [BLOCK_B, BLOCK_K]
+        if IS_FP8:
+            v, s = fp8_tile(w_rows, s_rows, kk, k0, n_mask, K, False, NATIVE)
+            if USE_DOT:
+                at = tl.trans(av)
+                acc += mma(v.to(at.dtype), at, INTERP) * s[:, None]
+            else:
+                acc += (v * s[:, None]) * av.to(tl.float32)
+        else:
+            t = mxfp4_tile(w_rows, s_rows, k0, n_mask, K, BLOCK_N, BLOCK_K)
+            if USE_DOT:
+                at = tl.trans(av)
+                acc += mma(t.to(at.dtype), at, INTERP)
+            else:
+                acc += t * av.to(tl.float32)
+    if USE_DOT:
+        return acc
+    else:
+        return tl.sum(acc, 1)[:, None]
+
+
+@triton.jit
+def _w13_kernel(
+    x_ptr,
+    idx_ptr,
+    wts_ptr,
+    w1_ptr,
+    s1_ptr,
+    w3_ptr,
+    s3_ptr,
+    sw1_ptr,
+    ss1_ptr,
+    sw3_ptr,
+    ss3_ptr,
+    act_ptr,
+    B,
+    D,
+    INTER,
+    stride_xb,
+    stride_ssn,
+    limit,
+    TOPK: tl.constexpr,
+    TOPK_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    GROUPED: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    NATIVE: tl.constexpr,
+    INTERP: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_wait(PDL)
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    routed = B * TOPK
+    rows = tl.arange(0, BLOCK_B)  # BLOCK_B = 1 without dot (batch 1: row 0 for every slot)
+    if GROUPED:
+        e, shared, owner, serves, weight, dest = _owned_rows(idx_ptr, wts_ptr, slot, B, TOPK, TOPK_PAD, BLOCK_B)
+        k_end = tl.where(owner, D, 0)  # a slot that does not own its expert reads nothing
+    else:
+        shared = slot >= routed  # only in the grid with a shared expert
+        safe = tl.minimum(slot, routed - 1)
+        e = tl.load(idx_ptr + safe).to(tl.int64)
+        weight = rows * 0.0 + tl.where(shared, 1.0, tl.load(wts_ptr + safe))
+        serves = tl.where(shared, rows < B, rows == tl.minimum(slot // TOPK, B - 1))
+        dest = tl.where(shared, routed + rows, slot)
+        k_end = D
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < INTER
+    n64 = offs_n.to(tl.int64)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xb
+    if shared:
+        s_rows = (offs_n // 128) * stride_ssn
+        g = _expert_tiles(x_rows, serves, sw1_ptr + n64[:, None] * D, ss1_ptr + s_rows, n_mask, D, k_end,
+                          True, BLOCK_N, BLOCK_K, BLOCK_B, USE_DOT, NATIVE, INTERP)  # fmt: skip
+        u = _expert_tiles(x_rows, serves, sw3_ptr + n64[:, None] * D, ss3_ptr + s_rows, n_mask, D, k_end,
+                          True, BLOCK_N, BLOCK_K, BLOCK_B, USE_DOT, NATIVE, INTERP)  # fmt: skip
+    else:
+        w_off = e * INTER * (D // 2) + n64[:, None] * (D // 2)
+        s_off = e * INTER * (D // 32) + n64[:, None] * (D // 32)
+        g = _expert_tiles(x_rows, serves, w1_ptr + w_off, s1_ptr + s_off, n_mask, D, k_end,
+                          False, BLOCK_N, BLOCK_K, BLOCK_B, USE_DOT, NATIVE, INTERP)  # fmt: skip
+        u = _expert_tiles(x_rows, serves, w3_ptr + w_off, s3_ptr + s_off, n_mask, D, k_end,
+                          False, BLOCK_N, BLOCK_K, BLOCK_B, USE_DOT, NATIVE, INTERP)  # fmt: skip
+    act = clamped_swiglu(g, u, limit) * weight[None, :]
+    ptrs = act_ptr + dest.to(tl.int64)[None, :] * INTER + offs_n[:, None]
+    tl.store(ptrs, act.to(act_ptr.dtype.element_ty), mask=n_mask[:, None] & serves[None, :])
+
+
+@triton.jit
+def _w2_kernel(
+    act_ptr,
+    idx_ptr,
+    w2_ptr,
+    s2_ptr,
+    sw2_ptr,
+    ss2_ptr,
+    out_ptr,
+    B,
+    D,
+    INTER,
+    stride_ob,
+    stride_ssn,
+    TOPK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    NATIVE: tl.constexpr,
+    INTERP: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_wait(PDL)
+    # Slot-major: one flat (slot, k) loop over the routed slots (INTER % BLOCK_K == 0), so the
+    # pipeline never drains between experts; then the shared expert's FP8 loop.
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < D
+    n64 = offs_n.to(tl.int64)
+    rows = tl.arange(0, BLOCK_B)
+    routed = B * TOPK
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for t in range(0, routed * INTER, BLOCK_K):
+        slot = t // INTER
+        k0 = t - slot * INTER
+        e = tl.load(idx_ptr + slot).to(tl.int64)
+        w_rows = w2_ptr + e * D * (INTER // 2) + n64[:, None] * (INTER // 2)
+        s_rows = s2_ptr + e * D * (INTER // 32) + n64[:, None] * (INTER // 32)
+        w = mxfp4_tile(w_rows, s_rows, k0, n_mask, INTER, BLOCK_N, BLOCK_K)
+        if USE_DOT:
+            src = tl.where(rows == slot // TOPK, slot, -1)
+            a = tl.load(
+                act_ptr + tl.maximum(src, 0).to(tl.int64)[:, None] * INTER + k0 + offs_k[None, :],
+                mask=(src >= 0)[:, None],
+                other=0.0,
+            )
+            acc += mma(w.to(a.dtype), tl.trans(a), INTERP)
+        else:
+            a = tl.load(act_ptr + slot.to(tl.int64) * INTER + k0 + offs_k).to(tl.float32)  # batch 1: row = slot
+            acc += w * a[None, :]
+    if HAS_SHARED:
+        sw_rows = sw2_ptr + n64[:, None] * INTER
+        ss_rows = ss2_ptr + (offs_n // 128) * stride_ssn
+        for k0 in range(0, INTER, BLOCK_K):
+            kk = k0 + offs_k
+            v, s = fp8_tile(sw_rows, ss_rows, kk, k0, n_mask, INTER, False, NATIVE)
+            if USE_DOT:
+                a = tl.load(act_ptr + (routed + rows).to(tl.int64)[:, None] * INTER + kk[None, :],
+                            mask=(rows < B)[:, None], other=0.0)  # fmt: skip
+                acc += mma(v.to(a.dtype), tl.trans(a), INTERP) * s[:, None]
+            else:
+                a = tl.load(act_ptr + routed * INTER + kk).to(tl.float32)
+                acc += (v * s[:, None]) * a[None, :]
+    if USE_DOT:
+        total = acc
+    else:
+        total = tl.sum(acc, 1)[:, None]
+    ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_ob + offs_n[:, None]
+    mask = n_mask[:, None] & (rows < B)[None, :]
+    if ACCUMULATE:
+        total += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _w2_grouped_kernel(
+    act_ptr,
+    idx_ptr,
+    wts_ptr,
+    w2_ptr,
+    s2_ptr,
+    sw2_ptr,
+    ss2_ptr,
+    part_ptr,
+    B,
+    D,
+    INTER,
+    stride_ssn,
+    TOPK: tl.constexpr,
+    TOPK_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    NATIVE: tl.constexpr,
+    INTERP: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_wait(PDL)
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    e, shared, owner, serves, _, dest = _owned_rows(idx_ptr, wts_ptr, slot, B, TOPK, TOPK_PAD, BLOCK_B)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < D
+    n64 = offs_n.to(tl.int64)
+    a_rows = act_ptr + dest.to(tl.int64)[:, None] * INTER
+    k_end = tl.where(owner, INTER, 0)
+    if shared:
+        acc = _expert_tiles(a_rows, serves, sw2_ptr + n64[:, None] * INTER, ss2_ptr + (offs_n // 128) * stride_ssn,
+                            n_mask, INTER, k_end, True, BLOCK_N, BLOCK_K, BLOCK_B, True, NATIVE, INTERP)  # fmt: skip
+    else:
+        w_rows = w2_ptr + e * D * (INTER // 2) + n64[:, None] * (INTER // 2)
+        s_rows = s2_ptr + e * D * (INTER // 32) + n64[:, None] * (INTER // 32)
+        acc = _expert_tiles(a_rows, serves, w_rows, s_rows, n_mask, INTER, k_end,
+                            False, BLOCK_N, BLOCK_K, BLOCK_B, True, NATIVE, INTERP)  # fmt: skip
+    ptrs = part_ptr + dest.to(tl.int64)[None, :] * D + offs_n[:, None]
+    tl.store(ptrs, acc, mask=n_mask[:, None] & serves[None, :])
+
+
+@triton.jit
+def _reduce_kernel(
+    part_ptr,
+    idx_ptr,
+    out_ptr,
+    B,
+    D,
+    stride_ob,
+    TOPK: tl.constexpr,
+    TOPK_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """out[b] (+)= the row's first-occurrence partials in k order, + the shared one (``moe_grouped``'s reduce)."""
+    pdl_wait(PDL)
+    b = tl.program_id(0)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    ks = tl.arange(0, TOPK_PAD)
+    k_mask = ks < TOPK
+    ids = tl.load(idx_ptr + b * TOPK + ks, mask=k_mask, other=-1)
+    earlier_same = (ids[:, None] == ids[None, :]) & (ks[None, :] < ks[:, None])  # [k, j]: j < k, same expert
+    first = k_mask & (tl.sum(earlier_same.to(tl.int32), 1) == 0)
+    rows = (b * TOPK + ks).to(tl.int64)
+    parts = tl.load(part_ptr + rows[:, None] * D + offs_d[None, :], mask=first[:, None] & d_mask[None, :], other=0.0)
+    total = tl.sum(parts, 0)
+    if HAS_SHARED:
+        total += tl.load(part_ptr + (B * TOPK + b).to(tl.int64) * D + offs_d, mask=d_mask, other=0.0)
+    ptrs = out_ptr + b.to(tl.int64) * stride_ob + offs_d
+    if ACCUMULATE:
+        total += tl.load(ptrs, mask=d_mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+# ---- host side ------------------------------------------------------------------------------
+
+
+def _fail(what: str, expected, got, hint: str | None = None):
+    raise InputError(describe(f"moe_mxfp4 {what}", expected, got, hint))
+
+
+def _bytes_of(t: torch.Tensor, shape: tuple[int, ...], dtypes: tuple, what: str) -> torch.Tensor:
+    """t checked (shape, dtype, contiguous) and viewed as uint8."""
+    if tuple(t.shape) != tuple(shape) or t.dtype not in dtypes or not t.is_contiguous():
+        _fail(what, f"contiguous {list(shape)} of {' / '.join(str(d) for d in dtypes)}", f"{t.dtype} {list(t.shape)}")
+    return t.view(torch.uint8)
+
+
+def _check(x, idx, wts, w1, w1_scale, w2, w2_scale, w3, w3_scale, out, shared):
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or x.stride(1) != 1:
+        _fail("x", "bf16 / fp16 [B, D] with unit last stride", f"{x.dtype} {list(x.shape)}")
+    b, d = x.shape
+    if not 1 <= b <= MAX_BATCH:
+        _fail("batch", f"1..{MAX_BATCH}", b, "the shared slot covers all rows in one tile")
+    if idx.dim() != 2 or idx.shape[0] != b or idx.dtype not in (torch.int32, torch.int64) or not idx.is_contiguous():
+        _fail("idx", f"contiguous int32 [{b}, K]", f"{idx.dtype} {list(idx.shape)}")
+    if tuple(wts.shape) != tuple(idx.shape) or wts.dtype != torch.float32 or not wts.is_contiguous():
+        _fail("wts", f"contiguous float32 {list(idx.shape)}", f"{wts.dtype} {list(wts.shape)}")
+    if w1.dim() != 3 or d % MXFP4_BLOCK:
+        _fail("w1", f"[E, I, D/2] bytes, D a multiple of {MXFP4_BLOCK}", f"{list(w1.shape)}, D {d}")
+    e, inter = w1.shape[0], w1.shape[1]
+    if inter % MXFP4_BLOCK:
+        _fail("intermediate size", f"a multiple of {MXFP4_BLOCK}", inter)
+    if tuple(out.shape) != (b, d) or out.stride(1) != 1:
+        _fail("out", f"[{b}, {d}] with unit last stride", f"{list(out.shape)} strides {list(out.stride())}")
+    up = (e, inter, d // 2), (e, inter, d // MXFP4_BLOCK)
+    down = (e, d, inter // 2), (e, d, inter // MXFP4_BLOCK)
+    routed = [
+        _bytes_of(w1, up[0], MXFP4_DTYPES, "w1"),
+        _bytes_of(w1_scale, up[1], SCALE_DTYPES, "w1_scale"),
+        _bytes_of(w3, up[0], MXFP4_DTYPES, "w3"),
+        _bytes_of(w3_scale, up[1], SCALE_DTYPES, "w3_scale"),
+        _bytes_of(w2, down[0], MXFP4_DTYPES, "w2"),
+        _bytes_of(w2_scale, down[1], SCALE_DTYPES, "w2_scale"),
+    ]
+    if shared is None:
+        return routed, None
+    sw1, sw1_scale, sw2, sw2_scale, sw3, sw3_scale = shared
+    fp8 = (torch.float8_e4m3fn, torch.uint8)
+    shared_checked = [
+        _bytes_of(sw1, (inter, d), fp8, "sw1"),
+        _bytes_of(sw1_scale, fp8_scale_shape((inter, d)), SCALE_DTYPES, "sw1_scale"),
+        _bytes_of(sw3, (inter, d), fp8, "sw3"),
+        _bytes_of(sw3_scale, fp8_scale_shape((inter, d)), SCALE_DTYPES, "sw3_scale"),
+        _bytes_of(sw2, (d, inter), fp8, "sw2"),
+        _bytes_of(sw2_scale, fp8_scale_shape((d, inter)), SCALE_DTYPES, "sw2_scale"),
+    ]
+    return routed, shared_checked
+
+
+def _pow2_dividing(n: int, at_most: int) -> int:
+    block = 1
+    while block * 2 <= at_most and n % (block * 2) == 0:
+        block *= 2
+    return block
+
+
+def moe_mxfp4_parts(batch: int, top_k: int, inter: int, d: int, dtype: torch.dtype, grouped: bool):
+    """Scratch of one call, as :func:`_common.carve` parts: act rows (routed slots, then the
+    shared expert per row) and, expert-major, fp32 w2 partials per slot."""
+    slots = batch * top_k + batch
+    return [((slots, inter), dtype), ((slots if grouped else 0, d), torch.float32)]
+
+
+def moe_mxfp4_workspace(batch: int, top_k: int, inter: int, d: int, dtype: torch.dtype, grouped: bool) -> int:
+    return scratch_bytes(moe_mxfp4_parts(batch, top_k, inter, d, dtype, grouped))
+
+
+def moe_mxfp4_launches(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    wts: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w3: torch.Tensor,
+    w3_scale: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    swiglu_limit: float,
+    shared: tuple[torch.Tensor, ...] | None = None,
+    accumulate: bool = False,
+    workspace: torch.Tensor | None = None,
+    grouped: bool | None = None,
+    native_fp8: bool | None = None,
+) -> list[tuple[str, callable]]:
+    """The launches of :func:`moe_mxfp4` as (name, thunk), for an op's ``plan`` (checks and scratch done here)."""
+    (w1b, s1b, w3b, s3b, w2b, s2b), shared_b = _check(x, idx, wts, w1, w1_scale, w2, w2_scale, w3, w3_scale, out,
+                                                      shared)  # fmt: skip
+    b, d = x.shape
+    top_k = idx.shape[1]
+    inter = w1.shape[1]
+    grouped = b >= GROUPED_MIN_BATCH if grouped is None else bool(grouped)
+    has_shared = shared_b is not None
+    native = native_fp8_supported(x.device) if native_fp8 is None else bool(native_fp8)
+    native = native and has_shared and all(t.dtype == torch.float8_e4m3fn for t in shared[0:6:2])
+    if has_shared:
+        sw1b, ss1b, sw3b, ss3b, sw2b, ss2b = shared_b
+        if native:
+            sw1b, sw3b, sw2b = shared[0], shared[4], shared[2]
+    else:  # never read: the grid has no shared slot; any byte tensors of the kernel's types
+        sw1b, ss1b, sw3b, ss3b, sw2b, ss2b = w1b, s1b, w3b, s3b, w2b, s2b
+    act, part = carve(workspace, x.device, moe_mxfp4_parts(b, top_k, inter, d, x.dtype, grouped))
+    c13, c2 = (W13_CONFIG, W2_CONFIG) if b == 1 else (W13_CONFIG_BATCHED, W2_CONFIG_BATCHED)
+    dot13 = c13.use_dot or b > 1
+    dot2 = c2.use_dot or b > 1
+    block_b = batch_block(b)
+    slots = b * top_k + (1 if has_shared else 0)
+    topk_pad = next_pow2(top_k)
+    interp = interpreting()
+    pdl = pdl_args(x.device)
+    s13 = ss1b.stride(0)
+    s2 = ss2b.stride(0)
+    limit = float(swiglu_limit)
+
+    def w13():
+        bn = min(c13.block_n, max(16 if dot13 else 1, next_pow2(inter)))
+        bn = max(bn, 16) if dot13 else bn
+        bk = min(c13.block_k, FP8_BLOCK, max(MXFP4_BLOCK, next_pow2(d)))
+        _w13_kernel[(triton.cdiv(inter, bn), slots)](
+            x, idx, wts, w1b, s1b, w3b, s3b, sw1b, ss1b, sw3b, ss3b, act, b, d, inter, x.stride(0), s13, limit,
+            TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_N=bn, BLOCK_K=bk, BLOCK_B=block_b if dot13 else 1,
+            GROUPED=grouped, USE_DOT=dot13, NATIVE=native, INTERP=interp,
+            num_warps=c13.num_warps, num_stages=c13.num_stages, **pdl,
+        )  # fmt: skip
+
+    def w2_():
+        bn = min(c2.block_n, max(16 if dot2 else 1, next_pow2(d)))
+        bn = max(bn, 16) if dot2 else bn
+        bk = _pow2_dividing(inter, min(c2.block_k, FP8_BLOCK))  # >= 32: the flat loop needs whole K tiles
+        _w2_kernel[(triton.cdiv(d, bn),)](
+            act, idx, w2b, s2b, sw2b, ss2b, out, b, d, inter, out.stride(0), s2,
+            TOPK=top_k, BLOCK_N=bn, BLOCK_K=bk, BLOCK_B=block_b if dot2 else 1, HAS_SHARED=has_shared,
+            ACCUMULATE=accumulate, USE_DOT=dot2, NATIVE=native, INTERP=interp,
+            num_warps=c2.num_warps, num_stages=c2.num_stages, **pdl,
+        )  # fmt: skip
+
+    def w2_grouped():
+        bn = max(16, min(c2.block_n, next_pow2(d)))
+        bk = min(c2.block_k, FP8_BLOCK, max(MXFP4_BLOCK, next_pow2(inter)))
+        _w2_grouped_kernel[(triton.cdiv(d, bn), slots)](
+            act, idx, wts, w2b, s2b, sw2b, ss2b, part, b, d, inter, s2,
+            TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_N=bn, BLOCK_K=bk, BLOCK_B=block_b, NATIVE=native, INTERP=interp,
+            num_warps=c2.num_warps, num_stages=c2.num_stages, **pdl,
+        )  # fmt: skip
+
+    def reduce():
+        block_d = min(REDUCE_BLOCK_D, next_pow2(d))
+        _reduce_kernel[(b, triton.cdiv(d, block_d))](
+            part, idx, out, b, d, out.stride(0),
+            TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_D=block_d, HAS_SHARED=has_shared, ACCUMULATE=accumulate,
+            num_warps=4, **pdl,
+        )  # fmt: skip
+
+    if grouped:
+        return [("w13", w13), ("w2", w2_grouped), ("reduce", reduce)]
+    return [("w13", w13), ("w2", w2_)]
+
+
+def moe_mxfp4(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    wts: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w3: torch.Tensor,
+    w3_scale: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    swiglu_limit: float,
+    shared: tuple[torch.Tensor, ...] | None = None,
+    accumulate: bool = False,
+    workspace: torch.Tensor | None = None,
+    grouped: bool | None = None,
+    native_fp8: bool | None = None,
+) -> None:
+    """out[B, D] (+)= sum_k w2[e_bk] (wts[b, k] * swiglu(w1[e_bk] x_b, w3[e_bk] x_b)) (+ the shared expert).
+
+    Parameters
+    ----------
+    x : bf16 / fp16 [B, D], B <= 64.
+    idx, wts : [B, K] int32 expert ids and fp32 routing weights (the route kernel's), on the device.
+    w1, w3 : MXFP4 [E, I, D/2] (int8 / uint8 / float4_e2m1fn_x2), scales [E, I, D/32] (UE8M0 or uint8).
+    w2 : MXFP4 [E, D, I/2], scale [E, D, I/32].
+    shared : (sw1, sw1_scale, sw2, sw2_scale, sw3, sw3_scale), FP8 e4m3 [I, D] / [D, I] with 128 x 128
+        UE8M0 scales, or None (then only the routed experts).
+    swiglu_limit : the clamp: silu(min(g, limit)) * clamp(u, -limit, limit).
+    accumulate : add into out instead of overwriting it.
+    workspace : uint8 scratch of :func:`moe_mxfp4_workspace` bytes (allocated when None or short).
+    grouped : expert-major (each chosen expert read once for all its rows); default from B >= 2.
+
+    Example
+    -------
+    >>> moe_mxfp4(x, idx, wts, w1, s1, w2, s2, w3, s3, out, swiglu_limit=10.0, shared=(sw1, ss1, sw2, ss2, sw3, ss3))
+    """
+    for _, launch in moe_mxfp4_launches(
+        x, idx, wts, w1, w1_scale, w2, w2_scale, w3, w3_scale, out,
+        swiglu_limit=swiglu_limit, shared=shared, accumulate=accumulate, workspace=workspace, grouped=grouped,
+        native_fp8=native_fp8,
+    ):  # fmt: skip
+        launch()
+
+
+def moe_mxfp4_bytes(top_k: int, d: int, inter: int, distinct_experts: int | None = None, shared: bool = True) -> int:
+    """The weight bytes one call must read: each chosen expert's three MXFP4 matrices and scales once
+    (``distinct_experts``: the number of different experts the batch chose; top_k for one row), and
+    the FP8 shared expert once."""
+    per_expert = 3 * (inter * d // 2 + inter * d // MXFP4_BLOCK)
+    fp8 = 0
+    if shared:
+        r, c = fp8_scale_shape((inter, d))
+        fp8 = 3 * inter * d + 3 * r * c
+    return (top_k if distinct_experts is None else distinct_experts) * per_expert + fp8
