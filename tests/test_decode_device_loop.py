@@ -264,6 +264,14 @@ def test_device_verdict_is_accept_greedy(target):
     drafts = torch.tensor([[g0[1], g0[2], (g0[3] + 1) % 264], [(truth[1][0] + 1) % 264, 5, 6]])
     verifier.run(states, last, drafts)
     verdict = verifier.verdict[:2].clone()
+    pair, index = verifier.pair_hidden.clone(), verifier._index.clone()
+    bucket = verifier.bucket_for(2)  # a second run on the same inputs (a capture's warm-up runs): the same
+    verifier.executor(bucket).run(dict(target._staging_for(bucket).graph_inputs()), check=False)
+    assert torch.equal(verifier.verdict[:2], verdict) and torch.equal(verifier.pair_hidden, pair)
+    assert torch.equal(verifier._index, index)
+    verifier.advance(2)  # next_hidden: the hidden at the bonus token's position
+    assert torch.equal(verifier.next_hidden[0], verifier.pair_hidden[0, 1 + 2])
+    assert torch.equal(verifier.next_hidden[1], verifier.pair_hidden[1, 1])
     assert verdict[0, ACCEPTED] == accept_greedy(drafts[0].tolist(), verdict[0, TOKENS:].tolist())[0] == 2
     assert verdict[1, ACCEPTED] == 0 and verdict[1, TOKENS] == truth[1][0]
     assert verdict[:, DROPPED].tolist() == [0, 0] and verdict[:, NONFINITE_HIDDEN].tolist() == [0, 0]

@@ -6,6 +6,11 @@ until EOS or --max-tokens. Prints each prompt with its continuation, then the
 stats table (acceptance by draft position, mean accepted length, time split,
 tokens per second). The output equals the target's own greedy decoding.
 
+Before the first step every executor the run can use is built (on CUDA captured,
+its kernels compiled): the warm-up, timed on its own line; the other figures are
+steady state. --warmup-only times the warm-up alone. Rounds run on the device
+(drafts, verify input and acceptance; one read-back a step) unless --host-loop.
+
 Checkpoint: --checkpoint DIR, else the trained tiny model at tools/data/tiny_v4
 when it is there, else a small random one (made once in the cache folder: its
 text is noise, but the loop, the stats and the equivalence hold).
@@ -22,6 +27,7 @@ EXAMPLES = """examples:
   draftgraph decode --prompt "def fibonacci(n):"
   draftgraph decode --prompt "import os" --num-drafts 4 --max-tokens 128 --trace decode_trace.json
   draftgraph decode --batch-prompts prompts.txt --eager
+  draftgraph decode --prompt "import os" --prompt "def main(" --warmup-only
 """
 
 
@@ -38,6 +44,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--trace",
         default=None,
         help="write a Chrome/Perfetto trace (draft ops, target forwards); its folder must exist",
+    )
+    p.add_argument(
+        "--warmup-only",
+        action="store_true",
+        help="build, capture and compile every executor the run would use, print the time, decode nothing",
+    )
+    p.add_argument(
+        "--host-loop",
+        action="store_true",
+        help="read the drafts and the verify back each step (the host path) instead of the device loop",
     )
     return p
 
@@ -69,12 +85,40 @@ def run(args) -> int:
             )
             last[0] = now
 
-    result = work.decode(on_step)
+    from draftgraph.runtime.decode.loop import DecodeSession
+    from draftgraph.runtime.decode.warmup import build_counts, plan_warmup
+
+    session = DecodeSession(
+        target,
+        proposer,
+        work.encoded,
+        work.max_tokens,
+        work.num_drafts,
+        eos_id=work.tokenizer.eos_id,
+        on_step=on_step,
+        progress=None,
+        device_loop=False if args.host_loop else None,
+    )
+    loop = "device loop" if session.device_loop else "host loop"
+    if args.warmup_only:
+        plan = plan_warmup(target, proposer, [len(p) for p in work.encoded], work.num_drafts, session.device_loop)
+        before = build_counts()
+        seconds = session.warm_up()
+        built = build_counts() - before
+        session.close()
+        print(f"# {loop}: buckets {plan.describe()}")
+        print(
+            f"warm-up {seconds:.3f} s: {built.executors} executors built, {built.captures} CUDA graphs captured, "
+            f"{built.kernel_compiles} Triton kernels compiled"
+        )
+        return 0
+    result = session.run()
     for i, (prompt, tokens, reason) in enumerate(zip(work.prompts, result.tokens, result.finish_reasons)):
         print(f"\n--- prompt {i} ({len(tokens)} tokens, ended by {reason})")
         print(prompt + work.tokenizer.decode(tokens))
     print(
-        f"\n# speculative decoding, K={args.num_drafts}, {'eager' if not target.use_captured else 'captured'}"
+        f"\n# speculative decoding, K={args.num_drafts}, {'eager' if not target.use_captured else 'captured'}, "
+        f"{loop}"
     )
     print(result.stats.format_table())
     if tracer is not None:

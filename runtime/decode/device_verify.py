@@ -6,21 +6,25 @@ host: two device-to-host reads and a sync between the two graphs. Here one verif
 on the device, for every live sequence (S of them, each K + 1 rows, sequence-major):
 
     prologue   the draft columns of the verify input: token[s, 1..K] = clamp(drafts[s])
-               (the host staged t at column 0 and the positions, tables, kv_start of every row)
+               (the host staged t at column 0 and the positions, tables, kv_start of every row);
+               pair_hidden[s, 0] = next_hidden[s] (h_p, the hidden the propose read)
     target     the target graph over the S x (K + 1) rows (its bucket's executor)
     epilogue   g = next_token as [S, K + 1]; match = drafts == g[:, :K]
                a = sum(cumprod(match)): the longest matching prefix (gpt-fast's rule on the device)
                dropped = some draft < 0 (the chain marked a non-finite hidden: ops/nonfinite.py)
                bad = a NaN or an infinity in the hiddens of rows 0 .. a-1 (what catch-up reads)
                verdict[s] = [a, dropped, bad, g_0 .. g_K]                  # int64 [S, 3 + K + 1]
-               pair_hidden[s] = [h_p, rows 0 .. K-1]: the catch-up's hiddens (h_p = next_hidden[s])
-               next_hidden[s] = row a: the hidden of the bonus token's position, the next propose's
+               pair_hidden[s, 1 + j] = row j's hidden, j = 0..K: [h_p, h_{p+1} ..] pairs the
+               catch-up's tokens [t, d_1 ..]; the row of the bonus token's position is 1 + a
 
 Captured (CUDA), prologue, target and epilogue are one CUDA graph per row bucket, on the same
 static staging buffers as the target's own graph of that bucket. The host then reads
 ``verdict[:S]`` once: emitted tokens are g_0 .. g_a (the accepted drafts equal g, the bonus is
-g_a). The buffers (drafts, verdict, hiddens) are shared by every bucket's graph, so a batch
-that shrinks (a sequence ends) keeps its rows where the next bucket's graph reads them.
+g_a); :meth:`DeviceVerifier.advance` then gathers pair_hidden[s, 1 + a] into next_hidden[s]
+(one kernel, indices from the device). A run reads next_hidden and writes only other buffers,
+so running it twice (a capture's warm-up runs) gives what running it once does. The buffers
+are shared by every bucket's graph, so a batch that shrinks (a sequence ends) keeps its rows
+where the next bucket's graph reads them.
 
 Example
 -------
@@ -63,12 +67,12 @@ class DeviceVerifier:
         self.draft_buf = torch.zeros(s, k, dtype=torch.int64, device=device)  # [S, K]: the proposer's drafts
         self.verdict = torch.zeros(s, TOKENS + width, dtype=torch.int64, device=device)  # [S, 3 + K + 1]
         self.next_hidden = torch.zeros(s, *row, dtype=hidden.dtype, device=device)  # [S, C, D] or [S, D]
-        self.pair_hidden = torch.zeros(s, width, *row, dtype=hidden.dtype, device=device)  # [S, K + 1, ...]
+        self.pair_hidden = torch.zeros(s, width + 1, *row, dtype=hidden.dtype, device=device)  # [S, K + 2, ...]
         self._clamped = torch.zeros(s, k, dtype=torch.int64, device=device)
         self._equal = torch.zeros(s, k, dtype=torch.bool, device=device)
         self._match = torch.zeros(s, k, dtype=torch.int64, device=device)
         self._run = torch.zeros(s, k, dtype=torch.int64, device=device)
-        self._steps = torch.arange(s, dtype=torch.int64, device=device) * width  # each sequence's first row
+        self._steps = torch.arange(s, dtype=torch.int64, device=device) * (width + 1) + 1  # pair row of row 0
         self._index = torch.zeros(s, dtype=torch.int64, device=device)
         self._executors: dict[int, object] = {}
 
@@ -150,14 +154,21 @@ class DeviceVerifier:
             elif not hasattr(executor, "cuda_graph"):
                 executor.run({name: staged[name] for name in target.graph.inputs}, check=False)
 
+    def advance(self, num_sequences: int) -> None:
+        """next_hidden[s] = pair_hidden[s, 1 + a_s] for the first ``num_sequences``: after the read-back."""
+        n = num_sequences
+        torch.index_select(self.pair_hidden.flatten(0, 1), 0, self._index[:n], out=self.next_hidden[:n])
+
     def _prologue(self, bucket: int, slots: int):
         token = self.target._staging_for(bucket).views["token"]
         columns = token[: slots * self.width].view(slots, self.width)[:, 1:]  # [S, K]: the draft rows
         drafts, clamped, top = self.draft_buf[:slots], self._clamped[:slots], self.target.config.vocab_size - 1
+        h_p, pair = self.next_hidden[:slots], self.pair_hidden[:slots, 0]
 
         def prologue() -> None:
             torch.clamp(drafts, 0, top, out=clamped)  # a dropped chain's NONFINITE marks stay valid ids
             columns.copy_(clamped)
+            pair.copy_(h_p)
 
         return prologue
 
@@ -166,7 +177,7 @@ class DeviceVerifier:
         drafts, verdict = self.draft_buf[:slots], self.verdict[:slots]
         match, run, index = self._match[:slots], self._run[:slots], self._index[:slots]
         equal = self._equal[:slots]
-        steps, pair, next_hidden = self._steps[:slots], self.pair_hidden[:slots], self.next_hidden[:slots]
+        steps, pair = self._steps[:slots], self.pair_hidden[:slots]
 
         def epilogue(outputs) -> None:
             rows = slots * width
@@ -181,10 +192,8 @@ class DeviceVerifier:
             finite = torch.isfinite(hidden.reshape(rows, -1)).all(1).view(slots, width)[:, :k]  # [S, K]
             verdict[:, NONFINITE_HIDDEN].copy_(((~finite) & run.bool()).any(1))
             verdict[:, TOKENS:].copy_(g)
-            pair[:, 0].copy_(next_hidden)  # h_p: the hidden the propose read
-            pair[:, 1:].copy_(hidden.reshape(slots, width, *hidden.shape[1:])[:, :k])
-            index.add_(steps)
-            torch.index_select(hidden, 0, index, out=next_hidden)
+            pair[:, 1:].copy_(hidden.reshape(slots, width, *hidden.shape[1:]))
+            index.add_(steps)  # each sequence's pair row 1 + a, for advance()
 
         return epilogue
 

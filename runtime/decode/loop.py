@@ -350,6 +350,7 @@ class DecodeSession:
         t2 = time.perf_counter()
         accepted = verdict[:, ACCEPTED]
         self.proposer.after_verify_device(handle, accepted, bool(verdict[:, DROPPED].any()))
+        verifier.advance(n)  # next_hidden[i]: the hidden at live[i]'s new position, for the next propose
         catchup = []
         for i, seq in enumerate(live):
             a = int(accepted[i])

@@ -1,0 +1,162 @@
+"""Steady-state decode speed: speculative (MTP drafts) against plain greedy, eager against captured.
+
+    python benchmarks/bench_decode.py [--device cuda|cpu] [--batches 1,16] [--max-tokens 128] [-k 3]
+                                      [--executors eager,captured] [--checkpoint DIR] [--threads N]
+
+For each batch B (B prompts decoded together) and executor, in one process and on the same
+target (the checkpoint's, tools/data/tiny_v4 by default, else a random small model):
+
+- ``greedy``: plain greedy decoding with the target alone (one forward a token);
+- ``spec``: speculative decoding, K drafts a round, the device loop (decode/loop.py);
+- ``spec host``: the same with the host path (drafts and verify read back each step).
+
+Every run warms up first (every executor built, on CUDA captured and its kernels compiled)
+and that time is reported apart (``warm-up s``); tokens/s are steady state: generated tokens
+over the prefill and the steps. No EOS: every sequence makes ``--max-tokens`` tokens. The time
+split (ms a step: propose, verify, catch-up, host) comes from a second speculative run that
+waits for the device at each phase's end (``sync_phases``; on the CPU the same run). Ratios:
+``spec/greedy`` (what speculation gives), and per B ``captured/eager``. Captured rows need
+CUDA: without it they say so. ``same`` says whether the speculative tokens equal greedy's
+(they must where the target's numerics do not depend on a run's row count; see loop.py).
+
+The target has row buckets 1, 2, 4 .. up to what B x (K + 1) verify rows need, so greedy runs
+B rows (not a verify window's bucket); the proposer has its default buckets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PROMPTS = [
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n",
+    "import os\n",
+    "def main(",
+    "for i in range(10):\n    print(i",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "import sys\nimport json\n\n\ndef load(path):\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n",
+    "def read_lines(path):\n    with open(path) as f:\n",
+]
+
+
+def row_buckets(batch: int, num_drafts: int) -> tuple[int, ...]:
+    top = max(16, batch * (num_drafts + 1))
+    top = 1 << (top - 1).bit_length()
+    return tuple(1 << i for i in range(top.bit_length()))
+
+
+def load(checkpoint: Path | None, device: str, executor: str, batch: int, num_drafts: int):
+    from draftgraph.runtime.decode.target import TargetModel
+    from draftgraph.runtime.model.weights import MTP_TENSOR_NAMES, TARGET_TENSOR_NAMES, load_checkpoint
+    from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
+    from draftgraph.tools.workload import resolve_checkpoint
+
+    path, note = resolve_checkpoint(checkpoint)
+    ckpt = load_checkpoint(path, names="all", device="cpu")
+    config = ckpt.config
+    target = TargetModel(config, {e.name: ckpt.tensors[e.name] for e in TARGET_TENSOR_NAMES(config)},
+                         device=device, executor=executor, buckets=row_buckets(batch, num_drafts),
+                         max_sequences=max(8, batch))
+    proposer = DeepseekV4MtpProposer(config, {e.name: ckpt.tensors[e.name] for e in MTP_TENSOR_NAMES(config)},
+                                     device=device, executor=executor)
+    return target, proposer, note
+
+
+def measure(target, proposer, prompts, max_tokens: int, num_drafts: int) -> dict:
+    from draftgraph.runtime.decode.loop import greedy_decode, speculative_decode
+
+    greedy = greedy_decode(target, prompts, max_tokens)
+    rows = {"greedy": greedy.stats}
+    tokens = {}
+    for name, device_loop in (("spec", True), ("spec host", False)):
+        result = speculative_decode(target, proposer, prompts, max_tokens, num_drafts, device_loop=device_loop)
+        rows[name] = result.stats
+        tokens[name] = result.tokens
+        if target.device.type == "cuda":  # the split from a run that waits at each phase's end
+            synced = speculative_decode(target, proposer, prompts, max_tokens, num_drafts, device_loop=device_loop,
+                                        sync_phases=True)
+            rows[name + " split"] = synced.stats
+    return {"stats": rows, "same": {name: toks == greedy.tokens for name, toks in tokens.items()}}
+
+
+def format_rows(results: dict, batches, executors) -> list[str]:
+    head = (f"{'B':>3} {'executor':<9} {'run':<10} {'tok/s':>9} {'spec/greedy':>11} {'acc len':>7} "
+            f"{'propose':>8} {'verify':>8} {'catch-up':>8} {'host':>7} {'reads':>5} {'warm-up s':>9} {'same':>5}")
+    lines = [head, "-" * len(head)]
+    for b in batches:
+        for ex in executors:
+            entry = results.get((b, ex))
+            if entry is None:
+                lines.append(f"{b:>3} {ex:<9} {'-':<10} needs CUDA")
+                continue
+            stats = entry["stats"]
+            greedy = stats["greedy"].tokens_per_second
+            for name in ("greedy", "spec", "spec host"):
+                s = stats[name]
+                split = stats.get(name + " split", s)
+                steps = max(split.num_steps, 1)
+                ratio = f"{s.tokens_per_second / greedy:.2f}" if name != "greedy" and greedy else ""
+                phases = [1e3 * split.propose_seconds / steps, 1e3 * split.verify_seconds / steps,
+                          1e3 * split.catchup_seconds / steps, 1e3 * split.host_seconds / steps]
+                acc = f"{s.mean_accepted_length:.2f}" if name != "greedy" else "1.00"
+                reads = f"{s.num_read_backs / max(s.num_steps, 1):.1f}" if name != "greedy" else ""
+                same = {True: "yes", False: "no"}.get(entry["same"].get(name), "")
+                lines.append(f"{b:>3} {ex:<9} {name:<10} {s.tokens_per_second:>9.1f} {ratio:>11} {acc:>7} "
+                             + "".join(f"{p:>8.2f} " for p in phases[:3]) + f"{phases[3]:>7.2f} {reads:>5} "
+                             f"{s.warmup_seconds:>9.2f} {same:>5}")
+    lines.append("")
+    lines.append("captured / eager, tokens/s:")
+    for b in batches:
+        eager, captured = results.get((b, "eager")), results.get((b, "captured"))
+        if eager is None or captured is None:
+            lines.append(f"  B={b}: needs both (captured needs CUDA)")
+            continue
+        parts = [f"{name} {captured['stats'][name].tokens_per_second / eager['stats'][name].tokens_per_second:.2f}x"
+                 for name in ("greedy", "spec", "spec host")]
+        lines.append(f"  B={b}: " + ", ".join(parts))
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batches", default="1,16", help="comma-separated batch sizes (default 1,16)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("-k", "--num-drafts", type=int, default=3)
+    ap.add_argument("--executors", default="eager,captured")
+    ap.add_argument("--checkpoint", type=Path, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU runs: 1 is steadier)")
+    args = ap.parse_args(argv)
+    from draftgraph.runtime.decode.tokenizer import ByteTokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    executors = args.executors.split(",")
+    tok = ByteTokenizer()
+    results, note = {}, ""
+    started = time.perf_counter()
+    for b in batches:
+        prompts = [tok.encode(PROMPTS[i % len(PROMPTS)], add_bos=True) for i in range(b)]
+        for ex in executors:
+            if ex == "captured" and not args.device.startswith("cuda"):
+                continue
+            target, proposer, note = load(args.checkpoint, args.device, ex, b, args.num_drafts)
+            results[(b, ex)] = measure(target, proposer, prompts, args.max_tokens, args.num_drafts)
+            del target, proposer
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    print(f"# bench_decode: {device}, checkpoint {note}, K={args.num_drafts}, {args.max_tokens} tokens a sequence, "
+          f"threads {torch.get_num_threads()}")
+    print("# ms a step: propose, verify, catch-up, host (the rest); reads: device-to-host reads a step")
+    print("\n".join(format_rows(results, batches, executors)))
+    print(f"# {time.perf_counter() - started:.1f} s in all; argv: {' '.join(sys.argv[1:])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
