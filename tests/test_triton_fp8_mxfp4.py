@@ -50,6 +50,7 @@ if INTERPRET:
 FP8, MX = K["fp8_linear"], K["moe_mxfp4"]
 
 from draftgraph.runtime.errors import InputError  # noqa: E402
+from draftgraph.runtime.model.config import V4Config  # noqa: E402
 from draftgraph.runtime.model.quant import (  # noqa: E402
     E2M1_MAGNITUDES,
     dequantize_fp8,
@@ -385,3 +386,166 @@ def test_moe_mxfp4_rejects_bad_inputs(small_experts):
         bad = list(ex.shared)
         bad[3] = bad[1]
         MX.moe_mxfp4(x, idx, wts, *ex.routed(), out, swiglu_limit=LIMIT, shared=tuple(bad))
+
+
+# ---- the V4-Flash shapes, on the GPU (never run on a GPU yet: no device in the session that wrote them) ----
+
+FLASH = V4Config.flash()
+
+
+def _flash_fp8_cases():
+    """name -> (rows of x per batch row, [(N, K)] of the weights, x columns, gemv options): the FP8 linears."""
+    c = FLASH
+    d, hd, inter = c.hidden_size, c.num_attention_heads * c.head_dim, c.moe_intermediate_size
+    group_cols = hd // c.o_groups
+    return {
+        "e_proj": (1, [(d, d)], d, {}),
+        "h_proj": (c.hc_mult, [(d, d)], d, {}),  # streams mode: one row per stream
+        "wq_a+wkv": (1, [(c.q_lora_rank, d), (c.head_dim, d)], d, {}),
+        "wq_b": (1, [(hd, c.q_lora_rank)], c.q_lora_rank, {"norm": True}),
+        "wo_a": (1, [(c.o_groups * c.o_lora_rank, group_cols)], hd, {"group_rows": c.o_lora_rank}),
+        "wo_b": (1, [(d, c.o_groups * c.o_lora_rank)], c.o_groups * c.o_lora_rank, {}),
+        "shared.w1": (1, [(inter, d)], d, {}),
+        "shared.w2": (1, [(d, inter)], inter, {"accumulate": True}),
+    }
+
+
+def _cuda_fp8(rows, cols, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(rows, cols, device="cuda", generator=g) / math.sqrt(cols)
+    q, s = quantize_fp8(w)
+    return q, s, dequantize_fp8(q, s, torch.float64)
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("name", sorted(_flash_fp8_cases()))
+@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize("native", [False, True])
+def test_flash_fp8_gemv(name, batch, native):
+    if native and not FP8.native_fp8_supported(torch.device("cuda")):
+        pytest.skip("no native e4m3 conversion on this GPU")
+    rows_per, shapes, x_cols, opts = _flash_fp8_cases()[name]
+    rows = batch * rows_per
+    if rows > 64:
+        pytest.skip("skinny GEMMs are for at most 64 rows")
+    weights = [_cuda_fp8(n, k, 3000 + i) for i, (n, k) in enumerate(shapes)]
+    x = (torch.randn(rows, x_cols, device="cuda") + 0.05).to(BF16)
+    xd = x.double()
+    kwargs, ref_x = {}, xd
+    if opts.get("norm"):
+        nw = (1 + 0.1 * torch.randn(x_cols, device="cuda")).to(BF16)
+        kwargs.update(norm_w=nw, eps=FLASH.rms_norm_eps)
+        ref_x = (xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + FLASH.rms_norm_eps) * nw.double()).to(BF16).double()
+    if len(weights) == 2:
+        kwargs.update(w2=weights[1][0], w2_scale=weights[1][1])
+    w64 = torch.cat([w[2] for w in weights])
+    n = w64.shape[0]
+    if opts.get("group_rows"):
+        gr, gc = opts["group_rows"], shapes[0][1]
+        kwargs["group_rows"] = gr
+        ref = torch.cat([ref_x[:, i * gc : (i + 1) * gc] @ w64[i * gr : (i + 1) * gr].T for i in range(n // gr)], 1)
+    else:
+        ref = ref_x @ w64.T
+    out = torch.full((rows, n), float("nan"), dtype=BF16, device="cuda")
+    if opts.get("accumulate"):
+        out = (torch.randn(rows, n, device="cuda")).to(BF16)
+        ref = ref + out.double()
+        kwargs["accumulate"] = True
+    config = FP8.BATCH1_CONFIG if rows == 1 else FP8.DEFAULT
+    FP8.fp8_gemv(x, weights[0][0], weights[0][1], out, config=config, native_fp8=native, **kwargs)
+    check(out, ref, f"{name} B={rows} native={native}")
+
+
+@pytest.fixture(scope="module")
+def flash_mx_experts():
+    """256 MXFP4 experts (random codes, scales 2^-8 .. 2^-6: 3.2 GB) and the FP8 shared expert."""
+    d, e, i = FLASH.hidden_size, FLASH.n_routed_experts, FLASH.moe_intermediate_size
+    g = torch.Generator(device="cuda").manual_seed(11)
+
+    def mx(rows, cols):
+        codes = torch.randint(0, 256, (e, rows, cols // 2), device="cuda", generator=g, dtype=torch.uint8)
+        scales = torch.randint(119, 122, (e, rows, cols // 32), device="cuda", generator=g, dtype=torch.uint8)
+        return codes.view(torch.int8), scales.view(torch.float8_e8m0fnu)
+
+    w1, w3, w2 = mx(i, d), mx(i, d), mx(d, i)
+    sw1, sw2, sw3 = _cuda_fp8(i, d, 21), _cuda_fp8(d, i, 22), _cuda_fp8(i, d, 23)
+    yield (w1, w2, w3), (sw1, sw2, sw3)
+    torch.cuda.empty_cache()
+
+
+def _flash_moe_reference(x, idx, wts, experts, shared):
+    (w1, w2, w3), (sw1, sw2, sw3) = experts, shared
+    limit, cache = FLASH.swiglu_limit, {}
+
+    def expert(e):
+        if e not in cache:
+            cache.clear()  # one expert's float64 copies at a time (200 MB)
+            cache[e] = [dequantize_mxfp4(w[0][e], w[1][e], torch.float64) for w in (w1, w2, w3)]
+        return cache[e]
+
+    xd, out = x.double(), torch.zeros(x.shape, dtype=torch.float64, device="cuda")
+    order = sorted((int(idx[b, k]), b, k) for b in range(idx.shape[0]) for k in range(idx.shape[1]))
+    for e, b, k in order:
+        d1, d2, d3 = expert(e)
+        out[b] += d2 @ (float(wts[b, k]) * swiglu64(d1 @ xd[b], d3 @ xd[b], limit))
+    out += (swiglu64(xd @ sw1[2].T, xd @ sw3[2].T, limit)) @ sw2[2].T
+    return out
+
+
+def _flash_routing(batch):
+    e, k = FLASH.n_routed_experts, FLASH.num_experts_per_tok
+    idx = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(batch)]).to(torch.int32)
+    if batch > 1:
+        idx[1] = idx[0]  # two rows with the same experts
+        idx[min(2, batch - 1), :2] = idx[0, 0]  # a row listing one expert twice
+    wts = torch.rand(batch, k, device="cuda") + 0.25
+    return idx, wts / wts.sum(1, keepdim=True) * FLASH.routed_scaling_factor
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("batch,grouped", [(1, False), (1, True), (8, True), (8, False), (32, True), (64, True)])
+def test_flash_moe_mxfp4(flash_mx_experts, batch, grouped):
+    experts, shared = flash_mx_experts
+    (w1, w2, w3), (sw1, sw2, sw3) = experts, shared
+    x = (torch.randn(batch, FLASH.hidden_size, device="cuda") * 2).to(BF16)
+    idx, wts = _flash_routing(batch)
+    out = torch.full(x.shape, float("nan"), dtype=BF16, device="cuda")
+    shared_q = (sw1[0], sw1[1], sw2[0], sw2[1], sw3[0], sw3[1])
+    MX.moe_mxfp4(x, idx, wts, w1[0], w1[1], w2[0], w2[1], w3[0], w3[1], out,
+                 swiglu_limit=FLASH.swiglu_limit, shared=shared_q, grouped=grouped)  # fmt: skip
+    check(out, _flash_moe_reference(x, idx, wts, experts, shared), f"flash moe_mxfp4 B={batch} grouped={grouped}")
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("batch", [1, 8])
+def test_flash_moe_mxfp4_captured_replay_reads_new_ids(flash_mx_experts, batch):
+    """Captured once; new expert ids and x written in place; the replay equals an eager call bit for bit."""
+    experts, shared = flash_mx_experts
+    (w1, w2, w3), (sw1, sw2, sw3) = experts, shared
+    shared_q = (sw1[0], sw1[1], sw2[0], sw2[1], sw3[0], sw3[1])
+    x = (torch.randn(batch, FLASH.hidden_size, device="cuda")).to(BF16)
+    idx, wts = _flash_routing(batch)
+    out = torch.empty_like(x)
+    ws = torch.empty(MX.moe_mxfp4_workspace(batch, idx.shape[1], w1[0].shape[1], x.shape[1], x.dtype, batch > 1),
+                     dtype=torch.uint8, device="cuda")  # fmt: skip
+
+    def call(o):
+        MX.moe_mxfp4(x, idx, wts, w1[0], w1[1], w2[0], w2[1], w3[0], w3[1], o,
+                     swiglu_limit=FLASH.swiglu_limit, shared=shared_q, workspace=ws)  # fmt: skip
+
+    call(out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(out)
+    new_idx, new_wts = _flash_routing(batch)
+    idx.copy_(new_idx)
+    wts.copy_(new_wts)
+    x.copy_(torch.randn_like(x, dtype=torch.float32).to(BF16))
+    graph.replay()
+    eager = torch.empty_like(out)
+    call(eager)
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
