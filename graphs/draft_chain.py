@@ -30,7 +30,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-from draftgraph.graphs.v4_block import CacheGeometry, block_interface, build_block
+from draftgraph.graphs.v4_block import CacheGeometry, Numerics, block_interface, build_block, weight_spec
 from draftgraph.runtime.ir.builder import GraphBuilder
 from draftgraph.runtime.ir.graph import Graph, Value
 from draftgraph.runtime.ir.tensor_spec import B, TensorSpec
@@ -51,6 +51,7 @@ class ChainSpec:
     runner: str = "builtin"  # the body node's implementation: "builtin" is the op subgraph; else a runner
     runner_workspace_bytes: int = 0
     conf_tau: float = 0.0  # > 0: stop drafting once every row's confidence is below it (ops/draft_gate.py)
+    numerics: Numerics = Numerics()  # weight formats, KV rounding, activations (graphs/v4_block.py)
 
 
 def is_gated(conf_tau: float, num_drafts: int) -> bool:
@@ -106,7 +107,8 @@ def build_draft_chain(config: V4Config, geometry: CacheGeometry, spec: ChainSpec
     name = f"mtp_chain_k{spec.num_drafts}_{spec.mode}"
     b = GraphBuilder(name)
     ins = {k: b.input(k, s) for k, s in chain_inputs(config, geometry, spec).items()}
-    body = build_block(config, geometry, prefix="mtp.0.", name="mtp_body") if spec.runner == "builtin" else None
+    body = build_block(config, geometry, prefix="mtp.0.", name="mtp_body", numerics=spec.numerics) \
+        if spec.runner == "builtin" else None
     token, hidden = ins["token"], ins["hidden"]
     # A row whose hidden is not finite is dead from here on: it writes no cache row (ops/nonfinite.py).
     rows_at = b.op("drop_nonfinite", [ins["positions"], hidden], name="rows_at")  # [B]
@@ -143,7 +145,7 @@ def build_draft_chain(config: V4Config, geometry: CacheGeometry, spec: ChainSpec
 
 def _step(b, config, geometry, spec, ins, token, hidden, positions, body) -> tuple[Value, Value, Value]:
     d, eps = config.hidden_size, float(config.rms_norm_eps)
-    streams = combiner(b, config, token, hidden, spec.mode)
+    streams = combiner(b, config, token, hidden, spec.mode, spec.numerics)
     body_inputs = [streams, positions, ins["kv_start"], ins["block_table"]]
     out_streams = body_node(b, config, geometry, body_inputs, spec.runner, spec.runner_workspace_bytes, body)
     c = config.hc_mult
@@ -166,7 +168,8 @@ def _step(b, config, geometry, spec, ins, token, hidden, positions, body) -> tup
     return token, prob, next_hidden
 
 
-def combiner(b: GraphBuilder, config: V4Config, token: Value, hidden: Value, mode: str) -> Value:
+def combiner(b: GraphBuilder, config: V4Config, token: Value, hidden: Value, mode: str,
+             numerics: Numerics | None = None) -> Value:
     """embed, combiner and hc_expand: the body's input streams [B, C, D].
 
     Streams mode expands the embedding to the hidden's C streams before the combiner (the
@@ -177,11 +180,11 @@ def combiner(b: GraphBuilder, config: V4Config, token: Value, hidden: Value, mod
     weights = [
         b.weight("mtp.0.enorm.weight", TensorSpec((d,), BF16)),
         b.weight("mtp.0.hnorm.weight", TensorSpec((d,), BF16)),
-        b.weight("mtp.0.e_proj.weight", TensorSpec((d, d), BF16)),
-        b.weight("mtp.0.h_proj.weight", TensorSpec((d, d), BF16)),
+        b.weight("mtp.0.e_proj.weight", weight_spec("mtp.0.e_proj.weight", (d, d), BF16, numerics)),
+        b.weight("mtp.0.h_proj.weight", weight_spec("mtp.0.h_proj.weight", (d, d), BF16, numerics)),
     ]
     expand = {"hc_mult": config.hc_mult}
-    eps = {"eps": float(config.rms_norm_eps)}
+    eps = {"eps": float(config.rms_norm_eps)} | (numerics.linear_attrs() if numerics is not None else {})
     if mode == "streams":
         embed = b.op("hc_expand", [embed], name="hc_expand", attrs=expand)  # [B, C, D]
         return b.op("combiner", [embed, hidden, *weights], name="combiner", attrs=eps)  # [B, C, D]
@@ -195,7 +198,8 @@ def runner_interface(config: V4Config, geometry: CacheGeometry) -> dict[str, Ten
 
 
 def build_drafter_prefill(config: V4Config, geometry: CacheGeometry, mode: str = "streams",
-                          runner: str = "builtin", runner_workspace_bytes: int = 0) -> Graph:
+                          runner: str = "builtin", runner_workspace_bytes: int = 0,
+                          numerics: Numerics | None = None) -> Graph:
     """Write drafter KV rows for (token, hidden) pairs: embed -> combiner -> body, no LM head.
 
     Rows of one sequence at consecutive positions may share a batch: the attention
@@ -205,9 +209,10 @@ def build_drafter_prefill(config: V4Config, geometry: CacheGeometry, mode: str =
     spec = ChainSpec(num_drafts=1, mode=mode, runner=runner, runner_workspace_bytes=runner_workspace_bytes)
     b = GraphBuilder(f"mtp_prefill_{mode}")
     ins = {k: b.input(k, s) for k, s in chain_inputs(config, geometry, spec).items() if k != "vocab_limit"}
-    body = build_block(config, geometry, prefix="mtp.0.", name="mtp_body") if runner == "builtin" else None
+    body = build_block(config, geometry, prefix="mtp.0.", name="mtp_body", numerics=numerics) \
+        if runner == "builtin" else None
     with b.scoped("p"):
-        streams = combiner(b, config, ins["token"], ins["hidden"], mode)
+        streams = combiner(b, config, ins["token"], ins["hidden"], mode, numerics)
         body_inputs = [streams, ins["positions"], ins["kv_start"], ins["block_table"]]
         out = body_node(b, config, geometry, body_inputs, runner, runner_workspace_bytes, body)
     b.output(out)

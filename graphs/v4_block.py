@@ -4,17 +4,28 @@ hc_pre -> attn_norm -> swa_attention -> hc_post -> hc_pre -> ffn_norm -> moe -> 
 (spec section 2, "Block"). Weights are named as in the checkpoint under
 ``prefix`` (``mtp.0.`` or ``layers.{i}.``); the routed experts are stacked
 once at load into ``{prefix}ffn.experts.stacked.{w1,w2,w3}`` [E, ...].
+
+Design note "numerics": :class:`Numerics` says how the block computes where a checkpoint
+allows a choice. ``formats`` names the weights kept in the checkpoint's block-scaled format
+(their specs say so: ``f8e4m3[..] scale ue8m0[..]``); ``kv_fp8_round`` rounds the latent's
+non-rotary part through FP8 as the reference's cache does; ``activations="fp8"`` quantises
+the input of every block-scaled linear to FP8 per 1x128 run (W8A8, as the reference and
+vLLM's block-FP8 path). The defaults are today's bf16 numerics; attrs appear on the nodes
+only when set, so a bf16 graph prints as it did.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from draftgraph.runtime.ir.builder import GraphBuilder
 from draftgraph.runtime.ir.graph import Graph
-from draftgraph.runtime.ir.tensor_spec import B, TensorSpec
+from draftgraph.runtime.ir.tensor_spec import QUANTS, B, TensorSpec
 from draftgraph.runtime.model.config import V4Config
+from draftgraph.runtime.model.quant import quant_scale_shape
+from draftgraph.runtime.model.weight_names import MTP_TENSOR_NAMES, check_format, stored_kind
 
 BF16, F32, I32, I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 
@@ -26,6 +37,58 @@ class CacheGeometry:
     num_slots: int  # num_blocks * block_size
     max_blocks_per_seq: int
     block_size: int = 16
+
+
+ACTIVATION_MODES = ("bf16", "fp8")
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """How a block computes (design note "numerics"); part of a graph's structure, so hashable."""
+
+    formats: tuple[tuple[str, str], ...] = ()  # sorted (weight name, "fp8" | "mxfp4"): kept block-scaled
+    kv_fp8_round: bool = False
+    activations: str = "bf16"  # "fp8": W8A8 on the block-scaled linears
+
+    def format_of(self, name: str) -> str | None:
+        return dict(self.formats).get(name)
+
+    def linear_attrs(self) -> dict:
+        """The attrs of an op reading block-scaled linears: none unless activations are FP8."""
+        return {"activations": "fp8"} if self.activations == "fp8" and self.formats else {}
+
+
+def weight_spec(name: str, shape: tuple[int, ...], dtype: torch.dtype, numerics: Numerics | None) -> TensorSpec:
+    """The spec of weight ``name`` of logical ``shape``: as ``dtype``, or in its block-scaled format."""
+    fmt = numerics.format_of(name) if numerics is not None else None
+    if fmt is None:
+        return TensorSpec(shape, dtype)
+    data = shape if fmt == "fp8" else (*shape[:-1], shape[-1] // 2)
+    return TensorSpec(data, QUANTS[fmt], fmt, TensorSpec(quant_scale_shape(fmt, shape), torch.float8_e8m0fnu))
+
+
+def checkpoint_formats(config: V4Config, fmt: str = "mxfp4", prefix: str = "mtp.0.") -> tuple[tuple[str, str], ...]:
+    """The graph weights a checkpoint written in ``fmt`` keeps block-scaled (no weights needed).
+
+    ``fmt="mxfp4"`` is DeepSeek-V4's own layout: routed experts MXFP4, the other linears FP8.
+    The routed experts appear under their stacked names (runtime/proposer/binding.py).
+    """
+    check_format(fmt)
+    formats = {}
+    for entry in MTP_TENSOR_NAMES(config):
+        kind = stored_kind(entry.kind, fmt)
+        if kind in QUANTS:
+            formats[entry.name] = kind
+    for w in ("w1", "w2", "w3"):
+        kind = formats.get(f"{prefix}ffn.experts.0.{w}.weight")
+        if kind is not None:
+            formats[f"{prefix}ffn.experts.stacked.{w}"] = kind
+    return tuple(sorted((n, f) for n, f in formats.items() if ".experts." not in n or ".stacked." in n))
+
+
+def numerics_for(formats: Iterable[tuple[str, str]], kv_fp8_round: bool = False,
+                 activations: str = "bf16") -> Numerics:
+    return Numerics(tuple(sorted(formats)), bool(kv_fp8_round), activations)
 
 
 def block_interface(config: V4Config, geometry: CacheGeometry, hash_routed: bool = False) -> dict[str, TensorSpec]:
@@ -67,14 +130,19 @@ def build_block(
     cache_name: str | None = None,
     hash_routed: bool = False,
     name: str = "v4_block",
+    numerics: Numerics | None = None,
 ) -> Graph:
-    """One V4 block as a graph whose inputs are :func:`block_interface`; output: streams [B, C, D]."""
+    """One V4 block as a graph whose inputs are :func:`block_interface`; output: streams [B, C, D].
+
+    ``numerics``: weight formats, KV rounding and activation precision (design note "numerics").
+    """
+    numerics = numerics or Numerics()
     b = GraphBuilder(name)
     ins = {k: b.input(k, s) for k, s in block_interface(config, geometry, hash_routed).items()}
     x = ins["streams"]
     cache = b.state(cache_name or f"{prefix}kv_cache", TensorSpec((geometry.num_slots, config.cache_head_dim), BF16))
-    x = _attention_half(b, config, geometry, prefix, x, ins, cache)
-    x = _ffn_half(b, config, prefix, x, ins, hash_routed)
+    x = _attention_half(b, config, geometry, prefix, x, ins, cache, numerics)
+    x = _ffn_half(b, config, prefix, x, ins, hash_routed, numerics)
     b.output(x)
     return b.build()
 
@@ -88,7 +156,7 @@ def _hc_weights(b: GraphBuilder, config: V4Config, prefix: str, which: str):
     ]
 
 
-def _attention_half(b, config, geometry, prefix, x, ins, cache):
+def _attention_half(b, config, geometry, prefix, x, ins, cache, numerics):
     d, h, hd = config.hidden_size, config.num_attention_heads, config.head_dim
     q_lora, g, o_lora = config.q_lora_rank, config.o_groups, config.o_lora_rank
     y, post, comb = b.op("hc_pre", [x, *_hc_weights(b, config, prefix, "attn")], name="hc_pre_attn",
@@ -97,22 +165,24 @@ def _attention_half(b, config, geometry, prefix, x, ins, cache):
                   name="attn_norm", attrs={"eps": float(config.rms_norm_eps)})
     a = f"{prefix}attn."
     weights = [
-        b.weight(a + "wq_a.weight", TensorSpec((q_lora, d), BF16)),
+        b.weight(a + "wq_a.weight", weight_spec(a + "wq_a.weight", (q_lora, d), BF16, numerics)),
         b.weight(a + "q_norm.weight", TensorSpec((q_lora,), BF16)),
-        b.weight(a + "wq_b.weight", TensorSpec((h * hd, q_lora), BF16)),
-        b.weight(a + "wkv.weight", TensorSpec((hd, d), BF16)),
+        b.weight(a + "wq_b.weight", weight_spec(a + "wq_b.weight", (h * hd, q_lora), BF16, numerics)),
+        b.weight(a + "wkv.weight", weight_spec(a + "wkv.weight", (hd, d), BF16, numerics)),
         b.weight(a + "kv_norm.weight", TensorSpec((hd,), BF16)),
-        b.weight(a + "wo_a.weight", TensorSpec((g * o_lora, h * hd // g), BF16)),
-        b.weight(a + "wo_b.weight", TensorSpec((d, g * o_lora), BF16)),
+        b.weight(a + "wo_a.weight", weight_spec(a + "wo_a.weight", (g * o_lora, h * hd // g), BF16, numerics)),
+        b.weight(a + "wo_b.weight", weight_spec(a + "wo_b.weight", (d, g * o_lora), BF16, numerics)),
         b.weight(a + "attn_sink", TensorSpec((h,), F32)),
     ]
     meta = [ins["positions"], ins["kv_start"], ins["block_table"]]
-    attn = b.op("swa_attention", [normed, *weights, cache, *meta], name="attn",
-                attrs=attention_attrs(config, geometry))
+    attrs = attention_attrs(config, geometry) | numerics.linear_attrs()
+    if numerics.kv_fp8_round:
+        attrs["kv_fp8_round"] = True
+    attn = b.op("swa_attention", [normed, *weights, cache, *meta], name="attn", attrs=attrs)
     return b.op("hc_post", [attn, x, post, comb], name="hc_post_attn")
 
 
-def _ffn_half(b, config, prefix, x, ins, hash_routed):
+def _ffn_half(b, config, prefix, x, ins, hash_routed, numerics):
     d, e, inter = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size
     k = config.num_experts_per_tok
     y, post, comb = b.op("hc_pre", [x, *_hc_weights(b, config, prefix, "ffn")], name="hc_pre_ffn",
@@ -121,16 +191,12 @@ def _ffn_half(b, config, prefix, x, ins, hash_routed):
                   name="ffn_norm", attrs={"eps": float(config.rms_norm_eps)})
     f = f"{prefix}ffn."
     gate = b.weight(f + "gate.weight", TensorSpec((e, d), BF16))
-    experts = [
-        b.weight(f + "experts.stacked.w1", TensorSpec((e, inter, d), BF16)),
-        b.weight(f + "experts.stacked.w2", TensorSpec((e, d, inter), BF16)),
-        b.weight(f + "experts.stacked.w3", TensorSpec((e, inter, d), BF16)),
-        b.weight(f + "shared_experts.w1.weight", TensorSpec((inter, d), BF16)),
-        b.weight(f + "shared_experts.w2.weight", TensorSpec((d, inter), BF16)),
-        b.weight(f + "shared_experts.w3.weight", TensorSpec((inter, d), BF16)),
-    ]
+    shapes = [("experts.stacked.w1", (e, inter, d)), ("experts.stacked.w2", (e, d, inter)),
+              ("experts.stacked.w3", (e, inter, d)), ("shared_experts.w1.weight", (inter, d)),
+              ("shared_experts.w2.weight", (d, inter)), ("shared_experts.w3.weight", (inter, d))]
+    experts = [b.weight(f + n, weight_spec(f + n, shape, BF16, numerics)) for n, shape in shapes]
     attrs = {"top_k": k, "routed_scaling_factor": float(config.routed_scaling_factor),
-             "swiglu_limit": float(config.swiglu_limit)}
+             "swiglu_limit": float(config.swiglu_limit)} | numerics.linear_attrs()
     if hash_routed:
         tid2eid = b.weight(f + "gate.tid2eid", TensorSpec((config.vocab_size, k), I32))
         out = b.op("moe_hash", [normed, ins["token"], tid2eid, gate, *experts], name="moe", attrs=attrs)

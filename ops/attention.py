@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from draftgraph.ops import constants
 from draftgraph.ops.overlap import join_side_stream, side_stream, sms_left_for_lanes
+from draftgraph.ops.quantised import expect_weight, grouped_linear_t, linear_t
 from draftgraph.ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
 from draftgraph.runtime.ir.op_registry import OpDef, expect, expect_count, expect_rank, register
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
@@ -49,15 +50,16 @@ def _attn_infer(specs, attrs):
     expect_rank(cache, 2, "swa_attention kv_cache [S, d]")
     expect_rank(table, 2, "swa_attention block_table [B, MB]")
     b, dim = batch_of(x, "swa_attention x"), x.shape[1]
-    q_lora, dt = wq_a.shape[0], x.dtype
+    q_lora, dt = wq_a.logical_shape[0], x.dtype
     expect_spec(x, (b, dim), ACTIVATIONS, "swa_attention x")
-    expect_spec(wq_a, (q_lora, dim), dt, "swa_attention wq_a")
+    # The five linears: bf16, or block-scaled as stored (ops/quantised.py).
+    expect_weight(wq_a, (q_lora, dim), dt, "swa_attention wq_a")
     expect_spec(q_norm, (q_lora,), dt, "swa_attention q_norm")
-    expect_spec(wq_b, (h * d, q_lora), dt, "swa_attention wq_b")
-    expect_spec(wkv, (d, dim), dt, "swa_attention wkv")
+    expect_weight(wq_b, (h * d, q_lora), dt, "swa_attention wq_b")
+    expect_weight(wkv, (d, dim), dt, "swa_attention wkv")
     expect_spec(kv_norm, (d,), dt, "swa_attention kv_norm")
-    expect_spec(wo_a, (g * o_lora, h * d // g), dt, "swa_attention wo_a")
-    expect_spec(wo_b, (dim, g * o_lora), dt, "swa_attention wo_b")
+    expect_weight(wo_a, (g * o_lora, h * d // g), dt, "swa_attention wo_a")
+    expect_weight(wo_b, (dim, g * o_lora), dt, "swa_attention wo_b")
     expect_spec(sink, (h,), torch.float32, "swa_attention attn_sink")
     expect_spec(cache, (cache.shape[0], d), dt, "swa_attention kv_cache")
     expect_spec(positions, (b,), torch.int64, "swa_attention positions")
@@ -206,8 +208,8 @@ def _attend(inputs, outputs, attrs):
 
     # Query: low-rank, normed, then per-head weightless RMS norm (fp32) and RoPE on the last r dims.
     eps = float(attrs["eps"])
-    qa = F.rms_norm(x @ wq_a.t(), (wq_a.shape[0],), q_norm, eps)  # [B, q_lora]
-    q = F.rms_norm((qa @ wq_b.t()).view(b, h, d).float(), (d,), eps=eps)  # [B, H, d] fp32
+    qa = F.rms_norm(linear_t(x, wq_a, attrs), (q_norm.shape[0],), q_norm, eps)  # [B, q_lora]
+    q = F.rms_norm(linear_t(qa, wq_b, attrs).view(b, h, d).float(), (d,), eps=eps)  # [B, H, d] fp32
     join_side_stream()
     rotate_pairs_(q[..., n:], rotation)
     weights = _sink_softmax(q, keys, hidden, sink, 1.0 / math.sqrt(d))
@@ -219,8 +221,8 @@ def _attend(inputs, outputs, attrs):
     # concat(z) is a view, not a copy.
     o = o.to(x.dtype).view(b, g, h // g * d).transpose(0, 1)  # [G, B, H/G*d]
     z = o.new_empty(b, g, wo_a.shape[0] // g)  # [B, G, o_lora]
-    torch.bmm(o, wo_a.view(g, -1, h // g * d).transpose(1, 2), out=z.transpose(0, 1))
-    torch.matmul(z.view(b, -1), wo_b.t(), out=outputs[0])
+    grouped_linear_t(o, wo_a, g, z.transpose(0, 1), attrs)
+    linear_t(z.view(b, -1), wo_b, attrs, out=outputs[0])
 
 
 def _latent_kv(inputs, attrs, rotation, kv) -> None:
@@ -233,7 +235,7 @@ def _latent_kv(inputs, attrs, rotation, kv) -> None:
     x, wkv, kv_norm, positions = (inputs[i] for i in (0, 4, 5, 10))
     d, r = int(attrs["head_dim"]), int(attrs["rope_dim"])
     rope_rotation(positions, r, float(attrs["rope_theta"]), out=rotation)
-    latent = F.rms_norm((x @ wkv.t()).float(), (d,), kv_norm.float(), float(attrs["eps"]))  # [B, d] fp32
+    latent = F.rms_norm(linear_t(x, wkv, attrs).float(), (d,), kv_norm.float(), float(attrs["eps"]))  # [B, d] fp32
     rotate_pairs_(latent[:, d - r :], rotation)
     if attrs.get("kv_fp8_round", False):
         fp8_round_blocks_(latent[:, : d - r])

@@ -10,6 +10,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from draftgraph.ops.quantised import linear_t
 from draftgraph.runtime.ir.op_registry import OpDef, expect, expect_count, expect_dtype, register
 from draftgraph.runtime.ir.tensor_spec import B, TensorSpec
 
@@ -28,17 +29,21 @@ def _broadcastable(small: tuple, big: tuple) -> bool:
 def _linear_infer(specs, attrs):
     expect_count(specs, 2, "linear")
     x, w = specs
+    out_features, in_features = w.logical_shape[-2:] if len(w.shape) == 2 else (None, None)
     expect(len(w.shape) == 2, "linear weight rank", "[out, in]", w.short())
-    expect(x.shape[-1] == w.shape[1], "linear in features", f"x[..., {w.shape[1]}]", x.short())
-    expect(x.dtype == w.dtype, "linear dtypes", f"x and weight both {w.short()[:-2]}", x.short())
+    expect(x.shape[-1] == in_features, "linear in features", f"x[..., {in_features}]", x.short())
+    if w.is_quantised:  # FP8 / MXFP4 weight (ops/quantised.py): bf16 activations
+        expect(x.dtype == torch.bfloat16, "linear input dtype", f"bf16 with a {w.quant} weight", x.short())
+    else:
+        expect(x.dtype == w.dtype, "linear dtypes", f"x and weight both {w.short()[:-2]}", x.short())
     expect_dtype(x, FLOATS, "linear input")
-    return [TensorSpec((*x.shape[:-1], w.shape[0]), x.dtype)]
+    return [TensorSpec((*x.shape[:-1], out_features), x.dtype)]
 
 
 def _linear_impl(inputs, outputs, attrs, workspace):
     x, w = inputs
     (out,) = outputs
-    torch.matmul(x.reshape(-1, x.shape[-1]), w.t(), out=out.view(-1, out.shape[-1]))
+    linear_t(x.reshape(-1, x.shape[-1]), w, attrs, out=out.view(-1, out.shape[-1]))
 
 
 LINEAR = register(
@@ -47,7 +52,7 @@ LINEAR = register(
         family="linear",
         infer=_linear_infer,
         impl=_linear_impl,
-        doc="y = x @ W^T, W [out, in]; bf16 weights (fp32 accumulate), or fp32 for the mHC fns.",
+        doc="y = x @ W^T, W [out, in]; bf16 or block-scaled FP8/MXFP4 weights (fp32 accumulate), fp32 for the mHC fns.",
     )
 )
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from draftgraph.ops.basic import rms_norm
 from draftgraph.ops.overlap import join_side_stream, side_stream
+from draftgraph.ops.quantised import expect_weight, linear_t
 from draftgraph.ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
 from draftgraph.runtime.ir.op_registry import OpDef, expect, expect_count, register
 
@@ -35,18 +36,22 @@ def _combiner_infer(specs, attrs):
     for w, what in ((e_norm, "enorm"), (h_norm, "hnorm")):
         expect_spec(w, (d,), e.dtype, f"combiner {what}")
     for w, what in ((e_proj, "e_proj"), (h_proj, "h_proj")):
-        expect_spec(w, (d, d), e.dtype, f"combiner {what}")
+        expect_weight(w, (d, d), e.dtype, f"combiner {what}")  # bf16, or FP8 as stored (ops/quantised.py)
     return [h]
 
 
-def project(x: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
+def project(x: torch.Tensor, norm_w: torch.Tensor, proj_w, eps: float, attrs=None) -> torch.Tensor:
     """proj(norm(x)) over the last dim: [..., D] in x's dtype."""
-    return projected(rms_norm(x, norm_w, eps), proj_w)
+    return projected(rms_norm(x, norm_w, eps), proj_w, attrs)
 
 
-def projected(normed: torch.Tensor, proj_w: torch.Tensor) -> torch.Tensor:
-    """normed @ proj_w^T over the last dim, as one GEMM over the flattened rows: [..., D]."""
-    return torch.matmul(normed.reshape(-1, normed.shape[-1]), proj_w.t()).view(*normed.shape[:-1], proj_w.shape[0])
+def projected(normed: torch.Tensor, proj_w, attrs=None) -> torch.Tensor:
+    """normed @ proj_w^T over the last dim, as one GEMM over the flattened rows: [..., D].
+
+    ``proj_w`` a bf16 tensor or a block-scaled QuantWeight (ops/quantised.py).
+    """
+    flat = linear_t(normed.reshape(-1, normed.shape[-1]), proj_w, attrs)
+    return flat.view(*normed.shape[:-1], flat.shape[-1])
 
 
 def _combiner_impl(inputs, outputs, attrs, workspace):
@@ -58,8 +63,8 @@ def _combiner_impl(inputs, outputs, attrs, workspace):
     # hnorm first it starts at once and the combiner ends ~5 us sooner (ab_combine_fork_9dd546b.txt).
     h_normed = rms_norm(h, h_norm, eps)
     with side_stream():  # its temporaries are the lane's; the main stream reads e_part after the join
-        e_part = project(e, e_norm, e_proj, eps)  # [B, D], or [B, C, D] as declared in streams mode
-    h_part = projected(h_normed, h_proj)  # [B, (C,) D]
+        e_part = project(e, e_norm, e_proj, eps, attrs)  # [B, D], or [B, C, D] as declared in streams mode
+    h_part = projected(h_normed, h_proj, attrs)  # [B, (C,) D]
     join_side_stream()
     torch.add(h_part, e_part.unsqueeze(1) if e.dim() < h.dim() else e_part, out=out)
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from draftgraph.ops import constants
 from draftgraph.ops.overlap import join_side_stream, side_stream, sms_left_for_lanes
+from draftgraph.ops.quantised import act_in, chosen_experts, expect_weight, is_quantised, linear_t
 from draftgraph.ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
 from draftgraph.runtime.ir.op_registry import OpDef, expect, expect_count, expect_rank, register
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
@@ -43,13 +44,14 @@ def _check_experts(x, gate_w, w1, w2, w3, sw1, sw2, sw3, op: str):
     e, inter, dt = w1.shape[0], w1.shape[1], x.dtype
     expect_spec(x, (b, dim), ACTIVATIONS, f"{op} x")
     expect_spec(gate_w, (e, dim), dt, f"{op} gate_w")
-    expect_spec(w1, (e, inter, dim), dt, f"{op} w1")
-    expect_spec(w2, (e, dim, inter), dt, f"{op} w2")
-    expect_spec(w3, (e, inter, dim), dt, f"{op} w3")
+    # Experts and shared expert: bf16, or block-scaled as stored (ops/quantised.py).
+    expect_weight(w1, (e, inter, dim), dt, f"{op} w1")
+    expect_weight(w2, (e, dim, inter), dt, f"{op} w2")
+    expect_weight(w3, (e, inter, dim), dt, f"{op} w3")
     shared = sw1.shape[0]
-    expect_spec(sw1, (shared, dim), dt, f"{op} sw1")
-    expect_spec(sw2, (dim, shared), dt, f"{op} sw2")
-    expect_spec(sw3, (shared, dim), dt, f"{op} sw3")
+    expect_weight(sw1, (shared, dim), dt, f"{op} sw1")
+    expect_weight(sw2, (dim, shared), dt, f"{op} sw2")
+    expect_weight(sw3, (shared, dim), dt, f"{op} sw3")
     return b, dim, e
 
 
@@ -248,14 +250,38 @@ def routed_gather(x, idx, weights, w1, w2, w3, limit: float) -> torch.Tensor:
     return routed.sum(1, dtype=torch.float32)
 
 
-def shared_expert_into(x, sw1, sw2, sw3, limit: float, out: torch.Tensor) -> None:
+def routed_quantised(x, idx, weights, w1, w2, w3, limit: float, attrs) -> torch.Tensor:
+    """routed_gather on block-scaled (MXFP4 / FP8) experts: only the chosen experts dequantised. [B, D] fp32.
+
+    The same batched matmuls as the gather path, on each row's K experts dequantised to x's
+    dtype (exact), so with bf16 activations it computes what the gather path computes on the
+    dequantised checkpoint. W8A8 rounds x before w1 / w3 and the weighted SwiGLU before w2.
+    """
+    join_side_stream()  # the weights may come from the side lane (_weights_beside)
+    xq = act_in(x, w1, attrs)
+    xc = xq.unsqueeze(1).unsqueeze(-1)  # [B, 1, D, 1]
+    gate = torch.matmul(chosen_experts(w1, idx, x.dtype), xc).squeeze(-1)  # [B, K, I]
+    up = torch.matmul(chosen_experts(w3, idx, x.dtype), xc).squeeze(-1)
+    act = _weighted_into(weights.unsqueeze(-1), _swiglu(gate, up, limit), x.dtype)  # weight before w2
+    act = act_in(act, w2, attrs)
+    routed = torch.matmul(chosen_experts(w2, idx, x.dtype), act.unsqueeze(-1)).squeeze(-1)  # [B, K, D]
+    return routed.sum(1, dtype=torch.float32)
+
+
+def shared_expert_into(x, sw1, sw2, sw3, limit: float, out: torch.Tensor, attrs=None) -> None:
     """out = sw2 swiglu(sw1 x, sw3 x), [B, D] in x's dtype, queued on the side stream.
 
     It does not depend on the routing: on the executor's side stream (draftgraph.ops.overlap) its three
     GEMVs run beside the router and the routed experts; read ``out`` after ``join_side_stream()``.
-    ``out`` is the op's output, whose bytes the main stream reads after the join.
+    ``out`` is the op's output, whose bytes the main stream reads after the join. Block-scaled
+    (FP8) weights go through ops/quantised.py, with W8A8 when the attrs ask.
     """
     with side_stream():
+        if is_quantised(sw1):
+            gate = linear_t(x, sw1, attrs)
+            act = _swiglu(gate, linear_t(x, sw3, attrs), limit, out=torch.empty_like(gate))
+            linear_t(act, sw2, attrs, out=out)
+            return
         gate = x @ sw1.t()
         act = _swiglu(gate, x @ sw3.t(), limit, out=torch.empty_like(gate))  # [B, I] in x's dtype
         torch.mm(act, sw2.t(), out=out)
@@ -269,7 +295,9 @@ def _experts_into(inputs, idx, weights, attrs, out):
     """
     x, w1, w2, w3 = inputs[:4]
     limit = float(attrs["swiglu_limit"])
-    if not can_grouped_mm(x, w1, w2, w3):
+    if is_quantised(w1):
+        total = routed_quantised(x, idx, weights, w1, w2, w3, limit, attrs)
+    elif not can_grouped_mm(x, w1, w2, w3):
         total = routed_gather(x, idx, weights, w1, w2, w3, limit)
     elif x.shape[0] == 1:
         pairs, _ = routed_grouped_pairs(x, idx, weights, w1, w2, w3, limit)  # [K, D]
@@ -317,7 +345,7 @@ def _moe_infer(specs, attrs):
 def _moe_impl(inputs, outputs, attrs, workspace):
     x, gate_w, gate_bias, w1, w2, w3, sw1, sw2, sw3 = inputs
     k = int(attrs["top_k"])
-    shared_expert_into(x, sw1, sw2, sw3, float(attrs["swiglu_limit"]), outputs[0])
+    shared_expert_into(x, sw1, sw2, sw3, float(attrs["swiglu_limit"]), outputs[0], attrs)
     scores = gate_scores(x, gate_w)  # [B, E]
     # Bias: selection only. Unsorted: the experts are sorted by id next, so the k winners' own
     # sort by score (one more kernel) would be undone.
@@ -357,7 +385,7 @@ def _moe_hash_infer(specs, attrs):
 
 def _moe_hash_impl(inputs, outputs, attrs, workspace):
     x, token, tid2eid, gate_w, w1, w2, w3, sw1, sw2, sw3 = inputs
-    shared_expert_into(x, sw1, sw2, sw3, float(attrs["swiglu_limit"]), outputs[0])
+    shared_expert_into(x, sw1, sw2, sw3, float(attrs["swiglu_limit"]), outputs[0], attrs)
     idx = tid2eid.index_select(0, token).long()  # [B, K]
     scores = gate_scores(x, gate_w)
     weights = _weights_beside(scores, idx, float(attrs["routed_scaling_factor"]))

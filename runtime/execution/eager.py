@@ -16,11 +16,18 @@ from typing import Any
 import torch
 from draftgraph.ops.overlap import SideStream
 from draftgraph.runtime.errors import ExecutionError, InputError, describe
-from draftgraph.runtime.execution.kernel_choice import NOT_COMPILED, check_kernels, compiled_step, select_impl
+from draftgraph.runtime.execution.kernel_choice import (
+    NOT_COMPILED,
+    check_kernels,
+    compiled_step,
+    reads_block_scaled,
+    select_impl,
+)
 from draftgraph.runtime.ir.graph import Graph, Node, ValueKind
 from draftgraph.runtime.ir.op_registry import get_op
 from draftgraph.runtime.ir.printer import format_node
 from draftgraph.runtime.ir.schedule import flatten
+from draftgraph.runtime.ir.tensor_spec import TensorSpec
 from draftgraph.runtime.ir.validate import validate
 from draftgraph.runtime.passes import DEFAULT_PASSES, Pass, run_passes
 from draftgraph.runtime.planning.graph_plan import DEFAULT_ALIGNMENT, GraphPlan, plan_graph
@@ -129,8 +136,9 @@ class EagerExecutor:
             want = value.spec.concrete(self.batch)
             if tensor is None:
                 problems.append(f"{value.ref}: missing (expected {value.spec})")
-            elif tuple(tensor.shape) != want or tensor.dtype != value.spec.dtype:
-                problems.append(describe(value.ref, value.spec.short(), f"{tuple(tensor.shape)} {tensor.dtype}"))
+            elif tuple(tensor.shape) != want or tensor.dtype != value.spec.dtype or \
+                    TensorSpec.of(tensor).scale != value.spec.scale:  # a block-scaled weight's scales too
+                problems.append(describe(value.ref, value.spec.short(), TensorSpec.of(tensor).short()))
             elif tensor.device != self.device:
                 problems.append(describe(f"{value.ref} device", self.device, tensor.device))
             else:
@@ -160,6 +168,7 @@ class EagerExecutor:
 
     def _make_step(self, node: Node) -> Step:
         opdef = get_op(node.op)
+        specs = [self.graph.values[n].spec for n in node.inputs if n in self.graph.values]
         if opdef.bound_by is not None:  # the user's implementation (a body runner), given by key
             key = node.attrs.get(opdef.bound_by)
             if key not in self.runners:
@@ -168,10 +177,11 @@ class EagerExecutor:
             runner = self.runners[key]  # one object may implement several ops: run_<op> first
             impl = getattr(runner, f"run_{node.op}", None) or runner.run_node
         else:
-            impl = select_impl(opdef, self.device, self.kernels)
+            impl = select_impl(opdef, self.device, self.kernels, specs)
         inputs = [self.bound.get(n, n) for n in node.inputs]
         outputs = [self.bound.get(n, n) for n in node.outputs]
-        if self.kernels == "compiled" and opdef.bound_by is None and node.op not in NOT_COMPILED:
+        if self.kernels == "compiled" and opdef.bound_by is None and node.op not in NOT_COMPILED \
+                and not reads_block_scaled(specs):  # block-scaled weights: the torch op (kernel_choice)
             impl, inputs, outputs = compiled_step(get_op(node.op), inputs, outputs)
         ws = None
         if node.name in self.plan.workspace:

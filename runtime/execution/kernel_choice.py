@@ -11,9 +11,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from draftgraph.runtime.errors import InputError, describe
 from draftgraph.runtime.ir.op_registry import Impl, OpDef
+from draftgraph.runtime.ir.tensor_spec import TensorSpec
 
 KERNELS = ("auto", "torch", "compiled")
 # Ops whose torch implementation is already one library call (or a view): nothing to fuse.
@@ -31,10 +34,20 @@ def check_kernels(kernels: str) -> str:
     return kernels
 
 
-def select_impl(op: OpDef, device: torch.device, kernels: str) -> Impl:
-    if kernels == "auto":
+def select_impl(op: OpDef, device: torch.device, kernels: str, input_specs: Sequence[TensorSpec] = ()) -> Impl:
+    """The implementation a step of ``op`` runs; ``input_specs`` are the node's inputs' specs."""
+    if kernels == "auto" and not reads_block_scaled(input_specs):
         return op.select_impl(device, use_fused=True)
+    # A node reading a block-scaled (FP8 / MXFP4) weight runs the torch op, which dequantises the
+    # blocks it reads (ops/quantised.py): the fused Triton kernels of ops/triton read bf16 weights
+    # only. The FP8 / MXFP4 kernels (ops/triton/fp8_linear.py, moe_mxfp4.py) take over here once
+    # they are registered for those formats.
     return op.impl  # "torch", and "compiled" before compiled_step() binds the step
+
+
+def reads_block_scaled(input_specs: Sequence[TensorSpec]) -> bool:
+    """Whether any input is a weight kept in a block-scaled format (its spec carries ``quant``)."""
+    return any(spec.is_quantised for spec in input_specs)
 
 
 def compiled_step(op: OpDef, inputs: list, outputs: list) -> tuple[Impl, list, list]:

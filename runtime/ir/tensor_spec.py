@@ -1,4 +1,10 @@
-"""TensorSpec: the static type of a value, with the symbolic batch dim ``B``."""
+"""TensorSpec: the static type of a value, with the symbolic batch dim ``B``.
+
+A weight kept in the checkpoint's block-scaled format carries it in its spec: ``quant``
+(``"fp8"``: e4m3 data with 128x128 UE8M0 scales; ``"mxfp4"``: e2m1 pairs a byte with 1x32
+UE8M0 scales) and the ``scale`` companion's spec, so the printer shows
+``f8e4m3[32768,1024] scale ue8m0[256,8]`` and ``nbytes`` counts both.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +23,8 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bfloat16: "bf16",
     torch.float16: "f16",
     torch.float8_e4m3fn: "f8e4m3",
+    torch.float4_e2m1fn_x2: "f4e2m1x2",  # two e2m1 values a byte: MXFP4 data
+    torch.float8_e8m0fnu: "ue8m0",  # power-of-two block scales
     torch.int64: "i64",
     torch.int32: "i32",
     torch.int16: "i16",
@@ -27,6 +35,7 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
 DTYPES_BY_NAME: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
 
 Dim = int | str
+QUANTS: dict[str, torch.dtype] = {"fp8": torch.float8_e4m3fn, "mxfp4": torch.float4_e2m1fn_x2}  # quant -> data dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -41,16 +50,41 @@ def parse_dtype(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Shape and dtype of a value. A dim is an int or the symbol ``B``."""
+    """Shape and dtype of a value. A dim is an int or the symbol ``B``.
+
+    A block-scaled weight also has ``quant`` ("fp8" | "mxfp4") and ``scale`` (its UE8M0
+    scales' spec); ``shape`` and ``dtype`` are then the stored data's (MXFP4: half the
+    columns, two values a byte) and ``logical_shape`` the weight's.
+    """
 
     shape: tuple[Dim, ...]
     dtype: torch.dtype
+    quant: str | None = None
+    scale: TensorSpec | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(self.shape))
         for dim in self.shape:
             if not (isinstance(dim, int) and dim >= 0) and dim != B:
                 raise GraphError(f"TensorSpec dim: expected int >= 0 or {B!r}, got {dim!r}")
+        if self.quant is None and self.scale is None:
+            return
+        if self.quant not in QUANTS or self.dtype != QUANTS[self.quant] or self.scale is None:
+            raise GraphError(f"TensorSpec quant: expected one of {sorted(QUANTS)} with its data dtype and a scale, "
+                             f"got quant={self.quant!r} {dtype_name(self.dtype)} scale={self.scale}")
+        if self.scale.dtype != torch.float8_e8m0fnu or self.scale.quant is not None:
+            raise GraphError(f"TensorSpec scale: expected ue8m0[...], got {self.scale}")
+
+    @property
+    def is_quantised(self) -> bool:
+        return self.quant is not None
+
+    @property
+    def logical_shape(self) -> tuple[Dim, ...]:
+        """The shape of the weight the data stands for (MXFP4 packs two values a byte)."""
+        if self.quant == "mxfp4":
+            return (*self.shape[:-1], self.shape[-1] * 2)
+        return self.shape
 
     @property
     def has_batch(self) -> bool:
@@ -63,7 +97,9 @@ class TensorSpec:
         return math.prod(self.concrete(batch))
 
     def nbytes(self, batch: int) -> int:
-        return self.numel(batch) * self.dtype.itemsize
+        """Bytes of the value; a block-scaled weight's include its scales."""
+        scale = self.scale.nbytes(batch) if self.scale is not None else 0
+        return self.numel(batch) * self.dtype.itemsize + scale
 
     def with_shape(self, *shape: Dim) -> TensorSpec:
         return TensorSpec(tuple(shape), self.dtype)
@@ -73,18 +109,28 @@ class TensorSpec:
 
     def short(self) -> str:
         """``bf16[B,4,256]``: the printer's form."""
-        return f"{dtype_name(self.dtype)}[{','.join(str(d) for d in self.shape)}]"
+        text = f"{dtype_name(self.dtype)}[{','.join(str(d) for d in self.shape)}]"
+        return text if self.scale is None else f"{text} scale {self.scale.short()}"
 
     def __str__(self) -> str:
         return self.short()
 
     def to_json(self) -> dict:
-        return {"shape": list(self.shape), "dtype": dtype_name(self.dtype)}
+        data = {"shape": list(self.shape), "dtype": dtype_name(self.dtype)}
+        if self.scale is not None:
+            data.update(quant=self.quant, scale=self.scale.to_json())
+        return data
 
     @staticmethod
     def from_json(data: dict) -> TensorSpec:
-        return TensorSpec(tuple(data["shape"]), parse_dtype(data["dtype"]))
+        scale = TensorSpec.from_json(data["scale"]) if data.get("scale") else None
+        return TensorSpec(tuple(data["shape"]), parse_dtype(data["dtype"]), data.get("quant"), scale)
 
     @staticmethod
-    def of(tensor: torch.Tensor) -> TensorSpec:
+    def of(tensor) -> TensorSpec:
+        """The spec of a tensor, or of a block-scaled weight (anything with ``data``, ``scale``, ``fmt``:
+        runtime.model.quant.QuantWeight, duck-typed since the IR sits below the model)."""
+        scale = getattr(tensor, "scale", None)
+        if isinstance(scale, torch.Tensor) and hasattr(tensor, "fmt"):
+            return TensorSpec(tuple(tensor.shape), tensor.dtype, tensor.fmt, TensorSpec.of(scale))
         return TensorSpec(tuple(tensor.shape), tensor.dtype)

@@ -11,6 +11,8 @@ Everything here is pure, vectorised torch and runs on any device.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from draftgraph.runtime.errors import InputError, describe
 
@@ -202,3 +204,148 @@ def _matrix_shape(shape: tuple[int, ...] | torch.Size, what: str) -> tuple[int, 
     if len(shape) != 2:
         raise InputError(describe(f"{what} rank", "2 dims [out, in]", list(shape)))
     return int(shape[0]), int(shape[1])
+
+
+# ---- a weight kept in its stored format ------------------------------------------------------
+
+QUANT_FORMATS = ("fp8", "mxfp4")  # the checkpoint kinds (weight_names.KINDS) a weight may stay in
+MXFP4_DATA_DTYPE = torch.float4_e2m1fn_x2  # two e2m1 codes a byte; the checkpoint's I8 bytes viewed so
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A weight as the checkpoint stores it: ``data`` and its UE8M0 block ``scale``, bound under one name.
+
+    ``fmt="fp8"``: data ``float8_e4m3fn`` [..., O, I], scale [..., ceil(O/128), ceil(I/128)].
+    ``fmt="mxfp4"``: data ``float4_e2m1fn_x2`` [..., O, I/2] (the even column in the low
+    nibble), scale [..., O, I/32]. Leading dims stack experts. ``shape``, ``dtype`` and
+    ``device`` are the data's, so an executor binds it where it binds a tensor; the torch
+    ops read it through :func:`dequantize_rows` a block of rows at a time (never a whole
+    bf16 copy of a large weight).
+
+    Example
+    -------
+    >>> w = QuantWeight(*quantize_fp8(torch.randn(256, 128)), "fp8")
+    >>> w.logical_shape, w.nbytes
+    ((256, 128), 32770)
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    fmt: str
+
+    def __post_init__(self) -> None:
+        if self.fmt not in QUANT_FORMATS:
+            raise InputError(describe("QuantWeight format", " | ".join(QUANT_FORMATS), repr(self.fmt)))
+        want_dtype = torch.float8_e4m3fn if self.fmt == "fp8" else MXFP4_DATA_DTYPE
+        if self.data.dtype != want_dtype or self.scale.dtype != torch.float8_e8m0fnu:
+            raise InputError(describe(f"{self.fmt} QuantWeight dtypes", f"{want_dtype} data, float8_e8m0fnu scale",
+                                      f"{self.data.dtype} data, {self.scale.dtype} scale"))
+        want = quant_scale_shape(self.fmt, self.logical_shape)
+        if tuple(self.scale.shape) != want:
+            raise InputError(describe(f"{self.fmt} QuantWeight scale shape", list(want), list(self.scale.shape)))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def logical_shape(self) -> tuple[int, ...]:
+        """The shape of the weight it stands for: MXFP4 holds two values a byte."""
+        return logical_shape(self.fmt, tuple(self.data.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
+
+    def to(self, device) -> QuantWeight:
+        return QuantWeight(self.data.to(device), self.scale.to(device), self.fmt)
+
+    def __getitem__(self, index) -> QuantWeight:
+        """One expert of a stack (``w[e]``): views of data and scale."""
+        return QuantWeight(self.data[index], self.scale[index], self.fmt)
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The whole weight in ``dtype`` (exact for bf16): for loading as bf16 and for tests."""
+        return dequantize_rows(self, 0, self.logical_shape[-2], dtype)
+
+
+def logical_shape(fmt: str, data_shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (*data_shape[:-1], data_shape[-1] * 2) if fmt == "mxfp4" else tuple(data_shape)
+
+
+def quant_scale_shape(fmt: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The scale grid of a weight of logical ``shape`` [..., O, I] (leading dims: a stack of experts)."""
+    lead, matrix = tuple(shape[:-2]), tuple(shape[-2:])
+    grid = fp8_scale_shape(matrix) if fmt == "fp8" else mxfp4_shapes(matrix)[1]
+    return (*lead, *grid)
+
+
+def quantize_weight(w: torch.Tensor, fmt: str) -> QuantWeight:
+    """A [O, I] (or stacked [E, O, I]) weight quantised to ``fmt`` (tests and synthetic checkpoints)."""
+    if w.dim() == 3:
+        parts = [quantize_weight(m, fmt) for m in w]
+        return QuantWeight(torch.stack([p.data.view(torch.uint8) for p in parts]).view(parts[0].dtype),
+                           torch.stack([p.scale for p in parts]), fmt)
+    if fmt == "fp8":
+        return QuantWeight(*quantize_fp8(w), "fp8")
+    packed, scale = quantize_mxfp4(w)
+    return QuantWeight(packed.view(MXFP4_DATA_DTYPE), scale, "mxfp4")
+
+
+def dequantize_rows(w: QuantWeight, start: int, stop: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Rows ``start:stop`` of the last-but-one dim of ``w``, dequantised to ``dtype``: [..., stop-start, I].
+
+    Only the scale blocks covering those rows are read (FP8: whole 128-row blocks, then cut),
+    so a caller walking a large weight block by block never holds more than a block of rows.
+    Exact for bf16 and fp32: a power-of-two scale times an e4m3 or e2m1 value.
+    """
+    if w.fmt == "mxfp4":
+        codes = unpack_e2m1(w.data[..., start:stop, :])  # [..., R, I]
+        factor = scale_to_float(w.scale[..., start:stop, :]).repeat_interleave(MXFP4_BLOCK, dim=-1)
+        return (e2m1_values(codes) * factor).to(dtype)
+    lo, hi = start // FP8_BLOCK, -(-stop // FP8_BLOCK)
+    data = w.data[..., lo * FP8_BLOCK : hi * FP8_BLOCK, :]
+    cols = data.shape[-1]
+    factor = scale_to_float(w.scale[..., lo:hi, :])
+    factor = factor.repeat_interleave(FP8_BLOCK, dim=-2)[..., : data.shape[-2], :]
+    factor = factor.repeat_interleave(FP8_BLOCK, dim=-1)[..., :cols]
+    rows = (data.float() * factor).to(dtype)
+    return rows[..., start - lo * FP8_BLOCK : stop - lo * FP8_BLOCK, :]
+
+
+# ---- activations rounded through FP8 (W8A8, and the KV rows) ---------------------------------
+
+ACT_BLOCK = 128  # activations: one scale per 1 x 128 run of the input features
+ACT_AMAX_FLOOR = 1e-4  # the reference's act_quant clamps a block's amax before the scale
+
+
+def fp8_round_activations(x: torch.Tensor, block: int = ACT_BLOCK) -> torch.Tensor:
+    """``x`` rounded through FP8 e4m3 per 1 x ``block`` run of its last dim, in ``x``'s dtype.
+
+    The scale of a run is 2^ceil(log2(max(amax, 1e-4) / 448)) (a UE8M0 power of two, as
+    DeepSeek's ``act_quant(..., scale_fmt="ue8m0")``); values are divided by it (exact),
+    rounded to e4m3 (nearest, ties to even) and multiplied back. For bf16 ``x`` the result
+    is exact in bf16 (three mantissa bits times a power of two), so a GEMM on it computes
+    exactly what an FP8 x FP8 GEMM with fp32 accumulation computes. A ragged last run is
+    padded with zeros (which change no amax).
+    """
+    n = x.shape[-1]
+    pad = -n % block
+    v = x.float()
+    if pad:
+        v = torch.nn.functional.pad(v, (0, pad))
+    runs = v.reshape(*v.shape[:-1], -1, block)
+    amax = runs.abs().amax(dim=-1, keepdim=True).clamp_min(ACT_AMAX_FLOOR)
+    factor = torch.exp2(ceil_log2(amax / E4M3_MAX).float())
+    q = (runs / factor).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    out = (q.float() * factor).reshape(v.shape)
+    return out[..., :n].to(x.dtype)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from draftgraph.runtime.errors import InputError, WeightError, describe
 from draftgraph.runtime.model import v4_block_math as vm
 from draftgraph.runtime.model.config import V4Config
+from draftgraph.runtime.model.quant import QuantWeight
 from torch import nn
 
 
@@ -348,6 +349,9 @@ class V4Block(nn.Module):
                     "is the prefix right (layers.{i}. / mtp.0.)?",
                 )
             )
+        # A block-scaled weight (QuantWeight) is dequantised here: this module is the independent
+        # bf16 check of the op subgraph, not a path that keeps the checkpoint's formats.
+        tensors = {prefix + n: _dequantized(tensors[prefix + n]) for n in own}
         for name, current in own.items():
             got = tensors[prefix + name]
             if tuple(got.shape) != tuple(current.shape):
@@ -368,3 +372,7 @@ def _hc_base_init(C: int) -> torch.Tensor:
     post = torch.zeros(C)
     comb = 2.0 * torch.eye(C).flatten()
     return torch.cat((pre, post, comb)).float()
+
+
+def _dequantized(t):
+    return t.dequantize(torch.bfloat16) if isinstance(t, QuantWeight) else t

@@ -4,7 +4,9 @@ A checkpoint is a folder with ``config.json`` and either one ``*.safetensors`` f
 listed by ``model.safetensors.index.json``. The loader reads the safetensors headers (a few KB
 each), checks every requested tensor against :mod:`draftgraph.runtime.model.weight_names` and reports *all*
 problems in one :class:`WeightError`, then reads only the requested tensors through
-``safe_open`` and dequantises FP8 / MXFP4 weights on the target device.
+``safe_open`` and dequantises FP8 / MXFP4 weights on the target device, or with
+``weights="native"`` keeps them as stored (a :class:`~draftgraph.runtime.model.quant.QuantWeight`:
+data and UE8M0 scales, no bf16 copy).
 
 Writing (``write_checkpoint``, ``make_synthetic_checkpoint``) lives in
 :mod:`draftgraph.runtime.model.checkpoint_writer` and random weights in
@@ -24,7 +26,15 @@ import torch
 from draftgraph.runtime.errors import InputError, WeightError, describe
 from draftgraph.runtime.model.checkpoint_writer import INDEX_FILE, make_synthetic_checkpoint, write_checkpoint
 from draftgraph.runtime.model.config import V4Config
-from draftgraph.runtime.model.quant import dequantize_fp8, dequantize_mxfp4, fp8_scale_shape, mxfp4_shapes
+from draftgraph.runtime.model.quant import (
+    MXFP4_DATA_DTYPE,
+    QuantWeight,
+    dequantize_fp8,
+    dequantize_mxfp4,
+    fp8_scale_shape,
+    mxfp4_shapes,
+    ue8m0_from_exponents,
+)
 from draftgraph.runtime.model.synthetic_weights import random_mtp_weights
 from draftgraph.runtime.model.weight_names import (
     MTP_PREFIX,
@@ -52,6 +62,7 @@ __all__ = [
 ]
 
 SCALE_DTYPES = ("F8_E8M0", "U8", "F32")  # UE8M0 bytes, or plain fp32 factors (V3 style)
+WEIGHT_MODES = ("bf16", "native")  # load_checkpoint's weights=: dequantise at load, or keep as stored
 MXFP4_DTYPES = ("I8", "U8", "F4")
 ACCEPTED = {"bf16": ("BF16", "F16", "F32"), "fp32": ("F32",), "int32": ("I32", "I64")}
 MAX_LISTED_PROBLEMS = 8  # on the error's first line (the one line the CLI prints); all of them follow
@@ -65,8 +76,9 @@ class Checkpoint:
     Attributes
     ----------
     config : the model config (from ``config.json`` unless one was passed).
-    tensors : name -> tensor on the requested device; bf16 (quantised weights dequantised),
-        fp32 (``hc_*``, ``attn_sink``, gate bias) or int32 (``tid2eid``).
+    tensors : name -> tensor on the requested device; bf16 (quantised weights dequantised, or
+        with ``weights="native"`` a QuantWeight as stored), fp32 (``hc_*``, ``attn_sink``,
+        gate bias) or int32 (``tid2eid``).
     source : name -> stored format, ``"bf16"`` / ``"fp8"`` / ``"mxfp4"`` / ``"fp32"`` / ``"int32"``.
     path : the folder or file loaded.
 
@@ -84,8 +96,8 @@ class Checkpoint:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the loaded (dequantised) tensors."""
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        """Bytes of the loaded tensors (a QuantWeight's data and scales)."""
+        return sum(tensor_bytes(t) for t in self.tensors.values())
 
     def mtp(self, name: str) -> torch.Tensor:
         """``tensors["mtp.0." + name]``."""
@@ -122,8 +134,9 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     strict: bool | None = None,
+    weights: str = "bf16",
 ) -> Checkpoint:
-    """Load the requested tensors of a checkpoint, dequantising FP8 and MXFP4 weights.
+    """Load the requested tensors of a checkpoint, dequantising FP8 and MXFP4 weights (or keeping them).
 
     Parameters
     ----------
@@ -135,12 +148,18 @@ def load_checkpoint(
     strict : also reject tensors the checkpoint holds under a requested scope (``mtp.0.``,
         ``layers.i.``) that the model does not have. Default: on for the named sets, off for
         explicit names.
+    weights : ``"bf16"`` dequantises FP8 / MXFP4 weights to ``dtype``; ``"native"`` keeps them
+        as stored, each a QuantWeight (data + UE8M0 scales). Weights stored in bf16 stay bf16.
 
     Raises
     ------
+    InputError : ``weights`` is neither "bf16" nor "native" (before anything is read).
     WeightError : no config or safetensors, or one error listing every missing, unexpected or
-        misshapen tensor.
+        misshapen tensor; native weights whose fp32 scales are not powers of two.
     """
+    if weights not in WEIGHT_MODES:
+        raise InputError(describe("weights", " or ".join(map(repr, WEIGHT_MODES)), repr(weights),
+                                  "'native' keeps FP8 / MXFP4 as stored, 'bf16' dequantises at load"))
     root, files = _locate(Path(path))
     if config is None:
         config = V4Config.load(root)
@@ -159,7 +178,7 @@ def load_checkpoint(
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for entry, fmt in items:
-                    tensors[entry.name] = _materialise(handle, catalogue, entry, fmt, device, dtype)
+                    tensors[entry.name] = _materialise(handle, catalogue, entry, fmt, device, dtype, weights)
                     source[entry.name] = fmt
         except (SafetensorError, OSError) as exc:  # the headers were checked: this is a damaged file
             raise WeightError(
@@ -387,14 +406,35 @@ def _stored_format(entry: TensorEntry, catalogue: dict) -> tuple[str | None, str
     return fmt, None
 
 
-def _materialise(handle, catalogue, entry: TensorEntry, fmt: str, device, dtype: torch.dtype) -> torch.Tensor:
+def _materialise(handle, catalogue, entry: TensorEntry, fmt: str, device, dtype: torch.dtype,
+                 weights: str = "bf16") -> torch.Tensor | QuantWeight:
     raw = handle.get_tensor(entry.name).to(device)
+    if weights == "native" and fmt in ("fp8", "mxfp4"):
+        scale = _ue8m0(entry, _read_scale(entry, catalogue, handle, device))
+        data = raw if fmt == "fp8" else raw.view(torch.uint8).view(MXFP4_DATA_DTYPE)
+        return QuantWeight(data, scale, fmt)
     if fmt == "fp8":
         return dequantize_fp8(raw, _read_scale(entry, catalogue, handle, device), dtype)
     if fmt == "mxfp4":
         return dequantize_mxfp4(raw, _read_scale(entry, catalogue, handle, device), dtype)
     target = {"fp32": torch.float32, "int32": torch.int32}.get(fmt, dtype)
     return raw.to(target)
+
+
+def _ue8m0(entry: TensorEntry, scale: torch.Tensor) -> torch.Tensor:
+    """A stored scale as ``float8_e8m0fnu``: UE8M0 / U8 bytes as they are, fp32 factors when powers of two."""
+    if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
+        return scale.view(torch.float8_e8m0fnu)
+    mantissa, exponent = torch.frexp(scale.float())
+    if not bool((mantissa == 0.5).all()):
+        raise WeightError(describe(f"{scale_name(entry.name)} (fp32 scales)", "powers of two, to keep as UE8M0",
+                                   "factors that are not", "load it with weights='bf16' (dequantised at load)"))
+    return ue8m0_from_exponents(exponent - 1)
+
+
+def tensor_bytes(t) -> int:
+    """Bytes a loaded tensor holds: a QuantWeight's data and scales, or a tensor's."""
+    return t.nbytes if isinstance(t, QuantWeight) else t.numel() * t.element_size()
 
 
 def _read_scale(entry: TensorEntry, catalogue, handle, device) -> torch.Tensor:

@@ -4,24 +4,43 @@
 the routed experts are stacked once into ``experts.stacked.{w1,w2,w3}`` [E, ...]
 and the per-expert names stay as views of the stack (no copy), so an nn.Module
 runner that wants ``experts.{e}.w1.weight`` sees the very same bytes.
+
+``weights="native"`` keeps block-scaled weights (QuantWeight: FP8 / MXFP4 data and UE8M0 scales)
+as they are, experts stacked as data and scales; ``"bf16"`` dequantises them once, here (what
+loading with ``load_checkpoint(weights="bf16")`` gives, value for value: the dequantisation is
+exact). Weights that are bf16 stay bf16 either way.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from draftgraph.runtime.errors import InputError, describe
 from draftgraph.runtime.ir.graph import Graph
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
 from draftgraph.runtime.model.config import V4Config
+from draftgraph.runtime.model.quant import QuantWeight
+
+WEIGHT_MODES = ("native", "bf16")
+_ONE_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
 def prepare_weights(
-    config: V4Config, tensors: Mapping[str, torch.Tensor], device: torch.device, prefix: str = "mtp.0."
-) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors -> graph weights on ``device`` (experts stacked, per-expert views kept)."""
+    config: V4Config, tensors: Mapping[str, torch.Tensor | QuantWeight], device: torch.device,
+    prefix: str = "mtp.0.", weights: str = "bf16",
+) -> dict[str, torch.Tensor | QuantWeight]:
+    """Checkpoint tensors -> graph weights on ``device`` (experts stacked, per-expert views kept).
+
+    ``weights``: "bf16" dequantises block-scaled weights, "native" keeps them as stored.
+    """
+    if weights not in WEIGHT_MODES:
+        raise InputError(describe("weights", " or ".join(map(repr, WEIGHT_MODES)), repr(weights)))
     out = {name: t.to(device) for name, t in tensors.items()}
+    if weights == "bf16":
+        out = {name: t.dequantize(torch.bfloat16) if isinstance(t, QuantWeight) else t for name, t in out.items()}
     for w in ("w1", "w2", "w3"):
         names = [f"{prefix}ffn.experts.{e}.{w}.weight" for e in range(config.n_routed_experts)]
         stacked_name = f"{prefix}ffn.experts.stacked.{w}"
@@ -31,11 +50,43 @@ def prepare_weights(
             continue
         if not all(n in out for n in names):
             continue
-        stacked = torch.stack([out[n] for n in names]).contiguous()  # [E, out, in]
+        stacked = _stack([out[n] for n in names])  # [E, out, in]
         out[f"{prefix}ffn.experts.stacked.{w}"] = stacked
         for e, n in enumerate(names):
             out[n] = stacked[e]
     return out
+
+
+def _stack(parts: list) -> torch.Tensor | QuantWeight:
+    kinds = {p.fmt if isinstance(p, QuantWeight) else "tensor" for p in parts}
+    if len(kinds) > 1:
+        raise InputError(describe("routed experts' formats", "one format for all experts", sorted(kinds),
+                                  "write the checkpoint's experts in one format"))
+    if not isinstance(parts[0], QuantWeight):
+        return torch.stack(parts).contiguous()
+    data = torch.stack([p.data.view(torch.uint8) for p in parts]).view(parts[0].dtype)  # float4 has no stack
+    return QuantWeight(data, torch.stack([p.scale for p in parts]), parts[0].fmt)
+
+
+def weight_formats(weights: Mapping[str, torch.Tensor | QuantWeight]) -> tuple[tuple[str, str], ...]:
+    """(name, "fp8" | "mxfp4") of the block-scaled graph weights, sorted: graphs.v4_block.Numerics.formats.
+
+    Per-expert views are left out: the graph reads the stacked experts.
+    """
+    return tuple(sorted((n, t.fmt) for n, t in weights.items()
+                        if isinstance(t, QuantWeight) and not _ONE_EXPERT.search(n)))
+
+
+def weights_nbytes(weights: Mapping[str, torch.Tensor | QuantWeight]) -> int:
+    """Device bytes of prepared weights, each storage once (per-expert views share the stack's)."""
+    seen, total = set(), 0
+    for t in weights.values():
+        for part in ((t.data, t.scale) if isinstance(t, QuantWeight) else (t,)):
+            key = (part.untyped_storage().data_ptr(), part.device)
+            if key not in seen:
+                seen.add(key)
+                total += part.untyped_storage().nbytes()
+    return total
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from draftgraph.runtime.errors import InputError, describe
 from draftgraph.runtime.execution.kernel_choice import check_kernels
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 EXECUTORS = ("auto", "eager", "captured")
+WEIGHTS = ("native", "bf16")
+ACTIVATIONS = ("bf16", "fp8")
+_W8A8_NEEDS_NATIVE = describe("activations", "'bf16' with bf16 weights", "'fp8'",
+                              "W8A8 quantises the inputs of FP8 / MXFP4 linears: pass weights='native'")
 
 
 @dataclass
@@ -25,13 +30,49 @@ class ProposerOptions:
     overlap: bool = True  # on CUDA, ops may queue work that only later steps read on a side stream (ops.overlap)
     debug: bool = False
     poison_arena: bool = False  # fill the arena with NaN before every run (tests of invariant 3)
+    # How the checkpoint's FP8 / MXFP4 weights are held (graphs/v4_block.py, design note "numerics"):
+    # "native" keeps them as stored (data + UE8M0 scales, no bf16 copy), "bf16" dequantises at load.
+    # None: "native" on CUDA, "bf16" on CPU. A bf16 checkpoint stays bf16 either way.
+    weights: str | None = None
+    # Round the non-rotary part of each cached KV row through FP8 e4m3 (blocks of 64, power-of-two
+    # scales), as DeepSeek's reference does. None: on with native FP8 / MXFP4 weights, else off (bf16 numerics).
+    kv_fp8_round: bool | None = None
+    # "fp8": W8A8, the input of every FP8 / MXFP4 linear rounded through FP8 per 1x128 run, as the
+    # reference and vLLM's block-FP8 path. "bf16": bf16 activations (the default, see the README's
+    # "Weights and numerics": W8A8's speed is unmeasured, and on CPU it moves drafts more than it saves).
+    activations: str = "bf16"
     extra: dict = field(default_factory=dict)
+
+    def weights_on(self, device) -> str:
+        """The weights option resolved for ``device``: "native" on CUDA, "bf16" elsewhere, unless set."""
+        if self.weights is not None:
+            return self.weights
+        return "native" if torch.device(device).type == "cuda" else "bf16"
+
+    def kv_fp8_round_on(self, device, has_block_scaled: bool = True) -> bool:
+        """kv_fp8_round resolved: on with native weights that keep a block-scaled format, else off, unless set.
+
+        A bf16 checkpoint held "native" is bf16: it keeps today's bf16 numerics.
+        """
+        if self.kv_fp8_round is not None:
+            return bool(self.kv_fp8_round)
+        return self.weights_on(device) == "native" and has_block_scaled
 
     def check(self, vocab_size: int, block_size: int) -> None:
         """Raise InputError for an option the proposer cannot run with."""
         if self.mode not in ("streams", "collapsed"):
             raise InputError(describe("mode", "'streams' or 'collapsed'", repr(self.mode)))
         check_kernels(self.kernels)
+        if self.weights is not None and self.weights not in WEIGHTS:
+            raise InputError(describe("weights", " or ".join(map(repr, WEIGHTS)) + " (or None: by device)",
+                                      repr(self.weights), "'native' keeps FP8 / MXFP4 as stored, 'bf16' dequantises"))
+        if self.kv_fp8_round is not None and not isinstance(self.kv_fp8_round, bool):
+            raise InputError(describe("kv_fp8_round", "True, False or None (on with native weights)",
+                                      repr(self.kv_fp8_round)))
+        if self.activations not in ACTIVATIONS:
+            raise InputError(describe("activations", " or ".join(map(repr, ACTIVATIONS)), repr(self.activations)))
+        if self.activations == "fp8" and self.weights == "bf16":
+            raise InputError(_W8A8_NEEDS_NATIVE)
         if self.executor not in EXECUTORS:
             raise InputError(describe("executor", " or ".join(map(repr, EXECUTORS)), repr(self.executor)))
         if not 0.0 <= self.draft_conf_tau <= 1.0:
@@ -46,3 +87,8 @@ class ProposerOptions:
         buckets = tuple(self.buckets)
         if not buckets or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets):
             raise InputError(describe("buckets", "ints >= 1", list(buckets)))
+
+    def check_on(self, device) -> None:
+        """The checks that need the device (the weights option resolves by device)."""
+        if self.activations == "fp8" and self.weights_on(device) == "bf16":
+            raise InputError(_W8A8_NEEDS_NATIVE)

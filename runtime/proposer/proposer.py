@@ -47,7 +47,7 @@ from draftgraph.graphs.draft_chain import (
     is_gated,
     mask_words,
 )
-from draftgraph.graphs.v4_block import CacheGeometry, block_interface
+from draftgraph.graphs.v4_block import CacheGeometry, Numerics, block_interface, numerics_for
 from draftgraph.ops.nonfinite import NONFINITE
 from draftgraph.runtime.cache.paged_cache import PagedLatentCache, TakenBlocks
 from draftgraph.runtime.cache.staging import ChainStaging
@@ -56,7 +56,7 @@ from draftgraph.runtime.execution.eager import EagerExecutor, concrete_device
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
 from draftgraph.runtime.model.config import V4Config
 from draftgraph.runtime.native import batch_kernel
-from draftgraph.runtime.proposer.binding import DraftBinding, prepare_weights
+from draftgraph.runtime.proposer.binding import DraftBinding, prepare_weights, weight_formats
 from draftgraph.runtime.proposer.checks import (
     as_int,
     check_batch,
@@ -160,7 +160,8 @@ class DeepseekV4MtpProposer:
         self.cache = PagedLatentCache(config, blocks, max_seq_len=self.max_seq_len, device=self.device)
         self.geometry = CacheGeometry(self.cache.kv.shape[0], self.cache.max_blocks_per_seq, self.cache.block_size)
         self.rows = SequenceRows(self.cache.max_blocks_per_seq, self.cache.block_size)
-        self.weights = prepare_weights(config, tensors, self.device)
+        opts.check_on(self.device)
+        self.weights = prepare_weights(config, tensors, self.device, weights=opts.weights_on(self.device))
         self.state_tensors = {"mtp.0.kv_cache": self.cache.kv}
         self.runner = None
         self._lock = threading.RLock()
@@ -187,7 +188,8 @@ class DeepseekV4MtpProposer:
     def from_checkpoint(path: str | Path, device=None, **kw) -> DeepseekV4MtpProposer:
         from draftgraph.runtime.model.weights import load_checkpoint
 
-        ckpt = load_checkpoint(path, device="cpu")
+        # As stored (FP8 / MXFP4 kept): prepare_weights keeps or dequantises them by options.weights.
+        ckpt = load_checkpoint(path, device="cpu", weights="native")
         return DeepseekV4MtpProposer(ckpt.config, ckpt.tensors, device=device, **kw)
 
     # ---- state -------------------------------------------------------------------------------
@@ -502,7 +504,13 @@ class DeepseekV4MtpProposer:
         ws = self.runner.workspace_bytes(self.buckets[-1]) if self.runner is not None else 0
         return ChainSpec(num_drafts=num_drafts, mode=self.options.mode, mtp_vocab_size=self.options.mtp_vocab_size,
                          masked=masked, runner=runner_name(self.runner), runner_workspace_bytes=ws,
-                         conf_tau=self.options.draft_conf_tau)
+                         conf_tau=self.options.draft_conf_tau, numerics=self.numerics())
+
+    def numerics(self) -> Numerics:
+        """The graphs' weight formats (from the bound weights), KV rounding and activations (options)."""
+        formats = weight_formats(self.weights)
+        return numerics_for(formats, self.options.kv_fp8_round_on(self.device, bool(formats)),
+                            self.options.activations)
 
     def chain_graph(self, num_drafts: int, masked: bool = False):
         """The K-draft chain as declared (the executors run it after runtime/passes)."""
@@ -585,7 +593,8 @@ class DeepseekV4MtpProposer:
     @_serialized
     def load_weights(self, tensors) -> None:
         """Replace the weights (same config): every captured graph is dropped."""
-        self.weights = prepare_weights(self.config, tensors, self.device)
+        self.weights = prepare_weights(self.config, tensors, self.device,
+                                       weights=self.options.weights_on(self.device))
         if self.runner is not None and hasattr(self.runner, "bind"):
             self.runner.bind(self.config, self.weights, self.device)
         self.drop_executors()
@@ -751,7 +760,8 @@ class DeepseekV4MtpProposer:
         key = ("prefill", bucket, self.use_captured)
         if key not in self._executors:
             ws = self.runner.workspace_bytes(self.buckets[-1]) if self.runner is not None else 0
-            graph = build_drafter_prefill(self.config, self.geometry, self.options.mode, runner_name(self.runner), ws)
+            graph = build_drafter_prefill(self.config, self.geometry, self.options.mode, runner_name(self.runner), ws,
+                                          self.numerics())
             self._executors[key] = self._make_executor(graph, bucket)
         return self._checked(self._executors[key])
 

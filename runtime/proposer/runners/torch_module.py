@@ -24,7 +24,9 @@ class TorchModuleRunner:
         block.load_block(dict(weights), self.prefix)
         self.block = block.to(device).eval()
         stacked = [weights.get(f"{self.prefix}ffn.experts.stacked.{w}") for w in ("w1", "w2", "w3")]
-        if all(t is not None for t in stacked):  # sparse, capture-safe MoE (reads k experts per row)
+        # Sparse, capture-safe MoE (reads k experts per row) on bf16 stacks; block-scaled ones are
+        # not stacked here: the module's own dequantised experts serve (V4Block.load_block).
+        if all(isinstance(t, torch.Tensor) for t in stacked):
             self.block.ffn.stacked = tuple(stacked)
         forward = self.block.decode
         self._forward = torch.compile(forward, mode="max-autotune-no-cudagraphs") if self.compile else forward
