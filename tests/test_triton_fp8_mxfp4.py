@@ -321,7 +321,7 @@ MOE_DOT = (K["gemv"].GemvConfig(16, 64, 4, 2), K["gemv"].GemvConfig(16, 32, 4, 2
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "batch,grouped,variant",
-    [(1, False, "fma"), (1, False, "dot"), (4, True, "dot"), (4, False, "dot"), (1, True, "dot")],
+    [(1, False, "fma"), (1, False, "dot"), (4, True, "dot"), (4, False, "dot"), (1, True, "dot"), (1, True, "fma")],
 )
 def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
     """Slot-major (FMA or dot) and expert-major, repeated experts, the clamp active, poisoned out."""
