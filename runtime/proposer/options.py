@@ -38,8 +38,8 @@ class ProposerOptions:
     # scales), as DeepSeek's reference does. None: on with native FP8 / MXFP4 weights, else off (bf16 numerics).
     kv_fp8_round: bool | None = None
     # "fp8": W8A8, the input of every FP8 / MXFP4 linear rounded through FP8 per 1x128 run, as the
-    # reference and vLLM's block-FP8 path. "bf16": bf16 activations (the default, see the README's
-    # "Weights and numerics": W8A8's speed is unmeasured, and on CPU it moves drafts more than it saves).
+    # reference and vLLM's block-FP8 path. "bf16": bf16 activations, the default (benchmarks/README.md,
+    # "Weights and numerics": W8A8's speed is unmeasured, and it moves drafts away from the unrounded step).
     activations: str = "bf16"
     extra: dict = field(default_factory=dict)
 
