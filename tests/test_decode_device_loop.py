@@ -284,3 +284,21 @@ def test_device_verdict_is_accept_greedy(target):
     for s in states:
         target.free(s)
     assert target.cache.num_free_blocks == target.cache.num_blocks
+
+
+def test_two_sessions_stepped_in_turn_share_the_verifier(target):
+    """Sessions of one target and K share the verify buffers: stepping them in turn gives each its
+    own tokens and the acceptance of running it alone."""
+    alone = {}
+    for lengths in ((3, 9), (5,)):
+        result = speculative_decode(target, make_proposer(), prompts(lengths), 12, 3)
+        alone[lengths] = (result.tokens, result.stats.num_accepted)
+    proposer = make_proposer()
+    with DecodeSession(target, proposer, prompts((3, 9)), 12, 3) as a, \
+            DecodeSession(target, proposer, prompts((5,)), 12, 3) as b:
+        going = [a, b]
+        while going:
+            going = [s for s in going if s.step()]
+        for lengths, s in (((3, 9), a), ((5,), b)):
+            assert (s.result().tokens, s.stats.num_accepted) == alone[lengths]
+    assert pools_full(target, proposer)

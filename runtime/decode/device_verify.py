@@ -75,6 +75,7 @@ class DeviceVerifier:
         self._steps = torch.arange(s, dtype=torch.int64, device=device) * (width + 1) + 1  # pair row of row 0
         self._index = torch.zeros(s, dtype=torch.int64, device=device)
         self._executors: dict[int, object] = {}
+        self.owner = None  # the DecodeSession whose rows next_hidden holds (decode/loop.py)
 
     # ---- the run --------------------------------------------------------------------------------
     def bucket_for(self, num_sequences: int) -> int:

@@ -186,6 +186,7 @@ class DecodeSession:
         self.is_closed = False
         self._verifier = target.device_verifier(num_drafts) if self.device_loop else None
         self._slots: list[int] = []  # sequence index of each row of the verifier's next_hidden
+        self._saved_hidden: torch.Tensor | None = None  # those rows, while another session holds the buffers
         self._verdict_host: torch.Tensor | None = None
         if max_new_tokens == 0:
             for seq in self.sequences:
@@ -284,6 +285,7 @@ class DecodeSession:
                 [s.draft_state for s, _ in drafting],
             )
             if self.device_loop:  # the first propose reads its hiddens from the verifier's rows
+                self._claim_verifier()
                 self._verifier.next_hidden[: len(drafting)].copy_(torch.stack([h[-1] for _, h in drafting]))
                 self._slots = [s.index for s, _ in drafting]
         self._sync()
@@ -379,8 +381,23 @@ class DecodeSession:
         self.stats.verify_seconds += t2 - t1
         self.stats.catchup_seconds += t4 - t3
 
+    def _claim_verifier(self) -> None:
+        """The verifier's buffers are the target's, shared by every session of it with this K: a
+        session that takes them over from another saves the other's rows and restores its own."""
+        verifier = self._verifier
+        if verifier.owner is self:
+            return
+        other = verifier.owner
+        if other is not None and not other.is_closed and other._slots:
+            other._saved_hidden = verifier.next_hidden[: len(other._slots)].clone()
+        verifier.owner = self
+        if self._saved_hidden is not None:
+            verifier.next_hidden[: len(self._saved_hidden)].copy_(self._saved_hidden)
+            self._saved_hidden = None
+
     def _arrange_hiddens(self, live: list[_Sequence]) -> None:
         """Rows 0..n-1 of next_hidden in ``live``'s order (rows of ended sequences dropped)."""
+        self._claim_verifier()
         order = [s.index for s in live]
         if order != self._slots:
             rows = [self._slots.index(i) for i in order]
