@@ -21,6 +21,12 @@ CUDA: without it they say so. ``same`` says whether the speculative tokens equal
 
 The target has row buckets 1, 2, 4 .. up to what B x (K + 1) verify rows need, so greedy runs
 B rows (not a verify window's bucket); the proposer has its default buckets.
+
+``--builds`` answers issue 27's profile question instead: the ``draftgraph decode`` workload
+(its models and buckets, ``--prompt`` repeatable) decoded with warm-up off (the loop as it was:
+every executor made on first use) and on, printing at which step each executor is built
+(target row bucket, K-draft chain batch bucket, drafter-prefill row bucket) and what
+``build_counts`` saw (executor builds, CUDA graph captures, Triton compiles) in the steps.
 """
 
 from __future__ import annotations
@@ -122,6 +128,71 @@ def format_rows(results: dict, batches, executors) -> list[str]:
     return lines
 
 
+def profile_builds(args) -> list[str]:
+    """Per step: the executors built (lazily, warm-up off) and the build counts with warm-up on."""
+    from draftgraph.runtime.decode.loop import DecodeSession
+    from draftgraph.runtime.decode.target import TargetModel
+    from draftgraph.runtime.decode.warmup import build_counts
+    from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
+    from draftgraph.tools.workload import add_workload_args, load_workload
+
+    built: list[tuple[int, str]] = []
+    step = [0]
+
+    def watch(cls, name, describe):
+        method = getattr(cls, name)
+
+        def wrapper(self, *a):
+            fresh = len(self._executors)
+            out = method(self, *a)
+            if len(self._executors) > fresh:
+                built.append((step[0], describe(*a)))
+            return out
+
+        setattr(cls, name, wrapper)
+        return method
+
+    saved = [(DeepseekV4MtpProposer, "_executor", watch(DeepseekV4MtpProposer, "_executor",
+                                                          lambda b, k, m: f"chain B={b} K={k}")),
+             (DeepseekV4MtpProposer, "_prefill_executor", watch(DeepseekV4MtpProposer, "_prefill_executor",
+                                                                  lambda b: f"drafter prefill R={b}")),
+             (TargetModel, "_executor", watch(TargetModel, "_executor", lambda b: f"target R={b}"))]
+    parser = argparse.ArgumentParser()
+    add_workload_args(parser, args.max_tokens)
+    argv = [a for p in (args.prompt or ["import os", "def main("]) for a in ("--prompt", p)]
+    argv += ["--max-tokens", str(args.max_tokens), "-k", str(args.num_drafts), "--device", args.device]
+    lines = []
+    try:
+        for warmup in (False, True):
+            work = load_workload(parser.parse_args(argv))
+            built.clear()
+            step[0] = 0
+            session = DecodeSession(work.target, work.proposer, work.encoded, work.max_tokens, work.num_drafts,
+                                    eos_id=work.tokenizer.eos_id, warmup=warmup)
+            if warmup:
+                session.warm_up()
+            before, lives = build_counts(), []
+            step[0] = 1
+            while True:
+                lives.append(len(session.live))
+                if not session.step():
+                    break
+                step[0] += 1
+            steps = build_counts() - before
+            stats = session.stats
+            lines.append(f"# warm-up {'on' if warmup else 'off'}: {step[0]} steps (step 1 = the prefill), live "
+                         f"sequences per step {lives[:3]} .. {lives[-3:]}, propose {stats.propose_seconds:.3f} s, "
+                         f"catch-up {stats.catchup_seconds:.3f} s, warm-up {stats.warmup_seconds:.3f} s")
+            for at, what in built:
+                lines.append(f"  {'warm-up' if at == 0 else f'step {at}':>8}  built {what}")
+            lines.append(f"  in the steps: {steps.executors} executors built, {steps.captures} CUDA graphs captured, "
+                         f"{steps.kernel_compiles} Triton compiles, {steps.torch_compiles} torch.compile graphs")
+    finally:
+        for cls, name, method in saved:
+            setattr(cls, name, method)
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -131,11 +202,16 @@ def main(argv=None) -> int:
     ap.add_argument("--executors", default="eager,captured")
     ap.add_argument("--checkpoint", type=Path, default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU runs: 1 is steadier)")
+    ap.add_argument("--builds", action="store_true", help="where executors are built, per step (issue 27)")
+    ap.add_argument("--prompt", action="append", default=None, help="--builds: a prompt (repeatable)")
     args = ap.parse_args(argv)
     from draftgraph.runtime.decode.tokenizer import ByteTokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.builds:
+        print("\n".join(profile_builds(args)))
+        return 0
     batches = [int(b) for b in args.batches.split(",")]
     executors = args.executors.split(",")
     tok = ByteTokenizer()
