@@ -212,8 +212,11 @@ CASES = {
 
 
 def bytes_moved(name, inputs, attrs, cfg) -> int:
-    """The fewest bytes the op must move: each touched weight once, activations in and out."""
-    nb = lambda t: t.numel() * t.element_size()  # noqa: E731
+    """The fewest bytes the op must move: each touched weight once, activations in and out.
+
+    Bytes from each input's spec: a block-scaled weight (QuantWeight) counts its data and scales.
+    """
+    nb = lambda t: TensorSpec.of(t).nbytes(1)  # noqa: E731
     b = inputs[0].shape[0]
     if name == "lm_head":
         return nb(inputs[2]) + b * inputs[2].shape[0] * 4 + nb(inputs[0])
@@ -222,7 +225,8 @@ def bytes_moved(name, inputs, attrs, cfg) -> int:
     if name in ("moe", "moe_hash"):
         gate = inputs[1] if name == "moe" else inputs[3]
         w1 = inputs[3] if name == "moe" else inputs[4]
-        per_expert = 3 * w1.shape[1] * w1.shape[2] * w1.element_size()
+        stacks = inputs[3:6] if name == "moe" else inputs[4:7]
+        per_expert = sum(nb(w) for w in stacks) // w1.shape[0]
         slots = min(b * attrs.get("top_k", cfg.num_experts_per_tok), w1.shape[0])
         return nb(gate) + (slots + 1) * per_expert + 2 * nb(inputs[0])
     if name == "swa_attention":
