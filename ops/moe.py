@@ -28,7 +28,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from draftgraph.ops import constants
+from draftgraph.ops import constants, quantised
 from draftgraph.ops.overlap import join_side_stream, side_stream, sms_left_for_lanes
 from draftgraph.ops.quantised import act_in, chosen_experts, expect_weight, is_quantised, linear_t
 from draftgraph.ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
@@ -256,16 +256,36 @@ def routed_quantised(x, idx, weights, w1, w2, w3, limit: float, attrs) -> torch.
     The same batched matmuls as the gather path, on each row's K experts dequantised to x's
     dtype (exact), so with bf16 activations it computes what the gather path computes on the
     dequantised checkpoint. W8A8 rounds x before w1 / w3 and the weighted SwiGLU before w2.
+    The (row, expert) pairs go a few at a time when all of them dequantised would pass
+    ``quantised.EXPERT_PAIRS_BYTES`` (V4-Flash: 50 MB a pair, so two at a time): the loop's
+    length is the static B*K, so it captures, and the temporaries stay bounded at any batch.
     """
     join_side_stream()  # the weights may come from the side lane (_weights_beside)
+    b, k = idx.shape
     xq = act_in(x, w1, attrs)
-    xc = xq.unsqueeze(1).unsqueeze(-1)  # [B, 1, D, 1]
-    gate = torch.matmul(chosen_experts(w1, idx, x.dtype), xc).squeeze(-1)  # [B, K, I]
-    up = torch.matmul(chosen_experts(w3, idx, x.dtype), xc).squeeze(-1)
-    act = _weighted_into(weights.unsqueeze(-1), _swiglu(gate, up, limit), x.dtype)  # weight before w2
+    inter, dim = w1.logical_shape[-2:]
+    per_pair = 3 * inter * dim * x.dtype.itemsize
+    step = max(1, quantised.EXPERT_PAIRS_BYTES // per_pair)
+    if step >= b * k:
+        return _pairs_quantised(xq.unsqueeze(1), idx, weights, w1, w2, w3, limit, attrs).sum(1, dtype=torch.float32)
+    rows = xq.repeat_interleave(k, dim=0).unsqueeze(1)  # [B*K, 1, D]: each pair's row
+    flat_idx, flat_w = idx.reshape(-1, 1), weights.reshape(-1, 1)
+    routed = x.new_empty(b * k, 1, dim)  # [B*K, 1, D] in x's dtype, as the gather path's
+    for start in range(0, b * k, step):
+        stop = min(b * k, start + step)
+        routed[start:stop] = _pairs_quantised(rows[start:stop], flat_idx[start:stop], flat_w[start:stop],
+                                              w1, w2, w3, limit, attrs)
+    return routed.view(b, k, dim).sum(1, dtype=torch.float32)
+
+
+def _pairs_quantised(xc, idx, weights, w1, w2, w3, limit, attrs) -> torch.Tensor:
+    """[R, K, D] in x's dtype: experts idx [R, K] on rows xc [R, 1, D] (already W8A8-rounded if asked)."""
+    xc = xc.unsqueeze(-1)  # [R, 1, D, 1]
+    gate = torch.matmul(chosen_experts(w1, idx, xc.dtype), xc).squeeze(-1)  # [R, K, I]
+    up = torch.matmul(chosen_experts(w3, idx, xc.dtype), xc).squeeze(-1)
+    act = _weighted_into(weights.unsqueeze(-1), _swiglu(gate, up, limit), xc.dtype)  # weight before w2
     act = act_in(act, w2, attrs)
-    routed = torch.matmul(chosen_experts(w2, idx, x.dtype), act.unsqueeze(-1)).squeeze(-1)  # [B, K, D]
-    return routed.sum(1, dtype=torch.float32)
+    return torch.matmul(chosen_experts(w2, idx, xc.dtype), act.unsqueeze(-1)).squeeze(-1)  # [R, K, D]
 
 
 def shared_expert_into(x, sw1, sw2, sw3, limit: float, out: torch.Tensor, attrs=None) -> None:

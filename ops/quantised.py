@@ -29,6 +29,7 @@ from draftgraph.runtime.ir.tensor_spec import Dim, TensorSpec
 from draftgraph.runtime.model.quant import FP8_BLOCK, QuantWeight, dequantize_rows, fp8_round_activations
 
 DEQUANT_CHUNK_BYTES = 32 << 20  # the largest dequantised temporary a linear makes (a block of rows)
+EXPERT_PAIRS_BYTES = 128 << 20  # the MoE's dequantised experts at a time (ops/moe.py routed_quantised)
 
 Weight = torch.Tensor | QuantWeight
 

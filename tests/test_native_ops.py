@@ -144,3 +144,29 @@ def test_a_node_reading_a_block_scaled_weight_runs_the_torch_op():
         assert select_impl(op, meta, "torch", [x]) is op.impl
     finally:
         op.fused.pop("meta", None)
+
+
+def test_moe_pairs_go_a_few_at_a_time_past_the_budget(monkeypatch):
+    # V4-Flash's 50 MB a (row, expert) pair: the pairs are dequantised a few at a time there, so the
+    # temporaries stay bounded at any batch. Here with a budget of 2 pairs of the small experts.
+    from draftgraph.ops.moe import routed_quantised
+
+    e, inter, dim, k = 8, 64, 128, 2
+    ws = [quantize_weight(torch.randn(*s, generator=gen(40 + i)) * 0.1, "mxfp4")
+          for i, s in enumerate([(e, inter, dim), (e, dim, inter), (e, inter, dim)])]
+    x = torch.randn(3, dim, generator=gen(44)).bfloat16()
+    idx = torch.tensor([[5, 1], [1, 5], [7, 0]])
+    weights = torch.rand(3, k, generator=gen(45)) + 0.5
+    whole = routed_quantised(x, idx, weights, *ws, 10.0, {})
+    seen = []
+    real = quantised.chosen_experts
+
+    def spy(w, chosen, dtype):
+        seen.append(chosen.numel())
+        return real(w, chosen, dtype)
+
+    monkeypatch.setattr("draftgraph.ops.moe.chosen_experts", spy)
+    monkeypatch.setattr(quantised, "EXPERT_PAIRS_BYTES", 2 * 3 * inter * dim * 2)
+    chunked = routed_quantised(x, idx, weights, *ws, 10.0, {})
+    assert max(seen) == 2 and sum(seen) == 3 * 3 * k  # two pairs at a time, each weight once per pair
+    assert rel(chunked, whole) < 1e-6
