@@ -35,6 +35,7 @@ Example
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -121,8 +122,13 @@ class DeviceVerifier:
             staged = target._staging_for(bucket).stage(tables, which, pos, np.zeros_like(pos), tokens.reshape(-1),
                                                         [], 1)
             executor = self.executor(bucket)
+            tracer = getattr(executor, "executor", executor).tracer = target.tracer
+            start = time.perf_counter_ns()
             self.draft_buf[:n].copy_(drafts)
             executor.run({name: staged[name] for name in target.graph.inputs}, check=False)
+            if tracer is not None:
+                tracer.slice(f"target verify on device R={n * width} B={bucket}", start,
+                             time.perf_counter_ns() - start, cat="target", args={"rows": n * width, "bucket": bucket})
             for state, start in zip(states, lengths):
                 state.length = start + width
         except BaseException:
