@@ -45,12 +45,13 @@ def batch():
     return tokens, hiddens, [3 + 2 * i for i in range(ROWS)]
 
 
-def run(checkpoint, batch, **options):
+def run(checkpoint, batch, device="cpu", **options):
     tokens, hiddens, positions = batch
-    prop = DeepseekV4MtpProposer.from_checkpoint(checkpoint, executor="eager", **options)
+    hiddens = hiddens.to(device)
+    prop = DeepseekV4MtpProposer.from_checkpoint(checkpoint, device=device, **({"executor": "eager"} | options))
     states = [prop.alloc_state() for _ in range(ROWS)]
     first = prop.propose_batch(tokens, hiddens, positions, 1, states)  # K = 1: its hidden is step 0's
-    hidden = prop.last_hidden(ROWS).to(F64)
+    hidden = prop.last_hidden(ROWS).to("cpu", F64)
     for state in states:
         prop.after_verify(0, state)
     drafts = prop.propose_batch(tokens, hiddens, positions, K, states)
@@ -204,3 +205,18 @@ def test_native_is_the_cuda_default_and_captured_replay_equals_eager_bit_for_bit
         results.append((drafts, prop.last_hidden(ROWS).cpu(), prop.cache.kv.cpu()))
     (d0, h0, kv0), (d1, h1, kv1) = results
     assert d0 == d1 and torch.equal(h0, h1) and torch.equal(kv0, kv1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_native_on_cuda_within_quantisation_noise_of_bf16_with_fused_kernels(checkpoint, batch, head):
+    # kernels="auto": the bf16-weight ops run their fused Triton kernels, the block-scaled ones the torch op.
+    _, bf16_drafts, bf16_hidden = run(checkpoint, batch, "cuda", weights="bf16", executor="captured")
+    prop, drafts, hidden = run(checkpoint, batch, "cuda", executor="captured")  # the CUDA default: native
+    assert prop.options.weights_on(prop.device) == "native" and prop.numerics().kv_fp8_round
+    assert float(row_errors(hidden, bf16_hidden).median()) < 0.05
+    logits, bf16_logits = head(hidden), head(bf16_hidden)
+    noise = 2 * (logits - bf16_logits).abs().amax(dim=1) + 0.06
+    top = torch.topk(bf16_logits, 2).values
+    for row in torch.nonzero((top[:, 0] - top[:, 1]) > noise).flatten().tolist():
+        assert drafts[row][0] == bf16_drafts[row][0], row
