@@ -77,6 +77,7 @@ class DeviceVerifier:
         self._index = torch.zeros(s, dtype=torch.int64, device=device)
         self._executors: dict[int, object] = {}
         self.owner = None  # the DecodeSession whose rows next_hidden holds (decode/loop.py)
+        self._last_bucket = target.buckets[-1]
 
     # ---- the run --------------------------------------------------------------------------------
     def bucket_for(self, num_sequences: int) -> int:
@@ -122,6 +123,7 @@ class DeviceVerifier:
             staged = target._staging_for(bucket).stage(tables, which, pos, np.zeros_like(pos), tokens.reshape(-1),
                                                         [], 1)
             executor = self.executor(bucket)
+            self._last_bucket = bucket
             tracer = getattr(executor, "executor", executor).tracer = target.tracer
             start = time.perf_counter_ns()
             self.draft_buf[:n].copy_(drafts)
@@ -136,6 +138,15 @@ class DeviceVerifier:
                 state.length = length
                 target.cache.truncate(state.table, length)  # blocks past the kept rows go back
             raise
+
+    def read_verdict(self, num_sequences: int) -> np.ndarray:
+        """The verdict's first rows on the host (int64 [S, 3 + K + 1]): one copy and one wait.
+
+        Through the staging buffer of the last run's bucket, whose read-back also marks its own
+        staging copy done: the next verify's stage then need not wait for the device (it would
+        wait for the chain the propose just launched).
+        """
+        return self.target._staging_for(self._last_bucket).read_rows(self.verdict, num_sequences).copy()
 
     # ---- executors ------------------------------------------------------------------------------
     def executor(self, bucket: int):

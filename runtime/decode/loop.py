@@ -187,7 +187,6 @@ class DecodeSession:
         self._verifier = target.device_verifier(num_drafts) if self.device_loop else None
         self._slots: list[int] = []  # sequence index of each row of the verifier's next_hidden
         self._saved_hidden: torch.Tensor | None = None  # those rows, while another session holds the buffers
-        self._verdict_host: torch.Tensor | None = None
         if max_new_tokens == 0:
             for seq in self.sequences:
                 seq.status = LENGTH
@@ -407,16 +406,8 @@ class DecodeSession:
 
     def _read_verdict(self, n: int) -> np.ndarray:
         """The verdict's first n rows on the host: one copy, one wait (counted in stats.num_read_backs)."""
-        verdict = self._verifier.verdict
         self.stats.num_read_backs += 1
-        if not verdict.is_cuda:
-            return verdict[:n].numpy().copy()
-        if self._verdict_host is None:
-            self._verdict_host = torch.empty(verdict.shape, dtype=verdict.dtype, pin_memory=True)
-        host = self._verdict_host[:n]
-        host.copy_(verdict[:n], non_blocking=True)
-        torch.cuda.current_stream(verdict.device).synchronize()
-        return host.numpy()
+        return self._verifier.read_verdict(n)
 
     def _sync(self) -> None:
         """With ``sync_phases``: wait for the device here, so each phase's time holds its device work."""
