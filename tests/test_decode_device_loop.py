@@ -302,3 +302,13 @@ def test_two_sessions_stepped_in_turn_share_the_verifier(target):
         for lengths, s in (((3, 9), a), ((5,), b)):
             assert (s.result().tokens, s.stats.num_accepted) == alone[lengths]
     assert pools_full(target, proposer)
+
+
+def test_a_gated_chain_runs_the_host_path(target):
+    proposer = make_proposer(draft_conf_tau=0.3)
+    with pytest.raises(InputError, match="confidence-gated"):
+        DecodeSession(target, proposer, prompts((3, 9)), 8, 3, device_loop=True)
+    session = DecodeSession(target, proposer, prompts((3, 9)), 8, 3)
+    assert not session.device_loop
+    assert session.run().tokens == greedy_of((3, 9), 8).tokens
+    assert pools_full(target, proposer)
