@@ -170,3 +170,28 @@ def test_moe_pairs_go_a_few_at_a_time_past_the_budget(monkeypatch):
     chunked = routed_quantised(x, idx, weights, *ws, 10.0, {})
     assert max(seen) == 2 and sum(seen) == 3 * 3 * k  # two pairs at a time, each weight once per pair
     assert rel(chunked, whole) < 1e-6
+
+
+def test_compiled_kernels_leave_a_block_scaled_node_to_the_torch_op():
+    from draftgraph.ops.combiner import project
+    from draftgraph.runtime.execution.eager import EagerExecutor
+    from draftgraph.runtime.ir.builder import GraphBuilder
+    from draftgraph.runtime.ir.tensor_spec import B
+
+    d = 128
+    e_proj, h_proj = (quantize_weight(torch.randn(d, d, generator=gen(50 + i)), "fp8") for i in range(2))
+    norm = torch.ones(d, dtype=torch.bfloat16)
+    b = GraphBuilder("native_combiner")
+    e, h = (b.input(n, TensorSpec((B, d), torch.bfloat16)) for n in ("e", "h"))
+    weights = {"enorm": norm, "hnorm": norm, "e_proj": e_proj, "h_proj": h_proj}
+    refs = [b.weight(n, TensorSpec.of(t)) for n, t in weights.items()]
+    z = b.op("combiner", [e, h, *refs], name="combiner", attrs={"eps": 1e-6})
+    b.output(b.op("softmax", [z], name="probs"))
+    ex = EagerExecutor(b.build(), 2, weights, kernels="compiled")
+    impls = {step.node.op: step.impl for step in ex.steps}
+    assert impls["combiner"] is get_op("combiner").impl  # not compiled: it reads QuantWeights
+    assert impls["softmax"] is not get_op("softmax").impl  # compiled
+    es, hs = (torch.randn(2, d, generator=gen(60 + i)).bfloat16() for i in range(2))
+    plain = project(es, norm, e_proj.dequantize(), 1e-6) + project(hs, norm, h_proj.dequantize(), 1e-6)
+    want = torch.softmax(plain.float(), dim=-1)
+    assert torch.allclose(ex.run({"e": es, "h": hs})["probs"].float(), want, atol=1e-2)
