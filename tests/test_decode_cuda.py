@@ -8,7 +8,7 @@ import pytest
 import torch
 from decode_fixtures import OracleProposer, make_proposer, make_target, pools_full, prompts
 from draftgraph.runtime.decode.loop import DecodeSession, greedy_decode, speculative_decode
-from draftgraph.runtime.decode.warmup import BuildCounts, build_counts
+from draftgraph.runtime.decode.warmup import BuildCounts, build_counts, compile_counting
 
 pytestmark = [
     pytest.mark.cuda,
@@ -46,6 +46,7 @@ def test_captured_loop_equals_eager_loop(mode, device_loop):
 def test_no_capture_or_compile_after_warm_up(executor):
     """Issue 27.4: a few hundred tokens a sequence, the batch shrinking as sequences end: every CUDA
     graph and every Triton kernel is made in the warm-up, none in the steps."""
+    assert compile_counting(), "no Triton compile hook: the test would count nothing"
     target = make_target(executor=executor, device="cuda:0")
     proposer = make_proposer(executor=executor, device="cuda:0", buckets=(1, 2, 4, 8, 16))
     max_new = 200

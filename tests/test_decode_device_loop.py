@@ -312,3 +312,17 @@ def test_a_gated_chain_runs_the_host_path(target):
     assert not session.device_loop
     assert session.run().tokens == greedy_of((3, 9), 8).tokens
     assert pools_full(target, proposer)
+
+
+def test_the_triton_compile_hook_counts():
+    """The JIT calls the hook once per kernel it makes (a GPU-only event); here it is called as the JIT would."""
+    triton = pytest.importorskip("triton")
+    from draftgraph.runtime.decode.warmup import compile_counting
+
+    where = compile_counting()
+    assert where.endswith("jit_post_compile_hook") or where.endswith("compiled_hook")
+    hook = (triton.knobs.runtime.jit_post_compile_hook if where.endswith("jit_post_compile_hook")
+            else triton.runtime.jit.JITFunction.compiled_hook)
+    before = build_counts()
+    hook(key="k", repr="kernel[...]", fn=None, compile={}, is_manual_warmup=False, already_compiled=False)
+    assert build_counts() - before == type(before)(kernel_compiles=1)

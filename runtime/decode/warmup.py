@@ -50,23 +50,43 @@ _hook_lock = threading.Lock()
 _hook_installed = [False]
 
 
+_hook_where = [""]  # where the compile hook sits ("" while none: then no compile is counted)
+
+
 def _install_compile_hook() -> None:
-    """Count Triton compiles through ``triton.knobs.runtime.jit_post_compile_hook`` (chaining any hook set)."""
+    """Count Triton compiles: ``triton.knobs.runtime.jit_post_compile_hook`` (triton >= 3.4), else
+    ``JITFunction.compiled_hook`` (older); either way after any hook already set, which still runs.
+    The JIT calls it for each kernel it makes in this process (a new specialisation), from source
+    or from its disk cache."""
     with _hook_lock:
         if _hook_installed[0]:
             return
         _hook_installed[0] = True
         try:
-            from triton import knobs
-        except Exception:  # no triton (or an old one without knobs): nothing compiles through it here
+            import triton
+        except Exception:  # no triton (or a broken one): nothing compiles through it here
             return
-        previous = knobs.runtime.jit_post_compile_hook
+        knobs = getattr(triton, "knobs", None)
+        if knobs is not None and hasattr(knobs.runtime, "jit_post_compile_hook"):
+            owner, name = knobs.runtime, "jit_post_compile_hook"
+        else:
+            from triton.runtime.jit import JITFunction
+
+            owner, name = JITFunction, "compiled_hook"
+        previous = getattr(owner, name, None)
 
         def hook(*args, **kwargs):
             _kernel_compiles[0] += 1
             return previous(*args, **kwargs) if previous is not None else None
 
-        knobs.runtime.jit_post_compile_hook = hook
+        setattr(owner, name, hook)
+        _hook_where[0] = f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
+
+
+def compile_counting() -> str:
+    """Where Triton compiles are counted ('' when they are not: no triton)."""
+    _install_compile_hook()
+    return _hook_where[0]
 
 
 def build_counts() -> BuildCounts:
