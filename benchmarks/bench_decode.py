@@ -10,14 +10,15 @@ target (the checkpoint's, tools/data/tiny_v4 by default, else a random small mod
 - ``spec``: speculative decoding, K drafts a round, the device loop (decode/loop.py);
 - ``spec host``: the same with the host path (drafts and verify read back each step).
 
-Every run warms up first (every executor built, on CUDA captured and its kernels compiled)
-and that time is reported apart (``warm-up s``); tokens/s are steady state: generated tokens
-over the prefill and the steps. No EOS: every sequence makes ``--max-tokens`` tokens. The time
-split (ms a step: propose, verify, catch-up, host) comes from a second speculative run that
-waits for the device at each phase's end (``sync_phases``; on the CPU the same run). Ratios:
-``spec/greedy`` (what speculation gives), and per B ``captured/eager``. Captured rows need
-CUDA: without it they say so. ``same`` says whether the speculative tokens equal greedy's
-(they must where the target's numerics do not depend on a run's row count; see loop.py).
+Every run (``--repeat``: the fastest of that many) warms up first (every executor built, on CUDA
+captured and its kernels compiled) and that time is reported apart (``warm-up s``); tokens/s are
+steady state: generated tokens over the prefill and the steps. No EOS: every sequence makes
+``--max-tokens`` tokens. The time split (ms a step: propose, verify, catch-up, host) comes from
+a second speculative run that waits for the device at each phase's end (``sync_phases``; on the
+CPU the same run). Ratios: ``spec/greedy`` (what speculation gives), and per B
+``captured/eager``. Captured rows need CUDA: without it they say so. ``same`` says whether the
+speculative tokens equal greedy's (they must where the target's numerics do not depend on a
+run's row count; see loop.py).
 
 The target has row buckets 1, 2, 4 .. up to what B x (K + 1) verify rows need, so greedy runs
 B rows (not a verify window's bucket); the proposer has its default buckets.
@@ -73,14 +74,20 @@ def load(checkpoint: Path | None, device: str, executor: str, batch: int, num_dr
     return target, proposer, note
 
 
-def measure(target, proposer, prompts, max_tokens: int, num_drafts: int) -> dict:
+def best(runs):
+    """The run of the highest tokens/s (the least disturbed by other work on the machine)."""
+    return max(runs, key=lambda result: result.stats.tokens_per_second)
+
+
+def measure(target, proposer, prompts, max_tokens: int, num_drafts: int, repeat: int = 1) -> dict:
     from draftgraph.runtime.decode.loop import greedy_decode, speculative_decode
 
-    greedy = greedy_decode(target, prompts, max_tokens)
+    greedy = best([greedy_decode(target, prompts, max_tokens) for _ in range(repeat)])
     rows = {"greedy": greedy.stats}
     tokens = {}
     for name, device_loop in (("spec", True), ("spec host", False)):
-        result = speculative_decode(target, proposer, prompts, max_tokens, num_drafts, device_loop=device_loop)
+        result = best([speculative_decode(target, proposer, prompts, max_tokens, num_drafts, device_loop=device_loop)
+                       for _ in range(repeat)])
         rows[name] = result.stats
         tokens[name] = result.tokens
         if target.device.type == "cuda":  # the split from a run that waits at each phase's end
@@ -202,6 +209,7 @@ def main(argv=None) -> int:
     ap.add_argument("--executors", default="eager,captured")
     ap.add_argument("--checkpoint", type=Path, default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU runs: 1 is steadier)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each decode; the fastest is reported")
     ap.add_argument("--builds", action="store_true", help="where executors are built, per step (issue 27)")
     ap.add_argument("--prompt", action="append", default=None, help="--builds: a prompt (repeatable)")
     args = ap.parse_args(argv)
@@ -223,7 +231,7 @@ def main(argv=None) -> int:
             if ex == "captured" and not args.device.startswith("cuda"):
                 continue
             target, proposer, note = load(args.checkpoint, args.device, ex, b, args.num_drafts)
-            results[(b, ex)] = measure(target, proposer, prompts, args.max_tokens, args.num_drafts)
+            results[(b, ex)] = measure(target, proposer, prompts, args.max_tokens, args.num_drafts, args.repeat)
             del target, proposer
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"# bench_decode: {device}, checkpoint {note}, K={args.num_drafts}, {args.max_tokens} tokens a sequence, "
