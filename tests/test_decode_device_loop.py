@@ -326,3 +326,48 @@ def test_the_triton_compile_hook_counts():
     before = build_counts()
     hook(key="k", repr="kernel[...]", fn=None, compile={}, is_manual_warmup=False, already_compiled=False)
     assert build_counts() - before == type(before)(kernel_compiles=1)
+
+
+# rows 0, 1: hiddens a catch-up reads; row 3: read only as the next propose's (a = 3), then as the next
+# catch-up's h_p (the oracle overwrites the chain's drafts, so the chain's own drop mark is lost)
+@pytest.mark.parametrize("row", [0, 1, 3])
+def test_a_nonfinite_verify_hidden_stops_the_decode_with_the_pools_exact(monkeypatch, row):
+    from draftgraph.runtime.decode.device_verify import DeviceVerifier
+
+    real = DeviceVerifier._epilogue
+
+    def poisoned(self, slots):
+        epilogue = real(self, slots)
+
+        def run(outputs):
+            outputs["hidden"][row].fill_(float("nan"))  # sequence 0's verify row `row`
+            epilogue(outputs)
+
+        return run
+
+    monkeypatch.setattr(DeviceVerifier, "_epilogue", poisoned)
+    target = make_target()  # its verifier is built with the poisoned epilogue
+    proposer = oracle((3, 9, 20), 24)
+    with pytest.raises(NonFiniteError):
+        speculative_decode(target, proposer, prompts((3, 9, 20)), 24, 3, device_loop=True)
+    assert pools_full(target, proposer)
+
+
+def test_a_chain_dropping_its_batch_stops_the_decode_with_the_pools_exact(monkeypatch):
+    """A non-finite next hidden: the chain drops the batch (NONFINITE drafts), the verdict says so, and
+    after_verify_device refuses it; the real proposer, no oracle."""
+    from draftgraph.runtime.decode.device_verify import DeviceVerifier
+
+    real, calls = DeviceVerifier.advance, []
+
+    def poisoned(self, n):
+        real(self, n)
+        calls.append(n)
+        if len(calls) == 2:
+            self.next_hidden[0].fill_(float("inf"))
+
+    monkeypatch.setattr(DeviceVerifier, "advance", poisoned)
+    target, proposer = make_target(), make_proposer()
+    with pytest.raises(NonFiniteError, match="the propose is refused"):
+        speculative_decode(target, proposer, prompts((3, 9, 20)), 24, 3, device_loop=True)
+    assert len(calls) == 2 and pools_full(target, proposer)

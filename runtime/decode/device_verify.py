@@ -12,10 +12,10 @@ on the device, for every live sequence (S of them, each K + 1 rows, sequence-maj
     epilogue   g = next_token as [S, K + 1]; match = drafts == g[:, :K]
                a = sum(cumprod(match)): the longest matching prefix (gpt-fast's rule on the device)
                dropped = some draft < 0 (the chain marked a non-finite hidden: ops/nonfinite.py)
-               bad = a NaN or an infinity in the hiddens of rows 0 .. a-1 (what catch-up reads)
-               verdict[s] = [a, dropped, bad, g_0 .. g_K]                  # int64 [S, 3 + K + 1]
                pair_hidden[s, 1 + j] = row j's hidden, j = 0..K: [h_p, h_{p+1} ..] pairs the
                catch-up's tokens [t, d_1 ..]; the row of the bonus token's position is 1 + a
+               bad = a NaN or an infinity in pair rows 0 .. a (what the catch-up reads)
+               verdict[s] = [a, dropped, bad, g_0 .. g_K]                  # int64 [S, 3 + K + 1]
 
 Captured (CUDA), prologue, target and epilogue are one CUDA graph per row bucket, on the same
 static staging buffers as the target's own graph of that bucket. The host then reads
@@ -207,10 +207,11 @@ class DeviceVerifier:
             torch.sum(run, 1, out=index)  # a
             verdict[:, ACCEPTED].copy_(index)
             verdict[:, DROPPED].copy_((drafts < 0).any(1))
-            finite = torch.isfinite(hidden.reshape(rows, -1)).all(1).view(slots, width)[:, :k]  # [S, K]
-            verdict[:, NONFINITE_HIDDEN].copy_(((~finite) & run.bool()).any(1))
             verdict[:, TOKENS:].copy_(g)
             pair[:, 1:].copy_(hidden.reshape(slots, width, *hidden.shape[1:]))
+            # what the catch-up reads: pair rows 0 .. a (h_p, then rows 0 .. a-1)
+            finite = torch.isfinite(pair[:, :width].reshape(slots, width, -1)).all(2)  # [S, K + 1]
+            verdict[:, NONFINITE_HIDDEN].copy_(~finite[:, 0] | ((~finite[:, 1:]) & run.bool()).any(1))
             index.add_(steps)  # each sequence's pair row 1 + a, for advance()
 
         return epilogue
