@@ -371,3 +371,19 @@ def test_a_chain_dropping_its_batch_stops_the_decode_with_the_pools_exact(monkey
     with pytest.raises(NonFiniteError, match="the propose is refused"):
         speculative_decode(target, proposer, prompts((3, 9, 20)), 24, 3, device_loop=True)
     assert len(calls) == 2 and pools_full(target, proposer)
+
+
+def test_a_freed_pending_state_is_forgotten(target):
+    proposer = make_proposer()
+    states, hid, tok, pos = _setup(proposer, target)
+    handle = proposer.propose_device(tok, hid, pos, 3, states)
+    proposer.free_state(states[0])  # an aborted decode frees its states before the verify
+    with pytest.raises(InputError, match="freed|live"):
+        proposer.after_verify_device(handle, [0, 0], dropped=False)
+    fresh = proposer.alloc_state_for(64)
+    proposer.prefill_drafter(prompts((6,), seed=3)[0], torch.zeros(6, *hid.shape[1:], dtype=hid.dtype), fresh)
+    proposer.propose_device(tok[:1], hid[:1], pos[:1], 3, [fresh])
+    assert set(proposer._device_pending) == {fresh.key, states[1].key}
+    proposer.free_state(fresh)
+    proposer.free_state(states[1])
+    assert proposer.cache.num_free_blocks == proposer.cache.num_blocks

@@ -96,6 +96,8 @@ def propose_device(prop, last_tokens, target_hiddens, positions, num_drafts, sta
             prop._check_items(states, tokens, pos, k, n)
             raise
         pending = _pending(prop)
+        for key in [key for key in pending if prop.rows.key[key & batch_kernel.ROW_MASK] != key]:
+            del pending[key]  # states freed before their after_verify_device (an aborted decode)
         waiting = [i for i, key in enumerate(keys.tolist()) if key in pending]
         if waiting:
             check_states(states, prop.id, prop.rows, n)  # a freed state is named as such
