@@ -35,6 +35,7 @@ from draftgraph.runtime.ir.builder import GraphBuilder
 from draftgraph.runtime.ir.graph import Graph, Value
 from draftgraph.runtime.ir.tensor_spec import B, TensorSpec
 from draftgraph.runtime.model.config import V4Config
+from draftgraph.runtime.model.sharding import GROUP, ShardPlan
 
 BF16, F32, I32, I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 MODES = ("streams", "collapsed")
@@ -52,6 +53,11 @@ class ChainSpec:
     runner_workspace_bytes: int = 0
     conf_tau: float = 0.0  # > 0: stop drafting once every row's confidence is below it (ops/draft_gate.py)
     numerics: Numerics = Numerics()  # weight formats, KV rounding, activations (graphs/v4_block.py)
+    shard: ShardPlan | None = None  # this rank's part (runtime/model/sharding.py); None: unsharded
+
+    @property
+    def is_sharded(self) -> bool:
+        return self.shard is not None and self.shard.is_sharded
 
 
 def is_gated(conf_tau: float, num_drafts: int) -> bool:
@@ -104,11 +110,11 @@ def build_draft_chain(config: V4Config, geometry: CacheGeometry, spec: ChainSpec
 
     if spec.num_drafts < 1:
         raise GraphError(f"num_drafts: expected >= 1, got {spec.num_drafts}")
-    name = f"mtp_chain_k{spec.num_drafts}_{spec.mode}"
+    name = f"mtp_chain_k{spec.num_drafts}_{spec.mode}" + _rank_suffix(spec.shard)
     b = GraphBuilder(name)
     ins = {k: b.input(k, s) for k, s in chain_inputs(config, geometry, spec).items()}
-    body = build_block(config, geometry, prefix="mtp.0.", name="mtp_body", numerics=spec.numerics) \
-        if spec.runner == "builtin" else None
+    body = build_block(config, geometry, prefix="mtp.0.", name="mtp_body", numerics=spec.numerics,
+                       shard=spec.shard) if spec.runner == "builtin" else None
     token, hidden = ins["token"], ins["hidden"]
     # A row whose hidden is not finite is dead from here on: it writes no cache row (ops/nonfinite.py).
     rows_at = b.op("drop_nonfinite", [ins["positions"], hidden], name="rows_at")  # [B]
@@ -140,7 +146,13 @@ def build_draft_chain(config: V4Config, geometry: CacheGeometry, spec: ChainSpec
                        "mtp_vocab_size": spec.mtp_vocab_size, "masked": spec.masked})
     if gated:
         graph.meta["conf_tau"] = float(spec.conf_tau)
+    if spec.is_sharded:
+        graph.meta.update({"rank": spec.shard.rank, "world": spec.shard.world})
     return graph
+
+
+def _rank_suffix(shard: ShardPlan | None) -> str:
+    return f"_rank{shard.rank}of{shard.world}" if shard is not None and shard.is_sharded else ""
 
 
 def _step(b, config, geometry, spec, ins, token, hidden, positions, body) -> tuple[Value, Value, Value]:
@@ -156,14 +168,21 @@ def _step(b, config, geometry, spec, ins, token, hidden, positions, body) -> tup
     ]
     h_out = b.op("hc_head", [out_streams, *head_weights], name="hc_head",
                  attrs={"eps": eps, "hc_eps": float(config.hc_eps)})
+    # Vocab-parallel (sharded): this rank's head rows only, and the argmax reduced across the ranks.
+    shard = spec.shard if spec.is_sharded else None
+    head_rows = shard.num_local_rows if shard else config.vocab_size
     logits = b.op(
         "lm_head",
         [h_out, b.weight("mtp.0.norm.weight", TensorSpec((d,), BF16)),
-         b.weight("head.weight", TensorSpec((config.vocab_size, d), BF16))],
-        attrs={"eps": eps, "vocab_rows": vocab_rows(config, spec.mtp_vocab_size)},
+         b.weight("head.weight", TensorSpec((head_rows, d), BF16))],
+        attrs={"eps": eps, "vocab_rows": head_rows if shard else vocab_rows(config, spec.mtp_vocab_size)},
     )
     sample_inputs = [logits, ins["vocab_limit"]] + ([ins["grammar_mask"]] if spec.masked else [])
-    token, prob = b.op("draft_argmax", sample_inputs, name="argmax")
+    if shard:
+        token, prob = b.op("vocab_parallel_argmax", sample_inputs, name="argmax",
+                           attrs={"group": GROUP, "vocab": shard.drafted_vocab})
+    else:
+        token, prob = b.op("draft_argmax", sample_inputs, name="argmax")
     next_hidden = out_streams if spec.mode == "streams" else h_out
     return token, prob, next_hidden
 
@@ -199,7 +218,7 @@ def runner_interface(config: V4Config, geometry: CacheGeometry) -> dict[str, Ten
 
 def build_drafter_prefill(config: V4Config, geometry: CacheGeometry, mode: str = "streams",
                           runner: str = "builtin", runner_workspace_bytes: int = 0,
-                          numerics: Numerics | None = None) -> Graph:
+                          numerics: Numerics | None = None, shard: ShardPlan | None = None) -> Graph:
     """Write drafter KV rows for (token, hidden) pairs: embed -> combiner -> body, no LM head.
 
     Rows of one sequence at consecutive positions may share a batch: the attention
@@ -207,9 +226,9 @@ def build_drafter_prefill(config: V4Config, geometry: CacheGeometry, mode: str =
     <= its own, so causality holds within the batch.
     """
     spec = ChainSpec(num_drafts=1, mode=mode, runner=runner, runner_workspace_bytes=runner_workspace_bytes)
-    b = GraphBuilder(f"mtp_prefill_{mode}")
+    b = GraphBuilder(f"mtp_prefill_{mode}" + _rank_suffix(shard))
     ins = {k: b.input(k, s) for k, s in chain_inputs(config, geometry, spec).items() if k != "vocab_limit"}
-    body = build_block(config, geometry, prefix="mtp.0.", name="mtp_body", numerics=numerics) \
+    body = build_block(config, geometry, prefix="mtp.0.", name="mtp_body", numerics=numerics, shard=shard) \
         if runner == "builtin" else None
     with b.scoped("p"):
         streams = combiner(b, config, ins["token"], ins["hidden"], mode, numerics)

@@ -25,6 +25,7 @@ from draftgraph.runtime.ir.graph import Graph
 from draftgraph.runtime.ir.tensor_spec import QUANTS, B, TensorSpec
 from draftgraph.runtime.model.config import V4Config
 from draftgraph.runtime.model.quant import quant_scale_shape
+from draftgraph.runtime.model.sharding import GROUP, ShardPlan
 from draftgraph.runtime.model.weight_names import MTP_TENSOR_NAMES, check_format, stored_kind
 
 BF16, F32, I32, I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
@@ -131,10 +132,13 @@ def build_block(
     hash_routed: bool = False,
     name: str = "v4_block",
     numerics: Numerics | None = None,
+    shard: ShardPlan | None = None,
 ) -> Graph:
     """One V4 block as a graph whose inputs are :func:`block_interface`; output: streams [B, C, D].
 
     ``numerics``: weight formats, KV rounding and activation precision (design note "numerics").
+    ``shard``: this rank's part of a sharded block (runtime/model/sharding.py); None or a world
+    of 1: the whole block.
     """
     numerics = numerics or Numerics()
     b = GraphBuilder(name)
@@ -142,7 +146,7 @@ def build_block(
     x = ins["streams"]
     cache = b.state(cache_name or f"{prefix}kv_cache", TensorSpec((geometry.num_slots, config.cache_head_dim), BF16))
     x = _attention_half(b, config, geometry, prefix, x, ins, cache, numerics)
-    x = _ffn_half(b, config, prefix, x, ins, hash_routed, numerics)
+    x = _ffn_half(b, config, prefix, x, ins, hash_routed, numerics, shard)
     b.output(x)
     return b.build()
 
@@ -182,7 +186,7 @@ def _attention_half(b, config, geometry, prefix, x, ins, cache, numerics):
     return b.op("hc_post", [attn, x, post, comb], name="hc_post_attn")
 
 
-def _ffn_half(b, config, prefix, x, ins, hash_routed, numerics):
+def _ffn_half(b, config, prefix, x, ins, hash_routed, numerics, shard=None):
     d, e, inter = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size
     k = config.num_experts_per_tok
     y, post, comb = b.op("hc_pre", [x, *_hc_weights(b, config, prefix, "ffn")], name="hc_pre_ffn",
@@ -190,6 +194,14 @@ def _ffn_half(b, config, prefix, x, ins, hash_routed, numerics):
     normed = b.op("rms_norm", [y, b.weight(f"{prefix}ffn_norm.weight", TensorSpec((d,), BF16))],
                   name="ffn_norm", attrs={"eps": float(config.rms_norm_eps)})
     f = f"{prefix}ffn."
+    if shard is not None and shard.is_sharded:
+        if hash_routed:
+            from draftgraph.runtime.errors import GraphError
+
+            raise GraphError("a sharded block: score-routed MoE only (the MTP layer's); hash-routed layers are the "
+                             "target's")
+        out = _expert_parallel_moe(b, config, f, normed, numerics, shard)
+        return b.op("hc_post", [out, x, post, comb], name="hc_post_ffn")
     gate = b.weight(f + "gate.weight", TensorSpec((e, d), BF16))
     shapes = [("experts.stacked.w1", (e, inter, d)), ("experts.stacked.w2", (e, d, inter)),
               ("experts.stacked.w3", (e, inter, d)), ("shared_experts.w1.weight", (inter, d)),
@@ -204,3 +216,23 @@ def _ffn_half(b, config, prefix, x, ins, hash_routed, numerics):
         bias = b.weight(f + "gate.bias", TensorSpec((e,), F32))
         out = b.op("moe", [normed, gate, bias, *experts], name="moe", attrs=attrs)
     return b.op("hc_post", [out, x, post, comb], name="hc_post_ffn")
+
+
+def _expert_parallel_moe(b, config, f, normed, numerics, shard: ShardPlan):
+    """moe_shard (routing over every expert, this rank's experts, the shared expert on rank 0) -> fp32
+    partial [B, D] -> all_reduce_sum -> one rounding to bf16: the ranks' partials add in fp32, as the
+    unsharded MoE adds its pairs in fp32 and rounds once."""
+    d, e, inter = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size
+    local = shard.num_local_experts
+    weights = [b.weight(f + "gate.weight", TensorSpec((e, d), BF16)), b.weight(f + "gate.bias", TensorSpec((e,), F32))]
+    shapes = [("experts.stacked.w1", (local, inter, d)), ("experts.stacked.w2", (local, d, inter)),
+              ("experts.stacked.w3", (local, inter, d))]
+    if shard.holds_shared:
+        shapes += [("shared_experts.w1.weight", (inter, d)), ("shared_experts.w2.weight", (d, inter)),
+                   ("shared_experts.w3.weight", (inter, d))]
+    weights += [b.weight(f + n, weight_spec(f + n, shape, BF16, numerics)) for n, shape in shapes]
+    attrs = {"top_k": config.num_experts_per_tok, "routed_scaling_factor": float(config.routed_scaling_factor),
+             "swiglu_limit": float(config.swiglu_limit), "expert_start": shard.expert_start} | numerics.linear_attrs()
+    partial = b.op("moe_shard", [normed, *weights], name="moe", attrs=attrs)  # [B, D] fp32
+    total = b.op("all_reduce_sum", [partial], name="moe_reduce", attrs={"group": GROUP})
+    return b.op("cast", [total], name="moe_round", attrs={"dtype": "bf16"})

@@ -3,6 +3,8 @@
 - ``all_reduce_sum``: x summed over the ranks of a group, in place. The expert-parallel MoE
   (each rank computes its local experts' share of every row) and a row-parallel projection
   end in one.
+- ``cast``: the one rounding after an fp32 reduction (the expert-parallel MoE sums its ranks'
+  partials in fp32 and rounds once, as the unsharded MoE rounds its fp32 sum once).
 - ``vocab_parallel_argmax``: ``draft_argmax`` over a vocab split in W equal slices, one per
   rank. Each rank reduces its slice to (max logit, its lowest global id, sum of exp(logit -
   max)) per row; one all-gather of those [B, 3] triples lets every rank pick the same token
@@ -55,6 +57,28 @@ ALL_REDUCE_SUM = register(
         bound_by="group",
         doc="x summed over the ranks of attrs['group'] (the RankGroup the executor is given).",
     )
+)
+
+
+# ---- cast ----------------------------------------------------------------------------------------
+
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+
+
+def _cast_infer(specs, attrs):
+    expect_count(specs, 1, "cast")
+    require_attrs(attrs, ("dtype",), "cast")
+    expect(attrs["dtype"] in DTYPES, "cast dtype", " or ".join(DTYPES), attrs["dtype"])
+    return [TensorSpec(specs[0].shape, DTYPES[attrs["dtype"]])]
+
+
+def _cast_impl(inputs, outputs, attrs, workspace):
+    outputs[0].copy_(inputs[0])
+
+
+CAST = register(
+    OpDef(name="cast", family="elementwise", infer=_cast_infer, impl=_cast_impl,
+          doc="x rounded to attrs['dtype'] (bf16 / f16 / f32): after an fp32 all-reduce.")
 )
 
 

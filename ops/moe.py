@@ -421,3 +421,92 @@ MOE_HASH = register(
         doc="Hash-routed MoE: experts tid2eid[token], weights from the gate scores, no bias.",
     )
 )
+
+
+# ---- moe_shard (expert-parallel: this rank's share) ---------------------------
+
+
+def _moe_shard_infer(specs, attrs):
+    expect(len(specs) in (6, 9), "moe_shard inputs", "6 (x, gate, bias, w1, w2, w3) or 9 (+ the shared expert)",
+           len(specs))
+    require_attrs(attrs, ("top_k", "routed_scaling_factor", "swiglu_limit", "expert_start"), "moe_shard")
+    x, gate_w, gate_bias, w1, w2, w3 = specs[:6]
+    expect_rank(x, 2, "moe_shard x [B, D]")
+    expect_rank(w1, 3, "moe_shard w1 [E/W, I, D]")
+    b, dim, dt = batch_of(x, "moe_shard x"), x.shape[1], x.dtype
+    expect_spec(x, (b, dim), ACTIVATIONS, "moe_shard x")
+    e, (local, inter) = gate_w.shape[0], w1.shape[:2]
+    expect_spec(gate_w, (e, dim), dt, "moe_shard gate_w")
+    expect_spec(gate_bias, (e,), torch.float32, "moe_shard gate_bias")
+    expect_weight(w1, (local, inter, dim), dt, "moe_shard w1")
+    expect_weight(w2, (local, dim, inter), dt, "moe_shard w2")
+    expect_weight(w3, (local, inter, dim), dt, "moe_shard w3")
+    start = int(attrs["expert_start"])
+    expect(0 <= start and start + local <= e, "moe_shard expert range", f"within the {e} experts",
+           f"[{start}, {start + local})")
+    expect(1 <= int(attrs["top_k"]) <= e, "moe_shard top_k", f"1..{e}", attrs["top_k"])
+    if len(specs) == 9:
+        sw1, sw2, sw3 = specs[6:]
+        shared = sw1.shape[0]
+        expect_weight(sw1, (shared, dim), dt, "moe_shard sw1")
+        expect_weight(sw2, (dim, shared), dt, "moe_shard sw2")
+        expect_weight(sw3, (shared, dim), dt, "moe_shard sw3")
+    return [TensorSpec((b, dim), torch.float32)]
+
+
+def local_pairs(idx: torch.Tensor, weights: torch.Tensor, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(local ids, weights) of the (row, expert) pairs for experts [start, start + count) of this rank.
+
+    A pair of another rank's expert keeps a local id that its row already reads (the row's
+    highest local one; 0 when the row has none here) and weight 0: it adds an exact 0 (the
+    weight multiplies the SwiGLU before w2, and the SwiGLU is clamped, so finite), and it
+    makes the grouped GEMMs read no expert the rank would not read anyway (except for a row
+    with no local expert at all). Device ops only: no host sync, so it captures.
+    """
+    local = (idx >= start) & (idx < start + count)  # [B, K]
+    shifted = idx - start
+    anchor = torch.where(local, shifted, -1).amax(-1, keepdim=True).clamp_(min=0)  # [B, 1]
+    zero = constants.full(1, 0.0, weights.dtype, weights.device)
+    return torch.where(local, shifted, anchor), torch.where(local, weights, zero)
+
+
+def _moe_shard_workspace(specs, attrs, batch: int) -> int:
+    """A bf16 [B, D] for the shared expert's output (on the rank that holds it)."""
+    return batch * specs[0].shape[1] * specs[0].dtype.itemsize if len(specs) == 9 else 0
+
+
+def _moe_shard_impl(inputs, outputs, attrs, workspace):
+    x, gate_w, gate_bias, w1, w2, w3 = inputs[:6]
+    (out,) = outputs  # [B, D] fp32: this rank's partial sum, added across ranks by the next all_reduce_sum
+    limit = float(attrs["swiglu_limit"])
+    shared = None
+    if len(inputs) == 9:
+        shared = workspace.view(x.dtype).view(x.shape)
+        shared_expert_into(x, *inputs[6:], limit, shared, attrs)
+    scores = gate_scores(x, gate_w)  # [B, E]: routing over every expert, the same on every rank
+    idx = torch.topk(scores + gate_bias, int(attrs["top_k"]), dim=-1, sorted=False).indices
+    weights = _renormalised(scores, idx, float(attrs["routed_scaling_factor"]))
+    idx, weights = local_pairs(idx, weights, int(attrs["expert_start"]), w1.shape[0])
+    if is_quantised(w1):
+        total = routed_quantised(x, idx, weights, w1, w2, w3, limit, attrs)
+    elif not can_grouped_mm(x, w1, w2, w3):
+        total = routed_gather(x, idx, weights, w1, w2, w3, limit)
+    else:
+        total = routed_grouped(x, idx, weights, w1, w2, w3, limit)  # [B, D] fp32
+    join_side_stream()
+    if shared is None:
+        out.copy_(total)
+    else:
+        torch.add(total, shared, out=out)  # the shared expert rounded to x's dtype first, as in ``moe``
+
+
+MOE_SHARD = register(
+    OpDef(
+        name="moe_shard",
+        family="moe",
+        infer=_moe_shard_infer,
+        impl=_moe_shard_impl,
+        workspace=_moe_shard_workspace,
+        doc="This rank's share of the score-routed MoE (experts [expert_start, +E/W), + shared if held): fp32.",
+    )
+)

@@ -19,15 +19,16 @@ import torch.distributed as dist
 COLLECTIVE_TIMEOUT_S = 20
 
 
-def _rank_main(rank: int, world: int, folder: str, fn, args) -> None:
+def _rank_main(rank: int, world: int, folder: str, fn, args, collective_timeout: float = COLLECTIVE_TIMEOUT_S) -> None:
     out = Path(folder) / f"rank{rank}.pt"
+    torch.set_num_threads(1)  # W ranks on a few cores: intra-op threads of every rank would fight for them
     try:
         dist.init_process_group(
             "gloo",
             init_method=f"file://{folder}/rendezvous",
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+            timeout=datetime.timedelta(seconds=collective_timeout),
         )
         result = fn(rank, world, *args)
         torch.save({"ok": True, "result": result}, out)
@@ -38,11 +39,16 @@ def _rank_main(rank: int, world: int, folder: str, fn, args) -> None:
             dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn, *args, folder: Path, timeout: float = 120.0) -> list[dict]:
-    """Per rank: ``{"ok": True, "result": ...}`` or ``{"ok": False, "error": ..., "trace": ...}``."""
+def run_ranks(world: int, fn, *args, folder: Path, timeout: float = 120.0,
+              collective_timeout: float = COLLECTIVE_TIMEOUT_S) -> list[dict]:
+    """Per rank: ``{"ok": True, "result": ...}`` or ``{"ok": False, "error": ..., "trace": ...}``.
+
+    ``collective_timeout``: how long a rank waits in a collective before it raises.
+    """
     folder.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, str(folder), fn, args)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, str(folder), fn, args, collective_timeout))
+             for r in range(world)]
     for p in procs:
         p.start()
     hung = []

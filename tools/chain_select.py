@@ -38,9 +38,21 @@ def chain_spec(args) -> ChainSpec:
 
 
 def selected_graph(args) -> Graph:
-    """The chain graph as declared (the ``body`` one node with its subgraph)."""
+    """The chain graph as declared (the ``body`` one node with its subgraph); ``--world W --rank R``: that rank's."""
     spec = chain_spec(args)
     config = selected_config(args)
+    world, rank = getattr(args, "world", 1), getattr(args, "rank", 0)
+    if world != 1 or rank != 0:
+        from dataclasses import replace
+
+        from draftgraph.runtime.errors import InputError
+        from draftgraph.runtime.model.sharding import ShardPlan
+        from draftgraph.tools.cli import UsageError
+
+        try:
+            spec = replace(spec, shard=ShardPlan.make(config, rank, world))
+        except InputError as exc:
+            raise UsageError(f"--world/--rank: {exc}") from None
     return build_draft_chain(config, chain_geometry(config), spec)
 
 

@@ -25,6 +25,7 @@ EXAMPLES = """examples:
   draftgraph dump --format json --out chain.json
   draftgraph dump --format dot --out chain.dot && dot -Tsvg chain.dot -o chain.svg
   draftgraph dump --runner identity --mode collapsed
+  draftgraph dump --world 2 --rank 1       # rank 1's graph of 2 ranks: where they talk (the comm nodes)
 """
 
 FORMATS = ("text", "json", "dot")
@@ -42,6 +43,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_selectors(p)
     p.add_argument("--passes", default="all",
                    help="passes to run: all (default), none (the declared graph), or names, comma-separated")
+    p.add_argument("--world", type=int, default=1,
+                   help="ranks the MTP layer is sharded over (default 1: unsharded; docs/SHARDING.md)")
+    p.add_argument("--rank", type=int, default=0, help="the rank whose graph is printed (with --world)")
     p.add_argument("--out", "-o", type=Path, default=None,
                    help="write to this file instead of stdout (its folder must exist)")
     return p
@@ -72,8 +76,27 @@ def render(args) -> str:
         return to_dot(graph, plan.offsets if plan else None, colors=graph_palette(graph))
     from draftgraph.runtime.ir.printer import format_graph
 
-    header = "".join(f"# pass {line}\n" for line in lowered.summaries)
+    header = "".join(f"# pass {line}\n" for line in lowered.summaries) + comm_summary(graph, batch)
     return header + format_graph(graph, plan) + "\n"
+
+
+def comm_summary(graph, batch: int) -> str:
+    """``# rank r of W ...`` and one ``# comm`` line per collective (a rank's bytes at ``batch``); "" unsharded."""
+    if "world" not in graph.meta:
+        return ""
+    from draftgraph.runtime.ir.op_registry import get_op
+    from draftgraph.runtime.ir.schedule import flatten
+
+    flat = flatten(graph)
+    lines = [f"# rank {graph.meta['rank']} of {graph.meta['world']}: the ranks talk at the comm nodes below\n"]
+    for node in flat.nodes.values():
+        if get_op(node.op).family != "comm":
+            continue
+        x = flat.values[node.inputs[0]].spec
+        sent = x.nbytes(batch) if node.op == "all_reduce_sum" else x.concrete(batch)[0] * 3 * 4  # triples
+        group = node.attrs["group"]
+        lines.append(f"# comm %{node.name} = {node.op}[group={group}]: {sent} bytes a rank at B={batch}\n")
+    return "".join(lines)
 
 
 def run(args) -> int:

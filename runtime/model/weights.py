@@ -17,6 +17,7 @@ are re-exported here, so ``draftgraph.runtime.model.weights`` is the one import 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from draftgraph.runtime.model.quant import (
     mxfp4_shapes,
     ue8m0_from_exponents,
 )
+from draftgraph.runtime.model.sharding import ShardPlan
 from draftgraph.runtime.model.synthetic_weights import random_mtp_weights
 from draftgraph.runtime.model.weight_names import (
     MTP_PREFIX,
@@ -93,6 +95,8 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor]
     source: dict[str, str] = field(default_factory=dict)
     path: Path | None = None
+    bytes_read: int = 0  # tensor bytes read from the files (data and scales; a head slice's rows only)
+    shard: ShardPlan | None = None  # the rank's part loaded (None: everything requested)
 
     @property
     def nbytes(self) -> int:
@@ -135,6 +139,7 @@ def load_checkpoint(
     dtype: torch.dtype = torch.bfloat16,
     strict: bool | None = None,
     weights: str = "bf16",
+    shard: ShardPlan | None = None,
 ) -> Checkpoint:
     """Load the requested tensors of a checkpoint, dequantising FP8 and MXFP4 weights (or keeping them).
 
@@ -150,6 +155,9 @@ def load_checkpoint(
         explicit names.
     weights : ``"bf16"`` dequantises FP8 / MXFP4 weights to ``dtype``; ``"native"`` keeps them
         as stored, each a QuantWeight (data + UE8M0 scales). Weights stored in bf16 stay bf16.
+    shard : load only one rank's part (runtime/model/sharding.py): its routed experts, its rows of
+        ``head.weight`` (read as a slice: the other rows are never read), the shared expert on
+        rank 0 only. ``bytes_read`` says what was read.
 
     Raises
     ------
@@ -167,6 +175,9 @@ def load_checkpoint(
     strict = default_strict if strict is None else strict
     catalogue = _read_catalogue(files)
     plan, problems = _check(entries, catalogue, strict)
+    if shard is not None and shard.is_sharded:  # checked whole (a missing tensor is missing on every rank)
+        entries = [e for e in entries if shard.holds(e.name)]
+        plan = [(e, fmt) for e, fmt in plan if shard.holds(e.name)]
     if problems:
         raise WeightError(_problems_message(path, problems))
     tensors: dict[str, torch.Tensor] = {}
@@ -174,18 +185,22 @@ def load_checkpoint(
     by_file: dict[Path, list[tuple[TensorEntry, str]]] = {}
     for entry, fmt in plan:
         by_file.setdefault(catalogue[entry.name][0], []).append((entry, fmt))
+    rows = {"head.weight": shard.vocab_rows} if shard is not None and shard.is_sharded else {}
+    read = [0]
     for file, items in by_file.items():
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for entry, fmt in items:
-                    tensors[entry.name] = _materialise(handle, catalogue, entry, fmt, device, dtype, weights)
+                    tensors[entry.name] = _materialise(handle, catalogue, entry, fmt, device, dtype, weights,
+                                                       rows.get(entry.name), read)
                     source[entry.name] = fmt
         except (SafetensorError, OSError) as exc:  # the headers were checked: this is a damaged file
             raise WeightError(
                 describe(f"safetensors file {file}", "tensors its header describes", repr(exc), DAMAGED_HINT)
             ) from exc
     ordered = {e.name: tensors[e.name] for e in entries}
-    return Checkpoint(config=config, tensors=ordered, source=source, path=Path(path))
+    return Checkpoint(config=config, tensors=ordered, source=source, path=Path(path), bytes_read=read[0],
+                      shard=shard if shard is not None and shard.is_sharded else None)
 
 
 def _locate(path: Path) -> tuple[Path, list[Path]]:
@@ -407,8 +422,20 @@ def _stored_format(entry: TensorEntry, catalogue: dict) -> tuple[str | None, str
 
 
 def _materialise(handle, catalogue, entry: TensorEntry, fmt: str, device, dtype: torch.dtype,
-                 weights: str = "bf16") -> torch.Tensor | QuantWeight:
-    raw = handle.get_tensor(entry.name).to(device)
+                 weights: str = "bf16", rows: tuple[int, int] | None = None,
+                 read: list[int] | None = None) -> torch.Tensor | QuantWeight:
+    if rows is not None:  # a rank's slice of a bf16 tensor's rows (the vocab-parallel head): only they are read
+        if fmt in ("fp8", "mxfp4"):
+            raise WeightError(describe(f"{entry.name} rows", "a bf16 tensor to slice by rows", fmt))
+        raw = read_rows(catalogue[entry.name][0], entry.name, *rows)
+    else:
+        raw = handle.get_tensor(entry.name)
+    if read is not None:
+        read[0] += raw.nbytes
+    raw = raw.to(device)
+    if fmt in ("fp8", "mxfp4") and read is not None:  # its scales, read once below
+        _, scale_dtype, scale_shape = catalogue[scale_name(entry.name)]
+        read[0] += math.prod(scale_shape) * (4 if scale_dtype == "F32" else 1)
     if weights == "native" and fmt in ("fp8", "mxfp4"):
         scale = _ue8m0(entry, _read_scale(entry, catalogue, handle, device))
         data = raw if fmt == "fp8" else raw.view(torch.uint8).view(MXFP4_DATA_DTYPE)
@@ -419,6 +446,33 @@ def _materialise(handle, catalogue, entry: TensorEntry, fmt: str, device, dtype:
         return dequantize_mxfp4(raw, _read_scale(entry, catalogue, handle, device), dtype)
     target = {"fp32": torch.float32, "int32": torch.int32}.get(fmt, dtype)
     return raw.to(target)
+
+
+STORED_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def read_rows(file: Path, name: str, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) of tensor ``name`` in a safetensors ``file``: one read of exactly their bytes.
+
+    (safetensors' ``get_slice`` materialises the whole tensor's storage on CPU and views the rows.)
+    """
+    with open(file, "rb") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        meta = json.loads(fh.read(length))[name]
+    dtype, shape = STORED_DTYPES[meta["dtype"]], tuple(meta["shape"])
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    data = read_byte_range(file, 8 + length + meta["data_offsets"][0] + start * row_bytes, (stop - start) * row_bytes)
+    return torch.frombuffer(data, dtype=dtype).view(stop - start, *shape[1:])
+
+
+def read_byte_range(file: Path, offset: int, size: int) -> bytearray:
+    """``size`` bytes of ``file`` from ``offset`` (the one primitive ``read_rows`` reads through)."""
+    data = bytearray(size)
+    with open(file, "rb") as fh:
+        fh.seek(offset)
+        if fh.readinto(data) != size:
+            raise WeightError(describe(f"safetensors file {file}", f"{size} bytes at {offset}", "fewer", DAMAGED_HINT))
+    return data
 
 
 def _ue8m0(entry: TensorEntry, scale: torch.Tensor) -> torch.Tensor:

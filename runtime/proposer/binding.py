@@ -9,6 +9,11 @@ runner that wants ``experts.{e}.w1.weight`` sees the very same bytes.
 as they are, experts stacked as data and scales; ``"bf16"`` dequantises them once, here (what
 loading with ``load_checkpoint(weights="bf16")`` gives, value for value: the dequantisation is
 exact). Weights that are bf16 stay bf16 either way.
+
+With a ``shard`` (runtime/model/sharding.py) only this rank's part is kept, and only it goes to the
+device: its experts (stacked as [E/W, ...], the per-expert names under their global ids), its head
+rows, the shared expert on the rank that computes it. The tensors may be the whole checkpoint (cut
+here) or a sharded load's (``load_checkpoint(shard=...)``, already cut).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from draftgraph.runtime.ir.graph import Graph
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
 from draftgraph.runtime.model.config import V4Config
 from draftgraph.runtime.model.quant import QuantWeight
+from draftgraph.runtime.model.sharding import ShardPlan
 
 WEIGHT_MODES = ("native", "bf16")
 _ONE_EXPERT = re.compile(r"\.experts\.\d+\.")
@@ -30,19 +36,24 @@ _ONE_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 def prepare_weights(
     config: V4Config, tensors: Mapping[str, torch.Tensor | QuantWeight], device: torch.device,
-    prefix: str = "mtp.0.", weights: str = "bf16",
+    prefix: str = "mtp.0.", weights: str = "bf16", shard: ShardPlan | None = None,
 ) -> dict[str, torch.Tensor | QuantWeight]:
     """Checkpoint tensors -> graph weights on ``device`` (experts stacked, per-expert views kept).
 
     ``weights``: "bf16" dequantises block-scaled weights, "native" keeps them as stored.
+    ``shard``: keep this rank's part only (see the module docstring).
     """
     if weights not in WEIGHT_MODES:
         raise InputError(describe("weights", " or ".join(map(repr, WEIGHT_MODES)), repr(weights)))
+    experts = range(config.n_routed_experts)
+    if shard is not None and shard.is_sharded:
+        tensors = _shard_of(config, tensors, shard, prefix)
+        experts = range(*shard.experts)
     out = {name: t.to(device) for name, t in tensors.items()}
     if weights == "bf16":
         out = {name: t.dequantize(torch.bfloat16) if isinstance(t, QuantWeight) else t for name, t in out.items()}
     for w in ("w1", "w2", "w3"):
-        names = [f"{prefix}ffn.experts.{e}.{w}.weight" for e in range(config.n_routed_experts)]
+        names = [f"{prefix}ffn.experts.{e}.{w}.weight" for e in experts]
         stacked_name = f"{prefix}ffn.experts.stacked.{w}"
         if stacked_name in out:  # already stacked (e.g. a benchmark made it so): keep views in step
             for e, n in enumerate(names):
@@ -55,6 +66,36 @@ def prepare_weights(
         for e, n in enumerate(names):
             out[n] = stacked[e]
     return out
+
+
+def _shard_of(config: V4Config, tensors: Mapping, shard: ShardPlan, prefix: str) -> dict:
+    """The tensors this rank holds: others' experts (and the shared expert off rank 0) left out, head rows cut."""
+    from draftgraph.runtime.errors import WeightError
+
+    stacked = f"{prefix}ffn.experts.stacked."
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith(stacked):  # stacked over every expert: this rank's range of them
+            t = t if t.shape[0] == shard.num_local_experts else _rows(t, *shard.experts)
+        elif not shard.holds(name, prefix):
+            continue
+        out[name] = t
+    head = out.get("head.weight")
+    if head is not None:
+        start, stop = shard.vocab_rows
+        if head.shape[0] == config.vocab_size:
+            out["head.weight"] = head[start:stop].clone()  # a copy: the whole head's bytes are not kept
+        elif head.shape[0] != shard.num_local_rows:
+            raise WeightError(describe("head.weight rows", f"the vocab ({config.vocab_size}) or this rank's slice "
+                                       f"({shard.num_local_rows}: {shard})", head.shape[0]))
+    return out
+
+
+def _rows(t, start: int, stop: int):
+    if isinstance(t, QuantWeight):
+        data = t.data.view(torch.uint8)[start:stop].clone().view(t.data.dtype)  # float4 has no clone
+        return QuantWeight(data, t.scale.view(torch.uint8)[start:stop].clone().view(t.scale.dtype), t.fmt)
+    return t[start:stop].clone()
 
 
 def _stack(parts: list) -> torch.Tensor | QuantWeight:

@@ -41,6 +41,10 @@ class ProposerOptions:
     # reference and vLLM's block-FP8 path. "bf16": bf16 activations, the default (benchmarks/README.md,
     # "Weights and numerics": W8A8's speed is unmeasured, and it moves drafts away from the unrounded step).
     activations: str = "bf16"
+    # Several ranks (runtime/proposer/sharding.py, docs/SHARDING.md): a torch.distributed process group,
+    # or "env" (torchrun's variables). World > 1: experts expert-parallel, the head vocab-parallel,
+    # needs_comm() True. None (or a group of one rank): one rank, today's graphs.
+    process_group: object | None = None
     extra: dict = field(default_factory=dict)
 
     def weights_on(self, device) -> str:

@@ -71,6 +71,7 @@ from draftgraph.runtime.proposer.checks import (
 from draftgraph.runtime.proposer.options import DEFAULT_BUCKETS, ProposerOptions
 from draftgraph.runtime.proposer.runners.base import RunnerNode, load_runner, runner_name
 from draftgraph.runtime.proposer.sequences import SequenceRows
+from draftgraph.runtime.proposer.sharding import runners_for, shard_setup
 from draftgraph.runtime.proposer.state import MtpProposerState
 
 __all__ = ["DEFAULT_BUCKETS", "CarriedKv", "DeepseekV4MtpProposer", "LaunchPlan", "ProposerOptions"]
@@ -161,7 +162,10 @@ class DeepseekV4MtpProposer:
         self.geometry = CacheGeometry(self.cache.kv.shape[0], self.cache.max_blocks_per_seq, self.cache.block_size)
         self.rows = SequenceRows(self.cache.max_blocks_per_seq, self.cache.block_size)
         opts.check_on(self.device)
-        self.weights = prepare_weights(config, tensors, self.device, weights=opts.weights_on(self.device))
+        # Several ranks: this rank's ShardPlan and the RankGroup its executors get (proposer/sharding.py).
+        self.shard, self.rank_group = shard_setup(config, opts.process_group, opts.mtp_vocab_size, self.device)
+        self.weights = prepare_weights(config, tensors, self.device, weights=opts.weights_on(self.device),
+                                       shard=self.shard)
         self.state_tensors = {"mtp.0.kv_cache": self.cache.kv}
         self.runner = None
         self._lock = threading.RLock()
@@ -186,10 +190,17 @@ class DeepseekV4MtpProposer:
 
     @staticmethod
     def from_checkpoint(path: str | Path, device=None, **kw) -> DeepseekV4MtpProposer:
+        """A proposer on the checkpoint at ``path``; with ``process_group=`` only this rank's shard is read."""
+        from draftgraph.runtime.model.config import V4Config
         from draftgraph.runtime.model.weights import load_checkpoint
 
+        config, shard = None, None
+        if kw.get("process_group") is not None:
+            config = V4Config.load(Path(path) if Path(path).is_dir() else Path(path).parent)
+            shard, _ = shard_setup(config, kw["process_group"], kw.get("mtp_vocab_size", 0), device)
+            kw["process_group"] = None if shard is None else kw["process_group"]
         # As stored (FP8 / MXFP4 kept): prepare_weights keeps or dequantises them by options.weights.
-        ckpt = load_checkpoint(path, device="cpu", weights="native")
+        ckpt = load_checkpoint(path, config, device="cpu", weights="native", shard=shard)
         return DeepseekV4MtpProposer(ckpt.config, ckpt.tensors, device=device, **kw)
 
     # ---- state -------------------------------------------------------------------------------
@@ -504,7 +515,7 @@ class DeepseekV4MtpProposer:
         ws = self.runner.workspace_bytes(self.buckets[-1]) if self.runner is not None else 0
         return ChainSpec(num_drafts=num_drafts, mode=self.options.mode, mtp_vocab_size=self.options.mtp_vocab_size,
                          masked=masked, runner=runner_name(self.runner), runner_workspace_bytes=ws,
-                         conf_tau=self.options.draft_conf_tau, numerics=self.numerics())
+                         conf_tau=self.options.draft_conf_tau, numerics=self.numerics(), shard=self.shard)
 
     def numerics(self) -> Numerics:
         """The graphs' weight formats (from the bound weights), KV rounding and activations (options)."""
@@ -533,6 +544,7 @@ class DeepseekV4MtpProposer:
 
     def _make_executor(self, graph, bucket: int, prologue=None):
         runners = {runner_name(self.runner): RunnerNode(self.runner)} if self.runner is not None else {}
+        runners.update(runners_for(self.rank_group))  # the comm nodes' RankGroup (sharded)
         if self.use_captured:
             from draftgraph.runtime.execution.captured import CapturedExecutor
 
@@ -594,7 +606,7 @@ class DeepseekV4MtpProposer:
     def load_weights(self, tensors) -> None:
         """Replace the weights (same config): every captured graph is dropped."""
         self.weights = prepare_weights(self.config, tensors, self.device,
-                                       weights=self.options.weights_on(self.device))
+                                       weights=self.options.weights_on(self.device), shard=self.shard)
         if self.runner is not None and hasattr(self.runner, "bind"):
             self.runner.bind(self.config, self.weights, self.device)
         self.drop_executors()
@@ -761,7 +773,7 @@ class DeepseekV4MtpProposer:
         if key not in self._executors:
             ws = self.runner.workspace_bytes(self.buckets[-1]) if self.runner is not None else 0
             graph = build_drafter_prefill(self.config, self.geometry, self.options.mode, runner_name(self.runner), ws,
-                                          self.numerics())
+                                          self.numerics(), self.shard)
             self._executors[key] = self._make_executor(graph, bucket)
         return self._checked(self._executors[key])
 
@@ -835,7 +847,8 @@ class DeepseekV4MtpProposer:
         return None
 
     def needs_comm(self) -> bool:
-        return False
+        """True when the layer is sharded over several ranks (its MoE and argmax reduce across them)."""
+        return self.shard is not None
 
     def prefill_uses_shared_buffers(self) -> bool:
         """False: the drafter prefill runs on its own arena, never the target's buffers."""
@@ -876,6 +889,10 @@ class DeepseekV4MtpProposer:
 
         The chain is re-planned and every executor and captured graph is dropped.
         """
+        if runner is not None and self.shard is not None:
+            raise InputError(describe("set_circuit_draft on a sharded proposer", "None (the built-in body)",
+                                      repr(runner), "a body runner would compute the whole MoE from this rank's "
+                                      "experts only: run it unsharded"))
         loaded = load_runner(runner)
         if loaded is not None and hasattr(loaded, "bind"):
             loaded.bind(self.config, self.weights, self.device)
