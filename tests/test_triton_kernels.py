@@ -32,7 +32,7 @@ if INTERPRET and type(triton.language.standard.sum).__name__ == "JITFunction":
 
 
 def _load_kernel_modules():
-    names = ["_common", "gemv", "head", "moe_grouped", "moe", "mhc", "attention", "gate"]
+    names = ["_common", "gemv", "head", "moe_grouped", "fp8_linear", "moe_mxfp4", "moe", "mhc", "attention", "gate"]
     mods = {}
     for name in names:
         full = f"draftgraph.ops.triton.{name}"

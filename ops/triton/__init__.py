@@ -21,9 +21,15 @@ combiner
 draft_gate, cut_drafts    draftgraph.ops.triton.gate   (one program each: a few dozen ints)
 ========================  =========================================================
 
+Native weights (FP8 / MXFP4 QuantWeights, issue 28.2): linear, combiner and swa_attention run
+``fp8_linear.fp8_gemv`` on FP8 weights, moe and moe_hash ``moe_mxfp4`` on MXFP4 routed experts
+with an FP8 shared expert; each such impl carries ``unsupported_block_scaled(specs)`` (why its
+kernels cannot read a node's block-scaled inputs, or None), which
+``runtime/execution/kernel_choice.select_impl`` asks before binding it to a node that reads one.
+
 Scratch: each impl takes its scratch from ``workspace`` when the op declares one large
 enough, else allocates it (as the torch references allocate their temporaries).
-``workspace_rules()`` gives the byte rules, should the OpDefs declare them.
+``workspace_rules()`` gives the byte rules (the MXFP4 MoE's included), should the OpDefs declare them.
 """
 
 from __future__ import annotations

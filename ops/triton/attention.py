@@ -15,6 +15,13 @@
    latents held as even/odd halves so the RoPE pairs are elementwise.
 5. grouped GEMV z_g = wo_a[g] @ o_g (bf16, as the reference rounds z).
 6. GEMV out = wo_b @ z.
+
+Native weights (issue 28.2): with all five linears FP8 QuantWeights the GEMVs are
+``fp8_linear.fp8_gemv`` on the stored bytes and scales (the same launches and options), and
+raw is bf16, as the reference rounds qa and kv (fp8_gemv reads bf16 activations). W8A8
+(``attrs["activations"] == "fp8"``) rounds each GEMV's input through FP8 first, a torch
+rounding beside the launch, not fused: x, q_norm(qa) (then a norm launch of its own instead
+of the prologue), o per group, z.
 """
 
 from __future__ import annotations
@@ -24,8 +31,11 @@ import math
 import torch
 import triton
 import triton.language as tl
+from draftgraph.ops.quantised import is_quantised
 from draftgraph.ops.triton._common import carve, interpreting, mma, next_pow2, pdl_args, pdl_wait, scratch_bytes, splat
-from draftgraph.ops.triton.gemv import GemvConfig, gemv
+from draftgraph.ops.triton.fp8_linear import project
+from draftgraph.ops.triton.gemv import GemvConfig, rms_norm_rows
+from draftgraph.runtime.model.quant import fp8_round_activations
 
 # Tuned on an H200 at V4-Flash shapes, batch 1 (docs/KERNELS.md); batch > 1 uses gemv.BATCHED.
 PROJ_CONFIG = GemvConfig(8, 1024, 4, 3, use_dot=False)  # wq_a + wkv: 1536 x 4096
@@ -155,8 +165,8 @@ def _kv_finish_kernel(
     p = tl.load(pos_ptr + b * stride_pb)
     slot, alive = _row_slot(table_ptr, b, p, stride_tb, max_blocks, num_slots, BS)
     pair = tl.arange(0, HALF)
-    ev = tl.load(raw_ptr + b * stride_rb + 2 * pair)
-    od = tl.load(raw_ptr + b * stride_rb + 2 * pair + 1)
+    ev = tl.load(raw_ptr + b * stride_rb + 2 * pair).to(tl.float32)  # raw: fp32, or bf16 (FP8 weights)
+    od = tl.load(raw_ptr + b * stride_rb + 2 * pair + 1).to(tl.float32)
     inv = 1.0 / tl.sqrt((tl.sum(ev * ev, 0) + tl.sum(od * od, 0)) / HEAD_DIM + eps)
     ev = ev * inv * tl.load(norm_ptr + 2 * pair).to(tl.float32)
     od = od * inv * tl.load(norm_ptr + 2 * pair + 1).to(tl.float32)
@@ -330,11 +340,11 @@ def _swa_decode_dot_kernel(
     tl.store(o_rows, o.to(o_ptr.dtype.element_ty), mask=h_mask[:, None])
 
 
-def _parts(b: int, attrs, q_lora: int, dtype: torch.dtype):
+def _parts(b: int, attrs, q_lora: int, dtype: torch.dtype, quant: bool):
     h, d = int(attrs["num_heads"]), int(attrs["head_dim"])
     groups, o_lora = int(attrs["o_groups"]), int(attrs["o_lora_rank"])
     return [
-        ((b, q_lora + d), torch.float32),  # raw qa | kv
+        ((b, q_lora + d), dtype if quant else torch.float32),  # raw qa | kv (bf16 out of fp8_gemv)
         ((b, h * d), torch.float32),  # raw q
         ((b, h * d), dtype),  # attention output o
         ((b, groups * o_lora), dtype),  # z
@@ -343,7 +353,7 @@ def _parts(b: int, attrs, q_lora: int, dtype: torch.dtype):
 
 def attention_workspace(specs, attrs, batch: int) -> int:
     """Scratch bytes of swa_attention at a concrete batch."""
-    return scratch_bytes(_parts(batch, attrs, specs[1].shape[0], specs[0].dtype))
+    return scratch_bytes(_parts(batch, attrs, specs[1].shape[0], specs[0].dtype, specs[1].is_quantised))
 
 
 def _usable(inputs, attrs) -> bool:
@@ -355,9 +365,25 @@ def _usable(inputs, attrs) -> bool:
         return False  # the kernels hold a latent as two power-of-two halves
     if attrs.get("kv_fp8_round", False) and d % 64:
         return False
+    linears = (wq_a, wq_b, wkv, wo_a, wo_b)
+    if any(map(is_quantised, linears)) and _mixed(linears):
+        return False  # see attention_block_scaled
     # Metadata are strided views of the packed per-row buffer (kv_metadata): positions and
     # kv_start by their row stride, the block table by rows; only its entries must be dense.
-    return table.stride(1) == 1 and all(t.is_contiguous() for t in inputs[1:10])
+    dense = [t for w in inputs[1:10] for t in ((w.data, w.scale) if is_quantised(w) else (w,))]
+    return table.stride(1) == 1 and all(t.is_contiguous() for t in dense)
+
+
+def _mixed(linears) -> bool:
+    return not all(is_quantised(w) and w.fmt == "fp8" for w in linears)
+
+
+def attention_block_scaled(specs) -> str | None:
+    """Why the fused attention cannot read these block-scaled linears, or None (all five FP8)."""
+    quants = [specs[i].quant for i in (1, 3, 4, 6, 7)]
+    if all(q == "fp8" for q in quants):
+        return None
+    return f"the fused attention reads its five linears all FP8 or all bf16, got {quants}"
 
 
 def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
@@ -368,13 +394,18 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
     eps, theta = float(attrs["eps"]), float(attrs["rope_theta"])
     bs, window = int(attrs.get("block_size", 16)), int(attrs["window"])
     b, q_lora, n = x.shape[0], wq_a.shape[0], d - r
-    raw, q, o, z = carve(workspace, x.device, _parts(b, attrs, q_lora, x.dtype))
+    quant = is_quantised(wq_a)  # then all five are FP8 (_usable)
+    w8a8 = quant and attrs.get("activations") == "fp8"
+    raw, q, o, z = carve(workspace, x.device, _parts(b, attrs, q_lora, x.dtype, quant))
     inv_freq = _inv_freq(r, theta, x.device)
     num_slots, max_blocks = cache.shape[0], table.shape[1]
     o_lora = wo_a.shape[0] // groups
 
+    def w8a8_in(t: torch.Tensor) -> torch.Tensor:
+        return fp8_round_activations(t) if w8a8 else t
+
     def proj_():  # raw = x @ [wq_a; wkv]^T
-        gemv(x, wq_a, raw, w2=wkv, config=PROJ_CONFIG)
+        project(w8a8_in(x), wq_a, raw, w2=wkv, config=PROJ_CONFIG)
 
     def kv_finish():
         _kv_finish_kernel[(b,)](
@@ -402,7 +433,12 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
         )
 
     def q_proj():  # q = q_norm(raw[:, :q_lora]) @ wq_b^T
-        gemv(raw, wq_b, q, norm_w=q_norm, eps=eps, config=Q_CONFIG)
+        if w8a8:  # the normed qa is rounded before the GEMV: the norm is a launch of its own
+            qa = torch.empty(b, q_lora, dtype=x.dtype, device=x.device)
+            rms_norm_rows(raw[:, :q_lora], q_norm, eps, qa)
+            project(fp8_round_activations(qa), wq_b, q, config=Q_CONFIG)
+        else:
+            project(raw[:, :q_lora], wq_b, q, norm_w=q_norm, eps=eps, config=Q_CONFIG)
 
     def attend():
         common = (
@@ -458,11 +494,12 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
                 **pdl_args(x.device),
             )
 
-    def wo_a_():  # z_g = wo_a[g] @ o_g
-        gemv(o, wo_a, z, group_rows=o_lora, config=WO_A_CONFIG)
+    def wo_a_():  # z_g = wo_a[g] @ o_g; W8A8 rounds o per group, as the reference's [G, B, H/G*d] view
+        o_in = w8a8_in(o.view(b, groups, -1)).view(b, -1)
+        project(o_in, wo_a, z, group_rows=o_lora, config=WO_A_CONFIG)
 
     def wo_b_():
-        gemv(z, wo_b, outputs[0], config=WO_B_CONFIG)
+        project(w8a8_in(z), wo_b, outputs[0], config=WO_B_CONFIG)
 
     return [
         ("proj", proj_),
@@ -475,9 +512,13 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
 
 
 def swa_attention_impl(inputs, outputs, attrs, workspace):
+    """The fused swa_attention (see the module docstring); the torch op where the kernels do not apply."""
     if not _usable(inputs, attrs) or outputs[0].stride(1) != 1:
         from draftgraph.ops.attention import _attn_impl
 
         return _attn_impl(inputs, outputs, attrs, workspace)
     for _, launch in plan(inputs, outputs, attrs, workspace):
         launch()
+
+
+swa_attention_impl.unsupported_block_scaled = attention_block_scaled

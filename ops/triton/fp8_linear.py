@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 from draftgraph.ops.triton._common import batch_block, interpreting, mma, next_pow2, pdl_args, pdl_wait
-from draftgraph.ops.triton.gemv import GemvConfig
+from draftgraph.ops.triton.gemv import GemvConfig, gemv
 from draftgraph.runtime.errors import InputError, describe
-from draftgraph.runtime.model.quant import FP8_BLOCK, fp8_scale_shape
+from draftgraph.runtime.model.quant import FP8_BLOCK, QuantWeight, fp8_scale_shape
 
 # Untuned (no GPU yet): the bf16 tiles at the byte widths of fp8; BLOCK_K is at most 128 here.
 DEFAULT = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
@@ -336,6 +336,38 @@ def fp8_gemv(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_args(x.device),
     )  # fmt: skip
+
+
+def project(
+    x: torch.Tensor,
+    w: torch.Tensor | QuantWeight,
+    out: torch.Tensor,
+    *,
+    config: GemvConfig,
+    w2: torch.Tensor | QuantWeight | None = None,
+    norm_w: torch.Tensor | None = None,
+    eps: float = 0.0,
+    group_rows: int = 0,
+    accumulate: bool = False,
+) -> None:
+    """out (+)= x @ [W; W2]^T with W a bf16 tensor (``gemv.gemv``) or an FP8 QuantWeight (:func:`fp8_gemv`).
+
+    The fused ops' one GEMV call on either kind of weight: the FP8 one passes its ``data`` and
+    ``scale`` (``config`` as it is: BLOCK_K is capped at 128 inside). ``w2`` must be of ``w``'s
+    kind; ``accumulate`` needs FP8 (the bf16 GEMV overwrites).
+    """
+    if not isinstance(w, QuantWeight):
+        if isinstance(w2, QuantWeight) or accumulate:
+            raise InputError(describe("project on a bf16 weight", "a bf16 w2 and no accumulate",
+                                      f"w2 {type(w2).__name__}, accumulate={accumulate}"))
+        gemv(x, w, out, w2=w2, norm_w=norm_w, eps=eps, group_rows=group_rows, config=config)
+        return
+    for m in (w, w2):
+        if m is not None and (not isinstance(m, QuantWeight) or m.fmt != "fp8"):
+            raise InputError(describe("project weights", "FP8 QuantWeights (no MXFP4 GEMV here)",
+                                      getattr(m, "fmt", type(m).__name__)))
+    fp8_gemv(x, w.data, w.scale, out, w2=None if w2 is None else w2.data, w2_scale=None if w2 is None else w2.scale,
+             norm_w=norm_w, eps=eps, group_rows=group_rows, accumulate=accumulate, config=config)
 
 
 def fp8_gemv_bytes(n: int, k: int, batch: int = 1, x_itemsize: int = 2, out_itemsize: int = 2) -> int:

@@ -17,6 +17,12 @@ variant (batch 1: one activation row, no padding), chosen by ``use_dot`` of thei
 at batch 1. From ``GROUPED_MIN_BATCH`` rows on, w13 and w2 are the expert-major kernels of
 ``moe_grouped`` (each chosen expert read once for all its rows) plus a reduce.
 
+Native weights (issue 28.2): MXFP4 routed experts with an FP8 shared expert run launches 1 and
+2 as they are, then ``moe_mxfp4.moe_mxfp4_launches`` (w13 and w2 reading the stored bytes and
+scales; expert-major plus its reduce at batch > 1) on the rest of the scratch. W8A8
+(``attrs["activations"] == "fp8"``) rounds x into scratch before w13 and the act rows in place
+between w13 and w2 (torch roundings, not fused; the gate reads x as it is, as the torch op's).
+
 Note "routing precision": gate logits are fp32 sums of exact bf16 products, so the top-k
 matches the torch op's except for near-ties (|gap| ~ 1e-6), where either choice is right.
 """
@@ -26,7 +32,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from draftgraph.ops.triton import moe_grouped
+from draftgraph.ops.quantised import is_quantised
+from draftgraph.ops.triton import moe_grouped, moe_mxfp4
 from draftgraph.ops.triton._common import (
     batch_block,
     carve,
@@ -40,6 +47,7 @@ from draftgraph.ops.triton._common import (
     softplus,
 )
 from draftgraph.ops.triton.gemv import GemvConfig, gemv
+from draftgraph.runtime.model.quant import fp8_round_activations
 
 MAX_BATCH = 64  # the shared slot covers all rows in one tile; larger batches use torch
 # From this batch on, w13 / w2 are expert-major (moe_grouped: each chosen expert read once for
@@ -252,11 +260,17 @@ def _moe_w2_kernel(
         tl.store(ptrs, tl.sum(acc, 1)[:, None].to(out_ptr.dtype.element_ty), mask=n_mask[:, None])
 
 
-def _parts(b: int, e: int, k: int, inter: int, d: int, dtype: torch.dtype):
+def _route_parts(b: int, e: int, k: int):
     return [
         ((GATE_SPLIT, b, e), torch.float32),  # gate partial logits
         ((b * k,), torch.int32),  # chosen expert per routed slot
         ((b * k,), torch.float32),  # routing weight per routed slot
+    ]
+
+
+def _parts(b: int, e: int, k: int, inter: int, d: int, dtype: torch.dtype):
+    return [
+        *_route_parts(b, e, k),
         ((b * k + b, inter), dtype),  # act rows: routed slots, then the shared expert per row
         ((b * k + b if b >= GROUPED_MIN_BATCH else 0, d), torch.float32),  # expert-major w2 outputs per slot
     ]
@@ -280,7 +294,18 @@ def plan(inputs, outputs, attrs, workspace, hashed: bool) -> list[tuple[str, cal
     out = outputs[0]
     b, d = x.shape
     e, inter = w1.shape[0], w1.shape[1]
-    gpart, idx, wts, act, part = carve(workspace, x.device, _parts(b, e, top_k, inter, d, x.dtype))
+    quant = is_quantised(w1)  # MXFP4 experts, FP8 shared expert (_usable)
+    if quant:
+        w8a8 = attrs.get("activations") == "fp8"
+        # One buffer for the route's scratch and moe_mxfp4's (carved again by act_rows): allocated
+        # whole here when the op was given none, so both carve the same bytes.
+        head, tail = _mxfp4_scratch(b, e, top_k, inter, d, x.dtype, w8a8)
+        if workspace is None or workspace.numel() < head + tail:
+            workspace = torch.empty(head + tail, dtype=torch.uint8, device=x.device)
+        gpart, idx, wts, xq = carve(workspace, x.device, _mxfp4_route_parts(b, e, top_k, d, x.dtype, w8a8))
+        rest = workspace[head:]
+    else:
+        gpart, idx, wts, act, part = carve(workspace, x.device, _parts(b, e, top_k, inter, d, x.dtype))
     split = GATE_SPLIT if d % (GATE_SPLIT * GATE_CONFIG.block_k) == 0 else 1
     interp = interpreting()
     c13, c2 = _configs(b)
@@ -370,6 +395,10 @@ def plan(inputs, outputs, attrs, workspace, hashed: bool) -> list[tuple[str, cal
             **pdl_args(x.device),
         )
 
+    if quant:
+        experts = _mxfp4_launches(x, xq if w8a8 else None, idx.view(b, top_k), wts.view(b, top_k),
+                                  (w1, w2, w3, sw1, sw2, sw3), out, rest, attrs)
+        return [("gate", gate), ("route", route), *experts]
     if b >= GROUPED_MIN_BATCH:
         limit = float(attrs["swiglu_limit"])
         grouped = moe_grouped.launches(
@@ -379,6 +408,41 @@ def plan(inputs, outputs, attrs, workspace, hashed: bool) -> list[tuple[str, cal
     return [("gate", gate), ("route", route), ("w13", w13), ("w2", w2_)]
 
 
+def _mxfp4_route_parts(b: int, e: int, k: int, d: int, dtype: torch.dtype, w8a8: bool):
+    return [*_route_parts(b, e, k), ((b if w8a8 else 0, d), dtype)]  # + x rounded through FP8 (W8A8)
+
+
+def _mxfp4_scratch(b: int, e: int, k: int, inter: int, d: int, dtype: torch.dtype, w8a8: bool) -> tuple[int, int]:
+    """(bytes of the gate / route scratch, bytes of moe_mxfp4's scratch after it)."""
+    grouped = b >= moe_mxfp4.GROUPED_MIN_BATCH
+    return (scratch_bytes(_mxfp4_route_parts(b, e, k, d, dtype, w8a8)),
+            moe_mxfp4.moe_mxfp4_workspace(b, k, inter, d, dtype, grouped))
+
+
+def _mxfp4_launches(x, xq, idx, wts, weights, out, rest, attrs) -> list[tuple[str, callable]]:
+    """moe_mxfp4's launches on the route's ids and weights; ``xq``: x's FP8-rounded copy (W8A8) or None."""
+    w1, w2, w3, sw1, sw2, sw3 = weights
+    b, d = x.shape
+    shared = (sw1.data, sw1.scale, sw2.data, sw2.scale, sw3.data, sw3.scale)
+    launches = moe_mxfp4.moe_mxfp4_launches(
+        x if xq is None else xq, idx, wts, w1.data, w1.scale, w2.data, w2.scale, w3.data, w3.scale, out,
+        swiglu_limit=float(attrs["swiglu_limit"]), shared=shared, workspace=rest,
+    )  # fmt: skip
+    if xq is None:
+        return launches
+    grouped = b >= moe_mxfp4.GROUPED_MIN_BATCH
+    act = carve(rest, x.device, moe_mxfp4.moe_mxfp4_parts(b, idx.shape[1], w1.shape[1], d, x.dtype, grouped))[0]
+
+    def round_x():
+        xq.copy_(fp8_round_activations(x))
+
+    def round_act():  # every act row: the routed slots' and the shared expert's, before w2 reads them
+        act.copy_(fp8_round_activations(act))
+
+    w13, *after = launches
+    return [("round_x", round_x), w13, ("round_act", round_act), *after]
+
+
 def _w2_block_k(inter: int, cfg: GemvConfig) -> int:
     return min(cfg.block_k, max(16, next_pow2(inter)))
 
@@ -386,10 +450,37 @@ def _w2_block_k(inter: int, cfg: GemvConfig) -> int:
 def _usable(x, tensors) -> bool:
     if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] > MAX_BATCH or x.stride(1) != 1:
         return False
+    if any(map(is_quantised, tensors)):
+        return _usable_mxfp4(x, tensors)
     inter = tensors[-6].shape[1]  # w1 [E, I, D]
     if any(inter % _w2_block_k(inter, c) for c in _configs(x.shape[0])):
         return False  # the w2 kernel's flat (slot, k) loop needs whole K blocks per slot
     return all(t.is_contiguous() for t in tensors)
+
+
+def _usable_mxfp4(x, tensors) -> bool:
+    *routing, w1, w2, w3, sw1, sw2, sw3 = tensors
+    def fmts(ws):
+        return [getattr(w, "fmt", None) for w in ws]
+
+    if _formats_gap(fmts((w1, w2, w3)), fmts((sw1, sw2, sw3))):
+        return False
+    if x.dtype != torch.bfloat16 or x.shape[0] > moe_mxfp4.MAX_BATCH:
+        return False
+    dense = [*routing, *(t for w in (w1, w2, w3, sw1, sw2, sw3) for t in (w.data, w.scale))]
+    return all(t.is_contiguous() for t in dense)
+
+
+def _formats_gap(routed: list, shared: list) -> str | None:
+    if all(f == "mxfp4" for f in routed) and all(f == "fp8" for f in shared):
+        return None
+    return (f"the fused MoE reads MXFP4 routed experts with an FP8 shared expert, got routed {routed}, "
+            f"shared {shared} (FP8 routed experts: no FP8 expert kernel)")
+
+
+def moe_block_scaled(specs) -> str | None:
+    """Why the fused moe / moe_hash cannot read these block-scaled experts, or None."""
+    return _formats_gap([s.quant for s in specs[-6:-3]], [s.quant for s in specs[-3:]])
 
 
 def moe_impl(inputs, outputs, attrs, workspace):
@@ -412,8 +503,18 @@ def moe_hash_impl(inputs, outputs, attrs, workspace):
         launch()
 
 
+moe_impl.unsupported_block_scaled = moe_block_scaled
+moe_hash_impl.unsupported_block_scaled = moe_block_scaled
+
+
 def moe_workspace(specs, attrs, batch: int) -> int:
-    """Scratch bytes of moe / moe_hash at a concrete batch (for the OpDef's workspace rule)."""
+    """Scratch bytes of moe / moe_hash at a concrete batch (for the OpDef's workspace rule).
+
+    MXFP4 experts: the gate / route scratch (and x rounded, W8A8), then moe_mxfp4's.
+    """
     x, w1 = specs[0], specs[-6]
     k = int(attrs.get("top_k", 0)) or specs[2].shape[1]
-    return scratch_bytes(_parts(batch, w1.shape[0], k, w1.shape[1], x.shape[1], x.dtype))
+    e, inter, d = w1.shape[0], w1.shape[1], x.shape[1]
+    if w1.is_quantised:
+        return sum(_mxfp4_scratch(batch, e, k, inter, d, x.dtype, attrs.get("activations") == "fp8"))
+    return scratch_bytes(_parts(batch, e, k, inter, d, x.dtype))

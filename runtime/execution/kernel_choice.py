@@ -36,18 +36,39 @@ def check_kernels(kernels: str) -> str:
 
 def select_impl(op: OpDef, device: torch.device, kernels: str, input_specs: Sequence[TensorSpec] = ()) -> Impl:
     """The implementation a step of ``op`` runs; ``input_specs`` are the node's inputs' specs."""
-    if kernels == "auto" and not reads_block_scaled(input_specs):
-        return op.select_impl(device, use_fused=True)
-    # A node reading a block-scaled (FP8 / MXFP4) weight runs the torch op, which dequantises the
-    # blocks it reads (ops/quantised.py): the fused Triton kernels of ops/triton read bf16 weights
-    # only. The FP8 / MXFP4 kernels (ops/triton/fp8_linear.py, moe_mxfp4.py) take over here once
-    # they are registered for those formats.
-    return op.impl  # "torch", and "compiled" before compiled_step() binds the step
+    if kernels != "auto":
+        return op.impl  # "torch", and "compiled" before compiled_step() binds the step
+    fused = op.select_impl(device, use_fused=True)
+    if fused is op.impl or not reads_block_scaled(input_specs):
+        return fused
+    # A node reading a block-scaled (FP8 / MXFP4) weight takes the fused impl only where its
+    # kernels read those formats, which the impl says through ``unsupported_block_scaled(specs)``
+    # (the reason, or None): FP8 linears (linear, combiner, swa_attention with all five FP8) and
+    # MXFP4 routed experts with an FP8 shared expert (moe, moe_hash), ops/triton. Everything else
+    # runs the torch op, which dequantises the blocks it reads (ops/quantised.py): impls without
+    # the rule (their kernels read bf16 weights only), an MXFP4 linear (no MXFP4 GEMV kernel),
+    # FP8 routed experts (the "fp8" checkpoint format: no FP8 expert kernel), an attention with
+    # mixed formats.
+    return fused if block_scaled_gap(fused, input_specs) is None else op.impl
 
 
 def reads_block_scaled(input_specs: Sequence[TensorSpec]) -> bool:
     """Whether any input is a weight kept in a block-scaled format (its spec carries ``quant``)."""
     return any(spec.is_quantised for spec in input_specs)
+
+
+def block_scaled_gap(impl: Impl, input_specs: Sequence[TensorSpec]) -> str | None:
+    """Why ``impl`` cannot read the block-scaled inputs among ``input_specs``, or None when it can.
+
+    Example
+    -------
+    >>> block_scaled_gap(get_op("linear").fused["cuda"], [x_spec, fp8_weight_spec]) is None
+    True
+    """
+    rule = getattr(impl, "unsupported_block_scaled", None)
+    if rule is None:
+        return "its kernels read bf16 weights only" if reads_block_scaled(input_specs) else None
+    return rule(input_specs) if reads_block_scaled(input_specs) else None
 
 
 def compiled_step(op: OpDef, inputs: list, outputs: list) -> tuple[Impl, list, list]:
