@@ -19,12 +19,15 @@ import torch.distributed as dist
 COLLECTIVE_TIMEOUT_S = 20
 
 
-def _rank_main(rank: int, world: int, folder: str, fn, args, collective_timeout: float = COLLECTIVE_TIMEOUT_S) -> None:
+def _rank_main(rank: int, world: int, folder: str, fn, args, collective_timeout: float = COLLECTIVE_TIMEOUT_S,
+               backend: str = "gloo") -> None:
     out = Path(folder) / f"rank{rank}.pt"
     torch.set_num_threads(1)  # W ranks on a few cores: intra-op threads of every rank would fight for them
     try:
+        if backend == "nccl":  # one GPU per rank (the cuda-marked tests)
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{folder}/rendezvous",
             rank=rank,
             world_size=world,
@@ -40,14 +43,15 @@ def _rank_main(rank: int, world: int, folder: str, fn, args, collective_timeout:
 
 
 def run_ranks(world: int, fn, *args, folder: Path, timeout: float = 120.0,
-              collective_timeout: float = COLLECTIVE_TIMEOUT_S) -> list[dict]:
+              collective_timeout: float = COLLECTIVE_TIMEOUT_S, backend: str = "gloo") -> list[dict]:
     """Per rank: ``{"ok": True, "result": ...}`` or ``{"ok": False, "error": ..., "trace": ...}``.
 
-    ``collective_timeout``: how long a rank waits in a collective before it raises.
+    ``collective_timeout``: how long a rank waits in a collective before it raises. ``backend``:
+    "gloo" (CPU), or "nccl" with rank r on GPU r.
     """
     folder.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, str(folder), fn, args, collective_timeout))
+    procs = [ctx.Process(target=_rank_main, args=(r, world, str(folder), fn, args, collective_timeout, backend))
              for r in range(world)]
     for p in procs:
         p.start()
