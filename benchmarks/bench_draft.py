@@ -1,12 +1,17 @@
 """Benchmark of the draft step at the real DeepSeek-V4-Flash shapes (GPU), one table.
 
     python benchmarks/bench_draft.py [--cases 1x1,1x3,8x1,32x1] [--kernels torch,compiled,fused]
-                                [--no-compile] [--profile] [--config flash|small] [--out DIR]
+                                [--weights native,bf16] [--no-compile] [--profile] [--config flash|small]
+                                [--out DIR]
+    python benchmarks/bench_draft.py --cpu-dry-run    # the weights, floors and kernel choice on CPU, no timing
 
-Random bf16 weights (~15 GB on the device), one process. For each case (B=1 with
-K=1 and K=3; B=8 and B=32 with K=1) the floor is the bytes the step must read
-(the distinct experts the batch touches, counted from the router) over the copy
-bandwidth measured in the same run. Rows, each as ms and the ratio to the floor:
+Random weights, one process: bf16 (~15 GB on the device) and, with ``--weights native``, the
+same draws in the checkpoint's formats (~5.7 GB: FP8 linears with 128x128 UE8M0 scales, MXFP4
+routed experts with 1x32 scales, as ``weights="native"`` binds them; issue 28). For each case
+(B=1 with K=1 and K=3; B=8 and B=32 with K=1) and weights format the floor is the bytes the step
+must read, from the specs of the chain the proposer binds (so in that format; the distinct
+experts the batch touches counted from the router) over the copy bandwidth measured in the same
+run. Rows, each as ms and the ratio to the floor:
 
 - plain torch: the same step as a functional program over an nn.Module V4 block
   (no graph runtime), eager; captured by hand into a CUDA graph; and
@@ -14,7 +19,10 @@ bandwidth measured in the same run. Rows, each as ms and the ratio to the floor:
   captured by hand (the strongest stock-PyTorch baseline; compiled once per batch size,
   100-200 s each: set TORCHINDUCTOR_CACHE_DIR to a kept folder and a second run reuses it);
 - draftgraph: the eager executor (torch ops), and the captured replay with each
-  kernel set: the torch ops, the torch ops compiled per op, the fused Triton kernels.
+  kernel set: the torch ops, the torch ops compiled per op, the fused Triton kernels
+  (on native weights: fp8_gemv and moe_mxfp4 for the nodes reading them).
+
+The plain-torch rows run on the bf16 weights only (its nn.Module reads bf16).
 
 "replay ms" is the GPU time of the graph replay alone (CUDA events around rounds of
 20 replays queued back to back, inputs already staged; median of 15 rounds); "propose ms" is a whole propose call
@@ -43,6 +51,8 @@ import torch
 from bench_floor import measure_copy_bandwidth, step_weight_bytes
 from bench_host import time_phases
 from draftgraph.runtime.model.config import V4Config
+from draftgraph.runtime.model.quant import MXFP4_DATA_DTYPE, QuantWeight, quantize_mxfp4, quantize_weight
+from draftgraph.runtime.model.weight_names import linear_kind
 
 CASES = [(1, 1), (1, 3), (8, 1), (32, 1)]
 
@@ -80,6 +90,48 @@ def random_weights(cfg: V4Config, device, seed: int = 0) -> dict[str, torch.Tens
             t.normal_(0, 1.0, generator=gen)
         out[entry.name] = t
     return out
+
+
+WEIGHTS = ("native", "bf16")
+
+
+def native_weights(cfg: V4Config, bf16: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | QuantWeight]:
+    """The same draws in the checkpoint's formats: each FP8 linear quantised, the stacked experts MXFP4.
+
+    Quantised on the device expert by expert (no bf16 copy of a stack beyond one expert), so the two
+    formats' rows compare the same model up to the quantisation.
+    """
+    out: dict[str, torch.Tensor | QuantWeight] = {}
+    for name, t in bf16.items():
+        if ".experts.stacked." in name:
+            out[name] = _mxfp4_stack(t)
+        elif linear_kind(name) is not None:  # every linear the checkpoint quantises outside the experts is FP8
+            out[name] = quantize_weight(t, "fp8")
+        else:
+            out[name] = t
+    return out
+
+
+def _mxfp4_stack(stack: torch.Tensor) -> QuantWeight:
+    e, rows, cols = stack.shape
+    data = torch.empty(e, rows, cols // 2, dtype=torch.uint8, device=stack.device)
+    scale = torch.empty(e, rows, cols // 32, dtype=torch.uint8, device=stack.device)
+    for i in range(e):
+        packed, s = quantize_mxfp4(stack[i])
+        data[i].copy_(packed.view(torch.uint8))
+        scale[i].copy_(s.view(torch.uint8))
+    return QuantWeight(data.view(MXFP4_DATA_DTYPE), scale.view(torch.float8_e8m0fnu), "mxfp4")
+
+
+def weights_nbytes(weights: dict) -> int:
+    seen, total = set(), 0
+    for t in weights.values():
+        for part in (t.data, t.scale) if isinstance(t, QuantWeight) else (t,):
+            key = part.untyped_storage().data_ptr()
+            if key not in seen:  # per-expert views share their stack's storage
+                seen.add(key)
+                total += part.untyped_storage().nbytes()
+    return total
 
 
 def timed_rounds(fn, rounds: int, per_round: int = 1, warmup: int = 5) -> list[float]:
@@ -239,12 +291,18 @@ def variant_setting(kernels: str):
         set_pdl(None)
 
 
-def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, kernels: str, profile: bool):
-    """One proposer's row: replay / propose ms, host µs, capture s, memory, kernel nodes."""
+def make_proposer(cfg, weights, device, batch: int, executor: str, kernels: str, fmt: str):
     from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
 
-    prop = DeepseekV4MtpProposer(cfg, weights, device=device, executor=executor, kernels=KERNELS_OPTION[kernels],
-                                 buckets=(batch,), num_cache_blocks=batch * 16, overlap=kernels != "torch-serial")
+    return DeepseekV4MtpProposer(cfg, weights, device=device, executor=executor, kernels=KERNELS_OPTION[kernels],
+                                 buckets=(batch,), num_cache_blocks=batch * 16, overlap=kernels != "torch-serial",
+                                 weights=fmt)
+
+
+def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, kernels: str, profile: bool,
+                     fmt: str = "bf16"):
+    """One proposer's row: replay / propose ms, host µs, capture s, memory, kernel nodes."""
+    prop = make_proposer(cfg, weights, device, batch, executor, kernels, fmt)
     gen = torch.Generator(device=device).manual_seed(batch)
     hiddens = [torch.randn(cfg.hc_mult, cfg.hidden_size, device=device, generator=gen).bfloat16()
                for _ in range(batch)]
@@ -391,7 +449,11 @@ def plain_rows(cfg, weights, prop, batch: int, k: int, compile_baseline: bool):
 
 def print_table(rows: list[dict], bandwidth: float) -> None:
     print(f"\nfloor = weight bytes / {bandwidth / 1e12:.2f} TB/s (copy bandwidth measured in this run)")
-    print(f"{'B':>3} {'K':>2} {'exp':>4} {'floor ms':>8}  {'variant':<36} {'replay ms':>9} {'x floor':>7} "
+    # The weights column from the runs that had one (2026-12-05 on: native and bf16 side by side).
+    has_fmt = any("weights" in r for r in rows)
+    fmt_head = f" {'weights':>7}" if has_fmt else ""
+    print(f"{'B':>3} {'K':>2} {'exp':>4}{fmt_head} {'floor ms':>8}  {'variant':<36} {'replay ms':>9} "
+          f"{'x floor':>7} "
           f"{'propose ms':>10} {'host us':>7} {'capture s':>9} {'mem MB':>7} {'nodes/step':>10} {'=torch':>6}")
 
     def num(v, fmt):
@@ -399,11 +461,17 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
 
     for r in rows:
         x = None if r["replay_ms"] is None else r["replay_ms"] / r["floor_ms"]
-        print(f"{r['batch']:>3} {r['k']:>2} {r['experts']:>4} {r['floor_ms']:>8.3f}  {r['variant']:<36} "
+        fmt = f" {r.get('weights', 'bf16'):>7}" if has_fmt else ""
+        print(f"{r['batch']:>3} {r['k']:>2} {r['experts']:>4}{fmt} {r['floor_ms']:>8.3f}  {r['variant']:<36} "
               f"{num(r['replay_ms'], '.3f'):>9} {num(x, '.2f'):>7} {num(r.get('propose_ms'), '.3f'):>10} "
               f"{num(r.get('host_us'), '.0f'):>7} {num(r.get('capture_s'), '.2f'):>9} "
               f"{num(r.get('mem_mb'), '.0f'):>7} {num(r.get('nodes_per_step'), '.1f'):>10} "
               f"{num(r.get('agree'), '.2f'):>6}")
+    bound = [r for r in rows if r.get("fused_native_nodes")]
+    if bound:  # the nodes reading block-scaled weights and the impl each captured variant bound them to
+        print("\nnodes reading block-scaled weights, by the impl bound (kernel_choice)")
+        for r in bound:
+            print(f"{r['batch']:>3} {r['k']:>2} {r['weights']:>7}  {r['variant']:<36} {r['fused_native_nodes']}")
     timed = [r for r in rows if r.get("call_ms") is not None and r["variant"] != "draftgraph eager executor, torch ops"]
     if timed:  # runs from 2026-12-05 on: the call alone and where the time after the launch goes
         print("\nthe propose call alone (what its caller waits; propose ms above also holds the loop's after_verify"
@@ -432,6 +500,9 @@ def main() -> int:
     ap.add_argument("--kernels", default=",".join(VARIANTS),
                     help="captured variants: torch,compiled,fused (and fused-nopdl: PDL off; "
                          "torch-serial: the torch ops on one stream; torch-noprio: side lanes at normal priority)")
+    ap.add_argument("--weights", default=",".join(WEIGHTS),
+                    help="weights formats, side by side: native (FP8 linears + MXFP4 experts, as weights='native' "
+                         "binds the checkpoint) and/or bf16")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--compile-cases", default=",".join(f"{b}x{k}" for b, k in CASES),
                     help="cases that get the torch.compile baseline (100-200 s of compiling per batch size)")
@@ -439,6 +510,9 @@ def main() -> int:
                     help="cases that get the compiled-ops variant (compiles each op per batch size)")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain-torch anchors")
     ap.add_argument("--profile", action="store_true", help="kernels by name for each case and captured variant")
+    ap.add_argument("--cpu-dry-run", action="store_true",
+                    help="on CPU at the small config: make each weights format, build and run the eager proposer, "
+                         "print the floors from the specs and which nodes take fused kernels on CUDA; no timing")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--table", metavar="JSON", help="print the table of a run's bench_draft_*.json and exit")
     args = ap.parse_args()
@@ -447,6 +521,11 @@ def main() -> int:
         print_table(saved["rows"], saved["bandwidth"])
         return 0
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
+    formats = args.weights.split(",")
+    if any(f not in WEIGHTS for f in formats):
+        ap.error(f"--weights: expected a comma list of {' / '.join(WEIGHTS)}, got {args.weights!r}")
+    if args.cpu_dry_run:
+        return dry_run(cases, formats)
     kernel_sets = args.kernels.split(",")
     device = torch.device("cuda", torch.cuda.current_device())
     cfg = V4Config.flash() if args.config == "flash" else V4Config.small()
@@ -457,69 +536,137 @@ def main() -> int:
     real = sum(step_weight_bytes(cfg, fmt="mxfp4").values())
     print(f"floor in the checkpoint's formats (FP8 + MXFP4 experts + bf16 head), B=1 K=1: {real / 1e9:.3f} GB "
           f"= {real / bandwidth * 1e3:.3f} ms", flush=True)
-    t0 = time.perf_counter()
-    weights = random_weights(cfg, device)
-    torch.cuda.synchronize()
-    print(f"weights {sum(t.numel() * t.element_size() for t in weights.values()) / 1e9:.1f} GB made in "
-          f"{time.perf_counter() - t0:.1f} s", flush=True)
-    from draftgraph.runtime.proposer.binding import prepare_weights
-
-    weights = prepare_weights(cfg, weights, device)  # per-expert views of the stacks, for the nn.Module
+    sets = make_weight_sets(cfg, device, formats)
     rows: list[dict] = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for batch, k in cases:
         t_case = time.perf_counter()
-        row, prop = measure_proposer(cfg, weights, device, batch, k, "eager", "torch", False)
-        reference = row["drafts"]
-        experts = cfg.num_experts_per_tok if batch == 1 else distinct_experts(prop, batch)
-        # From the specs of the chain the proposer binds: the formats its weights are held in
-        # (bf16 here: random bf16 weights; the checkpoint's formats are printed at the start).
-        floor_ms = sum(step_weight_bytes(cfg, experts, batch=batch, graph=prop.chain_graph(1)).values()) \
-            * k / bandwidth * 1e3
+        for fmt in formats:
+            weights = sets[fmt]
+            row, prop = measure_proposer(cfg, weights, device, batch, k, "eager", "torch", False, fmt)
+            reference = row["drafts"]
+            experts = cfg.num_experts_per_tok if batch == 1 else distinct_experts(prop, batch)
+            # From the specs of the chain the proposer binds: the formats its weights are held in.
+            floor_ms = sum(step_weight_bytes(cfg, experts, batch=batch, graph=prop.chain_graph(1)).values()) \
+                * k / bandwidth * 1e3
 
-        def record(name, row, batch=batch, k=k, experts=experts, floor_ms=floor_ms):
-            row = {key: v for key, v in row.items() if key != "drafts"}
-            rows.append(dict(batch=batch, k=k, experts=experts, floor_ms=floor_ms, variant=name, **row))
-            print(json.dumps(rows[-1]), flush=True)  # as measured: a run cut short keeps what it had
-            saved = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "bandwidth": bandwidth,
-                     "rows": rows}
-            (out / f"bench_draft_{args.config}.json").write_text(json.dumps(saved, indent=1))
+            def record(name, row, batch=batch, k=k, experts=experts, floor_ms=floor_ms, fmt=fmt):
+                row = {key: v for key, v in row.items() if key != "drafts"}
+                rows.append(dict(batch=batch, k=k, experts=experts, weights=fmt, floor_ms=floor_ms, variant=name,
+                                 **row))
+                print(json.dumps(rows[-1]), flush=True)  # as measured: a run cut short keeps what it had
+                saved = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "bandwidth": bandwidth,
+                         "rows": rows}
+                (out / f"bench_draft_{args.config}.json").write_text(json.dumps(saved, indent=1))
 
-        record("draftgraph eager executor, torch ops", row)
-        for kernels in kernel_sets:
-            if kernels == "compiled" and f"{batch}x{k}" not in args.compiled_cases.split(","):
-                continue
-            try:
-                with variant_setting(kernels):
-                    row, captured = measure_proposer(cfg, weights, device, batch, k, "captured", kernels,
-                                                     args.profile)
-                del captured
-            except Exception as exc:  # report, don't die: the other rows still count
-                print(f"  captured {kernels} failed: {type(exc).__name__}: {exc}", flush=True)
-                continue
-            finally:
-                gc.collect()
-                torch.cuda.empty_cache()
-            # torch: the eager executor's kernels in the same order, so the drafts must be equal;
-            # others: the share of drafts equal to the torch ops' (near-ties may differ).
-            row["agree"] = sum(a == b for ra, rb in zip(row["drafts"], reference) for a, b in zip(ra, rb)) / (
-                batch * k)
-            if kernels.startswith("torch") and row["agree"] != 1.0:
-                print(f"  MISMATCH: captured torch ops {row['drafts']} != eager {reference}", flush=True)
-            record(f"draftgraph captured, {kernels} ops", row)
-        if not args.no_plain:  # last: the torch.compile baseline is the slow part of a case
-            compile_here = not args.no_compile and f"{batch}x{k}" in args.compile_cases.split(",")
-            try:
-                for name, ms in plain_rows(cfg, weights, prop, batch, k, compile_here):
-                    record(name, {"replay_ms": ms})
-            except Exception as exc:
-                print(f"  plain torch failed: {type(exc).__name__}: {exc}", flush=True)
-        del prop
-        gc.collect()
-        torch.cuda.empty_cache()
+            record("draftgraph eager executor, torch ops", row)
+            for kernels in kernel_sets:
+                if kernels == "compiled" and f"{batch}x{k}" not in args.compiled_cases.split(","):
+                    continue
+                try:
+                    with variant_setting(kernels):
+                        row, captured = measure_proposer(cfg, weights, device, batch, k, "captured", kernels,
+                                                         args.profile, fmt)
+                    row["fused_native_nodes"] = fused_native_nodes(captured)
+                    del captured
+                except Exception as exc:  # report, don't die: the other rows still count
+                    print(f"  captured {kernels} ({fmt}) failed: {type(exc).__name__}: {exc}", flush=True)
+                    continue
+                finally:
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                # torch: the eager executor's kernels in the same order, so the drafts must be equal;
+                # others: the share of drafts equal to the torch ops' (near-ties may differ).
+                row["agree"] = sum(a == b for ra, rb in zip(row["drafts"], reference) for a, b in zip(ra, rb)) / (
+                    batch * k)
+                if kernels.startswith("torch") and row["agree"] != 1.0:
+                    print(f"  MISMATCH: captured torch ops {row['drafts']} != eager {reference}", flush=True)
+                record(f"draftgraph captured, {kernels} ops", row)
+            if fmt == "bf16" and not args.no_plain:  # last: the torch.compile baseline is the slow part of a case
+                compile_here = not args.no_compile and f"{batch}x{k}" in args.compile_cases.split(",")
+                try:
+                    for name, ms in plain_rows(cfg, weights, prop, batch, k, compile_here):
+                        record(name, {"replay_ms": ms})
+                except Exception as exc:
+                    print(f"  plain torch failed: {type(exc).__name__}: {exc}", flush=True)
+            del prop
+            gc.collect()
+            torch.cuda.empty_cache()
         print(f"case B={batch} K={k} took {time.perf_counter() - t_case:.0f} s", flush=True)
     print_table(rows, bandwidth)
+    return 0
+
+
+def make_weight_sets(cfg: V4Config, device, formats: list[str]) -> dict[str, dict]:
+    """format -> graph weights (per-expert views of the stacks, for the nn.Module and the binding)."""
+    from draftgraph.runtime.proposer.binding import prepare_weights
+
+    t0 = time.perf_counter()
+    bf16 = random_weights(cfg, device)
+    sets = {}
+    if "native" in formats:
+        sets["native"] = prepare_weights(cfg, native_weights(cfg, bf16), device, weights="native")
+    if "bf16" in formats:
+        sets["bf16"] = prepare_weights(cfg, bf16, device)
+    del bf16
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    for fmt, weights in sets.items():
+        print(f"weights {fmt}: {weights_nbytes(weights) / 1e6:.1f} MB", flush=True)
+    print(f"made in {time.perf_counter() - t0:.1f} s", flush=True)
+    return sets
+
+
+def fused_native_nodes(prop) -> str:
+    """The nodes reading block-scaled weights and the impl each is bound to: "op:fused" or "op:torch"."""
+    from draftgraph.runtime.ir.op_registry import get_op
+
+    seen = {}
+    for executor in prop._executors.values():
+        eager = getattr(executor, "eager", executor)
+        for step in eager.steps:
+            specs = [eager.graph.values[n].spec for n in step.node.inputs if n in eager.graph.values]
+            if any(s.is_quantised for s in specs):
+                op = get_op(step.node.op)
+                seen[step.node.op] = "torch" if step.impl is op.impl else "fused"
+    return " ".join(f"{op}:{impl}" for op, impl in sorted(seen.items()))
+
+
+def dry_run(cases, formats) -> int:
+    """The native path's set-up on CPU at the small config: weights, floors from the specs, an eager propose
+    each, and which nodes reading block-scaled weights take their fused impl on CUDA (kernel_choice)."""
+    from draftgraph.ops.triton import fused_impls
+    from draftgraph.runtime.execution.kernel_choice import block_scaled_gap
+
+    cfg = V4Config.small().replace(max_position_embeddings=4096)
+    device = torch.device("cpu")
+    print(f"CPU dry run: V4Config.small(), weights {formats}, torch {torch.__version__}", flush=True)
+    sets = make_weight_sets(cfg, device, formats)
+    impls = fused_impls()
+    for batch, k in cases:
+        for fmt in formats:
+            prop = make_proposer(cfg, sets[fmt], device, batch, "eager", "torch", fmt)
+            gen = torch.Generator().manual_seed(batch)  # the same hiddens for both formats
+            hiddens = [torch.randn(cfg.hc_mult, cfg.hidden_size, generator=gen).bfloat16() for _ in range(batch)]
+            states = [prop.alloc_state() for _ in range(batch)]
+            drafts = prop.propose_batch(list(range(1, batch + 1)), hiddens, [200] * batch, k, states)
+            experts = cfg.num_experts_per_tok if batch == 1 else distinct_experts(prop, batch)
+            floor = sum(step_weight_bytes(cfg, experts, batch=batch, graph=prop.chain_graph(1)).values()) * k
+            chosen = {}
+            executor = next(iter(prop._executors.values()))
+            for step in executor.steps:
+                specs = [executor.graph.values[n].spec for n in step.node.inputs if n in executor.graph.values]
+                if any(s.is_quantised for s in specs):
+                    impl = impls.get(step.node.op)
+                    gap = "no fused impl" if impl is None else block_scaled_gap(impl, specs)
+                    chosen[step.node.op] = "fused" if gap is None else f"torch ({gap})"
+            numerics = prop.numerics()
+            print(f"B={batch} K={k} {fmt:>6}: floor {floor / 1e6:.3f} MB ({experts} experts), "
+                  f"kv_fp8_round={numerics.kv_fp8_round}, drafts {drafts[0]}; on CUDA "
+                  f"{' '.join(f'{op}:{c}' for op, c in sorted(chosen.items())) or 'no block-scaled node'}",
+                  flush=True)
     return 0
 
 

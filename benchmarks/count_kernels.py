@@ -1,6 +1,7 @@
 """Count the aten ops each graph node runs in one draft step: a CPU proxy for CUDA kernel launches.
 
     python benchmarks/count_kernels.py [--drafts K] [--batch B] [--masked] [--ops] [--device cuda]
+                                       [--weights bf16|native]
 
 Builds a ``DeepseekV4MtpProposer`` on ``V4Config.small()`` with random weights
 (``executor="eager", kernels="torch"``: the torch reference ops), runs one
@@ -20,6 +21,9 @@ ops after CompositeImplicit decompositions, which are mostly, but not always,
 the same on CPU and CUDA (e.g. ``lm_head`` widens the head in chunks on CPU
 only, and some CPU kernels are composite where CUDA has one fused kernel).
 With ``--ops`` each op type also lists its aten ops and their counts.
+``--weights native`` holds the same random weights in the checkpoint's formats (FP8 linears,
+MXFP4 routed experts: ``weights="native"``), so the torch ops' dequantisation counts too. The
+fused kernels' launches per step are ``bench_draft.py``'s ``nodes/step`` (captured, on a GPU).
 
 Example
 -------
@@ -35,7 +39,9 @@ from collections import Counter, defaultdict
 
 import torch
 from draftgraph.runtime.model.config import V4Config
+from draftgraph.runtime.model.quant import quantize_weight
 from draftgraph.runtime.model.synthetic_weights import random_mtp_weights
+from draftgraph.runtime.model.weight_names import linear_kind
 from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -87,13 +93,22 @@ class AtenCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def stored_weights(cfg: V4Config, seed: int, weights: str) -> dict:
+    """Random MTP weights, bf16, or ``weights="native"``: each linear in the real checkpoint's format."""
+    tensors = random_mtp_weights(cfg, seed=seed)
+    if weights == "bf16":
+        return tensors
+    return {n: quantize_weight(t, linear_kind(n)) if linear_kind(n) else t for n, t in tensors.items()}
+
+
 def count_draft_step(
-    drafts: int = 1, batch: int = 1, masked: bool = False, seed: int = 0, device: str = "cpu"
+    drafts: int = 1, batch: int = 1, masked: bool = False, seed: int = 0, device: str = "cpu", weights: str = "bf16"
 ) -> AtenCounter:
     """Run one propose of ``drafts`` tokens for ``batch`` sequences under an AtenCounter."""
     cfg = V4Config.small()
     prop = DeepseekV4MtpProposer(
-        cfg, random_mtp_weights(cfg, seed=seed), executor="eager", kernels="torch", buckets=(batch,), device=device
+        cfg, stored_weights(cfg, seed, weights), executor="eager", kernels="torch", buckets=(batch,), device=device,
+        weights=weights,
     )
     gen = torch.Generator().manual_seed(seed)
     states = [prop.alloc_state() for _ in range(batch)]
@@ -179,14 +194,17 @@ def main(argv=None) -> int:
     parser.add_argument("--masked", action="store_true", help="with a grammar bitmask (B=1 only)")
     parser.add_argument("--ops", action="store_true", help="list the aten ops of each op type")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: the aten ops the GPU runs")
+    parser.add_argument("--weights", choices=("bf16", "native"), default="bf16",
+                        help="bf16 (default) or native: FP8 linears and MXFP4 experts, as stored")
     args = parser.parse_args(argv)
     if args.masked and args.batch != 1:
         parser.error("--masked needs --batch 1 (propose_batch takes no grammar bitmask)")
-    counter = count_draft_step(args.drafts, args.batch, args.masked, device=args.device)
+    counter = count_draft_step(args.drafts, args.batch, args.masked, device=args.device, weights=args.weights)
     cfg = V4Config.small()
     print(
         f"aten ops per draft step: V4Config.small() (D={cfg.hidden_size}, iters={cfg.hc_sinkhorn_iters}), "
-        f"B={args.batch}, K={args.drafts}{', masked' if args.masked else ''}, kernels=torch, {args.device}"
+        f"B={args.batch}, K={args.drafts}{', masked' if args.masked else ''}, kernels=torch, {args.device}, "
+        f"{args.weights} weights"
     )
     print(format_table(summarize(counter, args.drafts), args.drafts, args.ops))
     if counter.syncs:

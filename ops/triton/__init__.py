@@ -55,6 +55,11 @@ def _impls() -> dict:
     }
 
 
+def fused_impls() -> dict:
+    """op name -> the fused impl ``register_all`` registers for it (for inspection off CUDA too)."""
+    return _impls()
+
+
 def available() -> bool:
     try:
         import triton  # noqa: F401
