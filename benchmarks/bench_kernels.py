@@ -1,8 +1,14 @@
 """Check and time the fused Triton kernels against their torch ops, on one GPU, in one process.
 
     python benchmarks/bench_kernels.py [--tune] [--tune-jobs moe:32,hc_pre:32] [--budget-s 240] [--out DIR]
-                                  [--ops lm_head,moe]
+                                  [--ops lm_head,moe] [--weights bf16|native]
     python benchmarks/bench_kernels.py --cpu-dry-run        # the script's logic, interpreter, no timing
+
+``--weights native`` holds each case's block-scaled weights as the checkpoint stores them
+(QuantWeights: FP8 linears of linear and swa_attention, MXFP4 routed experts with an FP8 shared
+expert for moe / moe_hash; the other ops as they are), so the fused rows time fp8_gemv and
+moe_mxfp4 inside the ops, and the floors count the stored bytes and scales. The tuning knobs
+are the bf16 kernels' (fp8_linear / moe_mxfp4 keep their own configs).
 
 ``--tune`` first times block-size variants of the big kernels at V4-Flash shapes, one knob
 at a time, keeping each winner (the printed "chosen configs" are the defaults to set in
@@ -41,6 +47,14 @@ BF16, F32, I32, I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 DEV = "cuda"
 ROTATE = {"linear": 8}  # ops whose weights fit in the L2: time over this many weight copies
 DRY = False  # --cpu-dry-run: the interpreter on CPU, small shapes, no timing (checks this script)
+WEIGHTS = "bf16"  # --weights: "native" quantises the block-scaled weights of each case (NATIVE)
+# Inputs the real checkpoint holds block-scaled, by op (runtime/model/weight_names.linear_kind).
+NATIVE = {
+    "linear": {1: "fp8"},
+    "swa_attention": {1: "fp8", 3: "fp8", 4: "fp8", 6: "fp8", 7: "fp8"},
+    "moe": {3: "mxfp4", 4: "mxfp4", 5: "mxfp4", 6: "fp8", 7: "fp8", 8: "fp8"},
+    "moe_hash": {4: "mxfp4", 5: "mxfp4", 6: "mxfp4", 7: "fp8", 8: "fp8", 9: "fp8"},
+}
 T0 = time.time()
 LOG: list[str] = []
 ROWS: list[dict] = []
@@ -211,6 +225,25 @@ CASES = {
 }
 
 
+def make_case(name, cfg, b):
+    """CASES[name](cfg, b), with its block-scaled weights quantised under ``--weights native``."""
+    inputs, attrs = CASES[name](cfg, b)
+    if WEIGHTS == "native":
+        from draftgraph.runtime.model.quant import quantize_weight
+
+        for i, fmt in NATIVE.get(name, {}).items():
+            inputs[i] = quantize_weight(inputs[i], fmt)  # the bf16 draw, as the checkpoint stores it
+    return inputs, attrs
+
+
+def clone(t):
+    from draftgraph.runtime.model.quant import QuantWeight
+
+    if isinstance(t, QuantWeight):  # float4 has no clone: its bytes
+        return QuantWeight(t.data.view(torch.uint8).clone().view(t.data.dtype), t.scale.clone(), t.fmt)
+    return t.clone()
+
+
 def bytes_moved(name, inputs, attrs, cfg) -> int:
     """The fewest bytes the op must move: each touched weight once, activations in and out.
 
@@ -273,9 +306,13 @@ def fresh_state(name, inputs):
     return [t.clone() if i in mutated else t for i, t in enumerate(inputs)]
 
 
-def run_once(name, impl, inputs, attrs, ws=None):
-    inputs = fresh_state(name, inputs)
+def run_once(name, impl, inputs, attrs, ws=None, in_fp32=False):
+    """``in_fp32``: the bf16 inputs and outputs as fp32 (output specs from the inputs as given: the
+    shape rules want bf16 activations beside a block-scaled weight)."""
     outs = outputs_for(name, inputs, attrs)
+    if in_fp32:
+        inputs, outs = [upcast(t) for t in inputs], [upcast(o) for o in outs]
+    inputs = fresh_state(name, inputs)
     poison(outs)
     impl(inputs, outs, attrs, ws)
     if not DRY:
@@ -392,7 +429,7 @@ def _try(what, notes, fn):
 
 def check_case(name, label, cfg, b, fused, copy_bw, time_it=True):
     torch.manual_seed(hash((name, label, b)) % (2**31))
-    inputs, attrs = CASES[name](cfg, b)
+    inputs, attrs = make_case(name, cfg, b)
     row = {"op": name, "shape": f"{label} B={b}", "bytes": bytes_moved(name, inputs, attrs, cfg)}
     notes: list[str] = []
     ws = workspace_for(name, inputs, attrs)
@@ -409,7 +446,7 @@ def check_case(name, label, cfg, b, fused, copy_bw, time_it=True):
         r_res = _try(
             "fp32 reference",
             notes,
-            lambda: run_once(name, get_op(name).impl, [upcast(t) for t in inputs], attrs),
+            lambda: run_once(name, get_op(name).impl, inputs, attrs, in_fp32=True),
         )
         if r_res is None:  # fall back to the bf16 torch op as the reference
             r_res = t_res
@@ -439,7 +476,7 @@ def check_case(name, label, cfg, b, fused, copy_bw, time_it=True):
     if time_it:
         reps = reps_for(row["bytes"])
         copies = ROTATE.get(name, 1)  # weights under the L2 size: rotate copies so they come from HBM
-        sets = [inputs] + [[t.clone() for t in inputs] for _ in range(copies - 1)]
+        sets = [inputs] + [[clone(t) for t in inputs] for _ in range(copies - 1)]
         t_calls, f_calls = [], []
         for inp in sets:
             t_in, f_in2 = fresh_state(name, inp), fresh_state(name, inp)
@@ -488,9 +525,9 @@ class Tuner:
     def case(self, name, cfg, b):
         from draftgraph.ops.triton import _impls
 
-        inputs, attrs = CASES[name](cfg, b)
+        inputs, attrs = make_case(name, cfg, b)
         copies = ROTATE.get(name, 1)
-        sets = [inputs] + [[t.clone() for t in inputs] for _ in range(copies - 1)]
+        sets = [inputs] + [[clone(t) for t in inputs] for _ in range(copies - 1)]
         return {
             "name": name,
             "b": b,
@@ -731,7 +768,7 @@ def phase_breakdown(flash) -> list[dict]:
         ("swa_attention", A.plan),
     ):
         try:
-            inputs, attrs = CASES[name](flash, 1)
+            inputs, attrs = make_case(name, flash, 1)
             ws = workspace_for(name, inputs, attrs)
             f_in = fresh_state(name, inputs)
             outs = outputs_for(name, f_in, attrs)
@@ -789,8 +826,11 @@ def main() -> int:
     parser.add_argument(
         "--cpu-dry-run", action="store_true", help="run the logic on CPU (TRITON_INTERPRET=1)"
     )
+    parser.add_argument("--weights", choices=("bf16", "native"), default="bf16",
+                        help="native: FP8 / MXFP4 weights as stored (linear, swa_attention, moe, moe_hash)")
     args = parser.parse_args()
-    global DEV, DRY, LOG_FILE
+    global DEV, DRY, LOG_FILE, WEIGHTS
+    WEIGHTS = args.weights
     if args.cpu_dry_run:
         DEV, DRY = "cpu", True
     out_dir = Path(args.out)
@@ -815,7 +855,7 @@ def main() -> int:
         log(f"{props.name}, {props.multi_processor_count} SMs, {versions}")
         warm_up_gpu()
         copy_bw = copy_bandwidth()
-    log(f"device-to-device copy: {copy_bw:.0f} GB/s (read + write)")
+    log(f"device-to-device copy: {copy_bw:.0f} GB/s (read + write); weights {WEIGHTS}")
     flash, small = V4Config.flash(), V4Config.small()
     if DRY:
         flash = small  # the whole plan at the small shapes
@@ -863,6 +903,7 @@ def main() -> int:
         json.dumps(
             {
                 "copy_gbps": copy_bw,
+                "weights": WEIGHTS,
                 "rows": ROWS,
                 "tuning": tuner.results if tuner else [],
                 "chosen": tuner.chosen if tuner else {},
