@@ -61,26 +61,29 @@ def _drive(prop: DeepseekV4MtpProposer) -> dict:
     return out
 
 
-CASES = [("streams", 0), ("collapsed", 0), ("streams", VOCAB_LIMITED), ("collapsed", VOCAB_LIMITED)]
+# (mode, mtp_vocab_size, draft_conf_tau): the last one confidence-gated (a gate's flag is read the same on every rank)
+CASES = [("streams", 0, 0.0), ("collapsed", 0, 0.0), ("streams", VOCAB_LIMITED, 0.0), ("collapsed", VOCAB_LIMITED, 0.0),
+         ("streams", 0, 0.08)]
 
 
 def _from_checkpoint(rank: int, world: int, path: str, cases) -> list[dict]:
     return [_drive(DeepseekV4MtpProposer.from_checkpoint(path, process_group=dist.group.WORLD, mode=mode,
-                                                         mtp_vocab_size=vocab, executor="eager", buckets=(1, 4)))
-            for mode, vocab in cases]
+                                                         mtp_vocab_size=vocab, draft_conf_tau=tau, executor="eager",
+                                                         buckets=(1, 4)))
+            for mode, vocab, tau in cases]
 
 
 def _from_tensors(rank: int, world: int, cases) -> list[dict]:
     """The constructor path: the whole checkpoint in memory, cut to the rank's shard by prepare_weights."""
     weights = random_mtp_weights(TINY, seed=SEED)
     return [_drive(DeepseekV4MtpProposer(TINY, weights, process_group=dist.group.WORLD, mode=mode,
-                                         mtp_vocab_size=vocab, executor="eager", buckets=(1, 4)))
-            for mode, vocab in cases]
+                                         mtp_vocab_size=vocab, draft_conf_tau=tau, executor="eager", buckets=(1, 4)))
+            for mode, vocab, tau in cases]
 
 
-def _unsharded(path, mode: str, vocab: int) -> dict:
-    return _drive(DeepseekV4MtpProposer.from_checkpoint(path, mode=mode, mtp_vocab_size=vocab, executor="eager",
-                                                        buckets=(1, 4)))
+def _unsharded(path, mode: str, vocab: int, tau: float) -> dict:
+    return _drive(DeepseekV4MtpProposer.from_checkpoint(path, mode=mode, mtp_vocab_size=vocab, draft_conf_tau=tau,
+                                                        executor="eager", buckets=(1, 4)))
 
 
 def _held_bytes(rank: int, world: int, vocab: int) -> int:
@@ -100,22 +103,25 @@ def _held_bytes(rank: int, world: int, vocab: int) -> int:
 
 
 def _check_against_unsharded(per_rank: list[list[dict]], cases, want: list[dict], world: int) -> None:
-    for index, (mode, vocab) in enumerate(cases):
+    for index, (mode, vocab, tau) in enumerate(cases):
         ref = want[index]
         assert not ref["needs_comm"]
         for rank, got in enumerate(r[index] for r in per_rank):
-            where = (world, rank, mode, vocab)
+            where = (world, rank, mode, vocab, tau)
             assert got["drafts"] == ref["drafts"], where
             assert got["needs_comm"], where
             assert got["free_blocks"] == ref["free_blocks"], where  # the host bookkeeping is the same
-            for g, w in zip(got["conf"], ref["conf"]):
-                torch.testing.assert_close(torch.tensor(g), torch.tensor(w), rtol=1e-5, atol=1e-7)
-            for g, w in zip(got["hidden"], ref["hidden"]):  # bf16: at most one rounding apart
+            for g, w in zip(got["conf"], ref["conf"]):  # per row: gated rows may be shorter than K
+                for g_row, w_row in zip(g, w, strict=True):
+                    torch.testing.assert_close(torch.tensor(g_row), torch.tensor(w_row), rtol=1e-5, atol=1e-7)
+            for g, w in zip(got["hidden"] if not tau else [], ref["hidden"]):  # bf16: at most one rounding apart
                 torch.testing.assert_close(g.float(), w.float(), rtol=2**-7, atol=1e-6)
             assert got["weight_bytes"] == _held_bytes(rank, world, vocab), where
         flat = [d for drafts in ref["drafts"] for row in drafts for d in (row if isinstance(row, list) else [row])]
         assert max(flat) < (vocab or TINY.vocab_size)  # mtp_vocab_size held
         assert max(d for row in ref["drafts"][-1] for d in row) < 37  # the runtime limit held
+        if tau:  # the gate stopped some row early: the case tests what it says
+            assert any(len(row) < 3 for row in ref["drafts"][1]), ref["drafts"][1]
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +142,7 @@ def test_two_ranks_draft_what_one_drafts(tmp_path, checkpoint, reference):
 
 
 def test_four_ranks_from_whole_tensors_draft_what_one_drafts(tmp_path, reference):
-    cases = [("streams", VOCAB_LIMITED), ("collapsed", 0)]
+    cases = [("streams", VOCAB_LIMITED, 0.0), ("collapsed", 0, 0.0)]
     per_rank = results(run_ranks(4, _from_tensors, cases, folder=tmp_path))
     _check_against_unsharded(per_rank, cases, [reference[c] for c in cases], 4)
 
@@ -151,7 +157,7 @@ def test_a_group_of_one_rank_is_the_unsharded_proposer(tmp_path, checkpoint, ref
     text, needs_comm, drafts = results(run_ranks(1, _one_rank, str(checkpoint), folder=tmp_path))[0]
     plain = DeepseekV4MtpProposer.from_checkpoint(checkpoint, executor="eager", buckets=(1, 4))
     assert text == format_graph(plain.chain_graph(3)) and "vocab_parallel" not in text
-    assert not needs_comm and drafts == reference[("streams", 0)]["drafts"]
+    assert not needs_comm and drafts == reference[("streams", 0, 0.0)]["drafts"]
 
 
 def _refuses_on_rank_one(rank: int, world: int, path: str) -> None:
