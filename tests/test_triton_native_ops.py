@@ -23,8 +23,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before `import triton` (see test_triton_kernels)
 triton = pytest.importorskip("triton")
 if not torch.cuda.is_available() and type(triton.language.standard.sum).__name__ == "JITFunction":
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1",
-                allow_module_level=True)
+    pytest.skip(
+        "triton was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1", allow_module_level=True
+    )
 
 
 def _load_kernel_modules():
@@ -164,9 +165,13 @@ def no_torch_fallback(monkeypatch):
     import draftgraph.ops.moe
 
     fallbacks = []
-    for module, fn in [(draftgraph.ops.basic, "_linear_impl"), (draftgraph.ops.combiner, "_combiner_impl"),
-                       (draftgraph.ops.attention, "_attn_impl"), (draftgraph.ops.moe, "_moe_impl"),
-                       (draftgraph.ops.moe, "_moe_hash_impl")]:
+    for module, fn in [
+        (draftgraph.ops.basic, "_linear_impl"),
+        (draftgraph.ops.combiner, "_combiner_impl"),
+        (draftgraph.ops.attention, "_attn_impl"),
+        (draftgraph.ops.moe, "_moe_impl"),
+        (draftgraph.ops.moe, "_moe_hash_impl"),
+    ]:
         monkeypatch.setattr(module, fn, lambda *a, fn=fn: fallbacks.append(fn))
     return fallbacks
 
@@ -212,8 +217,10 @@ def _w8a8_rounded(name, batch, attrs):
     }[name]
 
 
-@pytest.mark.parametrize("name,batch,apart", [("linear", 3, 3), ("combiner", 1, 3), ("swa_attention", 3, 1.5),
-                                              ("moe", 3, 3), ("moe_hash", 1, 3)])
+@pytest.mark.parametrize(
+    "name,batch,apart",
+    [("linear", 3, 3), ("combiner", 1, 3), ("swa_attention", 3, 1.5), ("moe", 3, 3), ("moe_hash", 1, 3)],
+)
 def test_w8a8_on_native_weights_follows_the_torch_ops_rounding(name, batch, apart, monkeypatch):
     inputs, attrs = CASES[name](gen(320 + batch), batch=batch)
     inputs = to_device(native(name, inputs))
@@ -343,8 +350,18 @@ def test_selection_takes_the_fused_impl_where_its_kernels_read_the_format(on_fak
         ("linear", [x, _spec("fp8", (256, 128))], True),
         ("linear", [x, _spec("mxfp4", (256, 128))], False),  # no MXFP4 GEMV
         ("linear", [x, _spec(None, (256, 128))], True),
-        ("combiner", [x, x, TensorSpec((128,), torch.bfloat16), TensorSpec((128,), torch.bfloat16),
-                      _spec("fp8", (128, 128)), _spec(None, (128, 128))], True),
+        (
+            "combiner",
+            [
+                x,
+                x,
+                TensorSpec((128,), torch.bfloat16),
+                TensorSpec((128,), torch.bfloat16),
+                _spec("fp8", (128, 128)),
+                _spec(None, (128, 128)),
+            ],
+            True,
+        ),
         ("moe", _moe_specs("mxfp4", "fp8"), True),
         ("moe", _moe_specs("fp8", "fp8"), False),  # the "fp8" checkpoint format: no FP8 expert kernel
         ("moe", _moe_specs("mxfp4", None), False),
@@ -383,8 +400,9 @@ def test_native_chain_runs_the_fused_impls_and_drafts_as_the_torch_ops(tmp_path,
     tokens, positions = [5, 77, 901], [30, 45, 7]
 
     def propose(fused: bool):
-        prop = DeepseekV4MtpProposer.from_checkpoint(tmp_path, executor="eager", weights="native", kernels="torch",
-                                                     buckets=(3,))
+        prop = DeepseekV4MtpProposer.from_checkpoint(
+            tmp_path, executor="eager", weights="native", kernels="torch", buckets=(3,)
+        )
         executor = prop._executor(3, 2, False)
         chosen = []
         for step in executor.steps:
@@ -409,4 +427,3 @@ def test_native_chain_runs_the_fused_impls_and_drafts_as_the_torch_ops(tmp_path,
     assert {"combiner", "swa_attention"} <= set(chosen) and {"moe", "moe_hash"} & set(chosen), chosen
     assert rel_err(hidden, want_hidden) < 2e-2
     assert got == want, (got, want)
-

@@ -358,16 +358,35 @@ def project(
     """
     if not isinstance(w, QuantWeight):
         if isinstance(w2, QuantWeight) or accumulate:
-            raise InputError(describe("project on a bf16 weight", "a bf16 w2 and no accumulate",
-                                      f"w2 {type(w2).__name__}, accumulate={accumulate}"))
+            raise InputError(
+                describe(
+                    "project on a bf16 weight",
+                    "a bf16 w2 and no accumulate",
+                    f"w2 {type(w2).__name__}, accumulate={accumulate}",
+                )
+            )
         gemv(x, w, out, w2=w2, norm_w=norm_w, eps=eps, group_rows=group_rows, config=config)
         return
     for m in (w, w2):
         if m is not None and (not isinstance(m, QuantWeight) or m.fmt != "fp8"):
-            raise InputError(describe("project weights", "FP8 QuantWeights (no MXFP4 GEMV here)",
-                                      getattr(m, "fmt", type(m).__name__)))
-    fp8_gemv(x, w.data, w.scale, out, w2=None if w2 is None else w2.data, w2_scale=None if w2 is None else w2.scale,
-             norm_w=norm_w, eps=eps, group_rows=group_rows, accumulate=accumulate, config=config)
+            raise InputError(
+                describe(
+                    "project weights", "FP8 QuantWeights (no MXFP4 GEMV here)", getattr(m, "fmt", type(m).__name__)
+                )
+            )
+    fp8_gemv(
+        x,
+        w.data,
+        w.scale,
+        out,
+        w2=None if w2 is None else w2.data,
+        w2_scale=None if w2 is None else w2.scale,
+        norm_w=norm_w,
+        eps=eps,
+        group_rows=group_rows,
+        accumulate=accumulate,
+        config=config,
+    )
 
 
 def fp8_gemv_bytes(n: int, k: int, batch: int = 1, x_itemsize: int = 2, out_itemsize: int = 2) -> int:

@@ -396,8 +396,16 @@ def plan(inputs, outputs, attrs, workspace, hashed: bool) -> list[tuple[str, cal
         )
 
     if quant:
-        experts = _mxfp4_launches(x, xq if w8a8 else None, idx.view(b, top_k), wts.view(b, top_k),
-                                  (w1, w2, w3, sw1, sw2, sw3), out, rest, attrs)
+        experts = _mxfp4_launches(
+            x,
+            xq if w8a8 else None,
+            idx.view(b, top_k),
+            wts.view(b, top_k),
+            (w1, w2, w3, sw1, sw2, sw3),
+            out,
+            rest,
+            attrs,
+        )
         return [("gate", gate), ("route", route), *experts]
     if b >= GROUPED_MIN_BATCH:
         limit = float(attrs["swiglu_limit"])
@@ -415,8 +423,10 @@ def _mxfp4_route_parts(b: int, e: int, k: int, d: int, dtype: torch.dtype, w8a8:
 def _mxfp4_scratch(b: int, e: int, k: int, inter: int, d: int, dtype: torch.dtype, w8a8: bool) -> tuple[int, int]:
     """(bytes of the gate / route scratch, bytes of moe_mxfp4's scratch after it)."""
     grouped = b >= moe_mxfp4.GROUPED_MIN_BATCH
-    return (scratch_bytes(_mxfp4_route_parts(b, e, k, d, dtype, w8a8)),
-            moe_mxfp4.moe_mxfp4_workspace(b, k, inter, d, dtype, grouped))
+    return (
+        scratch_bytes(_mxfp4_route_parts(b, e, k, d, dtype, w8a8)),
+        moe_mxfp4.moe_mxfp4_workspace(b, k, inter, d, dtype, grouped),
+    )
 
 
 def _mxfp4_launches(x, xq, idx, wts, weights, out, rest, attrs) -> list[tuple[str, callable]]:
@@ -460,6 +470,7 @@ def _usable(x, tensors) -> bool:
 
 def _usable_mxfp4(x, tensors) -> bool:
     *routing, w1, w2, w3, sw1, sw2, sw3 = tensors
+
     def fmts(ws):
         return [getattr(w, "fmt", None) for w in ws]
 
@@ -474,8 +485,10 @@ def _usable_mxfp4(x, tensors) -> bool:
 def _formats_gap(routed: list, shared: list) -> str | None:
     if all(f == "mxfp4" for f in routed) and all(f == "fp8" for f in shared):
         return None
-    return (f"the fused MoE reads MXFP4 routed experts with an FP8 shared expert, got routed {routed}, "
-            f"shared {shared} (FP8 routed experts: no FP8 expert kernel)")
+    return (
+        f"the fused MoE reads MXFP4 routed experts with an FP8 shared expert, got routed {routed}, "
+        f"shared {shared} (FP8 routed experts: no FP8 expert kernel)"
+    )
 
 
 def moe_block_scaled(specs) -> str | None:
