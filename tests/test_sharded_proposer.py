@@ -147,6 +147,22 @@ def test_four_ranks_from_whole_tensors_draft_what_one_drafts(tmp_path, reference
     _check_against_unsharded(per_rank, cases, [reference[c] for c in cases], 4)
 
 
+def _native(rank: int, world: int, path: str) -> dict:
+    """Weights kept as stored (MXFP4 experts, FP8 linears): moe_shard reads only its experts' blocks."""
+    return _drive(DeepseekV4MtpProposer.from_checkpoint(path, process_group=dist.group.WORLD, weights="native",
+                                                        executor="eager", buckets=(1, 4)))
+
+
+def test_two_ranks_on_native_mxfp4_weights_draft_what_one_drafts(tmp_path):
+    path = tmp_path / "mxfp4"
+    make_synthetic_checkpoint(path, TINY, fmt="mxfp4", seed=SEED)
+    want = _drive(DeepseekV4MtpProposer.from_checkpoint(path, weights="native", executor="eager", buckets=(1, 4)))
+    for got in results(run_ranks(2, _native, str(path), folder=tmp_path / "ranks")):
+        assert got["drafts"] == want["drafts"] and got["needs_comm"]
+        for g, w in zip(got["conf"], want["conf"]):
+            torch.testing.assert_close(torch.tensor(g), torch.tensor(w), rtol=1e-5, atol=1e-7)
+
+
 def _one_rank(rank: int, world: int, path: str) -> tuple:
     prop = DeepseekV4MtpProposer.from_checkpoint(path, process_group=dist.group.WORLD, executor="eager",
                                                  buckets=(1, 4))
