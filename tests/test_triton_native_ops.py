@@ -427,3 +427,26 @@ def test_native_chain_runs_the_fused_impls_and_drafts_as_the_torch_ops(tmp_path,
     assert {"combiner", "swa_attention"} <= set(chosen) and {"moe", "moe_hash"} & set(chosen), chosen
     assert rel_err(hidden, want_hidden) < 2e-2
     assert got == want, (got, want)
+
+
+# ---- the benchmark's native path, dry ------------------------------------------------------------
+
+
+def test_bench_draft_cpu_dry_run_builds_both_formats_and_binds_the_fused_impls():
+    """bench_draft --cpu-dry-run: the issue-28 table's set-up (both formats from the same draws, floors
+    from the bound chains' specs, the nodes that take fused kernels on CUDA) runs on CPU."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "benchmarks/bench_draft.py", "--cpu-dry-run", "--cases", "1x1"],
+        cwd=root, capture_output=True, text=True, check=True, timeout=600,
+    ).stdout  # fmt: skip
+    native = re.search(r"B=1 K=1 native: floor ([\d.]+) MB .* on CUDA (.*)", out)
+    bf16 = re.search(r"B=1 K=1 +bf16: floor ([\d.]+) MB .* on CUDA (.*)", out)
+    assert native and bf16, out
+    assert native.group(2) == "combiner:fused moe:fused swa_attention:fused", out
+    assert bf16.group(2) == "no block-scaled node", out
+    assert float(native.group(1)) < 0.7 * float(bf16.group(1)), out  # FP8 + MXFP4 bytes against bf16
