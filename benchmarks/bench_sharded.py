@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 benchmarks/bench_sharded.py [--cases 1x1,1x3,32x1] [--config flash] [--out DIR]
     torchrun --nproc-per-node 1 benchmarks/bench_sharded.py            # the W=1 row, same script, same weights
     python benchmarks/bench_sharded.py --cpu-dry-run                   # 2 gloo ranks, small shapes, no timing
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_sharded.py --device cpu --config small  # torchrun path
 
 Each rank makes random bf16 weights for its shard only (runtime/model/sharding.py: its E/W experts,
 its Vd/W head rows, the shared expert on rank 0; the rest replicated) on its GPU, builds the proposer
@@ -228,11 +229,11 @@ def rank_main(args, device: torch.device) -> list[dict]:
     world, rank = dist.get_world_size(), dist.get_rank()
     plan = ShardPlan.make(cfg, rank, world) if world > 1 else None
     weights = shard_weights(cfg, plan, device)
-    bandwidth = copy_bandwidth(device, 64 << 20 if args.cpu_dry_run else 4 << 30)
+    bandwidth = copy_bandwidth(device, 4 << 30 if device.type == "cuda" else 64 << 20)
     rows = []
     for case in args.cases.split(","):
         batch, k = (int(v) for v in case.split("x"))
-        row = measure(cfg, weights, device, batch, k, args.cpu_dry_run)
+        row = measure(cfg, weights, device, batch, k, device.type == "cpu")
         row["floor_ms"] = row["floor_bytes"] / bandwidth * 1e3
         for key in ("replay_ms", "propose_ms", "comm_us", "floor_ms", "floor_bytes"):
             row[key] = max_over_ranks(row[key], device)  # the step waits for its slowest rank
@@ -272,6 +273,8 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default=CASES, help="BxK cases, comma-separated (default %(default)s)")
     p.add_argument("--config", choices=("flash", "small"), default="flash")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON into this folder (rank 0)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cuda (NCCL, one GPU a rank: LOCAL_RANK) or cpu (gloo: checks the torchrun path, no timing)")
     p.add_argument("--floors", action="store_true", help="print the per-rank floor bytes at V4-Flash shapes and exit")
     p.add_argument("--cpu-dry-run", action="store_true",
                    help="2 gloo ranks on the CPU at the small config: checks the script, times nothing meaningful")
@@ -288,12 +291,14 @@ def main(argv=None) -> int:
         return 0
     from draftgraph.runtime.proposer.sharding import process_group_from_env
 
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     process_group_from_env(device)
     try:
         rows = rank_main(args, device)
         if dist.get_rank() == 0:
-            name = torch.cuda.get_device_name(device)
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
             print(f"# {name} x {dist.get_world_size()}, config {args.config}, bf16 weights")
             print_rows(rows)
             if args.out is not None:
