@@ -291,9 +291,13 @@ def test_a_plan_that_does_not_split_is_refused(kw, what):
         ShardPlan.make(TINY, **kw)
 
 
-def test_process_group_needs_torch_distributed():
+def test_a_bad_process_group_is_refused_with_a_typed_error(monkeypatch):
     weights = random_mtp_weights(TINY, seed=SEED)
-    with pytest.raises(InputError, match="init_process_group"):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(InputError, match="torchrun"):  # 'env' outside torchrun
+        DeepseekV4MtpProposer(TINY, weights, process_group="env", executor="eager")
+    with pytest.raises(InputError, match="ProcessGroup"):
         DeepseekV4MtpProposer(TINY, weights, process_group=object(), executor="eager")
     with pytest.raises(InputError, match="process_group"):
         DeepseekV4MtpProposer(TINY, weights, process_group="nccl", executor="eager")

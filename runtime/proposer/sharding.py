@@ -65,6 +65,9 @@ def shard_setup(config: V4Config, process_group, mtp_vocab_size: int, device=Non
             raise InputError(describe("process_group", "a torch.distributed ProcessGroup, 'env' or None",
                                       repr(process_group)))
         group = process_group_from_env(device)
+    elif not isinstance(process_group, dist.ProcessGroup):
+        raise InputError(describe("process_group", "a torch.distributed ProcessGroup, 'env' or None",
+                                  type(process_group).__name__))
     if not dist.is_available() or not dist.is_initialized():
         raise InputError(describe("process_group", "a group of an initialised torch.distributed", "none initialised",
                                   "call torch.distributed.init_process_group first, or pass process_group='env'"))
