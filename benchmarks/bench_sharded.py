@@ -29,21 +29,18 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_floor import step_weight_bytes  # noqa: E402
-from draftgraph.graphs.draft_chain import ChainSpec, build_draft_chain  # noqa: E402
-from draftgraph.graphs.v4_block import CacheGeometry, Numerics, checkpoint_formats  # noqa: E402
-from draftgraph.runtime.model.config import V4Config  # noqa: E402
-from draftgraph.runtime.model.sharding import ShardPlan  # noqa: E402
-from draftgraph.runtime.model.weight_names import MTP_TENSOR_NAMES  # noqa: E402
+from bench_floor import step_weight_bytes  # beside this script (its folder is first on the path)
+from draftgraph.graphs.draft_chain import ChainSpec, build_draft_chain
+from draftgraph.graphs.v4_block import CacheGeometry, Numerics, checkpoint_formats
+from draftgraph.runtime.model.config import V4Config
+from draftgraph.runtime.model.sharding import ShardPlan
+from draftgraph.runtime.model.weight_names import MTP_TENSOR_NAMES
 
 CASES = "1x1,1x3,32x1"
 
