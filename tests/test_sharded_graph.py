@@ -109,3 +109,14 @@ def test_other_ranks_pairs_weigh_nothing_and_read_a_held_expert():
     local, w = local_pairs(idx, weights, 4, 4)
     assert local.tolist() == [[1, 1], [2, 3], [0, 0]]  # row 0's expert 0 reads its expert 5 (local 1)
     assert torch.equal(w, torch.tensor([[0.0, 0.7], [0.5, 0.5], [0.0, 0.1]]))
+
+
+def test_drawn_the_comm_nodes_take_the_comm_colour(capsys):
+    from draftgraph.tools.colors import FAMILY_COLORS
+
+    capsys.readouterr()
+    assert main(["dump", "-k", "1", "--world", "2", "--format", "dot"]) == 0
+    dot = capsys.readouterr().out
+    comm = [line for line in dot.splitlines() if "all_reduce_sum" in line or "vocab_parallel_argmax" in line]
+    assert comm and all(FAMILY_COLORS["comm"] in line for line in comm if "label=" in line and "->" not in line)
+    assert sum(FAMILY_COLORS["comm"] in line for line in dot.splitlines()) >= 2

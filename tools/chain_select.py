@@ -37,6 +37,13 @@ def chain_spec(args) -> ChainSpec:
     return ChainSpec(num_drafts=num_drafts, mode=getattr(args, "mode", "streams"), runner=runner)
 
 
+def add_shard_selectors(parser) -> None:
+    """--world W --rank R: show rank R's graph of the chain sharded over W ranks (docs/SHARDING.md)."""
+    parser.add_argument("--world", type=int, default=1,
+                        help="ranks the MTP layer is sharded over (default 1: unsharded; docs/SHARDING.md)")
+    parser.add_argument("--rank", type=int, default=0, help="the rank whose graph is shown (with --world)")
+
+
 def selected_graph(args) -> Graph:
     """The chain graph as declared (the ``body`` one node with its subgraph); ``--world W --rank R``: that rank's."""
     spec = chain_spec(args)

@@ -38,6 +38,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--out", "-o", type=Path, required=True, help="output file: .svg or .png, in an existing folder")
     add_selectors(p, batch=False)
+    from draftgraph.tools.chain_select import add_shard_selectors
+
+    add_shard_selectors(p)
     p.add_argument(
         "--engine",
         choices=ENGINES,

@@ -43,9 +43,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_selectors(p)
     p.add_argument("--passes", default="all",
                    help="passes to run: all (default), none (the declared graph), or names, comma-separated")
-    p.add_argument("--world", type=int, default=1,
-                   help="ranks the MTP layer is sharded over (default 1: unsharded; docs/SHARDING.md)")
-    p.add_argument("--rank", type=int, default=0, help="the rank whose graph is printed (with --world)")
+    from draftgraph.tools.chain_select import add_shard_selectors
+
+    add_shard_selectors(p)
     p.add_argument("--out", "-o", type=Path, default=None,
                    help="write to this file instead of stdout (its folder must exist)")
     return p
