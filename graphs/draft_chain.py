@@ -22,6 +22,10 @@ The chain unrolls the step K times in one graph: each draft's argmax feeds the n
 each step's hidden feeds the next combiner, and positions advance on the device
 (``offset_positions``), so a whole propose is one graph run. With confidence gates, step k > 0
 is guarded by its gate's flag (``Node.guard``): it runs only while some row is confident.
+
+Sharded (``ChainSpec.shard``, runtime/model/sharding.py, docs/SHARDING.md): the chain of one rank
+holds its head rows and ends each step's head in ``vocab_parallel_argmax``; its body's MoE is the
+rank's share plus an ``all_reduce_sum`` (graphs/v4_block.py). A plan of world 1 builds today's chain.
 """
 
 from __future__ import annotations
