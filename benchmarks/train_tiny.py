@@ -1,6 +1,7 @@
 """Train the tiny V4-shaped target model and its MTP head on the Python standard library's source.
 
     python benchmarks/train_tiny.py [--minutes 18] [--out tools/data/tiny_v4] [--seed 0] [--init DIR]
+        [--mtp-depth K] [--freeze-target]
 
 Data: every ``*.py`` under ``sysconfig.get_paths()["stdlib"]`` (site-packages excluded), sorted by
 relative path, byte-tokenized, each file framed as BOS + bytes + EOS. A file whose
@@ -9,6 +10,10 @@ relative path, byte-tokenized, each file framed as BOS + bytes + EOS. A file who
 Loss: target next-token CE + ``--mtp-weight`` * MTP CE for token t+2. The MTP reads the target's
 streams at t DETACHED (the target learns only from its own loss, as a frozen target would be seen
 at inference) and the TRUE token t+1; the shared embedding and head get gradients from both.
+``--mtp-depth K`` chains the MTP K times in the loss, as drafting does (step k reads step k-1's
+own streams and the token t+k, predicts t+1+k; MTP CE is the mean), so draft positions 2..K are
+trained too. ``--freeze-target`` trains the MTP only: the target (embedding, head and router
+biases included) and so its greedy text stay exactly as loaded from ``--init``.
 
 Schedule: linear warm-up over min(30 s, 5 % of the budget), then cosine decay to 0.1 x ``--lr`` at
 the end of the wall-time budget. ``--init DIR`` warm-starts from a checkpoint this script wrote
@@ -102,15 +107,23 @@ def load_init(path: Path) -> tuple[V4Config, TinyV4Target, TinyV4Mtp]:
 # ---- training ----------------------------------------------------------------------------------
 
 
-def joint_loss(target: TinyV4Target, mtp: TinyV4Mtp, window: torch.Tensor, mtp_weight: float):
-    """``window [B, T+2]`` -> (total, target CE, MTP CE). Positions 0..T-1 predict t+1 and t+2."""
-    T = window.shape[1] - 2
+def joint_loss(target: TinyV4Target, mtp: TinyV4Mtp, window: torch.Tensor, mtp_weight: float, mtp_depth: int = 1):
+    """``window [B, T+1+depth]`` -> (total, target CE, MTP CE). Positions 0..T-1 predict t+1 and,
+    through the MTP chained ``mtp_depth`` times, t+2 .. t+1+depth (MTP CE is their mean).
+
+    Chaining as in drafting: step k reads step k-1's own streams (the target's for k = 1) and the
+    token t+k, so draft positions 2..K are trained too, not only the first.
+    """
+    T = window.shape[1] - 1 - mtp_depth
     inputs = window[:, :T]
     positions = torch.arange(T)
     logits, streams = target.forward_seq(inputs, positions)  # [B, T, V], [B, T, C, D]
     ce_target = F.cross_entropy(logits.flatten(0, 1), window[:, 1 : T + 1].flatten())
-    mtp_logits = mtp.forward_seq(streams.detach(), window[:, 1 : T + 1], target.embed, target.head, positions)
-    ce_mtp = F.cross_entropy(mtp_logits.flatten(0, 1), window[:, 2 : T + 2].flatten())
+    Z, ce_mtp = streams.detach(), 0.0
+    for k in range(1, mtp_depth + 1):
+        Z = mtp.block.forward_seq(mtp.combine(Z, window[:, k : T + k], target.embed), positions)  # [B, T, C, D]
+        mtp_logits = mtp.logits(Z, target.head)
+        ce_mtp = ce_mtp + F.cross_entropy(mtp_logits.flatten(0, 1), window[:, k + 1 : T + k + 1].flatten()) / mtp_depth
     return ce_target + mtp_weight * ce_mtp, ce_target, ce_mtp
 
 
@@ -139,16 +152,22 @@ def train(
     max_steps: int | None = None,
     progress: bool = True,
     init: tuple[TinyV4Target, TinyV4Mtp] | None = None,
+    mtp_depth: int = 1,
+    freeze_target: bool = False,
 ) -> tuple[TinyV4Target, TinyV4Mtp, list[dict]]:
     """Train until ``seconds`` of wall time (or ``max_steps``); warmup, then cosine over the budget.
 
     ``init``: fp32 models to continue from (see ``load_init``) instead of fresh ones.
+    ``freeze_target``: train the MTP only (loss = MTP CE); the target, its embedding and head and its
+    router biases stay as they are, so its greedy text does not change.
     Returns the fp32 models and one history entry per step (loss, ce_target, ce_mtp, lr, t).
     """
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     target, mtp = init if init is not None else (TinyV4Target(config), TinyV4Mtp(config))
-    params = [p for m in (target, mtp) for p in m.parameters()]
+    trained = (mtp,) if freeze_target else (target, mtp)
+    target.requires_grad_(not freeze_target)
+    params = [p for m in trained for p in m.parameters()]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -173,15 +192,17 @@ def train(
         scale = min(1.0, (elapsed + 1e-3) / warmup_s) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for group in opt.param_groups:
             group["lr"] = lr * scale
-        offsets = torch.randint(0, len(stream) - seq_len - 2, (batch,), generator=gen)
-        window = torch.stack([stream[o : o + seq_len + 2] for o in offsets.tolist()]).long()  # [B, T+2]
-        loss, ce_t, ce_m = joint_loss(target, mtp, window, mtp_weight)
+        offsets = torch.randint(0, len(stream) - seq_len - 1 - mtp_depth, (batch,), generator=gen)
+        window = torch.stack([stream[o : o + seq_len + 1 + mtp_depth] for o in offsets.tolist()]).long()
+        loss, ce_t, ce_m = joint_loss(target, mtp, window, mtp_weight, mtp_depth)
+        if freeze_target:
+            loss = ce_m
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         with torch.no_grad():
-            _balance_routers((target, mtp), gamma=1e-3)
+            _balance_routers(trained, gamma=1e-3)
         step += 1
         history.append(
             {
@@ -269,6 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--mtp-weight", type=float, default=0.5)
+    parser.add_argument("--mtp-depth", type=int, default=1, help="MTP steps chained in the loss (draft positions)")
+    parser.add_argument("--freeze-target", action="store_true", help="train the MTP only (use with --init)")
     parser.add_argument("--init", type=Path, default=None, help="warm-start from this checkpoint folder")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -299,6 +322,8 @@ def main(argv: list[str] | None = None) -> None:
         lr=args.lr,
         mtp_weight=args.mtp_weight,
         init=None if init is None else tuple(init),
+        mtp_depth=args.mtp_depth,
+        freeze_target=args.freeze_target,
     )
     train_s = history[-1]["t"] if history else 0.0
     size = save_checkpoint(args.out, config, target, mtp)

@@ -447,6 +447,46 @@ def test_warm_start_continues_from_the_saved_checkpoint(tmp_path):
     assert trained is target2 and trained_mtp is mtp2 and len(history) == 2, len(history)
 
 
+def test_chained_mtp_loss_and_frozen_target():
+    """--mtp-depth 1 is the MTP's teacher-forced loss; depth 2 feeds step 1's own streams to step 2
+    (as drafting does); --freeze-target trains the MTP only and leaves every target tensor as it was."""
+    import torch.nn.functional as F
+    from train_tiny import joint_loss, tiny_config, train
+
+    config = tiny_config(hidden_size=64, n_routed_experts=4, moe_intermediate_size=64, q_lora_rank=32)
+    torch.manual_seed(0)
+    target, mtp = TinyV4Target(config), TinyV4Mtp(config)
+    window = torch.randint(0, 256, (2, 35))  # [B, T+1+depth] with T = 32, depth 2
+    positions = torch.arange(32)
+    with torch.no_grad():
+        _, streams = target.forward_seq(window[:, :32], positions)
+        logits1 = mtp.forward_seq(streams, window[:, 1:33], target.embed, target.head, positions)
+        ce1 = F.cross_entropy(logits1.flatten(0, 1), window[:, 2:34].flatten())
+        Z1 = mtp.block.forward_seq(mtp.combine(streams, window[:, 1:33], target.embed), positions)
+        logits2 = mtp.forward_seq(Z1, window[:, 2:34], target.embed, target.head, positions)
+        ce2 = F.cross_entropy(logits2.flatten(0, 1), window[:, 3:35].flatten())
+        assert torch.allclose(joint_loss(target, mtp, window[:, :34], 0.5)[2], ce1)
+        assert torch.allclose(joint_loss(target, mtp, window, 0.5, mtp_depth=2)[2], (ce1 + ce2) / 2)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    mtp_before = {k: v.clone() for k, v in mtp.state_dict().items()}
+    stream = torch.randint(0, 256, (4096,), dtype=torch.int16)
+    _, _, history = train(
+        config,
+        stream,
+        seconds=60,
+        batch=2,
+        seq_len=32,
+        max_steps=2,
+        progress=False,
+        init=(target, mtp),
+        mtp_depth=3,
+        freeze_target=True,
+    )
+    assert len(history) == 2 and all(h["loss"] == h["ce_mtp"] for h in history), history
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+    assert any(not torch.equal(mtp_before[k], v) for k, v in mtp.state_dict().items())
+
+
 # ---- CUDA graph capture --------------------------------------------------------------------------
 
 
