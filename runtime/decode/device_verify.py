@@ -166,11 +166,7 @@ class DeviceVerifier:
         target = self.target
         for bucket in sorted(set(buckets), reverse=True):
             staged = target.mark_dead(bucket)
-            executor = self.executor(bucket)
-            if getattr(executor, "cuda_graph", False) is None:
-                executor.capture()
-            elif not hasattr(executor, "cuda_graph"):
-                executor.run({name: staged[name] for name in target.graph.inputs}, check=False)
+            self.executor(bucket).warm({name: staged[name] for name in target.graph.inputs})
 
     def advance(self, num_sequences: int) -> None:
         """next_hidden[s] = pair_hidden[s, 1 + a_s] for the first ``num_sequences``: after the read-back."""
@@ -228,6 +224,9 @@ class _EagerVerify:
         outputs = self.executor.run(inputs, check=check)
         self.epilogue(outputs)
         return outputs
+
+    def warm(self, inputs) -> None:
+        self.run(inputs)
 
 
 def _captured_verify(target, bucket: int, prologue, epilogue):

@@ -362,11 +362,7 @@ class TargetModel:
             raise InputError(describe("warm-up buckets", f"row buckets of the target {self.buckets}", unknown))
         for bucket in sorted(set(buckets), reverse=True):
             staged = self.mark_dead(bucket)
-            executor = self._executor(bucket)
-            if getattr(executor, "cuda_graph", False) is None:
-                executor.capture()
-            elif not hasattr(executor, "cuda_graph"):
-                executor.run({name: staged[name] for name in self.graph.inputs}, check=False)
+            self._executor(bucket).warm({name: staged[name] for name in self.graph.inputs})
 
     def device_verifier(self, num_drafts: int):
         """The :class:`~draftgraph.runtime.decode.device_verify.DeviceVerifier` for K drafts (one per K, kept)."""

@@ -189,6 +189,12 @@ class CapturedExecutor:
             self.tracer.slice(f"replay {self.graph_ir.name} B={self.batch}", start, time.perf_counter_ns() - start)
         return self.outputs
 
+    def warm(self, inputs: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Capture now if not yet (a capture runs the steps twice first, compiling their kernels);
+        the graph reads its static inputs, so ``inputs`` (the eager executor's argument) is unused."""
+        if self.cuda_graph is None:
+            self.capture()
+
     def replay(self) -> None:
         """Launch the captured graph as ``run`` does, on the inputs already staged (what benchmarks time)."""
         if self.cuda_graph is None:

@@ -235,6 +235,11 @@ class EagerExecutor:
             for name in self.plan.groups.root:
                 self.bound[name].view(torch.uint8).fill_(byte)  # unaliased buffers are contiguous
 
+    def warm(self, inputs: Mapping[str, torch.Tensor]) -> None:
+        """Run once on ``inputs`` (staged with every row dead), so that on CUDA each kernel the steps
+        launch is compiled now and not in the first real run (the decode loop's warm-up)."""
+        self.run(inputs, check=False)
+
     def run(self, inputs: Mapping[str, torch.Tensor], check: bool = True) -> dict[str, torch.Tensor]:
         """Run every step; returns the graph outputs (views into the arena: copy to keep)."""
         if check:

@@ -201,7 +201,4 @@ def _run_dead(prop, bucket: int, executor) -> None:
     staging = prop._staging_for(bucket)
     empty = np.zeros(0, dtype=np.int64)
     staging.stage(prop.rows.tables, empty, empty, empty, empty, [], prop._vocab_limit())  # every row dead
-    if getattr(executor, "cuda_graph", False) is None:
-        executor.capture()
-    elif not hasattr(executor, "cuda_graph"):
-        executor.run(staging.chain_inputs(None), check=False)
+    executor.warm(staging.chain_inputs(None))
