@@ -326,6 +326,10 @@ class DecodeSession:
         if catchup:
             self.proposer.catchup_batch(*map(list, zip(*catchup)))
             self.stats.num_read_backs += 1  # its finiteness check
+        self._end_step(t0, t1, t2, t3)
+
+    def _end_step(self, t0: float, t1: float, t2: float, t3: float) -> None:
+        """Wait for the step's device work, then book its phases (propose t0-t1, verify t1-t2, catch-up t3-now)."""
         self._sync()
         t4 = time.perf_counter()
         self.stats.num_steps += 1
@@ -373,12 +377,7 @@ class DecodeSession:
         t3 = time.perf_counter()
         if catchup:
             self.proposer.catchup_batch(*map(list, zip(*catchup)), assume_finite=True)
-        self._sync()
-        t4 = time.perf_counter()
-        self.stats.num_steps += 1
-        self.stats.propose_seconds += t1 - t0
-        self.stats.verify_seconds += t2 - t1
-        self.stats.catchup_seconds += t4 - t3
+        self._end_step(t0, t1, t2, t3)
 
     def _claim_verifier(self) -> None:
         """The verifier's buffers are the target's, shared by every session of it with this K: a
