@@ -5,7 +5,8 @@ the mHC fns, the attention weights, the KV window, the gate, the top-k and share
 experts, the LM head rows) divided by the device-to-device copy bandwidth measured
 in the same run. The bytes come from the weights' specs, so they are those of the formats the
 weights are held in (FP8 + scales, packed MXFP4 + scales, bf16 head): ``python
-benchmarks/bench_floor.py`` prints the V4-Flash floor in the checkpoint's formats and in bf16.
+benchmarks/bench_floor.py`` prints the V4-Flash floor in the checkpoint's formats and in bf16,
+and with the draft head quantised to FP8 (``ProposerOptions.head_dtype="fp8"``).
 """
 
 from __future__ import annotations
@@ -20,13 +21,17 @@ from draftgraph.runtime.model.config import V4Config
 GROUPS = ("e_proj+h_proj", "mhc fns", "attention", "kv window", "gate", "experts", "lm head", "norms+embed")
 
 
-def floor_graph(cfg: V4Config, fmt: str = "mxfp4", mode: str = "streams") -> Graph:
+def floor_graph(cfg: V4Config, fmt: str = "mxfp4", mode: str = "streams", head_dtype: str = "bf16") -> Graph:
     """The K=1 chain with every weight in checkpoint format ``fmt`` (graphs.v4_block.checkpoint_formats).
 
     ``fmt="mxfp4"`` is the real DeepSeek-V4 layout, the floor that counts (DESIGN.md); "bf16" the
-    floor of bf16 weights. Only specs are built: no weight is made, so V4-Flash shapes are free.
+    floor of bf16 weights. ``head_dtype="fp8"``: the head held as FP8 for drafting (the proposer's
+    option). Only specs are built: no weight is made, so V4-Flash shapes are free.
     """
-    numerics = Numerics(checkpoint_formats(cfg, fmt) if fmt != "bf16" else ())
+    formats = checkpoint_formats(cfg, fmt) if fmt != "bf16" else ()
+    if head_dtype == "fp8":
+        formats = tuple(sorted((*formats, ("head.weight", "fp8"))))
+    numerics = Numerics(formats)
     geometry = CacheGeometry(num_slots=cfg.sliding_window + 16, max_blocks_per_seq=1)
     return build_draft_chain(cfg, geometry, ChainSpec(mode=mode, numerics=numerics))
 
@@ -102,10 +107,10 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 4 << 30, repeats:
 
 def main() -> int:
     cfg = V4Config.flash()
-    for fmt in ("mxfp4", "bf16"):
-        graph = floor_graph(cfg, fmt)
+    for fmt, head_dtype in (("mxfp4", "bf16"), ("mxfp4", "fp8"), ("bf16", "bf16")):
+        graph = floor_graph(cfg, fmt, head_dtype=head_dtype)
         groups = step_weight_bytes(cfg, graph=graph)
-        print(f"{fmt:>5}: MTP weights {weight_bytes(graph) / 1e9:.2f} GB; floor bytes at B=1 "
+        print(f"{fmt:>5} head {head_dtype:>4}: MTP weights {weight_bytes(graph) / 1e9:.2f} GB; floor bytes at B=1 "
               f"{sum(groups.values()) / 1e9:.3f} GB = " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in groups.items()))
     return 0
 

@@ -178,7 +178,7 @@ def _step(b, config, geometry, spec, ins, token, hidden, positions, body) -> tup
     logits = b.op(
         "lm_head",
         [h_out, b.weight("mtp.0.norm.weight", TensorSpec((d,), BF16)),
-         b.weight("head.weight", TensorSpec((head_rows, d), BF16))],
+         b.weight("head.weight", weight_spec("head.weight", (head_rows, d), BF16, spec.numerics))],
         attrs={"eps": eps, "vocab_rows": head_rows if shard else vocab_rows(config, spec.mtp_vocab_size)},
     )
     sample_inputs = [logits, ins["vocab_limit"]] + ([ins["grammar_mask"]] if spec.masked else [])

@@ -5,6 +5,11 @@ as the reference rounds it), then the GEMV streams the [vocab_rows, D] head once
 ``LM_HEAD_PROLOGUE`` instead norms inside every GEMV program (one launch fewer, an
 extra L2 pass over x per program): the bench times both.
 
+An FP8 head (``ProposerOptions.head_dtype="fp8"``: a QuantWeight, e4m3 with 128 x 128 UE8M0
+scales) streams through ``fp8_linear.fp8_gemv`` instead, on the stored bytes (half the bf16
+head's): the same norm (scratch, or the prologue under ``LM_HEAD_PROLOGUE``), fp32 logits.
+``lm_head_impl.unsupported_block_scaled`` tells kernel_choice it reads FP8 heads only.
+
 draft_argmax: stage 1 gives each (row, vocab chunk) its masked max, the lowest id that
 reaches it and sum exp(l - max) over allowed ids; stage 2 merges the chunks per row with
 the usual rescaling (sum_c s_c * exp(m_c - M)), so the top-1 probability comes out of the
@@ -18,6 +23,7 @@ import triton
 import triton.language as tl
 from draftgraph.ops.triton import gemv as gemv_mod
 from draftgraph.ops.triton._common import carve, next_pow2, pdl_args, pdl_wait, scratch_bytes
+from draftgraph.runtime.model.quant import QuantWeight
 
 LM_HEAD_PROLOGUE = False
 ARGMAX_BLOCK_V = 4096  # vocab ids per stage-1 program: 32 programs a row at V4-Flash
@@ -27,27 +33,62 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
     """The launches of one lm_head call, as (name, thunk)."""
     h, norm_w, head = inputs
     (logits,) = outputs  # [B, Vd] fp32
-    w = head[: logits.shape[1]]
     eps = float(attrs["eps"])
-    cfg = gemv_mod.LM_HEAD_CONFIG
+    if isinstance(head, QuantWeight):
+        gemv = _fp8_head_gemv(head, logits)
+    else:
+        w = head[: logits.shape[1]]
+
+        def gemv(x, **norm):
+            gemv_mod.gemv(x, w, logits, config=gemv_mod.LM_HEAD_CONFIG, **norm)
+
     if LM_HEAD_PROLOGUE:
-        return [("norm+gemv", lambda: gemv_mod.gemv(h, w, logits, norm_w=norm_w, eps=eps, config=cfg))]
+        return [("norm+gemv", lambda: gemv(h, norm_w=norm_w, eps=eps))]
     (normed,) = carve(workspace, h.device, [(tuple(h.shape), h.dtype)])
     return [
         ("norm", lambda: gemv_mod.rms_norm_rows(h, norm_w, eps, normed)),
-        ("gemv", lambda: gemv_mod.gemv(normed, w, logits, config=cfg)),
+        ("gemv", lambda: gemv(normed)),
     ]
+
+
+def _fp8_head_gemv(head: QuantWeight, logits: torch.Tensor):
+    """The GEMV over the first vocab_rows rows of an FP8 head: its bytes and the scale rows covering them."""
+    from draftgraph.ops.triton import fp8_linear
+
+    rows = logits.shape[1]
+    data = head.data[:rows]  # [Vd, D]
+    scale = head.scale[: -(-rows // 128)]  # the 128-row scale blocks covering them (the last may be partial)
+    cfg = fp8_linear.BATCH1_CONFIG if logits.shape[0] == 1 else fp8_linear.DEFAULT
+
+    def gemv(x, **norm):
+        fp8_linear.fp8_gemv(x, data, scale, logits, config=cfg, **norm)
+
+    return gemv
 
 
 def lm_head_impl(inputs, outputs, attrs, workspace):
     h, norm_w, head = inputs
     (logits,) = outputs
-    if h.dtype not in (torch.bfloat16, torch.float16) or head.stride(1) != 1 or logits.stride(1) != 1:
+    if h.dtype not in (torch.bfloat16, torch.float16) or logits.stride(1) != 1 or not _readable_head(head):
         from draftgraph.ops.lm_head import _lm_head_impl
 
         return _lm_head_impl(inputs, outputs, attrs, workspace)
     for _, launch in plan(inputs, outputs, attrs, workspace):
         launch()
+
+
+def _readable_head(head) -> bool:
+    if isinstance(head, QuantWeight):
+        return head.fmt == "fp8" and head.data.is_contiguous() and head.scale.is_contiguous()
+    return head.stride(1) == 1
+
+
+def _head_block_scaled(specs) -> str | None:
+    head = specs[2]
+    return None if head.quant == "fp8" else f"no {head.quant} GEMV kernel for the head (FP8 only)"
+
+
+lm_head_impl.unsupported_block_scaled = _head_block_scaled
 
 
 def lm_head_workspace(specs, attrs, batch: int) -> int:

@@ -27,24 +27,29 @@ from draftgraph.runtime.errors import InputError, describe
 from draftgraph.runtime.ir.graph import Graph
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
 from draftgraph.runtime.model.config import V4Config
-from draftgraph.runtime.model.quant import QuantWeight
+from draftgraph.runtime.model.quant import FP8_BLOCK, QuantWeight, fp8_scale_shape, quantize_fp8
 from draftgraph.runtime.model.sharding import ShardPlan
 
 WEIGHT_MODES = ("native", "bf16")
+HEAD_DTYPES = ("bf16", "fp8")
 _ONE_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
 def prepare_weights(
     config: V4Config, tensors: Mapping[str, torch.Tensor | QuantWeight], device: torch.device,
-    prefix: str = "mtp.0.", weights: str = "bf16", shard: ShardPlan | None = None,
+    prefix: str = "mtp.0.", weights: str = "bf16", shard: ShardPlan | None = None, head_dtype: str = "bf16",
 ) -> dict[str, torch.Tensor | QuantWeight]:
     """Checkpoint tensors -> graph weights on ``device`` (experts stacked, per-expert views kept).
 
     ``weights``: "bf16" dequantises block-scaled weights, "native" keeps them as stored.
     ``shard``: keep this rank's part only (see the module docstring).
+    ``head_dtype``: "fp8" quantises ``head.weight`` (this rank's rows) to FP8 for drafting
+    (:func:`quantise_head`); the embedding is its own tensor and stays bf16.
     """
     if weights not in WEIGHT_MODES:
         raise InputError(describe("weights", " or ".join(map(repr, WEIGHT_MODES)), repr(weights)))
+    if head_dtype not in HEAD_DTYPES:
+        raise InputError(describe("head_dtype", " or ".join(map(repr, HEAD_DTYPES)), repr(head_dtype)))
     experts = range(config.n_routed_experts)
     if shard is not None and shard.is_sharded:
         tensors = _shard_of(config, tensors, shard, prefix)
@@ -52,6 +57,8 @@ def prepare_weights(
     out = {name: t.to(device) for name, t in tensors.items()}
     if weights == "bf16":
         out = {name: t.dequantize(torch.bfloat16) if isinstance(t, QuantWeight) else t for name, t in out.items()}
+    if head_dtype == "fp8" and "head.weight" in out:
+        out["head.weight"] = quantise_head(out["head.weight"])
     for w in ("w1", "w2", "w3"):
         names = [f"{prefix}ffn.experts.{e}.{w}.weight" for e in experts]
         stacked_name = f"{prefix}ffn.experts.stacked.{w}"
@@ -66,6 +73,27 @@ def prepare_weights(
         for e, n in enumerate(names):
             out[n] = stacked[e]
     return out
+
+
+def quantise_head(head: torch.Tensor | QuantWeight) -> QuantWeight:
+    """The LM head [V, D] as FP8 e4m3 with 128 x 128 UE8M0 block scales (quant.quantize_fp8).
+
+    Done in 128-row blocks (a scale block's rows), so the only temporary is a block's fp32 copy,
+    not the whole head's (2 GB at V4-Flash). A head already FP8 is kept.
+    """
+    if isinstance(head, QuantWeight):
+        if head.fmt == "fp8":
+            return head
+        head = head.dequantize(torch.bfloat16)
+    rows, cols = head.shape
+    data = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=head.device)
+    scale = torch.empty(fp8_scale_shape((rows, cols)), dtype=torch.float8_e8m0fnu, device=head.device)
+    step = 64 * FP8_BLOCK  # rows quantised at a time: whole scale blocks
+    for start in range(0, rows, step):
+        q, s = quantize_fp8(head[start : start + step])
+        data[start : start + q.shape[0]] = q
+        scale[start // FP8_BLOCK : start // FP8_BLOCK + s.shape[0]] = s
+    return QuantWeight(data, scale, "fp8")
 
 
 def _shard_of(config: V4Config, tensors: Mapping, shard: ShardPlan, prefix: str) -> dict:

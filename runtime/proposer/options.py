@@ -12,6 +12,7 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 EXECUTORS = ("auto", "eager", "captured")
 WEIGHTS = ("native", "bf16")
 ACTIVATIONS = ("bf16", "fp8")
+HEAD_DTYPES = ("bf16", "fp8")
 _W8A8_NEEDS_NATIVE = describe("activations", "'bf16' with bf16 weights", "'fp8'",
                               "W8A8 quantises the inputs of FP8 / MXFP4 linears: pass weights='native'")
 
@@ -41,6 +42,10 @@ class ProposerOptions:
     # reference and vLLM's block-FP8 path. "bf16": bf16 activations, the default (benchmarks/README.md,
     # "Weights and numerics": W8A8's speed is unmeasured, and it moves drafts away from the unrounded step).
     activations: str = "bf16"
+    # "fp8": the LM head's rows quantised at load to FP8 e4m3 with 128x128 UE8M0 scales, for drafting
+    # only (half the head's bytes: the V4-Flash B=1 floor 1.31 -> 0.78 GB; benchmarks/README.md, "FP8 draft head").
+    # The embedding keeps its own bf16 tensor. "bf16": the checkpoint's head, the default.
+    head_dtype: str = "bf16"
     # Several ranks (runtime/proposer/sharding.py, docs/SHARDING.md): a torch.distributed process group,
     # or "env" (torchrun's variables). World > 1: experts expert-parallel, the head vocab-parallel,
     # needs_comm() True. None (or a group of one rank): one rank, today's graphs.
@@ -77,6 +82,10 @@ class ProposerOptions:
             raise InputError(describe("activations", " or ".join(map(repr, ACTIVATIONS)), repr(self.activations)))
         if self.activations == "fp8" and self.weights == "bf16":
             raise InputError(_W8A8_NEEDS_NATIVE)
+        if self.head_dtype not in HEAD_DTYPES:
+            raise InputError(describe("head_dtype", " or ".join(map(repr, HEAD_DTYPES)), repr(self.head_dtype),
+                                      "'fp8' quantises the head rows at load for drafting (no MXFP4 head: "
+                                      "no MXFP4 GEMV kernel)"))
         if self.executor not in EXECUTORS:
             raise InputError(describe("executor", " or ".join(map(repr, EXECUTORS)), repr(self.executor)))
         if not 0.0 <= self.draft_conf_tau <= 1.0:

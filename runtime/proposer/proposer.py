@@ -165,7 +165,7 @@ class DeepseekV4MtpProposer:
         # Several ranks: this rank's ShardPlan and the RankGroup its executors get (proposer/sharding.py).
         self.shard, self.rank_group = shard_setup(config, opts.process_group, opts.mtp_vocab_size, self.device)
         self.weights = prepare_weights(config, tensors, self.device, weights=opts.weights_on(self.device),
-                                       shard=self.shard)
+                                       shard=self.shard, head_dtype=opts.head_dtype)
         self.state_tensors = {"mtp.0.kv_cache": self.cache.kv}
         self.runner = None
         self._lock = threading.RLock()
@@ -520,7 +520,8 @@ class DeepseekV4MtpProposer:
     def numerics(self) -> Numerics:
         """The graphs' weight formats (from the bound weights), KV rounding and activations (options)."""
         formats = weight_formats(self.weights)
-        return numerics_for(formats, self.options.kv_fp8_round_on(self.device, bool(formats)),
+        checkpoint_scaled = any(name != "head.weight" for name, _ in formats)  # an FP8 draft head: not the KV's cue
+        return numerics_for(formats, self.options.kv_fp8_round_on(self.device, checkpoint_scaled),
                             self.options.activations)
 
     def chain_graph(self, num_drafts: int, masked: bool = False):
@@ -605,8 +606,8 @@ class DeepseekV4MtpProposer:
     @_serialized
     def load_weights(self, tensors) -> None:
         """Replace the weights (same config): every captured graph is dropped."""
-        self.weights = prepare_weights(self.config, tensors, self.device,
-                                       weights=self.options.weights_on(self.device), shard=self.shard)
+        self.weights = prepare_weights(self.config, tensors, self.device, weights=self.options.weights_on(self.device),
+                                       shard=self.shard, head_dtype=self.options.head_dtype)
         if self.runner is not None and hasattr(self.runner, "bind"):
             self.runner.bind(self.config, self.weights, self.device)
         self.drop_executors()
