@@ -1,6 +1,7 @@
 """Acceptance of the committed tiny MTP in the real decode loop, on held-out stdlib files.
 
     python benchmarks/eval_acceptance.py [--files 8] [--prompt-bytes 256] [--max-tokens 48] [--num-drafts 3]
+                                         [--head-dtype bf16|fp8]
 
 Prompts are the first bytes of Python standard-library files that train_tiny.py held out
 (never trained on); the loop is draftgraph.runtime.decode.loop.speculative_decode with greedy verification.
@@ -20,6 +21,8 @@ def main() -> int:
     ap.add_argument("--prompt-bytes", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--num-drafts", type=int, default=3)
+    ap.add_argument("--head-dtype", default="bf16", choices=["bf16", "fp8"],
+                    help="the proposer's draft head (ProposerOptions.head_dtype); the target's stays bf16")
     ap.add_argument("--checkpoint", default=str(Path(__file__).resolve().parents[1] / "tools" / "data" / "tiny_v4"))
     args = ap.parse_args()
     from draftgraph.runtime.decode.loop import speculative_decode
@@ -32,9 +35,9 @@ def main() -> int:
     held = [f for f in files if is_held_out(f)][: args.files]
     prompts = [encode((Path(root) / f).read_text(errors="replace")[: args.prompt_bytes]) for f in held]
     target = TargetModel.from_checkpoint(args.checkpoint, executor="eager", buckets=(256,))
-    proposer = DeepseekV4MtpProposer.from_checkpoint(args.checkpoint, executor="eager")
+    proposer = DeepseekV4MtpProposer.from_checkpoint(args.checkpoint, executor="eager", head_dtype=args.head_dtype)
     result = speculative_decode(target, proposer, prompts, args.max_tokens, args.num_drafts)
-    print(f"held-out files: {', '.join(held)}")
+    print(f"held-out files: {', '.join(held)}; draft head {args.head_dtype}")
     print(result.stats.format_table())
     return 0
 
