@@ -12,8 +12,9 @@ Kernels (docs/KERNELS.md has the byte counts, predictions and measurements):
 op                        module
 ========================  =========================================================
 lm_head, draft_argmax     draftgraph.ops.triton.head   (norm + GEMV; two-stage argmax + prob)
-moe, moe_hash             draftgraph.ops.triton.moe    (gate split-K, w1/w3 + SwiGLU, w2;
-                                             batch > 1: draftgraph.ops.triton.moe_grouped)
+moe, moe_hash,            draftgraph.ops.triton.moe    (gate split-K, w1/w3 + SwiGLU, w2;
+moe_shard                                    batch > 1: draftgraph.ops.triton.moe_grouped;
+                                             moe_shard: this rank's experts, the others' pairs skipped)
 hc_pre, hc_head, hc_post  draftgraph.ops.triton.mhc    (split mix + Sinkhorn finish; post)
 swa_attention             draftgraph.ops.triton.attention
 linear, rms_norm,         draftgraph.ops.triton.gemv   (combiner: a norm and a GEMV per half + the sum)
@@ -22,8 +23,8 @@ draft_gate, cut_drafts    draftgraph.ops.triton.gate   (one program each: a few 
 ========================  =========================================================
 
 Native weights (FP8 / MXFP4 QuantWeights, issue 28.2): linear, combiner and swa_attention run
-``fp8_linear.fp8_gemv`` on FP8 weights, moe and moe_hash ``moe_mxfp4`` on MXFP4 routed experts
-with an FP8 shared expert; each such impl carries ``unsupported_block_scaled(specs)`` (why its
+``fp8_linear.fp8_gemv`` on FP8 weights, moe, moe_hash and moe_shard ``moe_mxfp4`` on MXFP4 routed
+experts with an FP8 shared expert; each such impl carries ``unsupported_block_scaled(specs)`` (why its
 kernels cannot read a node's block-scaled inputs, or None), which
 ``runtime/execution/kernel_choice.select_impl`` asks before binding it to a node that reads one.
 
@@ -45,6 +46,7 @@ def _impls() -> dict:
         "draft_argmax": head.draft_argmax_impl,
         "moe": moe.moe_impl,
         "moe_hash": moe.moe_hash_impl,
+        "moe_shard": moe.moe_shard_impl,
         "hc_pre": mhc.hc_pre_impl,
         "hc_head": mhc.hc_head_impl,
         "hc_post": mhc.hc_post_impl,
@@ -91,6 +93,7 @@ def workspace_rules() -> dict:
         "draft_argmax": head.draft_argmax_workspace,
         "moe": moe.moe_workspace,
         "moe_hash": moe.moe_workspace,
+        "moe_shard": moe.moe_shard_workspace,
         "hc_pre": mhc.hc_mix_workspace,
         "hc_head": mhc.hc_mix_workspace,
         "swa_attention": attention.attention_workspace,

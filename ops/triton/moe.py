@@ -23,6 +23,14 @@ scales; expert-major plus its reduce at batch > 1) on the rest of the scratch. W
 (``attrs["activations"] == "fp8"``) rounds x into scratch before w13 and the act rows in place
 between w13 and w2 (torch roundings, not fused; the gate reads x as it is, as the torch op's).
 
+moe_shard (expert-parallel, docs/SHARDING.md): the same launches on this rank's [E/W, ...] expert
+stacks. The gate and the route run over all E experts (every rank picks the same ones); the route
+then rewrites each pair's global id to its local one, or to ``NO_EXPERT`` with weight 0 when the
+expert is another rank's, and every expert kernel skips a ``NO_EXPERT`` slot: it reads no weight
+bytes and adds nothing (the w13 slot writes act 0; the w2 loop's loads are masked off; expert-major,
+the slot owns nothing and the reduce skips it). The shared expert's slot is there only on the rank
+that holds it. The output is the rank's fp32 partial (the kernels store into the output's dtype).
+
 Note "routing precision": gate logits are fp32 sums of exact bf16 products, so the top-k
 matches the torch op's except for near-ties (|gap| ~ 1e-6), where either choice is right.
 """
@@ -45,11 +53,13 @@ from draftgraph.ops.triton._common import (
     pdl_wait,
     scratch_bytes,
     softplus,
+    splat,
 )
 from draftgraph.ops.triton.gemv import GemvConfig, gemv
 from draftgraph.runtime.model.quant import fp8_round_activations
 
 MAX_BATCH = 64  # the shared slot covers all rows in one tile; larger batches use torch
+NO_EXPERT = -1  # the route's id for a pair whose expert another rank holds (moe_shard): every kernel skips it
 # From this batch on, w13 / w2 are expert-major (moe_grouped: each chosen expert read once for
 # all the rows that chose it); below it, slot-major (no bookkeeping, nothing read twice at B=1).
 GROUPED_MIN_BATCH = 2
@@ -80,6 +90,8 @@ def _moe_route_kernel(
     SPLIT,
     stride_tid,
     scaling,
+    expert_lo,
+    num_local,
     TOPK: tl.constexpr,
     TOPK_PAD: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -118,6 +130,11 @@ def _moe_route_kernel(
     k_mask = offs_k < TOPK
     chosen = tl.where(k_mask, chosen, 0.0)
     weights = chosen / tl.sum(chosen, 0) * scaling
+    # Experts [expert_lo, expert_lo + num_local) are this launch's (all E but in moe_shard): local ids;
+    # any other expert's pair becomes NO_EXPERT with weight 0 (weights renormalised over all K first).
+    here = (ids >= expert_lo) & (ids < expert_lo + num_local)
+    ids = tl.where(here, ids - expert_lo, -1)
+    weights = tl.where(here, weights, 0.0)
     tl.store(idx_ptr + b * TOPK + offs_k, ids, mask=k_mask)
     tl.store(wts_ptr + b * TOPK + offs_k, weights, mask=k_mask)
 
@@ -172,7 +189,8 @@ def _moe_w13_kernel(
     else:
         acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
+    k_end = tl.where(is_shared | (e >= 0), D, 0)  # NO_EXPERT reads nothing: act = swiglu(0, 0) * 0 = 0
+    for k0 in range(0, k_end, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < D
         if EVEN_K:
@@ -215,6 +233,7 @@ def _moe_w2_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
     USE_DOT: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
@@ -232,13 +251,14 @@ def _moe_w2_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for t in range(0, (routed_slots + 1) * INTER, BLOCK_K):
+    for t in range(0, (routed_slots + HAS_SHARED) * INTER, BLOCK_K):
         slot = t // INTER
         k0 = t - slot * INTER
         shared = slot >= routed_slots
         e = tl.load(idx_ptr + tl.minimum(slot, routed_slots - 1)).to(tl.int64)
         w_rows = tl.where(shared, sw2_ptr + row_off, w2_ptr + e * D * INTER + row_off)
-        w = tl.load(w_rows + k0 + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+        live = n_mask & splat(shared | (e >= 0), offs_n)  # NO_EXPERT: nothing loaded (its act row is 0)
+        w = tl.load(w_rows + k0 + offs_k[None, :], mask=live[:, None], other=0.0)
         if USE_DOT:
             src = tl.where(
                 shared, tl.where(rows < B, routed_slots + rows, -1), tl.where(rows == slot // TOPK, slot, -1)
@@ -263,16 +283,17 @@ def _moe_w2_kernel(
 def _route_parts(b: int, e: int, k: int):
     return [
         ((GATE_SPLIT, b, e), torch.float32),  # gate partial logits
-        ((b * k,), torch.int32),  # chosen expert per routed slot
+        ((b * k,), torch.int32),  # chosen expert per routed slot (local id, or NO_EXPERT)
         ((b * k,), torch.float32),  # routing weight per routed slot
     ]
 
 
-def _parts(b: int, e: int, k: int, inter: int, d: int, dtype: torch.dtype):
+def _parts(b: int, e: int, k: int, inter: int, d: int, dtype: torch.dtype, shared: bool = True):
+    slots = b * k + (b if shared else 0)
     return [
         *_route_parts(b, e, k),
-        ((b * k + b, inter), dtype),  # act rows: routed slots, then the shared expert per row
-        ((b * k + b if b >= GROUPED_MIN_BATCH else 0, d), torch.float32),  # expert-major w2 outputs per slot
+        ((slots, inter), dtype),  # act rows: routed slots, then the shared expert per row (if any)
+        ((slots if b >= GROUPED_MIN_BATCH else 0, d), torch.float32),  # expert-major w2 outputs per slot
     ]
 
 
@@ -291,21 +312,41 @@ def plan(inputs, outputs, attrs, workspace, hashed: bool) -> list[tuple[str, cal
         x, gate_w, bias, w1, w2, w3, sw1, sw2, sw3 = inputs
         token = tid2eid = None
         top_k = int(attrs["top_k"])
-    out = outputs[0]
+    routing = (gate_w, bias, token, tid2eid, top_k)
+    return _plan(x, routing, (w1, w2, w3), (sw1, sw2, sw3), 0, outputs[0], attrs, workspace)
+
+
+def shard_plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
+    """The launches of one moe_shard call: moe's on this rank's experts, the shared expert if held."""
+    x, gate_w, bias, w1, w2, w3 = inputs[:6]
+    shared = tuple(inputs[6:]) or None
+    routing = (gate_w, bias, None, None, int(attrs["top_k"]))
+    return _plan(x, routing, (w1, w2, w3), shared, int(attrs["expert_start"]), outputs[0], attrs, workspace)
+
+
+def _plan(x, routing, experts, shared, expert_lo, out, attrs, workspace) -> list[tuple[str, callable]]:
+    """gate + route over all experts, then the expert launches on the stacks ``experts`` [E_here, ...]
+    holding experts [expert_lo, expert_lo + E_here); ``shared`` (sw1, sw2, sw3) or None."""
+    gate_w, bias, token, tid2eid, top_k = routing
+    hashed = tid2eid is not None
+    w1, w2, w3 = experts
+    has_shared = shared is not None
+    # No shared slot: its pointers are never read (the grids have no shared slot); any tensors of the types.
+    sw1, sw2, sw3 = shared if has_shared else experts
     b, d = x.shape
-    e, inter = w1.shape[0], w1.shape[1]
+    e, num_local, inter = gate_w.shape[0], w1.shape[0], w1.shape[1]
     quant = is_quantised(w1)  # MXFP4 experts, FP8 shared expert (_usable)
     if quant:
         w8a8 = attrs.get("activations") == "fp8"
         # One buffer for the route's scratch and moe_mxfp4's (carved again by act_rows): allocated
         # whole here when the op was given none, so both carve the same bytes.
-        head, tail = _mxfp4_scratch(b, e, top_k, inter, d, x.dtype, w8a8)
+        head, tail = _mxfp4_scratch(b, e, top_k, inter, d, x.dtype, w8a8, has_shared)
         if workspace is None or workspace.numel() < head + tail:
             workspace = torch.empty(head + tail, dtype=torch.uint8, device=x.device)
         gpart, idx, wts, xq = carve(workspace, x.device, _mxfp4_route_parts(b, e, top_k, d, x.dtype, w8a8))
         rest = workspace[head:]
     else:
-        gpart, idx, wts, act, part = carve(workspace, x.device, _parts(b, e, top_k, inter, d, x.dtype))
+        gpart, idx, wts, act, part = carve(workspace, x.device, _parts(b, e, top_k, inter, d, x.dtype, has_shared))
     split = GATE_SPLIT if d % (GATE_SPLIT * GATE_CONFIG.block_k) == 0 else 1
     interp = interpreting()
     c13, c2 = _configs(b)
@@ -331,6 +372,8 @@ def plan(inputs, outputs, attrs, workspace, hashed: bool) -> list[tuple[str, cal
             split,
             tid2eid.stride(0) if hashed else 0,
             float(attrs["routed_scaling_factor"]),
+            expert_lo,
+            num_local,
             TOPK=top_k,
             TOPK_PAD=next_pow2(top_k),
             BLOCK_E=next_pow2(e),
@@ -344,7 +387,7 @@ def plan(inputs, outputs, attrs, workspace, hashed: bool) -> list[tuple[str, cal
         bn = min(c13.block_n, max(16 if dot13 else 1, next_pow2(inter)))
         bn = max(bn, 16) if dot13 else bn
         bk = min(c13.block_k, max(16, next_pow2(d)))
-        _moe_w13_kernel[(triton.cdiv(inter, bn), b * top_k + 1)](
+        _moe_w13_kernel[(triton.cdiv(inter, bn), b * top_k + (1 if has_shared else 0))](
             x,
             idx,
             wts,
@@ -388,6 +431,7 @@ def plan(inputs, outputs, attrs, workspace, hashed: bool) -> list[tuple[str, cal
             BLOCK_N=bn,
             BLOCK_K=bk,
             BLOCK_B=block_b if dot2 else 1,
+            HAS_SHARED=has_shared,
             USE_DOT=dot2,
             INTERP=interp,
             num_warps=c2.num_warps,
@@ -401,7 +445,7 @@ def plan(inputs, outputs, attrs, workspace, hashed: bool) -> list[tuple[str, cal
             xq if w8a8 else None,
             idx.view(b, top_k),
             wts.view(b, top_k),
-            (w1, w2, w3, sw1, sw2, sw3),
+            (w1, w2, w3, *shared) if has_shared else (w1, w2, w3),
             out,
             rest,
             attrs,
@@ -410,8 +454,9 @@ def plan(inputs, outputs, attrs, workspace, hashed: bool) -> list[tuple[str, cal
     if b >= GROUPED_MIN_BATCH:
         limit = float(attrs["swiglu_limit"])
         grouped = moe_grouped.launches(
-            x, idx, wts, w1, w3, w2, sw1, sw3, sw2, act, part, out, top_k, limit, c13, c2, block_b, interp
-        )
+            x, idx, wts, w1, w3, w2, sw1, sw3, sw2, act, part, out, top_k, limit, c13, c2, block_b, interp,
+            has_shared=has_shared,
+        )  # fmt: skip
         return [("gate", gate), ("route", route), *grouped]
     return [("gate", gate), ("route", route), ("w13", w13), ("w2", w2_)]
 
@@ -420,20 +465,28 @@ def _mxfp4_route_parts(b: int, e: int, k: int, d: int, dtype: torch.dtype, w8a8:
     return [*_route_parts(b, e, k), ((b if w8a8 else 0, d), dtype)]  # + x rounded through FP8 (W8A8)
 
 
-def _mxfp4_scratch(b: int, e: int, k: int, inter: int, d: int, dtype: torch.dtype, w8a8: bool) -> tuple[int, int]:
+def _mxfp4_scratch(
+    b: int, e: int, k: int, inter: int, d: int, dtype: torch.dtype, w8a8: bool, shared: bool = True
+) -> tuple[int, int]:
     """(bytes of the gate / route scratch, bytes of moe_mxfp4's scratch after it)."""
     grouped = b >= moe_mxfp4.GROUPED_MIN_BATCH
     return (
         scratch_bytes(_mxfp4_route_parts(b, e, k, d, dtype, w8a8)),
-        moe_mxfp4.moe_mxfp4_workspace(b, k, inter, d, dtype, grouped),
+        moe_mxfp4.moe_mxfp4_workspace(b, k, inter, d, dtype, grouped, shared),
     )
 
 
 def _mxfp4_launches(x, xq, idx, wts, weights, out, rest, attrs) -> list[tuple[str, callable]]:
-    """moe_mxfp4's launches on the route's ids and weights; ``xq``: x's FP8-rounded copy (W8A8) or None."""
-    w1, w2, w3, sw1, sw2, sw3 = weights
+    """moe_mxfp4's launches on the route's ids and weights; ``xq``: x's FP8-rounded copy (W8A8) or None.
+
+    ``weights``: (w1, w2, w3, sw1, sw2, sw3), or (w1, w2, w3) without a shared expert (moe_shard off rank 0).
+    """
+    w1, w2, w3, *held = weights
     b, d = x.shape
-    shared = (sw1.data, sw1.scale, sw2.data, sw2.scale, sw3.data, sw3.scale)
+    shared = None
+    if held:
+        sw1, sw2, sw3 = held
+        shared = (sw1.data, sw1.scale, sw2.data, sw2.scale, sw3.data, sw3.scale)
     launches = moe_mxfp4.moe_mxfp4_launches(
         x if xq is None else xq, idx, wts, w1.data, w1.scale, w2.data, w2.scale, w3.data, w3.scale, out,
         swiglu_limit=float(attrs["swiglu_limit"]), shared=shared, workspace=rest,
@@ -441,7 +494,8 @@ def _mxfp4_launches(x, xq, idx, wts, weights, out, rest, attrs) -> list[tuple[st
     if xq is None:
         return launches
     grouped = b >= moe_mxfp4.GROUPED_MIN_BATCH
-    act = carve(rest, x.device, moe_mxfp4.moe_mxfp4_parts(b, idx.shape[1], w1.shape[1], d, x.dtype, grouped))[0]
+    parts = moe_mxfp4.moe_mxfp4_parts(b, idx.shape[1], w1.shape[1], d, x.dtype, grouped, shared is not None)
+    act = carve(rest, x.device, parts)[0]
 
     def round_x():
         xq.copy_(fp8_round_activations(x))
@@ -457,28 +511,28 @@ def _w2_block_k(inter: int, cfg: GemvConfig) -> int:
     return min(cfg.block_k, max(16, next_pow2(inter)))
 
 
-def _usable(x, tensors) -> bool:
+def _usable(x, routing, experts, shared) -> bool:
+    """Whether the fused kernels take these inputs: ``routing`` (gate, bias or tid2eid), ``experts``
+    (w1, w2, w3), ``shared`` (sw1, sw2, sw3) or () (moe_shard off rank 0)."""
     if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] > MAX_BATCH or x.stride(1) != 1:
         return False
-    if any(map(is_quantised, tensors)):
-        return _usable_mxfp4(x, tensors)
-    inter = tensors[-6].shape[1]  # w1 [E, I, D]
+    if any(map(is_quantised, (*experts, *shared))):
+        return _usable_mxfp4(x, routing, experts, shared)
+    inter = experts[0].shape[1]  # w1 [E, I, D]
     if any(inter % _w2_block_k(inter, c) for c in _configs(x.shape[0])):
         return False  # the w2 kernel's flat (slot, k) loop needs whole K blocks per slot
-    return all(t.is_contiguous() for t in tensors)
+    return all(t.is_contiguous() for t in (*routing, *experts, *shared))
 
 
-def _usable_mxfp4(x, tensors) -> bool:
-    *routing, w1, w2, w3, sw1, sw2, sw3 = tensors
-
+def _usable_mxfp4(x, routing, experts, shared) -> bool:
     def fmts(ws):
         return [getattr(w, "fmt", None) for w in ws]
 
-    if _formats_gap(fmts((w1, w2, w3)), fmts((sw1, sw2, sw3))):
+    if _formats_gap(fmts(experts), fmts(shared)):
         return False
     if x.dtype != torch.bfloat16 or x.shape[0] > moe_mxfp4.MAX_BATCH:
         return False
-    dense = [*routing, *(t for w in (w1, w2, w3, sw1, sw2, sw3) for t in (w.data, w.scale))]
+    dense = [*routing, *(t for w in (*experts, *shared) for t in (w.data, w.scale))]
     return all(t.is_contiguous() for t in dense)
 
 
@@ -496,9 +550,14 @@ def moe_block_scaled(specs) -> str | None:
     return _formats_gap([s.quant for s in specs[-6:-3]], [s.quant for s in specs[-3:]])
 
 
+def moe_shard_block_scaled(specs) -> str | None:
+    """Why the fused moe_shard cannot read these block-scaled experts, or None (no shared expert off rank 0)."""
+    return _formats_gap([s.quant for s in specs[3:6]], [s.quant for s in specs[6:9]])
+
+
 def moe_impl(inputs, outputs, attrs, workspace):
     x, gate_w, gate_bias, w1, w2, w3, sw1, sw2, sw3 = inputs
-    if not _usable(x, (gate_w, gate_bias, w1, w2, w3, sw1, sw2, sw3)) or outputs[0].stride(1) != 1:
+    if not _usable(x, (gate_w, gate_bias), (w1, w2, w3), (sw1, sw2, sw3)) or outputs[0].stride(1) != 1:
         from draftgraph.ops.moe import _moe_impl
 
         return _moe_impl(inputs, outputs, attrs, workspace)
@@ -508,7 +567,7 @@ def moe_impl(inputs, outputs, attrs, workspace):
 
 def moe_hash_impl(inputs, outputs, attrs, workspace):
     x, token, tid2eid, gate_w, w1, w2, w3, sw1, sw2, sw3 = inputs
-    if not _usable(x, (gate_w, tid2eid, w1, w2, w3, sw1, sw2, sw3)) or outputs[0].stride(1) != 1:
+    if not _usable(x, (gate_w, tid2eid), (w1, w2, w3), (sw1, sw2, sw3)) or outputs[0].stride(1) != 1:
         from draftgraph.ops.moe import _moe_hash_impl
 
         return _moe_hash_impl(inputs, outputs, attrs, workspace)
@@ -516,8 +575,20 @@ def moe_hash_impl(inputs, outputs, attrs, workspace):
         launch()
 
 
+def moe_shard_impl(inputs, outputs, attrs, workspace):
+    """moe_shard fused: this rank's fp32 partial [B, D] (its experts' pairs, + the shared expert if held)."""
+    x, gate_w, gate_bias, w1, w2, w3 = inputs[:6]
+    if not _usable(x, (gate_w, gate_bias), (w1, w2, w3), tuple(inputs[6:])) or outputs[0].stride(1) != 1:
+        from draftgraph.ops.moe import _moe_shard_impl
+
+        return _moe_shard_impl(inputs, outputs, attrs, workspace)
+    for _, launch in shard_plan(inputs, outputs, attrs, workspace):
+        launch()
+
+
 moe_impl.unsupported_block_scaled = moe_block_scaled
 moe_hash_impl.unsupported_block_scaled = moe_block_scaled
+moe_shard_impl.unsupported_block_scaled = moe_shard_block_scaled
 
 
 def moe_workspace(specs, attrs, batch: int) -> int:
@@ -527,7 +598,17 @@ def moe_workspace(specs, attrs, batch: int) -> int:
     """
     x, w1 = specs[0], specs[-6]
     k = int(attrs.get("top_k", 0)) or specs[2].shape[1]
-    e, inter, d = w1.shape[0], w1.shape[1], x.shape[1]
+    return _workspace(x, w1.shape[0], w1, k, True, attrs, batch)  # unsharded: w1 holds all E experts
+
+
+def moe_shard_workspace(specs, attrs, batch: int) -> int:
+    """Scratch bytes of the fused moe_shard at a concrete batch: moe's, on E/W experts, the shared rows if held."""
+    x, gate_w, w1 = specs[0], specs[1], specs[3]
+    return _workspace(x, gate_w.shape[0], w1, int(attrs["top_k"]), len(specs) == 9, attrs, batch)
+
+
+def _workspace(x, e: int, w1, k: int, shared: bool, attrs, batch: int) -> int:
+    inter, d = w1.shape[1], x.shape[1]
     if w1.is_quantised:
-        return sum(_mxfp4_scratch(batch, e, k, inter, d, x.dtype, attrs.get("activations") == "fp8"))
-    return scratch_bytes(_parts(batch, e, k, inter, d, x.dtype))
+        return sum(_mxfp4_scratch(batch, e, k, inter, d, x.dtype, attrs.get("activations") == "fp8", shared))
+    return scratch_bytes(_parts(batch, e, k, inter, d, x.dtype, shared))

@@ -6,7 +6,11 @@ reads for the ~1.2 GB the batch touches). Here the same grid, (blocks, B*K + 1 s
 is expert-major: a slot works only when it is the *owner* of its expert (the lowest slot
 that chose it); it multiplies the expert's weight tile by all rows that chose it at once
 (one ``tl.dot`` over the padded batch) and the other slots of that expert do nothing.
-The last slot is the shared expert for every row.
+The last slot is the shared expert for every row (when the op has one: ``has_shared``).
+
+A negative expert id (``moe.NO_EXPERT``: the route writes it for moe_shard's pairs of another
+rank's experts) owns nothing: its slot reads no weight bytes and serves no row, and the reduce
+skips it (a row with none of its experts here gets 0, or the shared expert alone).
 
 Three launches after gate and route (``moe.plan``):
 1. w13: act[b, k] = w * silu(min(g, limit)) * clamp(u) for each row b that chose the
@@ -40,7 +44,7 @@ def _owned_rows(idx_ptr, wts_ptr, slot, B, TOPK: tl.constexpr, TOPK_PAD: tl.cons
     ids = tl.load(idx_ptr + flat, mask=in_range, other=-1).to(tl.int64)
     hit = in_range & (ids == e)
     first_slot = tl.min(tl.min(tl.where(hit, flat, routed), 1), 0)
-    owner = shared | (first_slot == slot)
+    owner = shared | ((first_slot == slot) & (e >= 0))  # a negative id (NO_EXPERT) owns nothing
     chose = tl.sum(hit.to(tl.int32), 1) > 0
     serves = tl.where(shared, rows < B, chose) & ((rows * 0 + owner.to(tl.int32)) != 0)
     k_first = tl.min(tl.where(hit, ks[None, :], TOPK_PAD), 1)
@@ -154,6 +158,7 @@ def _moe_reduce_kernel(
     TOPK: tl.constexpr,
     TOPK_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
@@ -164,19 +169,23 @@ def _moe_reduce_kernel(
     k_mask = ks < TOPK
     ids = tl.load(idx_ptr + b * TOPK + ks, mask=k_mask, other=-1)
     earlier_same = (ids[:, None] == ids[None, :]) & (ks[None, :] < ks[:, None])  # [k, j]: j < k, same expert
-    first = k_mask & (tl.sum(earlier_same.to(tl.int32), 1) == 0)
+    first = k_mask & (ids >= 0) & (tl.sum(earlier_same.to(tl.int32), 1) == 0)
     rows = (b * TOPK + ks).to(tl.int64)
     parts = tl.load(part_ptr + rows[:, None] * D + offs_d[None, :], mask=first[:, None] & d_mask[None, :], other=0.0)
-    shared = tl.load(part_ptr + (B * TOPK + b).to(tl.int64) * D + offs_d, mask=d_mask, other=0.0)
-    total = tl.sum(parts, 0) + shared
+    total = tl.sum(parts, 0)
+    if HAS_SHARED:
+        total += tl.load(part_ptr + (B * TOPK + b).to(tl.int64) * D + offs_d, mask=d_mask, other=0.0)
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + offs_d, total.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def launches(x, idx, wts, w1, w3, w2, sw1, sw3, sw2, act, part, out, top_k, limit, c13, c2, block_b, interp):
-    """The three batched launches after gate and route, as (name, thunk)."""
+def launches(
+    x, idx, wts, w1, w3, w2, sw1, sw3, sw2, act, part, out, top_k, limit, c13, c2, block_b, interp, has_shared=True
+):
+    """The three batched launches after gate and route, as (name, thunk); ``has_shared`` False: no
+    shared slot (sw1 / sw3 / sw2 are then never read: pass any bf16 tensors)."""
     b, d = x.shape
     inter = w1.shape[1]
-    slots = b * top_k + 1
+    slots = b * top_k + (1 if has_shared else 0)
     topk_pad = next_pow2(top_k)
     pdl = pdl_args(x.device)
 
@@ -202,7 +211,7 @@ def launches(x, idx, wts, w1, w3, w2, sw1, sw3, sw2, act, part, out, top_k, limi
         block_d = min(REDUCE_BLOCK_D, next_pow2(d))
         _moe_reduce_kernel[(b, triton.cdiv(d, block_d))](
             part, idx, out, b, d, out.stride(0),
-            TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_D=block_d, num_warps=4, **pdl,
+            TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_D=block_d, HAS_SHARED=has_shared, num_warps=4, **pdl,
         )  # fmt: skip
 
     return [("w13", w13), ("w2", w2_), ("reduce", reduce)]

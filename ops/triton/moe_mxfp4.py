@@ -19,6 +19,10 @@ registers:
   that chose it; w2 writes fp32 partials per (row, k); a reduce sums each row's
   first-occurrence partials and the shared one in k order (deterministic, no atomics).
 
+A negative expert id (``moe.NO_EXPERT``, written by the route for moe_shard's pairs of another
+rank's experts) reads no expert bytes in either layout and adds nothing; ``shared=None`` leaves
+the shared slot out (moe_shard on a rank without the shared expert).
+
 Note "MXFP4 tile": a [BLOCK_N, BLOCK_K] tile of logical columns is BLOCK_K / 2 bytes a row.
 Each byte gives two fp32 values (low nibble: even column), each times its 32-column scale
 (gathered per byte: 16 bytes share one, served from L1), and ``tl.join`` + ``reshape``
@@ -43,6 +47,7 @@ from draftgraph.ops.triton._common import (
     pdl_args,
     pdl_wait,
     scratch_bytes,
+    splat,
 )
 from draftgraph.ops.triton.fp8_linear import fp8_tile, native_fp8_supported, ue8m0_to_f32
 from draftgraph.ops.triton.gemv import GemvConfig
@@ -185,7 +190,7 @@ def _w13_kernel(
         weight = rows * 0.0 + tl.where(shared, 1.0, tl.load(wts_ptr + safe))
         serves = tl.where(shared, rows < B, rows == tl.minimum(slot // TOPK, B - 1))
         dest = tl.where(shared, routed + rows, slot)
-        k_end = D
+        k_end = tl.where(shared | (e >= 0), D, 0)  # a negative id (NO_EXPERT) reads nothing: act 0
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < INTER
     n64 = offs_n.to(tl.int64)
@@ -253,7 +258,8 @@ def _w2_kernel(
         e = tl.load(idx_ptr + slot).to(tl.int64)
         w_rows = w2_ptr + e * D * (INTER // 2) + n64[:, None] * (INTER // 2)
         s_rows = s2_ptr + e * D * (INTER // 32) + n64[:, None] * (INTER // 32)
-        w = mxfp4_tile(w_rows, s_rows, k0, n_mask, INTER, BLOCK_N, BLOCK_K)
+        live = n_mask & splat(e >= 0, offs_n)  # a negative id (NO_EXPERT): nothing loaded, the tile is 0
+        w = mxfp4_tile(w_rows, s_rows, k0, live, INTER, BLOCK_N, BLOCK_K)
         if USE_DOT:
             src = tl.where(rows == slot // TOPK, slot, -1)
             a = tl.load(
@@ -357,7 +363,7 @@ def _reduce_kernel(
     k_mask = ks < TOPK
     ids = tl.load(idx_ptr + b * TOPK + ks, mask=k_mask, other=-1)
     earlier_same = (ids[:, None] == ids[None, :]) & (ks[None, :] < ks[:, None])  # [k, j]: j < k, same expert
-    first = k_mask & (tl.sum(earlier_same.to(tl.int32), 1) == 0)
+    first = k_mask & (ids >= 0) & (tl.sum(earlier_same.to(tl.int32), 1) == 0)
     rows = (b * TOPK + ks).to(tl.int64)
     parts = tl.load(part_ptr + rows[:, None] * D + offs_d[None, :], mask=first[:, None] & d_mask[None, :], other=0.0)
     total = tl.sum(parts, 0)
@@ -432,15 +438,17 @@ def _pow2_dividing(n: int, at_most: int) -> int:
     return block
 
 
-def moe_mxfp4_parts(batch: int, top_k: int, inter: int, d: int, dtype: torch.dtype, grouped: bool):
+def moe_mxfp4_parts(batch: int, top_k: int, inter: int, d: int, dtype: torch.dtype, grouped: bool, shared: bool = True):
     """Scratch of one call, as :func:`_common.carve` parts: act rows (routed slots, then the
-    shared expert per row) and, expert-major, fp32 w2 partials per slot."""
-    slots = batch * top_k + batch
+    shared expert per row, if any) and, expert-major, fp32 w2 partials per slot."""
+    slots = batch * top_k + (batch if shared else 0)
     return [((slots, inter), dtype), ((slots if grouped else 0, d), torch.float32)]
 
 
-def moe_mxfp4_workspace(batch: int, top_k: int, inter: int, d: int, dtype: torch.dtype, grouped: bool) -> int:
-    return scratch_bytes(moe_mxfp4_parts(batch, top_k, inter, d, dtype, grouped))
+def moe_mxfp4_workspace(
+    batch: int, top_k: int, inter: int, d: int, dtype: torch.dtype, grouped: bool, shared: bool = True
+) -> int:
+    return scratch_bytes(moe_mxfp4_parts(batch, top_k, inter, d, dtype, grouped, shared))
 
 
 def moe_mxfp4_launches(
@@ -478,7 +486,7 @@ def moe_mxfp4_launches(
             sw1b, sw3b, sw2b = shared[0], shared[4], shared[2]
     else:  # never read: the grid has no shared slot; any byte tensors of the kernel's types
         sw1b, ss1b, sw3b, ss3b, sw2b, ss2b = w1b, s1b, w3b, s3b, w2b, s2b
-    act, part = carve(workspace, x.device, moe_mxfp4_parts(b, top_k, inter, d, x.dtype, grouped))
+    act, part = carve(workspace, x.device, moe_mxfp4_parts(b, top_k, inter, d, x.dtype, grouped, has_shared))
     c13, c2 = (W13_CONFIG, W2_CONFIG) if b == 1 else (W13_CONFIG_BATCHED, W2_CONFIG_BATCHED)
     dot13 = c13.use_dot or b > 1
     dot2 = c2.use_dot or b > 1
@@ -559,7 +567,8 @@ def moe_mxfp4(
     Parameters
     ----------
     x : bf16 / fp16 [B, D], B <= 64.
-    idx, wts : [B, K] int32 expert ids and fp32 routing weights (the route kernel's), on the device.
+    idx, wts : [B, K] int32 expert ids and fp32 routing weights (the route kernel's), on the device; a
+        negative id (``moe.NO_EXPERT``) is a pair to skip: no expert bytes read, nothing added.
     w1, w3 : MXFP4 [E, I, D/2] (int8 / uint8 / float4_e2m1fn_x2), scales [E, I, D/32] (UE8M0 or uint8).
     w2 : MXFP4 [E, D, I/2], scale [E, D, I/32].
     shared : (sw1, sw1_scale, sw2, sw2_scale, sw3, sw3_scale), FP8 e4m3 [I, D] / [D, I] with 128 x 128

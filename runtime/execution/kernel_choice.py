@@ -44,11 +44,14 @@ def select_impl(op: OpDef, device: torch.device, kernels: str, input_specs: Sequ
     # A node reading a block-scaled (FP8 / MXFP4) weight takes the fused impl only where its
     # kernels read those formats, which the impl says through ``unsupported_block_scaled(specs)``
     # (the reason, or None): FP8 linears (linear, combiner, swa_attention with all five FP8) and
-    # MXFP4 routed experts with an FP8 shared expert (moe, moe_hash), ops/triton. Everything else
-    # runs the torch op, which dequantises the blocks it reads (ops/quantised.py): impls without
-    # the rule (their kernels read bf16 weights only), an MXFP4 linear (no MXFP4 GEMV kernel),
-    # FP8 routed experts (the "fp8" checkpoint format: no FP8 expert kernel), an attention with
-    # mixed formats.
+    # MXFP4 routed experts with an FP8 shared expert (moe, moe_hash; moe_shard too, whose shared
+    # expert only rank 0 holds), ops/triton. Everything else runs the torch op, which dequantises
+    # the blocks it reads (ops/quantised.py): impls without the rule (their kernels read bf16
+    # weights only), an MXFP4 linear (no MXFP4 GEMV kernel), FP8 routed experts (the "fp8"
+    # checkpoint format: no FP8 expert kernel), an attention with mixed formats. A node with bf16
+    # weights only (moe_shard's bf16 experts included) takes the fused impl whenever one is
+    # registered; at run time each fused impl still hands inputs its kernels do not cover (odd
+    # dtypes or strides, batch over the MoE's MAX_BATCH) to its torch op.
     return fused if block_scaled_gap(fused, input_specs) is None else op.impl
 
 
