@@ -182,6 +182,67 @@ def test_fp8_head_drafts_agree_where_the_top2_gap_exceeds_the_logit_change(draft
         assert drafts8[row] == drafts16[row], row
 
 
+def test_fp8_head_chain_on_the_fused_lm_head_drafts_as_the_torch_op(monkeypatch):
+    """The chain's lm_head step bound to the fused impl (as kernel_choice binds it on CUDA), under the
+    interpreter: one fp8_gemv a step, no torch fallback, drafts equal to the torch op's wherever the
+    float64 top-2 gap exceeds the norm's bf16 rounding noise (0.06, as test_native_proposer)."""
+    from draftgraph.ops.triton import fp8_linear
+    from draftgraph.ops.triton import head as head_kernels
+
+    rows = 16
+    gen = torch.Generator().manual_seed(4)
+    hiddens = torch.randn(rows, SMALL.hc_mult, SMALL.hidden_size, generator=gen).bfloat16()
+    tokens = torch.randint(SMALL.vocab_size, (rows,), generator=gen).tolist()
+    positions = [5 + 3 * i for i in range(rows)]
+
+    def propose(fused: bool):
+        prop = make_proposer(SMALL, seed=5, head_dtype="fp8", kernels="torch", buckets=(rows,))
+        executor = prop._executor(rows, 1, False)
+        for step in executor.steps:
+            if step.node.op == "lm_head" and fused:
+                specs = [executor.graph.values[n].spec for n in step.node.inputs]
+                assert block_scaled_gap(head_kernels.lm_head_impl, specs) is None
+                step.impl = head_kernels.lm_head_impl
+        states = [prop.alloc_state() for _ in range(rows)]
+        drafts = prop.propose_batch(tokens, hiddens, positions, 1, states)
+        return prop, [d[0] for d in drafts], prop.last_hidden(rows).to(F64)
+
+    prop, want, hidden = propose(False)
+    calls = []
+    real_gemv = fp8_linear.fp8_gemv
+    monkeypatch.setattr(fp8_linear, "fp8_gemv", lambda *a, **kw: calls.append(1) or real_gemv(*a, **kw))
+    monkeypatch.setattr(lm_head_mod, "_lm_head_impl", lambda *a: pytest.fail("torch fallback"))
+    _, got, got_hidden = propose(True)
+    assert len(calls) == 1 and torch.equal(hidden, got_hidden)
+    w = prop.weights["head.weight"].dequantize(torch.float32).to(F64)
+    names = ("hc_head_fn", "hc_head_base", "hc_head_scale", "norm.weight")
+    ref = ReferenceMtp(SMALL, {f"mtp.0.{n}": prop.weights[f"mtp.0.{n}"] for n in names})
+    logits = torch.stack([w @ rms(ref.hc_head(s), ref.W("norm.weight"), SMALL.rms_norm_eps) for s in hidden])
+    top = torch.topk(logits, 2).values
+    wide = (top[:, 0] - top[:, 1]) > 0.06
+    assert int(wide.sum()) >= 4, top
+    for row in torch.nonzero(wide).flatten().tolist():
+        assert got[row] == want[row] == int(logits[row].argmax()), row
+
+
+def test_kernel_choice_binds_the_fused_lm_head_to_an_fp8_head_only():
+    from draftgraph.ops.triton import head as head_kernels
+    from draftgraph.runtime.execution.kernel_choice import select_impl
+    from draftgraph.runtime.ir.op_registry import get_op, register_fused
+
+    op = get_op("lm_head")
+    h, norm_w, head = head_case(1, 256, 128)
+    base = [TensorSpec.of(h), TensorSpec.of(norm_w)]
+    register_fused("lm_head", "meta", head_kernels.lm_head_impl)  # as register_all does for CUDA
+    try:
+        meta = torch.device("meta")
+        assert select_impl(op, meta, "auto", base + [TensorSpec.of(quantise_head(head))]) is head_kernels.lm_head_impl
+        assert select_impl(op, meta, "auto", base + [TensorSpec.of(quantize_weight(head, "mxfp4"))]) is op.impl
+        assert select_impl(op, meta, "auto", base + [TensorSpec.of(head)]) is head_kernels.lm_head_impl
+    finally:
+        op.fused.pop("meta", None)
+
+
 def test_a_bad_head_dtype_is_a_typed_error():
     for value in ("fp4", "int8", None):
         with pytest.raises(InputError, match="head_dtype"):
@@ -203,3 +264,45 @@ def test_floor_with_an_fp8_head_from_the_specs():
     assert fp8["lm head"] == v * d + math.ceil(v / 128) * math.ceil(d / 128)
     assert {k: x for k, x in fp8.items() if k != "lm head"} == {k: x for k, x in bf16.items() if k != "lm head"}
     assert 0.77e9 < sum(fp8.values()) < 0.79e9 and 1.30e9 < sum(bf16.values()) < 1.32e9
+
+
+# ---- CUDA (written without a GPU: never run) -------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_fp8_head_at_flash_shapes_against_the_torch_op():
+    from draftgraph.ops.triton import head as head_kernels
+
+    cfg = V4Config.flash()
+    h, norm_w, head = (t.cuda() for t in head_case(4, cfg.vocab_size, cfg.hidden_size))
+    w = quantise_head(head)
+    for batch in (1, 4):
+        got = torch.full((batch, cfg.vocab_size), float("nan"), device="cuda")
+        want = torch.empty_like(got)
+        args = ({"eps": EPS, "vocab_rows": 0}, None)
+        head_kernels.lm_head_impl([h[:batch], norm_w, w], [got], *args)
+        lm_head_mod._lm_head_impl([h[:batch], norm_w, w], [want], *args)
+        err = (got - want).abs().max() / want.abs().max()
+        assert float(err) < 1e-2, float(err)  # the norms' bf16 roundings differ by an ulp, nothing else
+        assert float((got.argmax(1) == want.argmax(1)).float().mean()) >= 0.75
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_head_on_cuda_binds_the_fused_head_and_replays_as_eager():
+    from draftgraph.ops.triton import head as head_kernels
+
+    gen = torch.Generator().manual_seed(0)
+    hiddens = torch.randn(8, SMALL.hc_mult, SMALL.hidden_size, generator=gen).bfloat16().cuda()
+    tokens, positions = torch.randint(SMALL.vocab_size, (8,), generator=gen).tolist(), [3 + i for i in range(8)]
+    results = []
+    for executor in ("eager", "captured"):
+        prop = make_proposer(SMALL, seed=5, head_dtype="fp8", device="cuda", executor=executor)
+        states = [prop.alloc_state() for _ in range(8)]
+        results.append(prop.propose_batch(tokens, hiddens, positions, 3, states))
+        for ex in prop._executors.values():
+            eager = getattr(ex, "eager", ex)
+            impls = [s.impl for s in eager.steps if s.node.op == "lm_head"]
+            assert impls and all(i is head_kernels.lm_head_impl for i in impls), impls
+    assert results[0] == results[1]
