@@ -124,7 +124,7 @@ def test_swap_default_prompt_tells_the_runners_apart(capsys):
     assert f"# prompt 0: {DEFAULT_PROMPT!r} (the default; --prompt to change it)" in out.splitlines()
     rows = [ln.split() for ln in out.splitlines()]
     acceptance = {r[0]: float(r[1]) for r in rows if r[:1] in (["builtin"], ["identity"])}
-    assert acceptance["builtin"] >= 0.8 and acceptance["identity"] <= acceptance["builtin"] - 0.4, acceptance
+    assert acceptance["builtin"] >= 0.6 and acceptance["identity"] <= acceptance["builtin"] - 0.4, acceptance
 
 
 def test_prompt_lines_name_each_prompt_and_cut_long_ones():
