@@ -44,7 +44,8 @@ def prepare_weights(
     ``weights``: "bf16" dequantises block-scaled weights, "native" keeps them as stored.
     ``shard``: keep this rank's part only (see the module docstring).
     ``head_dtype``: "fp8" quantises ``head.weight`` (this rank's rows) to FP8 for drafting
-    (:func:`quantise_head`); the embedding is its own tensor and stays bf16.
+    (:func:`quantise_head`); the embedding is its own tensor and stays bf16. Sharded, a rank's
+    128-row scale blocks start at its first row, so its scales may differ from the unsharded head's.
     """
     if weights not in WEIGHT_MODES:
         raise InputError(describe("weights", " or ".join(map(repr, WEIGHT_MODES)), repr(weights)))
