@@ -179,9 +179,8 @@ def test_rows_whose_experts_are_all_on_one_rank(fmt):
     partials = fused_partials(fmt, 4, 4, True)
     for rank in (0, 1):
         shard, sattrs = rank_case(inputs, attrs, rank, 4)
-        ref_torch, ref = run(get_op("moe_shard").impl, shard, sattrs), run(
-            get_op("moe_shard").impl, fp32_inputs(shard), sattrs
-        )
+        torch_op = get_op("moe_shard").impl
+        ref_torch, ref = run(torch_op, shard, sattrs), run(torch_op, fp32_inputs(shard), sattrs)
         e_f, e_t = rel_err(partials[rank], ref), rel_err(ref_torch, ref)
         assert e_f <= max(2 * e_t, 2e-3), f"rank {rank}: fused {e_f:.2e}, torch {e_t:.2e}"
     assert torch.all(partials[2] == 0) and torch.all(partials[3] == 0)
@@ -340,6 +339,53 @@ def test_inputs_the_kernels_do_not_take_run_the_torch_op(monkeypatch):
     assert len(calls) == 2
     FUSED_SHARD(shard, [out], sattrs, None)
     assert len(calls) == 2
+
+
+# ---- the sharded chain through the fused moe_shard (2 gloo ranks) ------------------------------
+
+
+def _propose_sharded(rank: int, world: int, fused: bool):
+    """Rank ``rank``'s K=2 drafts at batch 3, its moe_shard steps bound to the fused impl (as on CUDA) if ``fused``."""
+    import draftgraph.ops.moe
+    import torch.distributed as dist
+    from draftgraph.runtime.model.synthetic_weights import random_mtp_weights
+    from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
+    from proposer_fixtures import TINY
+
+    group = dist.group.WORLD if world > 1 else None
+    prop = DeepseekV4MtpProposer(TINY, random_mtp_weights(TINY, seed=9), executor="eager", buckets=(3,),
+                                 process_group=group)  # fmt: skip
+    executor = prop._executor(3, 2, False)
+    bound = []
+    for step in executor.steps:
+        if fused and step.node.op == "moe_shard":
+            step.impl = FUSED_SHARD
+            bound.append(step.node.op)
+    if fused:  # this rank process only: the fused impl must not hand its inputs to the torch op
+
+        def refuse(*args):
+            raise AssertionError("the fused moe_shard fell back to the torch op")
+
+        draftgraph.ops.moe._moe_shard_impl = refuse
+    g = torch.Generator().manual_seed(5)
+    hiddens = torch.randn(3, TINY.hc_mult, TINY.hidden_size, generator=g).bfloat16()
+    states = [prop.alloc_state() for _ in range(3)]
+    drafts = prop.propose_batch([5, 17, 61], list(hiddens), [30, 45, 7], 2, states)
+    return drafts, prop.last_hidden(3).float(), bound
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the CPU path of the sharded chain (gloo ranks)")
+def test_two_gloo_ranks_through_the_fused_moe_shard_draft_as_one_rank(tmp_path):
+    """The TINY chain sharded over 2 gloo ranks, each rank's moe_shard on the fused impl (bf16 experts),
+    drafts what the unsharded torch chain drafts; the final hidden agrees within bf16 noise."""
+    from rank_processes import results, run_ranks
+
+    want, want_hidden, _ = _propose_sharded(0, 1, fused=False)
+    ranks = results(run_ranks(2, _propose_sharded, True, folder=tmp_path, timeout=300.0))
+    for rank, (drafts, hidden, bound) in enumerate(ranks):
+        assert bound == ["moe_shard"] * 2, (rank, bound)  # one per draft step
+        assert drafts == want, (rank, drafts, want)
+        assert rel_err(hidden, want_hidden) < 2e-2, rank
 
 
 # ---- V4-Flash shapes (CUDA) --------------------------------------------------------------------
