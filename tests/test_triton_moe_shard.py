@@ -391,11 +391,20 @@ def test_two_gloo_ranks_through_the_fused_moe_shard_draft_as_one_rank(tmp_path):
 # ---- V4-Flash shapes (CUDA) --------------------------------------------------------------------
 
 
+def _mxfp4_stack(stack: torch.Tensor) -> QuantWeight:
+    """A [E, O, I] bf16 stack as MXFP4, quantised expert by expert (no fp32 copy of the whole stack)."""
+    parts = [quantize_weight(m.float(), "mxfp4") for m in stack]
+    data = torch.stack([p.data.view(torch.uint8) for p in parts]).view(parts[0].data.dtype)
+    return QuantWeight(data, torch.stack([p.scale for p in parts]), "mxfp4")
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("batch", [1, 8])
-def test_flash_fused_partials_sum_to_the_fused_moe(batch):
-    """256 experts, W=2 (never run on a GPU yet): the two ranks' fused partials summed == the fused moe."""
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_flash_fused_partials_sum_to_the_fused_moe(fmt, batch):
+    """256 experts, W=2 (never run on a GPU yet): the two ranks' fused partials summed == the fused moe,
+    both with fp32 outputs (bf16 experts, or MXFP4 experts with the FP8 shared expert)."""
     flash = V4Config.flash()
     d, e, i = flash.hidden_size, flash.n_routed_experts, flash.moe_intermediate_size
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -407,6 +416,10 @@ def test_flash_fused_partials_sum_to_the_fused_moe(batch):
               randn(e, i, d, scale=1 / math.sqrt(d)), randn(e, d, i, scale=1 / math.sqrt(i)),
               randn(e, i, d, scale=1 / math.sqrt(d)), randn(i, d, scale=1 / math.sqrt(d)),
               randn(d, i, scale=1 / math.sqrt(i)), randn(i, d, scale=1 / math.sqrt(d))]  # fmt: skip
+    if fmt == "mxfp4":
+        inputs[3:6] = [_mxfp4_stack(t) for t in inputs[3:6]]
+        inputs[6:9] = [quantize_weight(t.float(), "fp8") for t in inputs[6:9]]
+        torch.cuda.empty_cache()
     attrs = {"top_k": flash.num_experts_per_tok, "routed_scaling_factor": flash.routed_scaling_factor,
              "swiglu_limit": flash.swiglu_limit}  # fmt: skip
     whole = run(FUSED_MOE, inputs, attrs, out_dtype=torch.float32, op="moe")
