@@ -92,7 +92,11 @@ def random_weights(cfg: V4Config, device, seed: int = 0) -> dict[str, torch.Tens
     return out
 
 
-WEIGHTS = ("native", "bf16")
+WEIGHTS = ("native", "bf16", "native-fp8head")
+# format -> the proposer's options: native-fp8head is native with the draft head quantised to FP8 at load
+# (head_dtype="fp8", issue 28.5), the same weight set.
+PROPOSER_FORMAT = {"native": {"weights": "native"}, "bf16": {"weights": "bf16"},
+                   "native-fp8head": {"weights": "native", "head_dtype": "fp8"}}
 
 
 def native_weights(cfg: V4Config, bf16: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | QuantWeight]:
@@ -296,7 +300,7 @@ def make_proposer(cfg, weights, device, batch: int, executor: str, kernels: str,
 
     return DeepseekV4MtpProposer(cfg, weights, device=device, executor=executor, kernels=KERNELS_OPTION[kernels],
                                  buckets=(batch,), num_cache_blocks=batch * 16, overlap=kernels != "torch-serial",
-                                 weights=fmt)
+                                 **PROPOSER_FORMAT[fmt])
 
 
 def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, kernels: str, profile: bool,
@@ -500,9 +504,9 @@ def main() -> int:
     ap.add_argument("--kernels", default=",".join(VARIANTS),
                     help="captured variants: torch,compiled,fused (and fused-nopdl: PDL off; "
                          "torch-serial: the torch ops on one stream; torch-noprio: side lanes at normal priority)")
-    ap.add_argument("--weights", default=",".join(WEIGHTS),
+    ap.add_argument("--weights", default="native,bf16",
                     help="weights formats, side by side: native (FP8 linears + MXFP4 experts, as weights='native' "
-                         "binds the checkpoint) and/or bf16")
+                         "binds the checkpoint), bf16, native-fp8head (native with head_dtype='fp8')")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--compile-cases", default=",".join(f"{b}x{k}" for b, k in CASES),
                     help="cases that get the torch.compile baseline (100-200 s of compiling per batch size)")
@@ -605,14 +609,18 @@ def make_weight_sets(cfg: V4Config, device, formats: list[str]) -> dict[str, dic
     t0 = time.perf_counter()
     bf16 = random_weights(cfg, device)
     sets = {}
-    if "native" in formats:
+    if {"native", "native-fp8head"} & set(formats):
         sets["native"] = prepare_weights(cfg, native_weights(cfg, bf16), device, weights="native")
+        if "native-fp8head" in formats:  # the same tensors: the proposer quantises its head at load
+            sets["native-fp8head"] = sets["native"]
     if "bf16" in formats:
         sets["bf16"] = prepare_weights(cfg, bf16, device)
     del bf16
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+    if "native" not in formats:
+        sets.pop("native", None)
     for fmt, weights in sets.items():
         print(f"weights {fmt}: {weights_nbytes(weights) / 1e6:.1f} MB", flush=True)
     print(f"made in {time.perf_counter() - t0:.1f} s", flush=True)
