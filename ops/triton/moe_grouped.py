@@ -159,8 +159,10 @@ def _moe_reduce_kernel(
     TOPK_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_SHARED: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """out[b] (+)= the row's first-occurrence partials in k order, + the shared one (also moe_mxfp4's reduce)."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -175,7 +177,10 @@ def _moe_reduce_kernel(
     total = tl.sum(parts, 0)
     if HAS_SHARED:
         total += tl.load(part_ptr + (B * TOPK + b).to(tl.int64) * D + offs_d, mask=d_mask, other=0.0)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + offs_d, total.to(out_ptr.dtype.element_ty), mask=d_mask)
+    ptrs = out_ptr + b.to(tl.int64) * stride_ob + offs_d
+    if ACCUMULATE:
+        total += tl.load(ptrs, mask=d_mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def launches(
@@ -211,7 +216,8 @@ def launches(
         block_d = min(REDUCE_BLOCK_D, next_pow2(d))
         _moe_reduce_kernel[(b, triton.cdiv(d, block_d))](
             part, idx, out, b, d, out.stride(0),
-            TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_D=block_d, HAS_SHARED=has_shared, num_warps=4, **pdl,
+            TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_D=block_d, HAS_SHARED=has_shared, ACCUMULATE=False,
+            num_warps=4, **pdl,
         )  # fmt: skip
 
     return [("w13", w13), ("w2", w2_), ("reduce", reduce)]

@@ -51,7 +51,7 @@ from draftgraph.ops.triton._common import (
 )
 from draftgraph.ops.triton.fp8_linear import fp8_tile, native_fp8_supported, ue8m0_to_f32
 from draftgraph.ops.triton.gemv import GemvConfig
-from draftgraph.ops.triton.moe_grouped import _owned_rows
+from draftgraph.ops.triton.moe_grouped import _moe_reduce_kernel, _owned_rows
 from draftgraph.runtime.errors import InputError, describe
 from draftgraph.runtime.model.quant import FP8_BLOCK, MXFP4_BLOCK, fp8_scale_shape
 
@@ -339,42 +339,6 @@ def _w2_grouped_kernel(
     tl.store(ptrs, acc, mask=n_mask[:, None] & serves[None, :])
 
 
-@triton.jit
-def _reduce_kernel(
-    part_ptr,
-    idx_ptr,
-    out_ptr,
-    B,
-    D,
-    stride_ob,
-    TOPK: tl.constexpr,
-    TOPK_PAD: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """out[b] (+)= the row's first-occurrence partials in k order, + the shared one (``moe_grouped``'s reduce)."""
-    pdl_wait(PDL)
-    b = tl.program_id(0)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_mask = offs_d < D
-    ks = tl.arange(0, TOPK_PAD)
-    k_mask = ks < TOPK
-    ids = tl.load(idx_ptr + b * TOPK + ks, mask=k_mask, other=-1)
-    earlier_same = (ids[:, None] == ids[None, :]) & (ks[None, :] < ks[:, None])  # [k, j]: j < k, same expert
-    first = k_mask & (ids >= 0) & (tl.sum(earlier_same.to(tl.int32), 1) == 0)
-    rows = (b * TOPK + ks).to(tl.int64)
-    parts = tl.load(part_ptr + rows[:, None] * D + offs_d[None, :], mask=first[:, None] & d_mask[None, :], other=0.0)
-    total = tl.sum(parts, 0)
-    if HAS_SHARED:
-        total += tl.load(part_ptr + (B * TOPK + b).to(tl.int64) * D + offs_d, mask=d_mask, other=0.0)
-    ptrs = out_ptr + b.to(tl.int64) * stride_ob + offs_d
-    if ACCUMULATE:
-        total += tl.load(ptrs, mask=d_mask, other=0.0).to(tl.float32)
-    tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=d_mask)
-
-
 # ---- host side ------------------------------------------------------------------------------
 
 
@@ -532,7 +496,7 @@ def moe_mxfp4_launches(
 
     def reduce():
         block_d = min(REDUCE_BLOCK_D, next_pow2(d))
-        _reduce_kernel[(b, triton.cdiv(d, block_d))](
+        _moe_reduce_kernel[(b, triton.cdiv(d, block_d))](
             part, idx, out, b, d, out.stride(0),
             TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_D=block_d, HAS_SHARED=has_shared, ACCUMULATE=accumulate,
             num_warps=4, **pdl,
