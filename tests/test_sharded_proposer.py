@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from checkpoint_spy import SpyOpen
 from draftgraph.runtime.errors import InputError
 from draftgraph.runtime.ir.printer import format_graph
 from draftgraph.runtime.model.sharding import ShardPlan
@@ -194,43 +195,6 @@ def test_a_rank_that_refuses_its_input_fails_every_rank_without_hanging(tmp_path
 # ---- in one process: the shard's bytes, the plan's checks ---------------------------------------
 
 
-class _CountingOpen:
-    """safe_open, counting the bytes of every tensor and slice it hands out (independent of the loader's count);
-    the head rows are read past it, through ``read_byte_range``, counted too."""
-
-    def __init__(self, real, counter: list[int]):
-        self.real, self.counter = real, counter
-
-    def __call__(self, *args, **kwargs):
-        counter, handle = self.counter, self.real(*args, **kwargs)
-
-        class Handle:
-            def __enter__(self):
-                self.inner = handle.__enter__()
-                return self
-
-            def __exit__(self, *exc):
-                return handle.__exit__(*exc)
-
-            def get_tensor(self, name):
-                t = self.inner.get_tensor(name)
-                counter[0] += t.nbytes
-                return t
-
-            def get_slice(self, name):
-                inner = self.inner.get_slice(name)
-
-                class Slice:
-                    def __getitem__(self, index):
-                        t = inner[index]
-                        counter[0] += t.nbytes
-                        return t
-
-                return Slice()
-
-        return Handle()
-
-
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_each_rank_reads_only_its_shard(tmp_path, monkeypatch, fmt, world):
@@ -238,7 +202,12 @@ def test_each_rank_reads_only_its_shard(tmp_path, monkeypatch, fmt, world):
 
     make_synthetic_checkpoint(tmp_path, TINY, fmt=fmt, seed=SEED)
     counter = [0]
-    monkeypatch.setattr(weights_module, "safe_open", _CountingOpen(weights_module.safe_open, counter))
+    # Every tensor and slice safe_open hands out, counted apart from the loader's own count; the head
+    # rows are read past it, through read_byte_range, counted too.
+    def count(name, tensor):
+        counter[0] += tensor.nbytes
+
+    monkeypatch.setattr(weights_module, "safe_open", SpyOpen(weights_module.safe_open, count))
     real_range = weights_module.read_byte_range
 
     def counted_range(file, offset, size):

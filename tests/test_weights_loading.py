@@ -9,6 +9,7 @@ import re
 import draftgraph.runtime.model.weights as weights_module
 import pytest
 import torch
+from checkpoint_spy import SpyOpen
 from draftgraph.runtime.errors import WeightError
 from draftgraph.runtime.model.config import V4Config
 from draftgraph.runtime.model.weights import (
@@ -168,36 +169,11 @@ def test_single_file_path(checkpoints, weights):
     }
 
 
-class _SpyOpen:
-    """Wraps safe_open and records every tensor actually read."""
-
-    def __init__(self, real, log):
-        self.real, self.log = real, log
-
-    def __call__(self, *args, **kwargs):
-        handle = self.real(*args, **kwargs)
-        log = self.log
-
-        class Handle:
-            def __enter__(self):
-                self.inner = handle.__enter__()
-                return self
-
-            def __exit__(self, *exc):
-                return handle.__exit__(*exc)
-
-            def get_tensor(self, name):
-                log.append(name)
-                return self.inner.get_tensor(name)
-
-        return Handle()
-
-
 def test_lazy_load_reads_only_the_requested_tensors(tmp_path, monkeypatch):
     everything = make_synthetic_checkpoint(tmp_path, CONFIG, fmt="mxfp4", include_target_layers=True)
     assert any(n.startswith("layers.") for n in everything)
     read: list[str] = []
-    monkeypatch.setattr(weights_module, "safe_open", _SpyOpen(safe_open, read))
+    monkeypatch.setattr(weights_module, "safe_open", SpyOpen(safe_open, lambda name, tensor: read.append(name)))
     ckpt = load_checkpoint(tmp_path)
     expected = {s.name for s in checkpoint_layout(MTP_TENSOR_NAMES(CONFIG), "mxfp4")}
     assert len(read) == len(set(read)) == len(expected)
