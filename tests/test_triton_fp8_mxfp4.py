@@ -11,42 +11,17 @@ rounding.
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
-import sys
 
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-INTERPRET = not HAS_CUDA
-if INTERPRET:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before `import triton` (see test_triton_kernels)
-triton = pytest.importorskip("triton")
-if INTERPRET and type(triton.language.standard.sum).__name__ == "JITFunction":
-    pytest.skip(
-        "triton was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1",
-        allow_module_level=True,
-    )
-import triton.language as tl  # noqa: E402
+# Before anything imports triton: without CUDA it sets the interpreter up (tests/triton_modules.py).
+from triton_modules import HAS_CUDA, INTERPRET, load_kernel_modules, triton
 
+tl = triton.language
 
-def _load_kernel_modules():
-    mods = {}
-    for name in ["_common", "gemv", "moe_grouped", "fp8_linear", "moe_mxfp4"]:
-        full = f"draftgraph.ops.triton.{name}"
-        mod = sys.modules.get(full)
-        mod = importlib.import_module(full) if mod is None else mod
-        if INTERPRET and any(type(v).__name__ == "JITFunction" for v in vars(mod).values()):
-            mod = importlib.reload(mod)  # imported earlier without the interpreter
-        mods[name] = mod
-    return mods
-
-
-K = _load_kernel_modules()
-if INTERPRET:
-    K["_common"].patch_interpreter_rounding()
+K = load_kernel_modules(["_common", "gemv", "moe_grouped", "fp8_linear", "moe_mxfp4"])
 FP8, MX = K["fp8_linear"], K["moe_mxfp4"]
 
 from draftgraph.runtime.errors import InputError  # noqa: E402

@@ -10,44 +10,17 @@ as close to it as the bf16 torch op is.
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
-import sys
 
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-INTERPRET = not HAS_CUDA
-if INTERPRET:
-    # Must precede `import triton`: its own tl.sum etc. are made interpreted or compiled then.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
-if INTERPRET and type(triton.language.standard.sum).__name__ == "JITFunction":
-    pytest.skip(
-        "triton was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1",
-        allow_module_level=True,
-    )
+# Before anything imports triton: without CUDA it sets the interpreter up (tests/triton_modules.py).
+from triton_modules import HAS_CUDA, INTERPRET, load_kernel_modules
 
-
-def _load_kernel_modules():
-    names = ["_common", "gemv", "head", "moe_grouped", "fp8_linear", "moe_mxfp4", "moe", "mhc", "attention", "gate"]
-    mods = {}
-    for name in names:
-        full = f"draftgraph.ops.triton.{name}"
-        mod = sys.modules.get(full)
-        mod = importlib.import_module(full) if mod is None else mod
-        compiled = [v for v in vars(mod).values() if type(v).__name__ == "JITFunction"]
-        if INTERPRET and compiled:
-            mod = importlib.reload(mod)  # imported earlier without the interpreter
-        mods[name] = mod
-    return mods
-
-
-K = _load_kernel_modules()
-if INTERPRET:
-    K["_common"].patch_interpreter_rounding()
+K = load_kernel_modules(
+    ["_common", "gemv", "fp8_linear", "head", "moe_grouped", "moe_mxfp4", "moe", "mhc", "attention", "gate"]
+)
 
 from draftgraph.graphs.v4_block import CacheGeometry, attention_attrs  # noqa: E402
 from draftgraph.runtime.ir.op_registry import get_op  # noqa: E402

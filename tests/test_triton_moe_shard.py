@@ -16,40 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import math
-import os
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before `import triton` (see test_triton_kernels)
-triton = pytest.importorskip("triton")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not torch.cuda.is_available() and type(triton.language.standard.sum).__name__ == "JITFunction":
-    pytest.skip(
-        "triton was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1", allow_module_level=True
-    )
+# Before anything imports triton: without CUDA it sets the interpreter up (tests/triton_modules.py).
+from triton_modules import INTERPRET, counting_carves, load_kernel_modules
 
-
-def _load_kernel_modules():
-    # Dependency order: a module reloaded under the interpreter binds the reloaded ones it imports.
-    mods = {}
-    for name in ["_common", "gemv", "moe_grouped", "fp8_linear", "moe_mxfp4", "moe"]:
-        full = f"draftgraph.ops.triton.{name}"
-        mod = sys.modules.get(full)
-        mod = importlib.import_module(full) if mod is None else mod
-        if INTERPRET:
-            mod = importlib.reload(mod)
-        mods[name] = mod
-    return mods
-
-
-K = _load_kernel_modules()
-if INTERPRET:
-    K["_common"].patch_interpreter_rounding()
+K = load_kernel_modules(["_common", "gemv", "moe_grouped", "fp8_linear", "moe_mxfp4", "moe"])
 
 from draftgraph.ops.moe import gate_scores  # noqa: E402
 from draftgraph.runtime.execution.kernel_choice import block_scaled_gap, select_impl  # noqa: E402
@@ -263,16 +238,7 @@ def test_workspace_rule_is_the_scratch_the_fused_moe_shard_carves(fmt, batch, ra
     shard, sattrs = rank_case(inputs, attrs, rank, 2)
     specs = [TensorSpec.of(t) for t in shard]
     nbytes = K["moe"].moe_shard_workspace(specs, sattrs, batch)
-    carved, real = [], K["_common"].carve
-
-    def carve(workspace, device, parts):
-        need = K["_common"].scratch_bytes(parts)
-        assert workspace is not None and workspace.numel() >= need, (need, None if workspace is None else workspace)
-        carved.append(need)
-        return real(workspace, device, parts)
-
-    for module in ("moe", "moe_mxfp4"):
-        monkeypatch.setattr(K[module], "carve", carve)
+    carved = counting_carves(K, monkeypatch)
     ws = torch.full((nbytes,), 0xFF, dtype=torch.uint8, device=DEVICE)
     out = torch.full((batch, inputs[0].shape[1]), float("nan"), device=DEVICE)
     FUSED_SHARD(shard, [out], sattrs, ws)

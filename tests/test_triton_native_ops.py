@@ -12,38 +12,15 @@ under Triton's CPU interpreter; nothing here has run on a GPU.
 
 from __future__ import annotations
 
-import importlib
-import os
 import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before `import triton` (see test_triton_kernels)
-triton = pytest.importorskip("triton")
-if not torch.cuda.is_available() and type(triton.language.standard.sum).__name__ == "JITFunction":
-    pytest.skip(
-        "triton was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1", allow_module_level=True
-    )
+# Before anything imports triton: without CUDA it sets the interpreter up (tests/triton_modules.py).
+from triton_modules import counting_carves, load_kernel_modules
 
-
-def _load_kernel_modules():
-    # Dependency order: a module reloaded under the interpreter binds the reloaded ones it imports.
-    mods = {}
-    for name in ["_common", "gemv", "moe_grouped", "fp8_linear", "moe_mxfp4", "moe", "attention"]:
-        full = f"draftgraph.ops.triton.{name}"
-        mod = sys.modules.get(full)
-        mod = importlib.import_module(full) if mod is None else mod
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            mod = importlib.reload(mod)
-        mods[name] = mod
-    return mods
-
-
-K = _load_kernel_modules()
-if os.environ.get("TRITON_INTERPRET") == "1":
-    K["_common"].patch_interpreter_rounding()
+K = load_kernel_modules(["_common", "gemv", "moe_grouped", "fp8_linear", "moe_mxfp4", "moe", "attention"])
 
 from draftgraph.runtime.execution.kernel_choice import block_scaled_gap, select_impl  # noqa: E402
 from draftgraph.runtime.ir.op_registry import get_op, register_fused  # noqa: E402
@@ -289,17 +266,7 @@ def test_moe_workspace_rule_covers_the_mxfp4_scratch(batch, w8a8, monkeypatch):
     inputs = to_device(native("moe", inputs))
     specs = [TensorSpec.of(t) for t in inputs]
     nbytes = K["moe"].moe_workspace(specs, attrs, batch)
-    carved = []
-    real = K["_common"].carve
-
-    def carve(workspace, device, parts):
-        need = K["_common"].scratch_bytes(parts)
-        assert workspace is not None and workspace.numel() >= need, (need, None if workspace is None else workspace)
-        carved.append(need)
-        return real(workspace, device, parts)
-
-    for module in ("moe", "moe_mxfp4"):
-        monkeypatch.setattr(K[module], "carve", carve)
+    carved = counting_carves(K, monkeypatch)
     ws = torch.full((nbytes,), 0xFF, dtype=torch.uint8, device=DEVICE)
     out = torch.full((batch, inputs[0].shape[1]), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     K["moe"].moe_impl(inputs, [out], attrs, ws)
