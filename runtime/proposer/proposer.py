@@ -56,13 +56,12 @@ from draftgraph.runtime.execution.eager import EagerExecutor, concrete_device
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
 from draftgraph.runtime.model.config import V4Config
 from draftgraph.runtime.native import batch_kernel
+from draftgraph.runtime.proposer import catchup
 from draftgraph.runtime.proposer.binding import DraftBinding, prepare_weights, weight_formats
 from draftgraph.runtime.proposer.checks import (
     as_int,
-    check_batch,
     check_bitmask,
     check_count,
-    check_hidden_batch,
     check_hiddens,
     check_ints,
     check_state,
@@ -716,58 +715,19 @@ class DeepseekV4MtpProposer:
         ``assume_finite``: the caller has checked that on the device (the device decode loop's
         verify does), so no sync.
         """
-        if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
-            raise InputError(describe("tokens", "one sequence of token ids per state", type(tokens).__name__))
-        n = len(tokens)
-        check_batch("hiddens", hiddens, n)
-        rows = check_states(states, self.id, self.rows, n) & batch_kernel.ROW_MASK
-        starts = check_ints(first_pos, "first_pos", 0, self.max_seq_len, n)
-        counts, toks, blocks = [], [], []
-        for i in range(n):
-            check_batch(f"tokens[{i}]", tokens[i], len(tokens[i]) if hasattr(tokens[i], "__len__") else -1)
-            tok = check_ints(tokens[i], "catch-up tokens", 0, self.config.vocab_size, len(tokens[i]))
-            if not isinstance(hiddens[i], torch.Tensor):
-                raise InputError(describe("catch-up hiddens", f"one tensor [{len(tok)}, ...] per sequence",
-                                          type(hiddens[i]).__name__, "torch.stack a list of hiddens"))
-            blocks.append(check_hidden_batch(hiddens[i], self._hidden_shape, self.device, len(tok), "catch-up hiddens"))
-            counts.append(len(tok))
-            toks.append(tok)
-        count = np.array(counts, dtype=np.int64)
-        self._check_budget(rows, starts, count, "first_pos", "rows")
-        live = count > 0
-        if not live.any():
+        rows = catchup.prepare(self, tokens, hiddens, first_pos, states, assume_finite)
+        if rows is None:
             return 0
-        hidden = torch.cat([b for b, c in zip(blocks, counts) if c])  # [N, ...]
-        if not assume_finite and not bool(torch.isfinite(hidden).all()):  # the one sync: nothing staged or mapped yet
-            raise NonFiniteError(describe("catch-up hiddens", "finite values", "a NaN or an infinity",
-                                          "the call is refused: no state or cache row changed"))
-        rows, starts, count = rows[live], starts[live], count[live]
-        seq_len, kv_start = self.rows.seq_len[rows], self.rows.kv_start[rows]
-        kv = np.where((starts > seq_len) | (starts < kv_start), starts, kv_start)
-        owned = [self.rows.table_of[r] for r in rows.tolist()]
-        new = self.cache.ensure_batch(owned, starts.tolist(), (starts + count - 1).tolist())
-        which = np.repeat(rows, count)
-        pos = np.concatenate([np.arange(s, s + c, dtype=np.int64) for s, c in zip(starts.tolist(), count.tolist())])
-        kv_of = np.repeat(kv, count)
-        token = np.concatenate([t for t, c in zip(toks, counts) if c])
+        placed = catchup.place(self, rows)
         try:
-            chunk = self.buckets[-1]
-            for at in range(0, len(pos), chunk):
-                part = slice(at, at + chunk)
-                bucket = self._bucket(len(pos[part]))
-                staged = self._staging_for(bucket).stage(self.rows.tables, which[part], pos[part], kv_of[part],
-                                                         token[part], hidden[part], self._vocab_limit())
-                self._prefill_executor(bucket).run(
-                    {k: staged[k] for k in ("token", "hidden", "positions", "kv_start", "block_table")}, check=False)
+            catchup.run_prefill(self, rows.which(), rows.positions(), np.repeat(placed.kv, rows.count), rows.tokens,
+                                rows.hidden)
         except BaseException:
-            for table, ids in zip(owned, new):
-                if ids:
-                    self.cache.unmap(table, ids)
+            placed.undo(self)
             raise
-        self.rows.kv_start[rows], self.rows.seq_len[rows] = kv, starts + count
-        for row, length in zip(rows.tolist(), (starts + count).tolist()):
+        for row, length in zip(rows.rows.tolist(), (rows.starts + rows.count).tolist()):
             self._trim(row, length)
-        return int(count.sum())
+        return rows.num_rows
 
     def _prefill_executor(self, bucket: int):
         key = ("prefill", bucket, self.use_captured)
