@@ -13,7 +13,8 @@ target (the checkpoint's, tools/data/tiny_v4 by default, else a random small mod
 Every run (``--repeat``: the fastest of that many) warms up first (every executor built, on CUDA
 captured and its kernels compiled) and that time is reported apart (``warm-up s``); tokens/s are
 steady state: generated tokens over the prefill and the steps. No EOS: every sequence makes
-``--max-tokens`` tokens. The time split (ms a step: propose, verify, catch-up, host) comes from
+``--max-tokens`` tokens. The time split (ms a step: propose, verify, catch-up, host; the device
+loop writes the catch-up rows in the next propose's first step, so its propose holds them) comes from
 a second speculative run that waits for the device at each phase's end (``sync_phases``; on the
 CPU the same run). Ratios: ``spec/greedy`` (what speculation gives), and per B
 ``captured/eager``. Captured rows need CUDA: without it they say so. ``same`` says whether the
@@ -236,7 +237,8 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"# bench_decode: {device}, checkpoint {note}, K={args.num_drafts}, {args.max_tokens} tokens a sequence, "
           f"threads {torch.get_num_threads()}")
-    print("# ms a step: propose, verify, catch-up, host (the rest); reads: device-to-host reads a step")
+    print("# ms a step: propose, verify, catch-up, host (the rest); reads: device-to-host reads a step; "
+          "spec (the device loop): the catch-up rides in the propose's first step")
     print("\n".join(format_rows(results, batches, executors)))
     print(f"# {time.perf_counter() - started:.1f} s in all; argv: {' '.join(sys.argv[1:])}")
     return 0

@@ -81,9 +81,9 @@ class OracleProposer(DeepseekV4MtpProposer):
             drafts[row] = self._oracle_drafts(state, p, num_drafts)
         return drafts
 
-    def propose_device(self, tokens, hiddens, positions, num_drafts, states):
+    def propose_device(self, tokens, hiddens, positions, num_drafts, states, *args, **kw):
         """The device loop's propose, its drafts overwritten on the device by the oracle's."""
-        handle = super().propose_device(tokens, hiddens, positions, num_drafts, states)
+        handle = super().propose_device(tokens, hiddens, positions, num_drafts, states, *args, **kw)
         self.calls += 1
         rows = [self._oracle_drafts(state, p, num_drafts) for state, p in zip(states, positions)]
         handle.drafts.copy_(torch.tensor(rows, dtype=torch.int64))

@@ -13,6 +13,7 @@ of position p comes from the pair (t_{p+1}, h_p))::
     roll back    target.truncate(p + a + 2): the rows of t, d_1..d_a stay, the rest go;
                  proposer.after_verify(a)
     catch up     drafter rows p .. p+a from [t, d_1..d_a] x [h_p, h_{p+1}..h_{p+a}]
+                 (the device loop writes them in the next propose's first step)
     next         p' = p + a + 1, t' = bonus, h' = the target's hidden at p'
 
 Every emitted token is the target's own argmax given only accepted (true)
@@ -31,7 +32,10 @@ Two ways to run a round (``device_loop``; both give the same tokens):
   verify run): ``propose_device`` leaves the drafts on the device, the target's verify graph
   takes them from there and accepts on the device (decode/device_verify.py), and the host
   reads back ONE small tensor per step, [a, dropped, non-finite, g_0..g_K] per sequence;
-  the proposer commits its rows in ``after_verify_device`` from it;
+  the proposer commits its rows in ``after_verify_device`` from it; the catch-up rows a step
+  owes ride in the next step's propose (``propose_device(..., catchup=)``: the chain's first
+  step runs over them and the new row together, design note "catch-up in the first step" in
+  proposer/device_propose.py), so a step runs the chain and the verify, not a third graph;
 - the host path: ``propose`` / ``propose_batch`` read the drafts back, ``verify`` reads the
   target's argmax back, ``accept_greedy`` accepts on the host.
 
@@ -186,6 +190,9 @@ class DecodeSession:
         self.is_closed = False
         self._verifier = target.device_verifier(num_drafts) if self.device_loop else None
         self._slots: list[int] = []  # sequence index of each row of the verifier's next_hidden
+        # The device loop's catch-up rows, owed until the next propose: sequence index ->
+        # (tokens, hiddens: a view of the verifier's pair_hidden, first position)
+        self._owed: dict[int, tuple[list[int], torch.Tensor, int]] = {}
         self._saved_hidden: torch.Tensor | None = None  # those rows, while another session holds the buffers
         if max_new_tokens == 0:
             for seq in self.sequences:
@@ -345,7 +352,7 @@ class DecodeSession:
         t0 = time.perf_counter()
         handle = self.proposer.propose_device(
             [s.token for s in live], verifier.next_hidden[:n], [s.position for s in live], k,
-            [s.draft_state for s in live],
+            [s.draft_state for s in live], catchup=self._take_owed(live), assume_finite=True,
         )
         self.stats.num_proposes += 1
         self._sync()
@@ -356,7 +363,6 @@ class DecodeSession:
         accepted = verdict[:, ACCEPTED]
         self.proposer.after_verify_device(handle, accepted, bool(verdict[:, DROPPED].any()))
         verifier.advance(n)  # next_hidden[i]: the hidden at live[i]'s new position, for the next propose
-        catchup = []
         for i, seq in enumerate(live):
             a = int(accepted[i])
             g = verdict[i, TOKENS : TOKENS + a + 1].tolist()  # d_1..d_a (== g_0..g_{a-1}), bonus g_a
@@ -371,13 +377,19 @@ class DecodeSession:
             if verdict[i, NONFINITE_HIDDEN]:
                 raise NonFiniteError(describe(f"the target's hiddens of sequence {seq.index}", "finite values",
                                               "a NaN or an infinity", "the decode is stopped: no drafter row written"))
-            catchup.append(([seq.token, *g[:a]], verifier.pair_hidden[i, : a + 1], p, seq.draft_state))
+            self._owed[seq.index] = ([seq.token, *g[:a]], verifier.pair_hidden[i, : a + 1], p)
             seq.position, seq.token = p + a + 1, g[a]
         self._slots = [s.index for s in live]  # next_hidden row i: the hidden of live[i]'s new position
         t3 = time.perf_counter()
-        if catchup:
-            self.proposer.catchup_batch(*map(list, zip(*catchup)), assume_finite=True)
         self._end_step(t0, t1, t2, t3)
+
+    def _take_owed(self, live: list[_Sequence]):
+        """The catch-up rows the live sequences owe, as ``propose_device`` takes them (None: none)."""
+        if not self._owed:
+            return None
+        none = self._verifier.pair_hidden[0, :0]
+        owed = [self._owed.pop(s.index, ([], none, s.position)) for s in live]
+        return [t for t, _, _ in owed], [h for _, h, _ in owed], [p for _, _, p in owed]
 
     def _claim_verifier(self) -> None:
         """The verifier's buffers are the target's, shared by every session of it with this K: a
@@ -388,6 +400,8 @@ class DecodeSession:
         other = verifier.owner
         if other is not None and not other.is_closed and other._slots:
             other._saved_hidden = verifier.next_hidden[: len(other._slots)].clone()
+            for index, (tokens, hidden, first) in other._owed.items():  # views of pair_hidden, rewritten next
+                other._owed[index] = (tokens, hidden.clone(), first)
         verifier.owner = self
         if self._saved_hidden is not None:
             verifier.next_hidden[: len(self._saved_hidden)].copy_(self._saved_hidden)
@@ -466,6 +480,7 @@ class DecodeSession:
         target_state, draft_state = seq.target_state, seq.draft_state
         seq.target_state = seq.draft_state = None
         seq.hidden = None
+        self._owed.pop(seq.index, None)
         try:
             if target_state is not None:
                 self.target.free(target_state)

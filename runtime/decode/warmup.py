@@ -111,10 +111,11 @@ class WarmupPlan:
     verify: tuple[int, ...]  # the device verify graphs (device loop only)
     chain: tuple[int, ...]  # the K-draft chain's batch buckets
     prefill: tuple[int, ...]  # the drafter-prefill graph's row buckets (prompt and per-step catch-up)
+    first_step: tuple[int, ...] = ()  # the device loop's merged first steps (propose rows + catch-up rows)
 
     def describe(self) -> str:
         return (f"target {list(self.target)}, verify {list(self.verify)}, chain {list(self.chain)}, "
-                f"drafter prefill {list(self.prefill)}")
+                f"drafter prefill {list(self.prefill)}, first step {list(self.first_step)}")
 
 
 def _bucket(buckets: Sequence[int], rows: int) -> int:
@@ -135,7 +136,9 @@ def plan_warmup(target, proposer, prompt_lengths: Sequence[int], num_drafts: int
     """Every bucket a speculative decode of these prompts can use (any EOS, cancel or acceptance).
 
     Sequences end in any order, so every live count 1..N occurs; catch-up rows of n live
-    sequences are n .. n (K + 1); the drafter prefill covers any subset of the prompts.
+    sequences are n .. n (K + 1); the drafter prefill covers any subset of the prompts. The
+    device loop's merged first step runs n propose rows and up to the largest bucket's worth of
+    catch-up rows (proposer/device_propose.py).
     """
     n, width = len(prompt_lengths), num_drafts + 1
     tb, pb = target.buckets, proposer.buckets
@@ -151,7 +154,11 @@ def plan_warmup(target, proposer, prompt_lengths: Sequence[int], num_drafts: int
     catchup_rows = max(sum(max(p - 1, 0) for p in prompt_lengths), n * width)
     top = _bucket(pb, min(catchup_rows, pb[-1]))
     prefill = {b for b in pb if b <= top}
-    return WarmupPlan(*(tuple(sorted(s)) for s in (target_buckets, verify, chain, prefill)))
+    first_step = set()
+    if device_loop:
+        first_step = {_bucket(pb, min(rows, pb[-1])) for live in range(1, min(n, step) + 1)
+                      for rows in range(live + 1, live * (width + 1) + 1)}
+    return WarmupPlan(*(tuple(sorted(s)) for s in (target_buckets, verify, chain, prefill, first_step)))
 
 
 def plan_greedy_warmup(target, prompt_lengths: Sequence[int]) -> tuple[int, ...]:
@@ -167,4 +174,7 @@ def warm_up(target, proposer, plan: WarmupPlan, num_drafts: int) -> None:
     target.warm_up(plan.target)
     if plan.verify:
         target.device_verifier(num_drafts).warm_up(plan.verify)
-    proposer.warm_up(num_drafts, plan.chain, plan.prefill)
+    if plan.first_step:
+        proposer.warm_up(num_drafts, plan.chain, plan.prefill, plan.first_step)
+    else:
+        proposer.warm_up(num_drafts, plan.chain, plan.prefill)

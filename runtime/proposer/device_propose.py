@@ -31,9 +31,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from draftgraph.graphs.draft_chain import is_gated
-from draftgraph.ops.nonfinite import NONFINITE
+from draftgraph.ops.nonfinite import DROPPED, NONFINITE
 from draftgraph.runtime.errors import InputError, NonFiniteError, describe
 from draftgraph.runtime.native import batch_kernel
+from draftgraph.runtime.proposer import catchup
+from draftgraph.runtime.proposer.catchup import CatchupRows, PlacedCatchup
 from draftgraph.runtime.proposer.checks import check_count, check_hiddens, check_ints, check_states
 from draftgraph.runtime.proposer.state import MtpProposerState
 
@@ -55,6 +57,7 @@ class DeviceDrafts:
     seq_len: np.ndarray  # int64 [n]: each row's seq_len at the propose (a propose since changes it)
     mapped: np.ndarray | None  # (row, entry) pairs of the blocks the propose mapped
     proposer_id: int
+    catchup: PlacedCatchup | None = None  # the catch-up rows it wrote first (undone if the chain drops)
     is_finished: bool = field(default=False)
 
     @property
@@ -70,13 +73,21 @@ def _pending(prop) -> dict[int, DeviceDrafts]:
     return pending
 
 
-def propose_device(prop, last_tokens, target_hiddens, positions, num_drafts, states) -> DeviceDrafts:
+def propose_device(prop, last_tokens, target_hiddens, positions, num_drafts, states, catchup=None,
+                   assume_finite: bool = False) -> DeviceDrafts:
     """``propose_batch`` without the read-back: the chain runs, the drafts stay on the device.
 
     Takes what ``propose_batch`` takes (B tokens, B hiddens or one [B, C, D] / [B, D] tensor,
     B positions, K, B states). Checked as propose_batch checks them, all before any work;
     also refused: a gated chain (draft_conf_tau > 0 and K > 1) and a state whose last device
     propose is not finished. See the module docstring.
+
+    ``catchup=(tokens, hiddens, first_pos)``, one entry each per state as ``catchup_batch``
+    takes them: rows each sequence owes right before its propose's position (an empty entry for
+    none), written in the chain's first step (design note "catch-up in the first step").
+    Their finiteness is checked on the device with the propose's own hiddens; rows past the
+    largest bucket are written in prefill runs first and checked on the host (one sync), unless
+    ``assume_finite`` (the caller checked them on the device).
     """
     if isinstance(states, (str, bytes, MtpProposerState)) or not hasattr(states, "__len__"):
         raise InputError(describe("states", "a sequence of states", type(states).__name__))
@@ -104,6 +115,9 @@ def propose_device(prop, last_tokens, target_hiddens, positions, num_drafts, sta
             raise InputError(describe(f"states[{waiting[0]}]", "a state with no unfinished device propose",
                                       "one whose propose_device awaits after_verify_device",
                                       "call after_verify_device(handle, ...) first"))
+        owed = _checked_catchup(prop, catchup, states, pos) if catchup is not None else None
+        if owed is not None:
+            return _propose_merged(prop, keys, tokens, pos, hiddens, k, states, owed, assume_finite)
         _, staging, executor, _, copy_in, _ = prop._plan(n, k, False)
         kv, cache = np.zeros(n, dtype=np.int64), prop.cache
         _, place_arrays, _, _ = prop._kernel_arrays()
@@ -165,6 +179,8 @@ def after_verify_device(prop, handle: DeviceDrafts, num_accepted, dropped: bool 
         if dropped:  # the chain wrote no cache row: the states go back to before the propose
             if handle.mapped is not None:
                 prop._unmap(handle.mapped)
+            if handle.catchup is not None:
+                handle.catchup.undo(prop)
             raise NonFiniteError(describe("target_hiddens", "finite values", "a NaN or an infinity",
                                           "the propose is refused: no state or cache row changed"))
         _, _, commit_arrays, verify_arrays = prop._kernel_arrays()
@@ -177,16 +193,20 @@ def after_verify_device(prop, handle: DeviceDrafts, num_accepted, dropped: bool 
             raise AssertionError(f"the batch kernel's verify refused (status {status}, row {index}) a checked batch")
 
 
-def warm_up(prop, num_drafts: int, chain_buckets: Sequence[int], prefill_buckets: Sequence[int]) -> None:
+def warm_up(prop, num_drafts: int, chain_buckets: Sequence[int], prefill_buckets: Sequence[int],
+            first_step_buckets: Sequence[int] = ()) -> None:
     """Build (and on CUDA capture) the K-draft chains and the drafter-prefill graphs of these buckets.
 
+    ``first_step_buckets``: the row buckets of merged first steps (``propose_device`` with a
+    catch-up); with them, the K - 1 chains that continue them at the chain buckets too.
     Eager executors run once on dead rows, so that on CUDA every Triton kernel they launch is
     compiled here and not in the first propose or catch-up; captured ones are captured (a
     capture runs them twice first). Every staging buffer is marked dead first: a run writes no
     cache row. Buckets not in the proposer's set are refused before any work.
     """
     k = check_count(num_drafts, "num_drafts", 1, prop.options.max_num_drafts)
-    for what, buckets in (("chain buckets", chain_buckets), ("prefill buckets", prefill_buckets)):
+    for what, buckets in (("chain buckets", chain_buckets), ("prefill buckets", prefill_buckets),
+                          ("first-step buckets", first_step_buckets)):
         unknown = sorted(set(buckets) - set(prop.buckets))
         if unknown:
             raise InputError(describe(what, f"buckets of the proposer {prop.buckets}", unknown))
@@ -195,10 +215,118 @@ def warm_up(prop, num_drafts: int, chain_buckets: Sequence[int], prefill_buckets
             _run_dead(prop, bucket, prop._executor(bucket, k, False))
         for bucket in sorted(set(prefill_buckets), reverse=True):
             _run_dead(prop, bucket, prop._prefill_executor(bucket))
+        for bucket in sorted(set(first_step_buckets), reverse=True):
+            _run_dead(prop, bucket, prop._executor(bucket, 1, False))
+        if first_step_buckets and k > 1:
+            for bucket in sorted(set(chain_buckets), reverse=True):
+                staging, executor = _continuation(prop, bucket, k - 1)
+                _run_dead(prop, bucket, executor, staging)
 
 
-def _run_dead(prop, bucket: int, executor) -> None:
-    staging = prop._staging_for(bucket)
+def _run_dead(prop, bucket: int, executor, staging=None) -> None:
+    staging = staging or prop._staging_for(bucket)
     empty = np.zeros(0, dtype=np.int64)
     staging.stage(prop.rows.tables, empty, empty, empty, empty, [], prop._vocab_limit())  # every row dead
     executor.warm(staging.chain_inputs(None))
+
+
+# ---- the catch-up in the chain's first step ------------------------------------------------------
+def _checked_catchup(prop, owed, states, pos: np.ndarray) -> CatchupRows | None:
+    """A propose's catch-up argument, checked (the host's finiteness check is the caller's)."""
+    if not isinstance(owed, (tuple, list)) or len(owed) != 3:
+        raise InputError(describe("catchup", "(tokens, hiddens, first_pos), one entry each per state",
+                                  type(owed).__name__))
+    rows = catchup.prepare(prop, *owed, states, assume_finite=True)
+    if rows is None:
+        return None
+    ends = rows.starts + rows.count
+    off = np.flatnonzero(ends != pos[rows.index])
+    if len(off):
+        j, i = int(off[0]), int(rows.index[off[0]])
+        raise InputError(describe(f"catchup rows of states[{i}]", f"positions up to {int(pos[i]) - 1}",
+                                  f"positions {int(rows.starts[j])} .. {int(ends[j]) - 1}",
+                                  "a propose's catch-up rows are those right before its own position"))
+    return rows
+
+
+def _continuation(prop, n: int, num_drafts: int):
+    """The staging and executor of a K-draft chain that continues a merged first step: no in-graph
+    copy (its first token comes from that step, on the device), its own staging buffers."""
+    bucket = prop._bucket(n)
+    staging = prop._continuation_staging.get(bucket)
+    if staging is None:
+        staging = prop._continuation_staging[bucket] = prop._new_staging(bucket)
+    key = ("continue", bucket, num_drafts, prop.use_captured)
+    if key not in prop._executors:
+        prop._executors[key] = prop._make_executor(prop.chain_graph(num_drafts), bucket, None, staging)
+    return staging, prop._checked(prop._executors[key])
+
+
+def _propose_merged(prop, keys, tokens, pos, hiddens, k: int, states, owed: CatchupRows,
+                    assume_finite: bool) -> DeviceDrafts:
+    """Design note "catch-up in the first step"; the caller holds the lock and has checked everything.
+
+    Step 1 of the chain runs as the K = 1 chain over the n propose rows (rows 0..n-1, so their
+    outputs need no gather) and the catch-up rows (a graph run is causal over rows of one
+    sequence: ops/attention.py writes every row's latent before any row reads); steps 2..K are
+    the K - 1 chain continuing from step 1's drafts and hiddens, on the device. Catch-up rows
+    past the largest bucket go first, in prefill runs.
+    """
+    n, cache = len(keys), prop.cache
+    early = max(owed.num_rows - (prop.buckets[-1] - n), 0)
+    if early and not assume_finite and not bool(torch.isfinite(owed.hidden[:early]).all()):
+        raise NonFiniteError(describe("catch-up hiddens", "finite values", "a NaN or an infinity",
+                                      "the call is refused: no state or cache row changed"))
+    placed = catchup.place(prop, owed)  # the states now end right before their propose's row
+    kv, (_, place_arrays, _, _) = np.zeros(n, dtype=np.int64), prop._kernel_arrays()
+    with cache.lock:
+        status, index, m = prop._kernel.place(keys, tokens, pos, k, *place_arrays, kv, prop._mapped)
+    if status != batch_kernel.OK:
+        placed.undo(prop)
+        prop._refuse(status, index, states, tokens, pos, k, n)
+    mapped = prop._mapped[: 2 * m].reshape(m, 2).copy() if m else None
+    if mapped is not None:
+        for row in set(mapped[:, 0].tolist()):
+            prop.rows.table_of[row].cache_id = cache.cache_id
+    which, at, owed_kv = owed.which(), owed.positions(), np.repeat(placed.kv, owed.count)
+    try:
+        if early:
+            catchup.run_prefill(prop, which[:early], at[:early], owed_kv[:early], owed.tokens[:early],
+                                owed.hidden[:early])
+        _, staging, executor, _, copy_in, _ = prop._plan(n + owed.num_rows - early, 1, False)
+        own = hiddens if isinstance(hiddens, torch.Tensor) else \
+            torch.stack([h.reshape(prop._hidden_shape) for h in hiddens])
+        # Held until the launch: a captured chain gathers the rows from this tensor's address when it runs.
+        step_hidden = torch.cat([own, owed.hidden[early:]])
+        staging.stage(prop.rows.tables, np.concatenate([keys, which[early:]]), np.concatenate([pos, at[early:]]),
+                      np.concatenate([kv, owed_kv[early:]]), np.concatenate([tokens, owed.tokens[early:]]),
+                      step_hidden, prop._vocab_limit(), None, copy_in=copy_in)
+        if prop.options.poison_arena:
+            executor.poison()
+        outputs = executor.run(staging.chain_inputs(None), check=False)
+        drafts = outputs["drafts"][:n]
+        if k > 1:
+            rest, continuation = _continuation(prop, n, k - 1)
+            rest.stage(prop.rows.tables, keys, pos + 1, kv, tokens, outputs[list(outputs)[2]][:n],
+                       prop._vocab_limit(), None, copy_in=True)
+            # The first draft is the continuation's token (a dropped step's NONFINITE mark is no token
+            # id); a dropped step drops the continuation too, so the call writes no drafter row.
+            torch.clamp(drafts[:, 0], min=0, out=rest.views["token"][:n])
+            rest.views["meta"].pos[:n].masked_fill_(drafts[:, 0] == NONFINITE, DROPPED)
+            if prop.options.poison_arena:
+                continuation.poison()
+            outputs = continuation.run(rest.chain_inputs(None), check=False)
+            drafts = torch.cat([drafts, outputs["drafts"][:n]], dim=1)
+    except BaseException:
+        if mapped is not None:
+            prop._unmap(mapped)
+        placed.undo(prop)
+        raise
+    rows = keys & batch_kernel.ROW_MASK
+    handle = DeviceDrafts(drafts, k, list(states), keys, pos, kv, prop.rows.seq_len[rows].copy(), mapped, prop.id,
+                          placed)
+    pending = _pending(prop)
+    for key in keys.tolist():
+        pending[key] = handle
+    prop.last_outputs = outputs
+    return handle

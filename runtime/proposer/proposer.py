@@ -170,6 +170,7 @@ class DeepseekV4MtpProposer:
         self._lock = threading.RLock()
         self._executors: dict[tuple, object] = {}
         self._staging: dict[int, ChainStaging] = {}
+        self._continuation_staging: dict[int, ChainStaging] = {}  # a chain after a merged first step's
         self._plans: dict[tuple[int, int, bool], LaunchPlan] = {}  # (n, K, masked) -> what a propose looks up
         self._kernel = batch_kernel.load()  # design note "flat kernel": the compiled twin where it builds
         self._size_batch_buffers()
@@ -269,15 +270,19 @@ class DeepseekV4MtpProposer:
     def propose_batch_max(self) -> int:
         return self.buckets[-1]
 
-    def propose_device(self, last_tokens, target_hiddens, positions, num_drafts, states):
+    def propose_device(self, last_tokens, target_hiddens, positions, num_drafts, states, catchup=None,
+                       assume_finite: bool = False):
         """``propose_batch`` whose drafts stay on the device (no read-back); see proposer/device_propose.py.
 
         Returns a DeviceDrafts: ``.drafts`` int64 [B, K] on the device. Finish it with
         ``after_verify_device(handle, num_accepted, dropped)`` once the verify has been read back.
+        ``catchup=(tokens, hiddens, first_pos)``: the rows each sequence owes before its propose
+        (``catchup_batch``'s arguments less the states), written in the chain's first step.
         """
         from draftgraph.runtime.proposer.device_propose import propose_device
 
-        return propose_device(self, last_tokens, target_hiddens, positions, num_drafts, states)
+        return propose_device(self, last_tokens, target_hiddens, positions, num_drafts, states, catchup,
+                              assume_finite)
 
     def after_verify_device(self, handle, num_accepted, dropped: bool | None = None) -> None:
         """Commit a ``propose_device`` and roll it back to ``num_accepted`` (proposer/device_propose.py)."""
@@ -285,11 +290,11 @@ class DeepseekV4MtpProposer:
 
         after_verify_device(self, handle, num_accepted, dropped)
 
-    def warm_up(self, num_drafts: int, chain_buckets, prefill_buckets) -> None:
+    def warm_up(self, num_drafts: int, chain_buckets, prefill_buckets, first_step_buckets=()) -> None:
         """Build, and on CUDA capture, the chains and drafter-prefill graphs of these buckets (device_propose.py)."""
         from draftgraph.runtime.proposer.device_propose import warm_up
 
-        warm_up(self, num_drafts, chain_buckets, prefill_buckets)
+        warm_up(self, num_drafts, chain_buckets, prefill_buckets, first_step_buckets)
 
     def _size_batch_buffers(self) -> None:
         """The kernel's per-row outputs, one row per sequence of the largest bucket."""
@@ -488,13 +493,15 @@ class DeepseekV4MtpProposer:
 
     def _staging_for(self, bucket: int) -> ChainStaging:
         if bucket not in self._staging:
-            spec = hidden_spec(self.config, self.options.mode)
-            words = (self.config.vocab_size + 31) // 32
-            self._staging[bucket] = ChainStaging(bucket, spec, self.cache.max_blocks_per_seq, words, self.device,
-                                                 window=self.config.sliding_window,
-                                                 span=self.options.max_num_drafts - 1,
-                                                 block_size=self.cache.block_size, kernel=self._kernel)
+            self._staging[bucket] = self._new_staging(bucket)
         return self._staging[bucket]
+
+    def _new_staging(self, bucket: int) -> ChainStaging:
+        spec = hidden_spec(self.config, self.options.mode)
+        words = (self.config.vocab_size + 31) // 32
+        return ChainStaging(bucket, spec, self.cache.max_blocks_per_seq, words, self.device,
+                            window=self.config.sliding_window, span=self.options.max_num_drafts - 1,
+                            block_size=self.cache.block_size, kernel=self._kernel)
 
     # ---- executors -------------------------------------------------------------------------
     def _plan(self, n: int, k: int, masked: bool) -> LaunchPlan:
@@ -542,7 +549,7 @@ class DeepseekV4MtpProposer:
         executor.tracer = self.tracer
         return executor
 
-    def _make_executor(self, graph, bucket: int, prologue=None):
+    def _make_executor(self, graph, bucket: int, prologue=None, staging: ChainStaging | None = None):
         runners = {runner_name(self.runner): RunnerNode(self.runner)} if self.runner is not None else {}
         runners.update(runners_for(self.rank_group))  # the comm nodes' RankGroup (sharded)
         if self.use_captured:
@@ -550,7 +557,7 @@ class DeepseekV4MtpProposer:
 
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            staged = self._staging_for(bucket).graph_inputs()
+            staged = (staging or self._staging_for(bucket)).graph_inputs()
             static = {n: staged[n] for n in graph.inputs}
             if "grammar_mask" in static:
                 static["grammar_mask"] = staged["grammar_mask"][:, : graph.values["grammar_mask"].spec.shape[1]]
@@ -600,6 +607,7 @@ class DeepseekV4MtpProposer:
         self.buckets = tuple(sorted(set(buckets)))
         self._size_batch_buffers()
         self._staging.clear()
+        self._continuation_staging.clear()
         self.drop_executors()
 
     @_serialized
