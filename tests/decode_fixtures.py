@@ -49,6 +49,23 @@ def prompts(lengths=(3, 9, 20), seed: int = 0) -> list[list[int]]:
     return [torch.randint(CFG.vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
 
+def drafter_after_prompts(proposer, target, n=2):
+    """n sequences with drafter rows from a prompt: (states, their last hiddens [n, C, D], the
+    target's next tokens, the positions of the first propose)."""
+    toks = prompts((6, 11, 4)[:n], seed=3)
+    states, hiddens, last = [], [], []
+    for t in toks:
+        ts = target.alloc_state(64)
+        out = target.prefill(ts, t)
+        target.free(ts)
+        state = proposer.alloc_state_for(64)
+        proposer.prefill_drafter(t, out.hiddens, state)
+        states.append(state)
+        hiddens.append(out.hiddens[-1])
+        last.append((out.tokens[-1], len(t) - 1))
+    return states, torch.stack(hiddens), [t for t, _ in last], [p for _, p in last]
+
+
 def pools_full(target, proposer) -> bool:
     return (
         target.cache.num_free_blocks == target.cache.num_blocks

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_fixtures import make_proposer, make_target, prompts, single_thread  # noqa: F401
+from decode_fixtures import drafter_after_prompts, make_proposer, make_target, single_thread  # noqa: F401
 from draftgraph.runtime.errors import InputError, NonFiniteError
 from proposer_fixtures import assert_unchanged, frozen
 
@@ -22,27 +22,18 @@ def target():
 def _mid_decode(proposer, target, k: int, accepted: list[int]):
     """Two sequences one verify into a decode: the states after after_verify_device, what each owes
     (tokens, hiddens, first position) and the next propose's token, hidden and position."""
-    toks = prompts((6, 11), seed=3)
-    states, owed, nxt = [], [], []
-    for t in toks:
-        ts = target.alloc_state(64)
-        out = target.prefill(ts, t)
-        target.free(ts)
-        state = proposer.alloc_state_for(64)
-        proposer.prefill_drafter(t, out.hiddens, state)
-        states.append(state)
-        nxt.append((out.tokens[-1], out.hiddens[-1], len(t) - 1))
-    handle = proposer.propose_device([t for t, _, _ in nxt], torch.stack([h for _, h, _ in nxt]),
-                                     [p for _, _, p in nxt], k, states)
+    states, hid, tok, pos = drafter_after_prompts(proposer, target)
+    handle = proposer.propose_device(tok, hid, pos, k, states)
     drafts = handle.drafts.tolist()
     proposer.after_verify_device(handle, accepted, dropped=False)
     gen = torch.Generator().manual_seed(7)
-    for i, ((t, h, p), a) in enumerate(zip(nxt, accepted)):
+    owed, nxt = [], []
+    for d, t, h, p, a in zip(drafts, tok, hid, pos, accepted):
         # the verify's hiddens for [t, d_1..d_a] and the bonus row: any finite values pair the same way
         rows = torch.randn((a + 2, *h.shape), generator=gen).to(torch.bfloat16)
         rows[0] = h
-        owed.append(([t, *drafts[i][:a]], rows[: a + 1], p))
-        nxt[i] = ((t + 3 + a) % 264, rows[a + 1], p + a + 1)  # the bonus: any token
+        owed.append(([t, *d[:a]], rows[: a + 1], p))
+        nxt.append(((t + 3 + a) % 264, rows[a + 1], p + a + 1))  # the bonus: any token
     return states, owed, nxt
 
 

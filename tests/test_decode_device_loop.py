@@ -10,6 +10,7 @@ import pytest
 import torch
 from decode_fixtures import (  # noqa: F401
     OracleProposer,
+    drafter_after_prompts,
     make_proposer,
     make_target,
     pools_full,
@@ -166,26 +167,10 @@ def test_warmup_only_session_decodes_nothing(target):
 
 
 # ---- the proposer's device entry ---------------------------------------------------------------------
-def _setup(proposer, target, n=2):
-    """n sequences with drafter rows from a prompt, their last hiddens [n, C, D]."""
-    toks = prompts((6, 11, 4)[:n], seed=3)
-    states, hiddens, last = [], [], []
-    for t in toks:
-        ts = target.alloc_state(64)
-        out = target.prefill(ts, t)
-        target.free(ts)
-        state = proposer.alloc_state_for(64)
-        proposer.prefill_drafter(t, out.hiddens, state)
-        states.append(state)
-        hiddens.append(out.hiddens[-1])
-        last.append((out.tokens[-1], len(t) - 1))
-    return states, torch.stack(hiddens), [t for t, _ in last], [p for _, p in last]
-
-
 def test_propose_device_equals_propose_batch_and_after_verify(target):
     host, device = make_proposer(), make_proposer()
-    hs, hid, tok, pos = _setup(host, target)
-    ds, _, _, _ = _setup(device, target)
+    hs, hid, tok, pos = drafter_after_prompts(host, target)
+    ds, _, _, _ = drafter_after_prompts(device, target)
     want = host.propose_batch(tok, hid, pos, 3, hs)
     handle = device.propose_device(tok, hid, pos, 3, ds)
     assert handle.drafts.tolist() == want
@@ -204,7 +189,7 @@ def test_propose_device_equals_propose_batch_and_after_verify(target):
 
 def test_propose_device_misuse_is_typed_and_harmless(target):
     proposer = make_proposer()
-    states, hid, tok, pos = _setup(proposer, target)
+    states, hid, tok, pos = drafter_after_prompts(proposer, target)
     before = frozen(proposer, states)
     with pytest.raises(InputError, match="num_drafts"):
         proposer.propose_device(tok, hid, pos, 0, states)
@@ -224,7 +209,7 @@ def test_propose_device_misuse_is_typed_and_harmless(target):
     with pytest.raises(InputError, match="already finished"):
         proposer.after_verify_device(handle, [3, 1], dropped=False)
     gated = make_proposer(draft_conf_tau=0.5)
-    gs, ghid, gtok, gpos = _setup(gated, target)
+    gs, ghid, gtok, gpos = drafter_after_prompts(gated, target)
     with pytest.raises(InputError, match="ungated"):
         gated.propose_device(gtok, ghid, gpos, 3, gs)
     for p, ss in ((proposer, states), (gated, gs)):
@@ -235,7 +220,7 @@ def test_propose_device_misuse_is_typed_and_harmless(target):
 
 def test_a_dropped_device_propose_changes_nothing(target):
     proposer = make_proposer()
-    states, hid, tok, pos = _setup(proposer, target)
+    states, hid, tok, pos = drafter_after_prompts(proposer, target)
     before = frozen(proposer, states)
     bad = hid.clone()
     bad[1, 0, 0] = float("nan")
@@ -375,7 +360,7 @@ def test_a_chain_dropping_its_batch_stops_the_decode_with_the_pools_exact(monkey
 
 def test_a_freed_pending_state_is_forgotten(target):
     proposer = make_proposer()
-    states, hid, tok, pos = _setup(proposer, target)
+    states, hid, tok, pos = drafter_after_prompts(proposer, target)
     handle = proposer.propose_device(tok, hid, pos, 3, states)
     proposer.free_state(states[0])  # an aborted decode frees its states before the verify
     with pytest.raises(InputError, match="freed|live"):
