@@ -174,7 +174,4 @@ def warm_up(target, proposer, plan: WarmupPlan, num_drafts: int) -> None:
     target.warm_up(plan.target)
     if plan.verify:
         target.device_verifier(num_drafts).warm_up(plan.verify)
-    if plan.first_step:
-        proposer.warm_up(num_drafts, plan.chain, plan.prefill, plan.first_step)
-    else:
-        proposer.warm_up(num_drafts, plan.chain, plan.prefill)
+    proposer.warm_up(num_drafts, plan.chain, plan.prefill, plan.first_step)

@@ -6,12 +6,12 @@ written again from the target's own hiddens [h_p .. h_{p+a}] paired with [t, d_1
 and ``propose_device(..., catchup=...)`` in the first step of the next chain (design note
 "catch-up in the first step", proposer/device_propose.py). Both go through this file:
 
-- :func:`prepare` checks a call's rows, all before any work (and their finiteness, one host
+- :func:`check_rows` checks a call's rows, all before any work (and their finiteness, one host
   sync, unless the caller checked it on the device): a :class:`CatchupRows`, or None when no
   sequence has a row;
-- :func:`place` maps the rows' blocks and moves each state's seq_len / kv_start past them, all
+- :func:`place_rows` maps the rows' blocks and moves each state's seq_len / kv_start past them, all
   or nothing: a :class:`PlacedCatchup`, whose ``undo`` puts both back (a failed or dropped run);
-- :func:`run_prefill` writes rows in drafter-prefill runs of at most the largest bucket.
+- :func:`write_in_prefill_runs` writes rows in drafter-prefill runs of at most the largest bucket.
 
 Rows of one sequence are consecutive positions; any split of them into runs in position order is
 causal (a row reads only positions <= its own, written by the same run or an earlier one).
@@ -59,10 +59,10 @@ class CatchupRows:
 
 @dataclass
 class PlacedCatchup:
-    """What :func:`place` changed: the states' old seq_len / kv_start and the blocks it mapped."""
+    """What :func:`place_rows` changed: the states' old seq_len / kv_start and the blocks it mapped."""
 
     rows: np.ndarray  # int64 [m]
-    kv: np.ndarray  # int64 [m]: each state's kv_start from here on
+    row_kv: np.ndarray  # int64 [N]: each row's kv_start (its state's from here on)
     old_seq_len: np.ndarray
     old_kv_start: np.ndarray
     tables: list  # the m BlockTables
@@ -76,7 +76,7 @@ class PlacedCatchup:
         prop.rows.seq_len[self.rows], prop.rows.kv_start[self.rows] = self.old_seq_len, self.old_kv_start
 
 
-def prepare(prop, tokens: Sequence[Sequence[int]], hiddens, first_pos: Sequence[int], states,
+def check_rows(prop, tokens: Sequence[Sequence[int]], hiddens, first_pos: Sequence[int], states,
             assume_finite: bool = False) -> CatchupRows | None:
     """Check a catch-up of ``len(tokens)`` sequences (``hiddens[i]`` [n_i, ...] pairs ``tokens[i]``).
 
@@ -113,7 +113,7 @@ def prepare(prop, tokens: Sequence[Sequence[int]], hiddens, first_pos: Sequence[
                        np.concatenate([toks[i] for i in live.tolist()]), hidden)
 
 
-def place(prop, rows: CatchupRows) -> PlacedCatchup:
+def place_rows(prop, rows: CatchupRows) -> PlacedCatchup:
     """Map the rows' blocks and move each state past its rows (all or nothing; CacheError when short).
 
     A state's kv_start stays where its rows continue its valid rows (kv_start <= first <= seq_len),
@@ -123,12 +123,12 @@ def place(prop, rows: CatchupRows) -> PlacedCatchup:
     kv = np.where((rows.starts > seq_len) | (rows.starts < kv_start), rows.starts, kv_start)
     tables = [prop.rows.table_of[r] for r in rows.rows.tolist()]
     mapped = prop.cache.ensure_batch(tables, rows.starts.tolist(), (rows.starts + rows.count - 1).tolist())
-    placed = PlacedCatchup(rows.rows, kv, seq_len.copy(), kv_start.copy(), tables, mapped)
+    placed = PlacedCatchup(rows.rows, np.repeat(kv, rows.count), seq_len.copy(), kv_start.copy(), tables, mapped)
     prop.rows.kv_start[rows.rows], prop.rows.seq_len[rows.rows] = kv, rows.starts + rows.count
     return placed
 
 
-def run_prefill(prop, which: np.ndarray, pos: np.ndarray, kv: np.ndarray, tokens: np.ndarray,
+def write_in_prefill_runs(prop, which: np.ndarray, pos: np.ndarray, kv: np.ndarray, tokens: np.ndarray,
                 hidden: torch.Tensor) -> None:
     """Write these rows in drafter-prefill runs of at most the largest bucket, in their order."""
     chunk = prop.buckets[-1]

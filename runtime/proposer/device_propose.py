@@ -34,8 +34,13 @@ from draftgraph.graphs.draft_chain import is_gated
 from draftgraph.ops.nonfinite import DROPPED, NONFINITE
 from draftgraph.runtime.errors import InputError, NonFiniteError, describe
 from draftgraph.runtime.native import batch_kernel
-from draftgraph.runtime.proposer import catchup
-from draftgraph.runtime.proposer.catchup import CatchupRows, PlacedCatchup
+from draftgraph.runtime.proposer.catchup import (
+    CatchupRows,
+    PlacedCatchup,
+    check_rows,
+    place_rows,
+    write_in_prefill_runs,
+)
 from draftgraph.runtime.proposer.checks import check_count, check_hiddens, check_ints, check_states
 from draftgraph.runtime.proposer.state import MtpProposerState
 
@@ -236,7 +241,7 @@ def _checked_catchup(prop, owed, states, pos: np.ndarray) -> CatchupRows | None:
     if not isinstance(owed, (tuple, list)) or len(owed) != 3:
         raise InputError(describe("catchup", "(tokens, hiddens, first_pos), one entry each per state",
                                   type(owed).__name__))
-    rows = catchup.prepare(prop, *owed, states, assume_finite=True)
+    rows = check_rows(prop, *owed, states, assume_finite=True)
     if rows is None:
         return None
     ends = rows.starts + rows.count
@@ -277,7 +282,7 @@ def _propose_merged(prop, keys, tokens, pos, hiddens, k: int, states, owed: Catc
     if early and not assume_finite and not bool(torch.isfinite(owed.hidden[:early]).all()):
         raise NonFiniteError(describe("catch-up hiddens", "finite values", "a NaN or an infinity",
                                       "the call is refused: no state or cache row changed"))
-    placed = catchup.place(prop, owed)  # the states now end right before their propose's row
+    placed = place_rows(prop, owed)  # the states now end right before their propose's row
     kv, (_, place_arrays, _, _) = np.zeros(n, dtype=np.int64), prop._kernel_arrays()
     with cache.lock:
         status, index, m = prop._kernel.place(keys, tokens, pos, k, *place_arrays, kv, prop._mapped)
@@ -288,11 +293,11 @@ def _propose_merged(prop, keys, tokens, pos, hiddens, k: int, states, owed: Catc
     if mapped is not None:
         for row in set(mapped[:, 0].tolist()):
             prop.rows.table_of[row].cache_id = cache.cache_id
-    which, at, owed_kv = owed.which(), owed.positions(), np.repeat(placed.kv, owed.count)
+    which, at, owed_kv = owed.which(), owed.positions(), placed.row_kv
     try:
         if early:
-            catchup.run_prefill(prop, which[:early], at[:early], owed_kv[:early], owed.tokens[:early],
-                                owed.hidden[:early])
+            write_in_prefill_runs(prop, which[:early], at[:early], owed_kv[:early], owed.tokens[:early],
+                                  owed.hidden[:early])
         _, staging, executor, _, copy_in, _ = prop._plan(n + owed.num_rows - early, 1, False)
         own = hiddens if isinstance(hiddens, torch.Tensor) else \
             torch.stack([h.reshape(prop._hidden_shape) for h in hiddens])

@@ -56,8 +56,8 @@ from draftgraph.runtime.execution.eager import EagerExecutor, concrete_device
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
 from draftgraph.runtime.model.config import V4Config
 from draftgraph.runtime.native import batch_kernel
-from draftgraph.runtime.proposer import catchup
 from draftgraph.runtime.proposer.binding import DraftBinding, prepare_weights, weight_formats
+from draftgraph.runtime.proposer.catchup import check_rows, place_rows, write_in_prefill_runs
 from draftgraph.runtime.proposer.checks import (
     as_int,
     check_bitmask,
@@ -723,13 +723,12 @@ class DeepseekV4MtpProposer:
         ``assume_finite``: the caller has checked that on the device (the device decode loop's
         verify does), so no sync.
         """
-        rows = catchup.prepare(self, tokens, hiddens, first_pos, states, assume_finite)
+        rows = check_rows(self, tokens, hiddens, first_pos, states, assume_finite)
         if rows is None:
             return 0
-        placed = catchup.place(self, rows)
+        placed = place_rows(self, rows)
         try:
-            catchup.run_prefill(self, rows.which(), rows.positions(), np.repeat(placed.kv, rows.count), rows.tokens,
-                                rows.hidden)
+            write_in_prefill_runs(self, rows.which(), rows.positions(), placed.row_kv, rows.tokens, rows.hidden)
         except BaseException:
             placed.undo(self)
             raise
