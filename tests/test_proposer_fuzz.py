@@ -1,5 +1,6 @@
 """10,000 random calls on one shared proposer, good and bad mixed, from four threads.
 
+Good calls include device proposes with catch-up rows (propose_device then after_verify_device).
 Every bad call (a token or position out of range, a bool count, a freed or foreign state, the
 same state twice, an after_verify with no propose to verify, a NaN hidden, a list of hiddens to
 prefill, a K out of range, a mask of the wrong length, an install into a table that holds blocks,
@@ -55,6 +56,13 @@ def fuzz(prop, foreign, seed: int, counts: dict) -> None:
             n = rng.randrange(1, 5)
             prop.catchup_drafter([rng.randrange(V) for _ in range(n)], hidden(TINY, gen, n=n), state.seq_len,
                                  state.seq_len, state)
+        elif op == "device" and not state.awaiting_verify:
+            # a device propose writing n catch-up rows in its first step, finished at once
+            n, k, at = rng.randrange(0, 3), rng.randrange(1, 4), state.seq_len
+            handle = prop.propose_device([rng.randrange(V)], hidden(TINY, gen, n=1), [at + n], k, [state],
+                                         catchup=([[rng.randrange(V) for _ in range(n)]], [hidden(TINY, gen, n=n)],
+                                                  [at]))
+            prop.after_verify_device(handle, [rng.randrange(0, k + 1)], dropped=False)
         elif op == "take":
             taken = prop.take_drafter_kv(state)
             if taken is not None:
@@ -118,8 +126,8 @@ def fuzz(prop, foreign, seed: int, counts: dict) -> None:
             assert snapshot() == before or op == "reverify", op  # a reverify's first call may be good
             counts["bad"] += 1
         else:
-            op = rng.choice(["propose", "batch", "verify", "verify_batch", "catchup", "take", "install", "renew",
-                             "rows", "rows", "rows"])
+            op = rng.choice(["propose", "batch", "verify", "verify_batch", "catchup", "device", "take", "install",
+                             "renew", "rows", "rows", "rows"])
             good(op, state)
             counts["good"] += 1
     for taken in carried:
