@@ -2,7 +2,8 @@
 
 Each rank runs the same calls with the same inputs (design note "replicated host",
 runtime/proposer/sharding.py): a drafter prefill, propose_batch at K=1 and K=3 (with
-confidences), propose with a grammar mask, and a runtime vocab limit, in both input modes,
+confidences), propose with a grammar mask, a runtime vocab limit and a device propose with
+catch-up rows in its first step, in both input modes,
 with and without mtp_vocab_size. The parent runs the same calls unsharded on the same
 checkpoint. Drafts must be equal on every rank; confidences and the final hidden agree
 within fp32 rounding (the MoE's partial sums and the softmax denominator are added in
@@ -56,6 +57,16 @@ def _drive(prop: DeepseekV4MtpProposer) -> dict:
     prop.set_vocab_limit(37)  # a runtime limit inside the first rank's rows (and inside a slice at W=4)
     out["drafts"].append(prop.propose_batch([3, 4, 5], torch.randn(BATCH, *shape, generator=g).bfloat16(),
                                             [position] * BATCH, 2, states))
+    # the device loop's propose: two catch-up rows each in the chain's first step, then K - 1 steps
+    for s in states:
+        prop.after_verify(1, s)
+    k = 1 if prop.options.draft_conf_tau > 0 else 3  # a gated chain's device propose drafts one
+    owed = ([[6, 7]] * BATCH, [torch.randn(2, *shape, generator=g).bfloat16() for _ in range(BATCH)],
+            [position + 1] * BATCH)
+    handle = prop.propose_device([2, 3, 4], torch.randn(BATCH, *shape, generator=g).bfloat16(), [position + 3] * BATCH,
+                                 k, states, catchup=owed)
+    out["drafts"].append(handle.drafts.tolist())
+    prop.after_verify_device(handle, [0] * BATCH, dropped=False)
     out["needs_comm"] = prop.needs_comm()
     out["weight_bytes"] = weights_nbytes(prop.weights)
     out["free_blocks"] = prop.cache.num_free_blocks
