@@ -140,3 +140,26 @@ def test_nonfinite_rows_for_the_prefill_runs_are_refused_before_any_work(target)
                                 3, states, catchup=(tokens, bad, first))
     assert_unchanged(proposer, states, before)
     _free(proposer, states)
+
+
+@pytest.mark.parametrize("short_for", ["catch-up", "propose"])
+def test_a_pool_too_short_is_refused_with_nothing_changed(target, short_for):
+    """Every block held: the catch-up rows (or the propose's rows after them) need one more. The
+    call raises CacheError and leaves states, pool and cache rows as they were (the catch-up's
+    placement undone when the propose's rows are the ones short)."""
+    from draftgraph.runtime.errors import CacheError
+
+    proposer = make_proposer(buckets=(1, 2), num_cache_blocks=2)
+    states = [proposer.alloc_state_for(64) for _ in range(2)]
+    gen = torch.Generator().manual_seed(5)
+    hid = torch.randn(2, 14, 4, 64, generator=gen).to(torch.bfloat16)  # TINY: hc_mult 4, hidden 64
+    for s, h in zip(states, hid):
+        proposer.prefill_drafter(list(range(1, 15)), h, s)  # rows 0..12: each holds block 0, none free
+    assert proposer.cache.num_free_blocks == 0
+    rows = 3 if short_for == "propose" else 4  # rows 13..15 fit block 0; 13..16 need block 1
+    owed = ([[7] * rows] * 2, [hid[i, :rows] for i in range(2)], [13, 13])
+    before = frozen(proposer, states)
+    with pytest.raises(CacheError, match="MTP cache blocks"):
+        proposer.propose_device([3, 4], hid[:, 0], [13 + rows] * 2, 1, states, catchup=owed)
+    assert_unchanged(proposer, states, before)
+    _free(proposer, states)
