@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from draftgraph.ops.nonfinite import DROPPED, NONFINITE
+from draftgraph.ops.nonfinite import DROPPED, NONFINITE, finite_rows
 from v4_op_cases import run_op
 
 BF16_MAX = torch.finfo(torch.bfloat16).max
@@ -48,7 +48,7 @@ def test_mark_dropped_marks_every_draft_of_a_dropped_row():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_drop_nonfinite_on_cuda_and_captured():
-    """cuBLAS's bf16 dot propagates a NaN or an infinity as the CPU's does, in a CUDA graph too."""
+    """cuBLAS's bf16 GEMV propagates a NaN or an infinity as the CPU's does, in a CUDA graph too."""
     from draftgraph.runtime.ir.op_registry import get_op
 
     op, b = get_op("drop_nonfinite"), 32
@@ -67,3 +67,10 @@ def test_drop_nonfinite_on_cuda_and_captured():
     h[b - 1].fill_(BF16_MAX)
     graph.replay()
     assert torch.equal(out, positions)
+
+
+def test_finite_rows_names_the_rows_holding_a_nan_or_an_infinity():
+    rows = hiddens(6).reshape(6, -1)
+    rows[1, 7], rows[3, 0], rows[4, -1] = float("nan"), float("inf"), float("-inf")
+    rows[5].fill_(BF16_MAX)
+    assert finite_rows(rows).tolist() == torch.isfinite(rows).all(1).tolist() == [True, False, True, False, False, True]

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from draftgraph.ops.nonfinite import finite_rows
 from draftgraph.runtime.errors import InputError, describe
 
 ACCEPTED, DROPPED, NONFINITE_HIDDEN, TOKENS = 0, 1, 2, 3  # verdict columns; TOKENS.. are g_0 .. g_K
@@ -206,7 +207,7 @@ class DeviceVerifier:
             verdict[:, TOKENS:].copy_(g)
             pair[:, 1:].copy_(hidden.reshape(slots, width, *hidden.shape[1:]))
             # what the catch-up reads: pair rows 0 .. a (h_p, then rows 0 .. a-1)
-            finite = torch.isfinite(pair[:, :width].reshape(slots, width, -1)).all(2)  # [S, K + 1]
+            finite = finite_rows(pair[:, :width].reshape(slots * width, -1)).view(slots, width)  # [S, K + 1]
             verdict[:, NONFINITE_HIDDEN].copy_(~finite[:, 0] | ((~finite[:, 1:]) & run.bool()).any(1))
             index.add_(steps)  # each sequence's pair row 1 + a, for advance()
 
