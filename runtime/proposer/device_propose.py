@@ -124,16 +124,8 @@ def propose_device(prop, last_tokens, target_hiddens, positions, num_drafts, sta
         if owed is not None:
             return _propose_merged(prop, keys, tokens, pos, hiddens, k, states, owed, assume_finite)
         _, staging, executor, _, copy_in, _ = prop._plan(n, k, False)
-        kv, cache = np.zeros(n, dtype=np.int64), prop.cache
-        _, place_arrays, _, _ = prop._kernel_arrays()
-        with cache.lock:
-            status, index, m = prop._kernel.place(keys, tokens, pos, k, *place_arrays, kv, prop._mapped)
-        if status != batch_kernel.OK:
-            prop._refuse(status, index, states, tokens, pos, k, n)
-        mapped = prop._mapped[: 2 * m].reshape(m, 2).copy() if m else None
-        if mapped is not None:
-            for row in set(mapped[:, 0].tolist()):
-                prop.rows.table_of[row].cache_id = cache.cache_id
+        kv = np.zeros(n, dtype=np.int64)
+        mapped = prop._place(keys, tokens, pos, k, states, kv)
         try:
             staging.stage(prop.rows.tables, keys, pos, kv, tokens, hiddens, prop._vocab_limit(), None,
                           copy_in=copy_in)
@@ -144,13 +136,7 @@ def propose_device(prop, last_tokens, target_hiddens, positions, num_drafts, sta
             if mapped is not None:
                 prop._unmap(mapped)
             raise
-        rows = keys & batch_kernel.ROW_MASK
-        handle = DeviceDrafts(outputs["drafts"][:n], k, list(states), keys, pos, kv, prop.rows.seq_len[rows].copy(),
-                              mapped, prop.id)
-        for key in keys.tolist():
-            pending[key] = handle
-        prop.last_outputs = outputs
-        return handle
+        return _pending_handle(prop, outputs["drafts"][:n], outputs, k, states, keys, pos, kv, mapped)
 
 
 def after_verify_device(prop, handle: DeviceDrafts, num_accepted, dropped: bool | None = None) -> None:
@@ -277,22 +263,18 @@ def _propose_merged(prop, keys, tokens, pos, hiddens, k: int, states, owed: Catc
     the K - 1 chain continuing from step 1's drafts and hiddens, on the device. Catch-up rows
     past the largest bucket go first, in prefill runs.
     """
-    n, cache = len(keys), prop.cache
+    n = len(keys)
     early = max(owed.num_rows - (prop.buckets[-1] - n), 0)
     if early and not assume_finite and not bool(torch.isfinite(owed.hidden[:early]).all()):
         raise NonFiniteError(describe("catch-up hiddens", "finite values", "a NaN or an infinity",
                                       "the call is refused: no state or cache row changed"))
     placed = place_rows(prop, owed)  # the states now end right before their propose's row
-    kv, (_, place_arrays, _, _) = np.zeros(n, dtype=np.int64), prop._kernel_arrays()
-    with cache.lock:
-        status, index, m = prop._kernel.place(keys, tokens, pos, k, *place_arrays, kv, prop._mapped)
-    if status != batch_kernel.OK:
+    kv = np.zeros(n, dtype=np.int64)
+    try:
+        mapped = prop._place(keys, tokens, pos, k, states, kv)
+    except BaseException:  # refused (nothing mapped for the propose's rows): the catch-up's go back too
         placed.undo(prop)
-        prop._refuse(status, index, states, tokens, pos, k, n)
-    mapped = prop._mapped[: 2 * m].reshape(m, 2).copy() if m else None
-    if mapped is not None:
-        for row in set(mapped[:, 0].tolist()):
-            prop.rows.table_of[row].cache_id = cache.cache_id
+        raise
     which, at, owed_kv = owed.which(), owed.positions(), placed.row_kv
     try:
         if early:
@@ -327,6 +309,12 @@ def _propose_merged(prop, keys, tokens, pos, hiddens, k: int, states, owed: Catc
             prop._unmap(mapped)
         placed.undo(prop)
         raise
+    return _pending_handle(prop, drafts, outputs, k, states, keys, pos, kv, mapped, placed)
+
+
+def _pending_handle(prop, drafts, outputs, k: int, states, keys, pos, kv, mapped,
+                    placed: PlacedCatchup | None = None) -> DeviceDrafts:
+    """The handle of a device propose that ran, each of its states marked as awaiting it."""
     rows = keys & batch_kernel.ROW_MASK
     handle = DeviceDrafts(drafts, k, list(states), keys, pos, kv, prop.rows.seq_len[rows].copy(), mapped, prop.id,
                           placed)

@@ -320,18 +320,8 @@ class DeepseekV4MtpProposer:
             raise
         _, staging, executor, _, copy_in, gated = self._plan(n, k, mask is not None)
         kv, cache = self._kv[:n], self.cache
-        # The checks, each row's kv_start after it (kept by a propose continuing its rows, kv_start <= p
-        # <= seq_len; p for one jumping ahead or back), and blocks for the rows crossing into a block
-        # they do not hold, all or nothing, in one kernel call (design note "flat kernel").
-        _, place_arrays, commit_arrays, _ = self._kernel_arrays()
-        with cache.lock:
-            status, index, m = kernel.place(keys, tokens, pos, k, *place_arrays, kv, self._mapped)
-        if status != batch_kernel.OK:
-            self._refuse(status, index, states, tokens, pos, k, n)
-        mapped = self._mapped[: 2 * m].reshape(m, 2).copy() if m else None
-        if mapped is not None:
-            for row in set(mapped[:, 0].tolist()):
-                seqs.table_of[row].cache_id = cache.cache_id
+        mapped = self._place(keys, tokens, pos, k, states, kv)
+        commit_arrays = self._kernel_arrays()[2]
         try:
             staging.stage(seqs.tables, keys, pos, kv, tokens, hiddens, self._vocab_limit(),
                           [mask] * n if mask is not None else None, copy_in=copy_in)
@@ -367,6 +357,26 @@ class DeepseekV4MtpProposer:
         self.last_host_seconds, self.last_propose_seconds = launched - entered, done - entered
         self.last_times = (entered, launched, read, done)
         return drafted
+
+    def _place(self, keys: np.ndarray, tokens: np.ndarray, pos: np.ndarray, k: int, states,
+               kv_out: np.ndarray) -> np.ndarray | None:
+        """The checks, each row's kv_start after the propose into ``kv_out`` (kept by a propose
+        continuing its rows, kv_start <= p <= seq_len; p for one jumping ahead or back), and blocks
+        for the rows crossing into a block they do not hold, all or nothing, in one kernel call
+        (design note "flat kernel"). Returns the (row, entry) pairs it mapped (None: none), the
+        undo for ``_unmap``; raises the typed error of what it refused, with nothing mapped."""
+        cache, n = self.cache, len(keys)
+        with cache.lock:
+            status, index, m = self._kernel.place(keys, tokens, pos, k, *self._kernel_arrays()[1], kv_out,
+                                                  self._mapped)
+        if status != batch_kernel.OK:
+            self._refuse(status, index, states, tokens, pos, k, n)
+        if not m:
+            return None
+        mapped = self._mapped[: 2 * m].reshape(m, 2).copy()
+        for row in set(mapped[:, 0].tolist()):
+            self.rows.table_of[row].cache_id = cache.cache_id
+        return mapped
 
     def _kernel_arrays(self) -> tuple[np.ndarray, tuple, tuple, tuple]:
         """The batch kernel's fixed arguments: the rows' and the pool's arrays and sizes, for
