@@ -16,6 +16,16 @@ The chain must be ungated (draft_conf_tau 0, or K = 1): a gated chain's kept dra
 host decision of the commit. ``drafts`` stays valid until the proposer's next run of the same
 (batch bucket, K) chain; the loop copies it into the verify input right away.
 
+Design note "catch-up in the first step": after a verify, the drafter rows of the accepted
+tokens must be written again from the target's hiddens (the catch-up) before the next propose
+reads them. Run apart, that is a third graph run a decode step, a whole pass of the MTP block
+over a few rows. ``propose_device(..., catchup=)`` writes them in the chain's first step
+instead, as engines run their drafter's first forward over the accepted tokens (an EAGLE
+"extend"): the K = 1 chain runs over the n propose rows and the catch-up rows together (a run
+is causal over rows of one sequence), and the K - 1 chain continues from its first n rows on
+the device. The step reads the weights once for both, and a decode step runs the proposer's two
+graphs and the verify. Catch-up rows beyond the largest bucket are written first in prefill runs.
+
 Example
 -------
 >>> handle = prop.propose_device([5, 17], hiddens, [40, 9], 3, [s0, s1])   # doctest: +SKIP
