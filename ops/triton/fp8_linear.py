@@ -48,9 +48,10 @@ def e4m3_to_f32(q):
     exp = (b >> 3) & 0xF
     man = b & 0x7
     normal = (((b & 0x80) << 24) | ((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
-    sub = man.to(tl.float32) * 0.001953125  # exponent 0: man * 2^-9
-    sub = tl.where((b & 0x80) != 0, -sub, sub)
-    v = tl.where(exp == 0, sub, normal)
+    # Exponent 0: man * 2^-9, its sign put in by bits (a negation compiles to 0 - x on the GPU,
+    # which turns the code 0x80 into +0 where torch gives -0).
+    sub = (man.to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True) | ((b & 0x80) << 24)
+    v = tl.where(exp == 0, sub.to(tl.float32, bitcast=True), normal)
     return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
 
 
@@ -73,11 +74,16 @@ def fp8_tile(w_rows, s_rows, kk, k0, n_mask, K, EVEN: tl.constexpr, NATIVE: tl.c
     if EVEN:
         q = tl.load(w_rows + kk[None, :])
     else:
-        q = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0)
+        # No `other`: compiled Triton casts no integer to fp8e4nv (the interpreter does); the
+        # masked lanes are zeroed after the decode instead.
+        live = n_mask[:, None] & (kk < K)[None, :]
+        q = tl.load(w_rows + kk[None, :], mask=live)
     if NATIVE:
         v = q.to(tl.float32)
     else:
         v = e4m3_to_f32(q)
+    if not EVEN:
+        v = tl.where(live, v, 0.0)
     s = ue8m0_to_f32(tl.load(s_rows + k0 // 128, mask=n_mask, other=127))
     return v, s
 

@@ -143,7 +143,12 @@ def e2m1_codes(values: torch.Tensor) -> torch.Tensor:
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes 0..15 -> fp32 values (code 8 is -0.0)."""
-    table = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=codes.device)
+    # The table computed on the codes' device (torch.tensor from a list is a host-to-device copy,
+    # which a CUDA graph capture refuses): magnitude code c = 2e + m is m/2 for e = 0, else
+    # 2^(e-1) * (1 + m/2), which gives E2M1_MAGNITUDES.
+    c = torch.arange(8, device=codes.device)
+    e, m = (c >> 1).float(), (c & 1).float()
+    table = torch.where(e == 0, m * 0.5, torch.exp2(e - 1) * (1 + m * 0.5))
     table = torch.cat([table, -table])
     return table[codes.long()]
 
