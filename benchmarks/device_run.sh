@@ -26,8 +26,8 @@ if [ -n "$base" ]; then
 fi
 # The package as users install it (offline: no dependencies fetched, no build isolation).
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.txt" 2>&1 || cat "$out/install.txt"
-echo "python benchmarks/bench_draft.py ${flags[*]} --out \$OUT/after  (benchmarks/device_run.sh)" >"$out/after/log.txt"
-python3 benchmarks/bench_draft.py "${flags[@]}" --out "$out/after" >>"$out/after/log.txt" 2>&1
+echo "python benchmarks/bench_draft.py ${flags[*]} --weights ${WEIGHTS:-native,bf16} --out \$OUT/after  (benchmarks/device_run.sh)" >"$out/after/log.txt"
+python3 benchmarks/bench_draft.py "${flags[@]}" --weights "${WEIGHTS:-native,bf16}" --out "$out/after" >>"$out/after/log.txt" 2>&1
 # PYTEST=0: the benchmark only (the cuda suite has grown past what fits beside it in one 10-minute call).
 if [ "${PYTEST:-1}" != 0 ]; then
     timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider >"$out/pytest_cuda.txt" 2>&1
