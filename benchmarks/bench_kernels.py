@@ -729,6 +729,8 @@ def tune_all(flash, copy_bw, deadline, only: set[str] | None = None) -> Tuner:
         ),
         ("hc_pre", 32, [(H, "MIX_ROWS", [2, 4, 8])]),
     ]
+    if WEIGHTS == "native":
+        jobs = native_jobs()
     if only:
         jobs = [job for job in jobs if f"{job[0]}:{job[1]}" in only]
     for name, b, knobs in jobs:
@@ -753,6 +755,24 @@ def tune_all(flash, copy_bw, deadline, only: set[str] | None = None) -> Tuner:
             log(f"tune {name} B={b}: ERROR\n{traceback.format_exc()}")
         torch.cuda.empty_cache()
     return t
+
+
+def native_jobs() -> list:
+    """The block-scaled kernels' own knobs (--weights native): FP8 GEMV tiles hold at most 128
+    columns (one scale block), MXFP4 ones 64 bytes a row, so the candidates grow BLOCK_N."""
+    from draftgraph.ops.triton import fp8_linear as F
+    from draftgraph.ops.triton import moe_mxfp4 as MX
+    from draftgraph.ops.triton.gemv import GemvConfig as C
+
+    tiles = ((32, 4, 4), (64, 4, 4), (128, 4, 3), (64, 8, 4), (128, 8, 4))
+    fma = [C(n, 128, warps, stages, False) for n, warps, stages in (*tiles, (32, 4, 6))]
+    dot = [C(n, 128, warps, stages) for n, warps, stages in tiles]
+    return [
+        ("linear", 1, [(F, "BATCH1_CONFIG", fma)]),
+        ("moe", 1, [(MX, "W13_CONFIG", fma), (MX, "W2_CONFIG", fma)]),
+        ("linear", 4, [(F, "DEFAULT", dot)]),
+        ("moe", 32, [(MX, "W13_CONFIG_BATCHED", dot), (MX, "W2_CONFIG_BATCHED", dot)]),
+    ]
 
 
 def phase_breakdown(flash) -> list[dict]:

@@ -33,7 +33,9 @@ from draftgraph.ops.triton.gemv import GemvConfig, gemv
 from draftgraph.runtime.errors import InputError, describe
 from draftgraph.runtime.model.quant import FP8_BLOCK, QuantWeight, fp8_scale_shape
 
-# Untuned (no GPU yet): the bf16 tiles at the byte widths of fp8; BLOCK_K is at most 128 here.
+# BLOCK_K is at most 128 here (one scale column a tile), so the bytes a tile holds come from
+# BLOCK_N: the bf16 GEMVs' configs (BLOCK_N 8-16, BLOCK_K 1024) would read 1 KB tiles. Every FP8
+# GEMV of the fused ops takes these instead (`project`), tuned by bench_kernels --weights native.
 DEFAULT = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
 BATCH1_CONFIG = GemvConfig(block_n=16, block_k=128, num_warps=4, num_stages=4, use_dot=False)
 
@@ -358,9 +360,10 @@ def project(
 ) -> None:
     """out (+)= x @ [W; W2]^T with W a bf16 tensor (``gemv.gemv``) or an FP8 QuantWeight (:func:`fp8_gemv`).
 
-    The fused ops' one GEMV call on either kind of weight: the FP8 one passes its ``data`` and
-    ``scale`` (``config`` as it is: BLOCK_K is capped at 128 inside). ``w2`` must be of ``w``'s
-    kind; ``accumulate`` needs FP8 (the bf16 GEMV overwrites).
+    The fused ops' one GEMV call on either kind of weight: ``config`` is the bf16 GEMV's; the
+    FP8 one passes its ``data`` and ``scale`` with this module's configs (BATCH1_CONFIG at
+    batch 1, DEFAULT above). ``w2`` must be of ``w``'s kind; ``accumulate`` needs FP8 (the bf16
+    GEMV overwrites).
     """
     if not isinstance(w, QuantWeight):
         if isinstance(w2, QuantWeight) or accumulate:
@@ -391,7 +394,7 @@ def project(
         eps=eps,
         group_rows=group_rows,
         accumulate=accumulate,
-        config=config,
+        config=BATCH1_CONFIG if x.shape[0] == 1 else DEFAULT,
     )
 
 
