@@ -769,7 +769,7 @@ def native_jobs() -> list:
     dot = [C(n, 128, warps, stages) for n, warps, stages in tiles]
     return [
         ("linear", 1, [(F, "BATCH1_CONFIG", fma)]),
-        ("moe", 1, [(MX, "W13_CONFIG", fma), (MX, "W2_CONFIG", fma)]),
+        ("moe", 1, [(MX, "W13_CONFIG", fma), (MX, "W2_CONFIG", fma), (MX, "GROUPED_MIN_BATCH", [1])]),
         ("linear", 4, [(F, "DEFAULT", dot)]),
         ("moe", 32, [(MX, "W13_CONFIG_BATCHED", dot), (MX, "W2_CONFIG_BATCHED", dot)]),
     ]
