@@ -24,12 +24,14 @@ rank's experts) reads no expert bytes in either layout and adds nothing; ``share
 the shared slot out (moe_shard on a rank without the shared expert).
 
 Note "MXFP4 tile": a [BLOCK_N, BLOCK_K] tile of logical columns is BLOCK_K / 2 bytes a row.
-Each byte gives two fp32 values (low nibble: even column), each times its 32-column scale
-(gathered per byte: 16 bytes share one, served from L1), and ``tl.join`` + ``reshape``
-interleave them back into column order, so the activation tile is read as it lies. e2m1
-times a power of two is exact in bf16, so the dot path multiplies the decoded tile in x's
-dtype, as ``gemv`` does with bf16 weights. The FP8 shared expert's tiles apply their row
-scale to the tile's partial product instead (see ``fp8_linear``).
+Each byte gives two values (low nibble: even column). They are never interleaved back into
+column order (a join and reshape move the tile through shared memory): the activation is read
+as its even and odd columns instead. The dot path (``mxfp4_halves``) multiplies the even and
+odd halves, each times its 32-column scale (gathered per byte, served from L1), in two dots;
+e2m1 times a power of two is exact in bf16, so they run in x's dtype, as ``gemv`` does with
+bf16 weights. The FMA path (batch 1, ``mxfp4_fma``) holds the tile as [rows, scale blocks, 16
+bytes]: each scale is loaded once per 32 columns and multiplies the block's partial sums. The
+FP8 shared expert's tiles apply their row scale to the tile's partial product (``fp8_linear``).
 """
 
 from __future__ import annotations
@@ -80,18 +82,36 @@ def e2m1_to_f32(c):
 
 
 @triton.jit
-def mxfp4_tile(w_rows, s_rows, k0, n_mask, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The dequantised fp32 tile [BLOCK_N, BLOCK_K] of logical columns k0.. (see "MXFP4 tile").
-
-    w_rows / s_rows: [BLOCK_N, 1] pointers to the rows' first byte / first scale; K the logical width.
-    """
+def mxfp4_halves(w_rows, s_rows, k0, n_mask, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(even, odd): the dequantised fp32 tiles [BLOCK_N, BLOCK_K / 2] of logical columns k0 + 2j and
+    k0 + 2j + 1 (see "MXFP4 tile"). w_rows / s_rows: [BLOCK_N, 1] pointers to the rows' first byte / scale."""
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte columns
     mask = n_mask[:, None] & (kb < K // 2)[None, :]
     q = tl.load(w_rows + kb[None, :], mask=mask, other=0).to(tl.int32)
     s = ue8m0_to_f32(tl.load(s_rows + (kb // 16)[None, :], mask=mask, other=127))
-    lo = e2m1_to_f32(q & 15) * s
-    hi = e2m1_to_f32((q >> 4) & 15) * s
-    return tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])
+    return e2m1_to_f32(q & 15) * s, e2m1_to_f32((q >> 4) & 15) * s
+
+
+@triton.jit
+def mxfp4_fma(acc, w_rows, s_rows, a_row, a_live, k0, n_mask, K, BLOCK_K: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K / 32, 16] += the tile of logical columns k0.. times one activation row.
+
+    The tile as [rows, scale blocks, bytes]: each scale loaded once per 32 columns and applied to
+    the block's partial sums, the even / odd activation columns read apart (see "MXFP4 tile").
+    a_row: the row's pointer (scalar or [1, 1]); a_live: whether it is read.
+    """
+    g = tl.arange(0, BLOCK_K // 32)
+    kb = k0 // 2 + g[:, None] * 16 + tl.arange(0, 16)[None, :]  # [NB, 16] byte columns
+    live = kb < K // 2
+    mask = n_mask[:, None, None] & live[None, :, :]
+    q = tl.load(w_rows[:, :, None] + kb[None, :, :], mask=mask, other=0).to(tl.int32)
+    s_mask = n_mask[:, None, None] & (k0 // 32 + g < K // 32)[None, :, None]
+    s = ue8m0_to_f32(tl.load(s_rows[:, :, None] + (k0 // 32 + g)[None, :, None], mask=s_mask, other=127))
+    a_mask = live & a_live
+    a_even = tl.load(a_row + 2 * kb, mask=a_mask, other=0.0).to(tl.float32)
+    a_odd = tl.load(a_row + 2 * kb + 1, mask=a_mask, other=0.0).to(tl.float32)
+    part = e2m1_to_f32(q & 15) * a_even[None, :, :] + e2m1_to_f32((q >> 4) & 15) * a_odd[None, :, :]
+    return acc + part * s
 
 
 @triton.jit
@@ -119,29 +139,34 @@ def _expert_tiles(
     offs_k = tl.arange(0, BLOCK_K)
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
-    for k0 in range(0, k_end, BLOCK_K):
-        kk = k0 + offs_k
-        av = tl.load(a_rows + kk[None, :], mask=a_mask[:, None] & (kk < K)[None, :], other=0.0)  # [BLOCK_B, BLOCK_K]
-        if IS_FP8:
-            v, s = fp8_tile(w_rows, s_rows, kk, k0, n_mask, K, False, NATIVE)
-            if USE_DOT:
+        for k0 in range(0, k_end, BLOCK_K):
+            if IS_FP8:
+                kk = k0 + offs_k
+                av = tl.load(a_rows + kk[None, :], mask=a_mask[:, None] & (kk < K)[None, :], other=0.0)
+                v, s = fp8_tile(w_rows, s_rows, kk, k0, n_mask, K, False, NATIVE)
                 at = tl.trans(av)
                 acc += mma(v.to(at.dtype), at, INTERP) * s[:, None]
             else:
-                acc += (v * s[:, None]) * av.to(tl.float32)
-        else:
-            t = mxfp4_tile(w_rows, s_rows, k0, n_mask, K, BLOCK_N, BLOCK_K)
-            if USE_DOT:
-                at = tl.trans(av)
-                acc += mma(t.to(at.dtype), at, INTERP)
-            else:
-                acc += t * av.to(tl.float32)
-    if USE_DOT:
+                even, odd = mxfp4_halves(w_rows, s_rows, k0, n_mask, K, BLOCK_N, BLOCK_K)
+                kk = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+                m = a_mask[:, None] & (kk < K)[None, :]
+                a_even = tl.trans(tl.load(a_rows + kk[None, :], mask=m, other=0.0))
+                a_odd = tl.trans(tl.load(a_rows + kk[None, :] + 1, mask=m, other=0.0))
+                acc += mma(even.to(a_even.dtype), a_even, INTERP) + mma(odd.to(a_odd.dtype), a_odd, INTERP)
         return acc
-    else:
+    elif IS_FP8:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
+        for k0 in range(0, k_end, BLOCK_K):
+            kk = k0 + offs_k
+            av = tl.load(a_rows + kk[None, :], mask=a_mask[:, None] & (kk < K)[None, :], other=0.0)  # [1, BLOCK_K]
+            v, s = fp8_tile(w_rows, s_rows, kk, k0, n_mask, K, False, NATIVE)
+            acc += (v * s[:, None]) * av.to(tl.float32)
         return tl.sum(acc, 1)[:, None]
+    else:
+        acc3 = tl.zeros([BLOCK_N, BLOCK_K // 32, 16], dtype=tl.float32)
+        for k0 in range(0, k_end, BLOCK_K):
+            acc3 = mxfp4_fma(acc3, w_rows, s_rows, a_rows, a_mask[:, None], k0, n_mask, K, BLOCK_K)
+        return tl.sum(tl.sum(acc3, 2), 1)[:, None]
 
 
 @triton.jit
@@ -251,7 +276,8 @@ def _w2_kernel(
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
     else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # the shared expert's FP8 tiles
+        acc3 = tl.zeros([BLOCK_N, BLOCK_K // 32, 16], dtype=tl.float32)  # the routed MXFP4 ones
     for t in range(0, routed * INTER, BLOCK_K):
         slot = t // INTER
         k0 = t - slot * INTER
@@ -259,18 +285,17 @@ def _w2_kernel(
         w_rows = w2_ptr + e * D * (INTER // 2) + n64[:, None] * (INTER // 2)
         s_rows = s2_ptr + e * D * (INTER // 32) + n64[:, None] * (INTER // 32)
         live = n_mask & splat(e >= 0, offs_n)  # a negative id (NO_EXPERT): nothing loaded, the tile is 0
-        w = mxfp4_tile(w_rows, s_rows, k0, live, INTER, BLOCK_N, BLOCK_K)
         if USE_DOT:
+            even, odd = mxfp4_halves(w_rows, s_rows, k0, live, INTER, BLOCK_N, BLOCK_K)
             src = tl.where(rows == slot // TOPK, slot, -1)
-            a = tl.load(
-                act_ptr + tl.maximum(src, 0).to(tl.int64)[:, None] * INTER + k0 + offs_k[None, :],
-                mask=(src >= 0)[:, None],
-                other=0.0,
-            )
-            acc += mma(w.to(a.dtype), tl.trans(a), INTERP)
+            cols = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            a_rows = act_ptr + tl.maximum(src, 0).to(tl.int64)[:, None] * INTER + cols[None, :]
+            a_even = tl.trans(tl.load(a_rows, mask=(src >= 0)[:, None], other=0.0))
+            a_odd = tl.trans(tl.load(a_rows + 1, mask=(src >= 0)[:, None], other=0.0))
+            acc += mma(even.to(a_even.dtype), a_even, INTERP) + mma(odd.to(a_odd.dtype), a_odd, INTERP)
         else:
-            a = tl.load(act_ptr + slot.to(tl.int64) * INTER + k0 + offs_k).to(tl.float32)  # batch 1: row = slot
-            acc += w * a[None, :]
+            a_row = act_ptr + slot.to(tl.int64) * INTER  # batch 1: row = slot
+            acc3 = mxfp4_fma(acc3, w_rows, s_rows, a_row, True, k0, live, INTER, BLOCK_K)
     if HAS_SHARED:
         sw_rows = sw2_ptr + n64[:, None] * INTER
         ss_rows = ss2_ptr + (offs_n // 128) * stride_ssn
@@ -287,7 +312,7 @@ def _w2_kernel(
     if USE_DOT:
         total = acc
     else:
-        total = tl.sum(acc, 1)[:, None]
+        total = (tl.sum(acc, 1) + tl.sum(tl.sum(acc3, 2), 1))[:, None]
     ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_ob + offs_n[:, None]
     mask = n_mask[:, None] & (rows < B)[None, :]
     if ACCUMULATE:
