@@ -35,9 +35,11 @@ from draftgraph.runtime.model.quant import FP8_BLOCK, QuantWeight, fp8_scale_sha
 
 # BLOCK_K is at most 128 here (one scale column a tile), so the bytes a tile holds come from
 # BLOCK_N: the bf16 GEMVs' configs (BLOCK_N 8-16, BLOCK_K 1024) would read 1 KB tiles. Every FP8
-# GEMV of the fused ops takes these instead (`project`), tuned by bench_kernels --weights native.
-DEFAULT = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
-BATCH1_CONFIG = GemvConfig(block_n=16, block_k=128, num_warps=4, num_stages=4, use_dot=False)
+# GEMV of the fused ops takes these instead (`project`). Tuned on one H200 at the 4096 x 4096
+# linear (`bench_kernels.py --weights native --tune`, benchmarks/h200/bench_kernels_native_tuned_b93df2d.txt):
+# batch 1 21.8 us against 26.7 with the bf16 tiles; batch 4 11.4 us.
+DEFAULT = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
+BATCH1_CONFIG = GemvConfig(block_n=64, block_k=128, num_warps=8, num_stages=4, use_dot=False)
 
 
 # ---- decoding bytes in registers ------------------------------------------------------------

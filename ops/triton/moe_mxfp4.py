@@ -59,11 +59,15 @@ from draftgraph.runtime.model.quant import FP8_BLOCK, MXFP4_BLOCK, fp8_scale_sha
 
 MAX_BATCH = 64  # the shared slot covers all rows in one activation tile
 GROUPED_MIN_BATCH = 2  # as moe.py: expert-major from this batch on
-# Untuned (no GPU yet): moe.py's tiles, with BLOCK_K at most 128 (an FP8 K tile lies in one scale block).
-W13_CONFIG = GemvConfig(block_n=16, block_k=128, num_warps=4, num_stages=3, use_dot=False)
+# BLOCK_K at most 128 (an FP8 K tile of the shared expert lies in one scale block). Tuned on one
+# H200 at V4-Flash shapes (`bench_kernels.py --weights native --tune`,
+# benchmarks/h200/bench_kernels_native_tuned_b93df2d.txt): batch 1 222.8 us against 237.7 with
+# 16-row w13 tiles (larger tiles slower: 64 rows 288, 128 rows 365); batch 32 (random routing)
+# w13 5365 against 7801 us, w2 4956 against 5363. Expert-major at batch 1 was slower (242.8).
+W13_CONFIG = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=4, use_dot=False)
 W2_CONFIG = GemvConfig(block_n=16, block_k=128, num_warps=4, num_stages=3, use_dot=False)
-W13_CONFIG_BATCHED = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
-W2_CONFIG_BATCHED = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
+W13_CONFIG_BATCHED = GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
+W2_CONFIG_BATCHED = GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
 REDUCE_BLOCK_D = 1024
 MXFP4_DTYPES = tuple(dt for dt in (torch.int8, torch.uint8, getattr(torch, "float4_e2m1fn_x2", None)) if dt is not None)
 SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
