@@ -14,6 +14,7 @@ Nothing executes and no output is read. One line per case; exit status 1 if any 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -68,6 +69,14 @@ def install(arch: int) -> None:
     fp8_linear.native_fp8_supported = moe_mxfp4.native_fp8_supported = lambda device: True
 
 
+def _load_sibling(name: str):
+    """benchmarks/<name>.py as a module (the benchmarks are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def edge_tiles(b: int) -> None:
     """The GEMVs at shapes no K tile divides (320 columns): the masked loads the op cases' even
     shapes never take, FP8 with one weight and with two, and bf16."""
@@ -101,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--batches: expected a comma list of sizes 1..64, got {args.batches!r}")
 
     install(args.arch)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import bench_kernels as bk
+    bk = _load_sibling("bench_kernels")
     from draftgraph.ops.triton import _impls
     from draftgraph.runtime.model.config import V4Config
 

@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "compile_kernels.py"
 
 
 def _python(argv: list[str], cache: Path) -> subprocess.CompletedProcess:
@@ -40,9 +41,10 @@ def test_every_fused_kernel_compiles_for_sm90_both_weight_formats(tmp_path):
 def test_the_check_catches_what_the_interpreter_runs(tmp_path):
     script = tmp_path / "bad_kernel.py"
     script.write_text(textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(ROOT / "benchmarks")!r})
-        import compile_kernels  # sets TRITON_INTERPRET=0 before triton is imported
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("compile_kernels", {str(SCRIPT)!r})
+        compile_kernels = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(compile_kernels)  # sets TRITON_INTERPRET=0 before triton is imported
         import torch
         import triton
         import triton.language as tl
