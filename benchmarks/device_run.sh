@@ -7,6 +7,8 @@
 # OUT: where the results go ($OUT on the device). BASE_DIR: an older checkout to compare with,
 # e.g. `git archive 873b0e1 | tar -x -C .base` here, carried with the call; it runs its own
 # bench_draft (tools/bench_draft.py before the package layout, benchmarks/bench_draft.py after).
+# WEIGHTS (default native,bf16): this tree's weight formats, e.g. WEIGHTS=bf16 beside a tree
+# older than issue 28; PYTEST=0: no cuda suite after the benchmark.
 set -uo pipefail
 out=${1:?usage: device_run.sh OUT [BASE_DIR]}
 base=${2:-}
