@@ -294,12 +294,19 @@ class PagedLatentCache:
         return [self.trim_window(table, p) for table, p in zip(tables, next_positions)]
 
     def truncate(self, table: BlockTable, length: int) -> list[int]:
-        """Roll back to ``length`` positions: blocks wholly at positions >= length go back."""
+        """Roll back to ``length`` positions: blocks wholly at positions >= length go back.
+
+        A roll-back that gives nothing back (the usual one: the rejected drafts lay in the last
+        block) changes nothing and returns at once; the table's checks run when a block goes.
+        """
         if length < 0:
             raise InputError(describe("truncate length", ">= 0", length))
+        first = -(-length // self.block_size)
+        if not (table.blocks[first:] >= 0).any():  # the usual roll-back: within the last block, nothing to give
+            return []
         with self._lock:
             self._check_table(table)
-            return self._release(table, range(-(-length // self.block_size), len(table.blocks)))
+            return self._release(table, range(first, len(table.blocks)))
 
     def free(self, table: BlockTable) -> list[int]:
         """Return every block of ``table``; the table is left empty and reusable."""
