@@ -68,3 +68,14 @@ def test_the_check_catches_what_the_interpreter_runs(tmp_path):
     done = _python([str(script)], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "refused: True", done.stdout + done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--weights", "fp4"], "--weights: expected a comma list of bf16 / native, got 'fp4'"),
+    (["--batches", "0"], "--batches: expected a comma list of sizes 1..64, got '0'"),
+    (["--batches", "x"], "--batches: expected a comma list of sizes 1..64, got 'x'"),
+])
+def test_bad_arguments_are_one_line_and_exit_2(tmp_path, argv, expected):
+    done = _python([str(SCRIPT), *argv], tmp_path)
+    assert done.returncode == 2 and expected in done.stderr, done.stderr[-2000:]
+    assert not list(tmp_path.rglob("*.cubin"))  # refused before anything compiled
