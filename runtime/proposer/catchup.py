@@ -77,7 +77,7 @@ class PlacedCatchup:
 
 
 def check_rows(prop, tokens: Sequence[Sequence[int]], hiddens, first_pos: Sequence[int], states,
-            assume_finite: bool = False) -> CatchupRows | None:
+               assume_finite: bool = False) -> CatchupRows | None:
     """Check a catch-up of ``len(tokens)`` sequences (``hiddens[i]`` [n_i, ...] pairs ``tokens[i]``).
 
     Raises InputError for the first bad item and NonFiniteError for a NaN or an infinity in a
@@ -129,7 +129,7 @@ def place_rows(prop, rows: CatchupRows) -> PlacedCatchup:
 
 
 def write_in_prefill_runs(prop, which: np.ndarray, pos: np.ndarray, kv: np.ndarray, tokens: np.ndarray,
-                hidden: torch.Tensor) -> None:
+                          hidden: torch.Tensor) -> None:
     """Write these rows in drafter-prefill runs of at most the largest bucket, in their order."""
     chunk = prop.buckets[-1]
     for at in range(0, len(pos), chunk):
