@@ -4,12 +4,19 @@ W is ``float8_e4m3fn`` [N, K] with one UE8M0 scale per 128 x 128 tile, ``[ceil(N
 ceil(K/128)]`` (``runtime/model/quant.py``; edge tiles may be partial). The kernel is
 ``gemv.py``'s with the weight read as bytes: half the bf16 bytes, the same tiling.
 
-Note "dequantised in registers": a W tile [BLOCK_N, BLOCK_K] never straddles a scale column
+Note "dequantised in registers": a dot tile [BLOCK_N, BLOCK_K] never straddles a scale column
 (BLOCK_K divides 128), so each of its rows has one scale. The codes are decoded to fp32
-(exact: e4m3 is a subset of bf16 and of fp32), multiplied by x in the dot or FMA, and the
-row's scale multiplies the tile's partial product, not each weight: a power of two, so
+(exact: e4m3 is a subset of bf16 and of fp32), multiplied by x in the dot, and the row's scale
+multiplies the tile's partial product, not each weight: a power of two, so
 ``(q . x) * s == (q * s) . x`` exactly in fp32 (no overflow at these magnitudes). Nothing is
 dequantised to memory.
+
+Note "wide tiles": the FMA variant (batch 1) reads [BLOCK_N, NBK, SUB_K] tiles, NBK scale
+blocks of SUB_K = min(BLOCK_K, 128) columns, each code times its block's scale before the FMA.
+A GEMV at batch 1 is bound by the bytes in flight, not by arithmetic: one program's loads are
+one tile, issued together, and a 64 x 128 tile (8 KB) on 64 programs kept a 4096 x 4096 FP8
+linear at 18% of copy bandwidth on an H200. The bf16 GEMV's winners are narrow and long
+(8 x 1024, ``gemv.LINEAR_CONFIG``); wide tiles give the FP8 one the same shape.
 
 Note "decode": the CPU interpreter has no float8 loads, so the weight is passed as uint8 and
 decoded with integer ops (:func:`e4m3_to_f32`); scales always are (:func:`ue8m0_to_f32`: the
@@ -33,13 +40,14 @@ from draftgraph.ops.triton.gemv import GemvConfig, gemv
 from draftgraph.runtime.errors import InputError, describe
 from draftgraph.runtime.model.quant import FP8_BLOCK, QuantWeight, fp8_scale_shape
 
-# BLOCK_K is at most 128 here (one scale column a tile), so the bytes a tile holds come from
-# BLOCK_N: the bf16 GEMVs' configs (BLOCK_N 8-16, BLOCK_K 1024) would read 1 KB tiles. Every FP8
-# GEMV of the fused ops takes these instead (`project`). Tuned on one H200 at the 4096 x 4096
-# linear (`bench_kernels.py --weights native --tune`, benchmarks/h200/bench_kernels_native_tuned_b93df2d.txt):
-# batch 1 21.8 us against 26.7 with the bf16 tiles; batch 4 11.4 us.
+# Batch 1: an FMA tile 16 rows x 512 columns (four scale blocks, 8 KB), as the bf16 GEMV's
+# narrow and long winners (see "wide tiles"); chosen from the SASS of the candidates (about 6
+# instructions a code); `bench_kernels.py --weights native --tune` times them on a GPU. At
+# b93df2d the best 128-column tile (64 x 128, 8 warps) ran the 4096 x 4096 linear in 21.8 us, 18%
+# of copy bandwidth (benchmarks/h200/bench_kernels_native_tuned_b93df2d.txt). Batch > 1: the dot
+# path, 32 x 128 (11.4 us at batch 4, the same run).
 DEFAULT = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
-BATCH1_CONFIG = GemvConfig(block_n=64, block_k=128, num_warps=8, num_stages=4, use_dot=False)
+BATCH1_CONFIG = GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, use_dot=False)
 
 
 # ---- decoding bytes in registers ------------------------------------------------------------
@@ -93,20 +101,50 @@ def fp8_tile(w_rows, s_rows, kk, k0, n_mask, K, EVEN: tl.constexpr, NATIVE: tl.c
 
 
 @triton.jit
-def _accumulate(
-    acc, v, s, x_rows, nw_ptr, inv, kk, row_mask, K, PRO_NORM: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr
-):
-    """acc += (codes x activation columns) * row scale (the activation normed first under PRO_NORM)."""
+def fp8_tile3(w_rows, s_rows, k0, n_mask, K, NBK: tl.constexpr, SUB_K: tl.constexpr, EVEN: tl.constexpr,
+              NATIVE: tl.constexpr):  # fmt: skip
+    """(codes [BLOCK_N, NBK, SUB_K] in fp32, their scales [BLOCK_N, NBK]) of the K tile at k0 (see "wide tiles").
+
+    w_rows: [BLOCK_N] pointers to the rows' first byte; s_rows: [BLOCK_N] pointers to the rows'
+    scale-grid rows. SUB_K divides 128 (NBK 1) or is 128.
+    """
+    cols = k0 + tl.arange(0, NBK)[:, None] * SUB_K + tl.arange(0, SUB_K)[None, :]  # [NBK, SUB_K]
+    blocks = (k0 + tl.arange(0, NBK) * SUB_K) // 128
+    if EVEN:
+        q = tl.load(w_rows[:, None, None] + cols[None, :, :])
+        s = tl.load(s_rows[:, None] + blocks[None, :])
+    else:
+        live = n_mask[:, None, None] & (cols < K)[None, :, :]
+        q = tl.load(w_rows[:, None, None] + cols[None, :, :], mask=live)  # no `other`: see fp8_tile
+        s = tl.load(s_rows[:, None] + blocks[None, :], mask=n_mask[:, None] & (blocks * 128 < K)[None, :], other=127)
+    if NATIVE:
+        v = q.to(tl.float32)
+    else:
+        v = e4m3_to_f32(q)
+    if not EVEN:
+        v = tl.where(live, v, 0.0)
+    return v, ue8m0_to_f32(s)
+
+
+@triton.jit
+def _accumulate(acc, v, s, x_rows, nw_ptr, inv, kk, row_mask, K, PRO_NORM: tl.constexpr, INTERP: tl.constexpr):
+    """acc += (codes x activation columns) * row scale (the activation normed first under PRO_NORM): the dot path."""
     xv = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & (kk < K)[None, :], other=0.0)
     if PRO_NORM:
         nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
         xv = (xv.to(tl.float32) * inv[:, None] * nw[None, :]).to(xv.dtype)  # rounded as the bf16 norm is
-    if USE_DOT:
-        xt = tl.trans(xv)
-        acc += mma(v.to(xt.dtype), xt, INTERP) * s[:, None]
-    else:
-        acc += (v * s[:, None]) * xv.to(tl.float32)
-    return acc
+    xt = tl.trans(xv)
+    return acc + mma(v.to(xt.dtype), xt, INTERP) * s[:, None]
+
+
+@triton.jit
+def _accumulate3(acc3, v, s, x_row, nw_ptr, inv, cols, K, PRO_NORM: tl.constexpr):
+    """acc3 [BLOCK_N, NBK, SUB_K] += codes * their block scales * the activation columns ``cols`` [NBK, SUB_K]."""
+    xv = tl.load(x_row + cols, mask=cols < K, other=0.0)
+    if PRO_NORM:
+        nw = tl.load(nw_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        xv = (xv.to(tl.float32) * inv * nw).to(xv.dtype)  # rounded as the bf16 norm is
+    return acc3 + (v * s[:, :, None]) * xv.to(tl.float32)[None, :, :]
 
 
 @triton.jit
@@ -134,6 +172,8 @@ def _fp8_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    NBK: tl.constexpr,
+    SUB_K: tl.constexpr,
     K_PER_SPLIT: tl.constexpr,
     EVEN_W: tl.constexpr,
     GROUPED: tl.constexpr,
@@ -150,7 +190,6 @@ def _fp8_gemv_kernel(
     pid_k = tl.program_id(2)
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     rows = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)  # BLOCK_B = 1 without dot
     row_mask = rows < B
@@ -158,50 +197,63 @@ def _fp8_gemv_kernel(
     if TWO_W:
         if n0 >= N_A:
             local = offs_n - N_A
-            w_rows = w2_ptr + local.to(tl.int64)[:, None] * stride_w2n
+            w_base = w2_ptr + local.to(tl.int64) * stride_w2n
             s_rows = s2_ptr + (local // 128) * stride_s2n
         else:
-            w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+            w_base = w_ptr + offs_n.to(tl.int64) * stride_wn
             s_rows = s_ptr + (offs_n // 128) * stride_sn
     else:
-        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+        w_base = w_ptr + offs_n.to(tl.int64) * stride_wn
         s_rows = s_ptr + (offs_n // 128) * stride_sn
     x_col0 = 0
     if GROUPED:
         x_col0 = (n0 // group_rows) * K
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xb + x_col0
     k_begin = pid_k * K_PER_SPLIT
-    # The first weight tile before pdl_wait, as in gemv: weights are constant during a step.
-    v_first, s_first = fp8_tile(w_rows, s_rows, k_begin + offs_k, k_begin, n_mask, K, EVEN_W, NATIVE)
-    pdl_wait(PDL)
-
-    if PRO_NORM:
-        ss = tl.zeros([BLOCK_B], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
-            xv = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & (kk < K)[None, :], other=0.0)
-            xv = xv.to(tl.float32)
-            ss += tl.sum(xv * xv, 1)
-        inv = 1.0 / tl.sqrt(ss / K + eps)
-    else:
-        inv = tl.zeros([BLOCK_B], dtype=tl.float32)
 
     if USE_DOT:
+        offs_k = tl.arange(0, BLOCK_K)
+        w_rows = w_base[:, None]
+        # The first weight tile before pdl_wait, as in gemv: weights are constant during a step.
+        v_first, s_first = fp8_tile(w_rows, s_rows, k_begin + offs_k, k_begin, n_mask, K, EVEN_W, NATIVE)
+        pdl_wait(PDL)
+        if PRO_NORM:
+            ss = tl.zeros([BLOCK_B], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + offs_k
+                xv = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & (kk < K)[None, :], other=0.0)
+                xv = xv.to(tl.float32)
+                ss += tl.sum(xv * xv, 1)
+            inv = 1.0 / tl.sqrt(ss / K + eps)
+        else:
+            inv = tl.zeros([BLOCK_B], dtype=tl.float32)
         acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
-    acc = _accumulate(
-        acc, v_first, s_first, x_rows, nw_ptr, inv, k_begin + offs_k, row_mask, K, PRO_NORM, USE_DOT, INTERP
-    )
-    for k0 in range(k_begin + BLOCK_K, k_begin + K_PER_SPLIT, BLOCK_K):
-        kk = k0 + offs_k
-        v, s = fp8_tile(w_rows, s_rows, kk, k0, n_mask, K, EVEN_W, NATIVE)
-        acc = _accumulate(acc, v, s, x_rows, nw_ptr, inv, kk, row_mask, K, PRO_NORM, USE_DOT, INTERP)
-
-    if USE_DOT:
+        acc = _accumulate(acc, v_first, s_first, x_rows, nw_ptr, inv, k_begin + offs_k, row_mask, K, PRO_NORM, INTERP)
+        for k0 in range(k_begin + BLOCK_K, k_begin + K_PER_SPLIT, BLOCK_K):
+            kk = k0 + offs_k
+            v, s = fp8_tile(w_rows, s_rows, kk, k0, n_mask, K, EVEN_W, NATIVE)
+            acc = _accumulate(acc, v, s, x_rows, nw_ptr, inv, kk, row_mask, K, PRO_NORM, INTERP)
         total = acc
     else:
-        total = tl.sum(acc, 1)[:, None]
+        # Batch 1, wide tiles [BLOCK_N, NBK, SUB_K] (see "wide tiles"): one activation row.
+        x_row = x_ptr + pid_b.to(tl.int64) * stride_xb + x_col0
+        cols = tl.arange(0, NBK)[:, None] * SUB_K + tl.arange(0, SUB_K)[None, :]
+        v_first, s_first = fp8_tile3(w_base, s_rows, k_begin, n_mask, K, NBK, SUB_K, EVEN_W, NATIVE)
+        pdl_wait(PDL)
+        inv = 0.0
+        if PRO_NORM:
+            ss = tl.zeros([NBK, SUB_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                xv = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+                ss += xv * xv
+            inv = 1.0 / tl.sqrt(tl.sum(tl.sum(ss, 1), 0) / K + eps)
+        acc3 = _accumulate3(tl.zeros([BLOCK_N, NBK, SUB_K], dtype=tl.float32), v_first, s_first, x_row, nw_ptr, inv,
+                            k_begin + cols, K, PRO_NORM)  # fmt: skip
+        for k0 in range(k_begin + BLOCK_K, k_begin + K_PER_SPLIT, BLOCK_K):
+            v, s = fp8_tile3(w_base, s_rows, k0, n_mask, K, NBK, SUB_K, EVEN_W, NATIVE)
+            acc3 = _accumulate3(acc3, v, s, x_row, nw_ptr, inv, k0 + cols, K, PRO_NORM)
+        total = tl.sum(tl.sum(acc3, 2), 1)[:, None]
+
     ptrs = out_ptr + pid_k * stride_os + rows.to(tl.int64)[None, :] * stride_ob + offs_n[:, None]
     mask = n_mask[:, None] & row_mask[None, :]
     if ACCUMULATE:
@@ -304,11 +356,10 @@ def fp8_gemv(
     if not cfg.use_dot and b != 1:
         cfg = DEFAULT  # the FMA variant holds one activation row
     block_n = min(cfg.block_n, max(16 if cfg.use_dot else 1, next_pow2(n)))
-    block_k = min(cfg.block_k, FP8_BLOCK, max(16, next_pow2(k)))
-    if FP8_BLOCK % block_k:
-        raise InputError(
-            describe("fp8_gemv block_k", "a power of two dividing 128", block_k, "a K tile must lie in one scale block")
-        )
+    if cfg.block_k & (cfg.block_k - 1) or cfg.block_k < 16:
+        raise InputError(describe("fp8_gemv config block_k", "a power of two >= 16", cfg.block_k))
+    # A dot tile lies in one scale block; an FMA tile may span several (see "wide tiles").
+    block_k = min(cfg.block_k, max(16, next_pow2(k)))
     while block_n > 1 and ((w2 is not None and n_a % block_n) or (group_rows and group_rows % block_n)):
         block_n //= 2  # a row block must not straddle the two matrices or two groups
     if cfg.use_dot and block_n < 16:
@@ -317,6 +368,9 @@ def fp8_gemv(
                 describe("fp8_gemv row blocks", f"16 rows tiling {n_a} rows / groups of {group_rows}", f"batch {b}")
             )
         cfg = GemvConfig(block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, use_dot=False)
+    if cfg.use_dot:
+        block_k = min(block_k, FP8_BLOCK)
+    sub_k = min(block_k, FP8_BLOCK)
     if split_k > 1 and (k % (split_k * block_k) or accumulate or out.dtype != torch.float32):
         raise InputError(
             describe(
@@ -339,7 +393,7 @@ def fp8_gemv(
         b, n, n_a, k,
         x.stride(0), wk.stride(0), s.stride(0), w2k.stride(0), s2k.stride(0), out2.stride(0), stride_os,
         max(group_rows, 1), float(eps),
-        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_B=block_b, K_PER_SPLIT=k_per,
+        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_B=block_b, NBK=block_k // sub_k, SUB_K=sub_k, K_PER_SPLIT=k_per,
         EVEN_W=(n % block_n == 0) and (k % block_k == 0),
         GROUPED=bool(group_rows), TWO_W=w2 is not None, PRO_NORM=norm_w is not None, ACCUMULATE=accumulate,
         USE_DOT=cfg.use_dot, NATIVE=native, INTERP=interpreting(),
