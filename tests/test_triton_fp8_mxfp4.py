@@ -119,6 +119,8 @@ def poisoned(shape, dtype, device):
 
 FMA = K["gemv"].GemvConfig(block_n=8, block_k=64, num_warps=4, num_stages=2, use_dot=False)
 DOT = K["gemv"].GemvConfig(block_n=32, block_k=64, num_warps=4, num_stages=2)
+WIDE = K["gemv"].GemvConfig(block_n=8, block_k=256, num_warps=4, num_stages=2, use_dot=False)  # 2 scale blocks a tile
+CONFIGS = {"fma": FMA, "dot": DOT, "wide": WIDE}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -127,6 +129,8 @@ DOT = K["gemv"].GemvConfig(block_n=32, block_k=64, num_warps=4, num_stages=2)
     [
         (1, 200, 320, "fma", torch.float32),  # ragged N and K: 2 x 3 scale blocks, the last ones partial
         (1, 200, 320, "dot", BF16),
+        (1, 200, 320, "wide", BF16),  # the second K tile: one whole scale block and a partial one
+        (1, 72, 640, "wide", torch.float32),  # K tiles of 2 x 128, the last one past K
         (3, 136, 256, "dot", torch.float32),
         (17, 96, 200, "dot", BF16),  # K tile past the end of K; 17 rows: a 32-row activation tile
         (2, 256, 128, "fma", BF16),  # FMA asked for at batch 2 runs as dot
@@ -137,7 +141,7 @@ def test_fp8_gemv(device, batch, n, k, cfg, out_dtype):
     q, s, w64 = fp8_weight(g, n, k, device)
     x = act(g, batch, k).to(device)
     out = poisoned((batch, n), out_dtype, device)
-    FP8.fp8_gemv(x, q, s, out, config=FMA if cfg == "fma" else DOT)
+    FP8.fp8_gemv(x, q, s, out, config=CONFIGS[cfg])
     check(out.cpu(), x.cpu().double() @ w64.T, f"fp8_gemv {batch}x{k} @ {n}x{k} {cfg}")
 
 
@@ -154,6 +158,9 @@ def test_fp8_gemv_two_weights_and_grouped(device):
     out1 = poisoned((1, 264), torch.float32, device)
     FP8.fp8_gemv(x[:1], qa, sa, out1, w2=qb, w2_scale=sb, config=FMA)
     check(out1.cpu(), x[:1].cpu().double() @ torch.cat([wa, wb]).T, "fp8_gemv two weights fma")
+    out1 = poisoned((1, 264), torch.float32, device)
+    FP8.fp8_gemv(x[:1], qa, sa, out1, w2=qb, w2_scale=sb, config=WIDE)
+    check(out1.cpu(), x[:1].cpu().double() @ torch.cat([wa, wb]).T, "fp8_gemv two weights wide")
 
     qg, sg, wg = fp8_weight(g, 2 * 64, 160, device)  # 2 groups of 64 rows, 160 columns each
     xg = act(g, 3, 2 * 160).to(device)
@@ -161,6 +168,9 @@ def test_fp8_gemv_two_weights_and_grouped(device):
     out = poisoned((3, 128), torch.float32, device)
     FP8.fp8_gemv(xg, qg, sg, out, group_rows=64, config=DOT)
     check(out.cpu(), ref, "fp8_gemv grouped")
+    out = poisoned((1, 128), torch.float32, device)
+    FP8.fp8_gemv(xg[:1], qg, sg, out, group_rows=64, config=WIDE)  # a 256-column tile over a 160-column group
+    check(out.cpu(), ref[:1], "fp8_gemv grouped wide")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -175,6 +185,9 @@ def test_fp8_gemv_norm_split_accumulate_strided(device):
     out = poisoned((2, 144), torch.float32, device)
     FP8.fp8_gemv(x, q, s, out, norm_w=nw, eps=1e-6, config=DOT)
     check(out.cpu(), normed @ w64.T, "fp8_gemv normed")
+    out = poisoned((1, 144), torch.float32, device)
+    FP8.fp8_gemv(x[:1], q, s, out, norm_w=nw, eps=1e-6, config=WIDE)
+    check(out.cpu(), normed[:1] @ w64.T, "fp8_gemv normed wide")
 
     parts = poisoned((2, 1, 144), torch.float32, device)
     FP8.fp8_gemv(x[:1], q, s, parts, split_k=2, config=FMA)
@@ -291,18 +304,29 @@ def _experts_on(ex: Experts, device: str) -> Experts:
 
 
 MOE_DOT = (K["gemv"].GemvConfig(16, 64, 4, 2), K["gemv"].GemvConfig(16, 32, 4, 2))
+# Batch 1, one K tile over all of D (the shared expert's: two FP8 scale blocks, the second partial).
+MOE_WIDE = (K["gemv"].GemvConfig(8, 256, 4, 2, use_dot=False), K["gemv"].GemvConfig(8, 512, 4, 2, use_dot=False))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "batch,grouped,variant",
-    [(1, False, "fma"), (1, False, "dot"), (4, True, "dot"), (4, False, "dot"), (1, True, "dot"), (1, True, "fma")],
+    [
+        (1, False, "fma"),
+        (1, False, "wide"),
+        (1, False, "dot"),
+        (4, True, "dot"),
+        (4, False, "dot"),
+        (1, True, "dot"),
+        (1, True, "fma"),
+    ],
 )
 def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
     """Slot-major (FMA or dot) and expert-major, repeated experts, the clamp active, poisoned out."""
-    if variant == "dot":
-        monkeypatch.setattr(MX, "W13_CONFIG", MOE_DOT[0])
-        monkeypatch.setattr(MX, "W2_CONFIG", MOE_DOT[1])
+    if variant != "fma":
+        configs = MOE_DOT if variant == "dot" else MOE_WIDE
+        monkeypatch.setattr(MX, "W13_CONFIG", configs[0])
+        monkeypatch.setattr(MX, "W2_CONFIG", configs[1])
     ex = _experts_on(small_experts, device)
     g = gen(2100 + batch)
     x = act(g, batch, D_SMALL).to(device)

@@ -24,14 +24,29 @@ rank's experts) reads no expert bytes in either layout and adds nothing; ``share
 the shared slot out (moe_shard on a rank without the shared expert).
 
 Note "MXFP4 tile": a [BLOCK_N, BLOCK_K] tile of logical columns is BLOCK_K / 2 bytes a row.
-Each byte gives two values (low nibble: even column). They are never interleaved back into
-column order (a join and reshape move the tile through shared memory): the activation is read
-as its even and odd columns instead. The dot path (``mxfp4_halves``) multiplies the even and
-odd halves, each times its 32-column scale (gathered per byte, served from L1), in two dots;
-e2m1 times a power of two is exact in bf16, so they run in x's dtype, as ``gemv`` does with
-bf16 weights. The FMA path (batch 1, ``mxfp4_fma``) holds the tile as [rows, scale blocks, 16
-bytes]: each scale is loaded once per 32 columns and multiplies the block's partial sums. The
-FP8 shared expert's tiles apply their row scale to the tile's partial product (``fp8_linear``).
+Each byte gives two values (low nibble: even column). The dot path (``mxfp4_halves``, batch > 1)
+never interleaves them back into column order (a join and reshape move the tile through shared
+memory): it multiplies the even and odd halves, each times its 32-column scale, by the even and
+odd activation columns in two dots; e2m1 times a power of two is exact in bf16. The FP8 shared
+expert's tiles apply their row scale to the tile's partial product (``fp8_linear``).
+
+Note "MXFP4 words" (batch 1, ``mxfp4_fma``): the tile is read as int32 words of 8 codes,
+[rows, BLOCK_K / 32 scale blocks, 4 words], and the activation as int32 bf16 pairs, so each
+decoded pair meets its two activation columns with no shuffle; a word's 8 products are summed
+in fp32 and times the block's scale. BLOCK_K may span many scale blocks (and FP8 ones, for the
+shared expert: ``fp8_linear``'s "wide tiles"): at batch 1 the kernel is bound by the bytes in
+flight, and one program's loads are one tile. At b93df2d the 16 x 64-byte tiles, decoded per
+element in fp32 (about 17 SASS instructions a code), ran the batch-1 MoE at 10% of copy
+bandwidth on an H200.
+
+Note "e2m1 by bits" (``E2M1_WORD_PTX``, ``E2M1_HALVES_PTX``): a code s e1 e0 m placed as the
+bf16 bits s at 15, e1 e0 m at 8..6 is the value times 2^-126 (e = 0: a bf16 subnormal, exact),
+so one bf16x2 multiply by 2^126 gives two values exactly. Per pair of codes: a byte permute
+(both nibbles of a byte into the two halves, the other bytes zero), an integer multiply by
+0x1040 (the nibble shifted by 6 and by 12 at once, no carries), a mask, the multiply: about 2.4
+instructions a code with the word's two nibble masks. ``tests/test_e2m1_ptx.py`` runs the PTX
+text on a model of its instructions for every byte; the interpreter runs an arithmetic twin
+with the same bits.
 """
 
 from __future__ import annotations
@@ -51,7 +66,7 @@ from draftgraph.ops.triton._common import (
     scratch_bytes,
     splat,
 )
-from draftgraph.ops.triton.fp8_linear import fp8_tile, native_fp8_supported, ue8m0_to_f32
+from draftgraph.ops.triton.fp8_linear import fp8_tile, fp8_tile3, native_fp8_supported, ue8m0_to_f32
 from draftgraph.ops.triton.gemv import GemvConfig
 from draftgraph.ops.triton.moe_grouped import _moe_reduce_kernel, _owned_rows
 from draftgraph.runtime.errors import InputError, describe
@@ -59,13 +74,14 @@ from draftgraph.runtime.model.quant import FP8_BLOCK, MXFP4_BLOCK, fp8_scale_sha
 
 MAX_BATCH = 64  # the shared slot covers all rows in one activation tile
 GROUPED_MIN_BATCH = 2  # as moe.py: expert-major from this batch on
-# BLOCK_K at most 128 (an FP8 K tile of the shared expert lies in one scale block). Tuned on one
-# H200 at V4-Flash shapes (`bench_kernels.py --weights native --tune`,
-# benchmarks/h200/bench_kernels_native_tuned_b93df2d.txt): batch 1 222.8 us against 237.7 with
-# 16-row w13 tiles (larger tiles slower: 64 rows 288, 128 rows 365); batch 32 (random routing)
-# w13 5365 against 7801 us, w2 4956 against 5363. Expert-major at batch 1 was slower (242.8).
-W13_CONFIG = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=4, use_dot=False)
-W2_CONFIG = GemvConfig(block_n=16, block_k=128, num_warps=4, num_stages=3, use_dot=False)
+# Batch 1: FMA tiles of 16 rows x 512 columns (see "MXFP4 words"), chosen from the SASS of the
+# candidates; `bench_kernels.py --weights native --tune` times them on a GPU. At b93df2d the
+# 128-column tiles with the per-element decode ran the batch-1 MoE in 222.8 us against a 22.5 us
+# floor (benchmarks/h200/bench_kernels_native_tuned_b93df2d.txt). Batch > 1 (dot, at most 128
+# columns: an FP8 tile in one scale block): tuned there at batch 32 (random routing), w13 5365
+# against 7801 us, w2 4956 against 5363; expert-major at batch 1 was slower (242.8).
+W13_CONFIG = GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, use_dot=False)
+W2_CONFIG = GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, use_dot=False)
 W13_CONFIG_BATCHED = GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
 W2_CONFIG_BATCHED = GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
 REDUCE_BLOCK_D = 1024
@@ -85,37 +101,161 @@ def e2m1_to_f32(c):
     return bits.to(tl.float32, bitcast=True)
 
 
+# The e2m1 decode on the GPU, as PTX (see "e2m1 by bits"): per pair of codes a byte permute, an
+# integer multiply and a mask put each code's bits into a bf16 (exponent field e, mantissa bit
+# m, sign), then one bf16x2 multiply by 2^126 (0x7E80) rebiases both values exactly.
+E2M1_WORD_PTX = tl.constexpr("""
+{
+.reg .b32 lo, hi, t, c;
+mov.b32 c, 0x7E807E80;
+and.b32 lo, $4, 0x0F0F0F0F;
+shr.u32 hi, $4, 4;
+and.b32 hi, hi, 0x0F0F0F0F;
+prmt.b32 t, lo, hi, 0x8480;
+mul.lo.u32 t, t, 0x1040;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $0, t, c;
+prmt.b32 t, lo, hi, 0x8581;
+mul.lo.u32 t, t, 0x1040;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $1, t, c;
+prmt.b32 t, lo, hi, 0x8682;
+mul.lo.u32 t, t, 0x1040;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $2, t, c;
+prmt.b32 t, lo, hi, 0x8783;
+mul.lo.u32 t, t, 0x1040;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $3, t, c;
+}
+""")
+# Four bytes (pack=4) and their scales as bf16 (two registers) -> the even and the odd codes of
+# the four bytes, times 2^126, times the scale: two bf16x2 registers each.
+E2M1_HALVES_PTX = tl.constexpr("""
+{
+.reg .b32 lo, hi, t, c;
+mov.b32 c, 0x7E807E80;
+and.b32 lo, $4, 0x0F0F0F0F;
+shr.u32 hi, $4, 4;
+and.b32 hi, hi, 0x0F0F0F0F;
+prmt.b32 t, lo, 0, 0x8180;
+mul.lo.u32 t, t, 0x1040;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 t, t, c;
+mul.rn.bf16x2 $0, t, $5;
+prmt.b32 t, lo, 0, 0x8382;
+mul.lo.u32 t, t, 0x1040;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 t, t, c;
+mul.rn.bf16x2 $1, t, $6;
+prmt.b32 t, hi, 0, 0x8180;
+mul.lo.u32 t, t, 0x1040;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 t, t, c;
+mul.rn.bf16x2 $2, t, $5;
+prmt.b32 t, hi, 0, 0x8382;
+mul.lo.u32 t, t, 0x1040;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 t, t, c;
+mul.rn.bf16x2 $3, t, $6;
+}
+""")
+
+
 @triton.jit
-def mxfp4_halves(w_rows, s_rows, k0, n_mask, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(even, odd): the dequantised fp32 tiles [BLOCK_N, BLOCK_K / 2] of logical columns k0 + 2j and
-    k0 + 2j + 1 (see "MXFP4 tile"). w_rows / s_rows: [BLOCK_N, 1] pointers to the rows' first byte / scale."""
+def _bf16_bits(v):
+    """fp32 values exact in bf16 -> their bf16 bits in the low half of an int32."""
+    return v.to(tl.int32, bitcast=True) >> 16 & 0xFFFF
+
+
+@triton.jit
+def e2m1_word_pairs(w, INTERP: tl.constexpr):
+    """int32 words of 8 e2m1 codes (byte j: columns 2j and 2j + 1) -> 4 int32, pair j as bf16x2
+    (column 2j in the low half), the codes' values exactly (see "e2m1 by bits")."""
+    if INTERP:  # the same bits by arithmetic: the interpreter runs no PTX
+        p0 = _bf16_bits(e2m1_to_f32(w & 15)) | _bf16_bits(e2m1_to_f32(w >> 4 & 15)) << 16
+        p1 = _bf16_bits(e2m1_to_f32(w >> 8 & 15)) | _bf16_bits(e2m1_to_f32(w >> 12 & 15)) << 16
+        p2 = _bf16_bits(e2m1_to_f32(w >> 16 & 15)) | _bf16_bits(e2m1_to_f32(w >> 20 & 15)) << 16
+        p3 = _bf16_bits(e2m1_to_f32(w >> 24 & 15)) | _bf16_bits(e2m1_to_f32(w >> 28 & 15)) << 16
+        return p0, p1, p2, p3
+    else:
+        return tl.inline_asm_elementwise(
+            E2M1_WORD_PTX, "=r,=r,=r,=r,r", [w], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1
+        )
+
+
+@triton.jit
+def _lo(pair):
+    """The low bf16 of int32 pairs, as fp32."""
+    return (pair << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _hi(pair):
+    """The high bf16 of int32 pairs, as fp32."""
+    return (pair & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_bf16(s):
+    """UE8M0 bytes -> 2^(byte - 127) as bf16, as ue8m0_to_f32 (0: 2^-127, a subnormal; 255: NaN)."""
+    b = s.to(tl.int32)
+    bits = tl.where(b == 0, 0x40, tl.where(b == 255, 0x7FC0, b << 7))
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def mxfp4_halves(w_rows, s_rows, k0, n_mask, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr):
+    """(even, odd): the dequantised tiles [BLOCK_N, BLOCK_K / 2] of logical columns k0 + 2j and
+    k0 + 2j + 1 (see "MXFP4 tile"), bf16 on the GPU (exact), fp32 under the interpreter.
+    w_rows / s_rows: [BLOCK_N, 1] pointers to the rows' first byte / scale."""
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte columns
     mask = n_mask[:, None] & (kb < K // 2)[None, :]
-    q = tl.load(w_rows + kb[None, :], mask=mask, other=0).to(tl.int32)
-    s = ue8m0_to_f32(tl.load(s_rows + (kb // 16)[None, :], mask=mask, other=127))
-    return e2m1_to_f32(q & 15) * s, e2m1_to_f32((q >> 4) & 15) * s
+    q = tl.load(w_rows + kb[None, :], mask=mask, other=0)
+    sb = tl.load(s_rows + (kb // 16)[None, :], mask=mask, other=127)
+    if INTERP:
+        s = ue8m0_to_f32(sb)
+        qi = q.to(tl.int32)
+        return e2m1_to_f32(qi & 15) * s, e2m1_to_f32((qi >> 4) & 15) * s
+    else:
+        return tl.inline_asm_elementwise(
+            E2M1_HALVES_PTX, "=r,=r,=r,=r,r,r,r", [q.to(tl.uint8, bitcast=True), _scale_bf16(sb)],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+        )  # fmt: skip
 
 
 @triton.jit
-def mxfp4_fma(acc, w_rows, s_rows, a_row, a_live, k0, n_mask, K, BLOCK_K: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_K / 32, 16] += the tile of logical columns k0.. times one activation row.
+def mxfp4_fma(acc, w_rows, s_rows, a_row, a_live, k0, n_mask, K, BLOCK_K: tl.constexpr, INTERP: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K / 32, 4] += the tile of logical columns k0.. times one activation row.
 
-    The tile as [rows, scale blocks, bytes]: each scale loaded once per 32 columns and applied to
-    the block's partial sums, the even / odd activation columns read apart (see "MXFP4 tile").
-    a_row: the row's pointer (scalar or [1, 1]); a_live: whether it is read.
+    The tile as int32 words [rows, scale blocks, 4 words of 8 codes] (see "MXFP4 words"):
+    w_rows: [BLOCK_N] int32 pointers to the rows' first word; s_rows: [BLOCK_N] pointers to
+    their first scale; a_row: the activation row as int32 pointer (bf16 pairs); a_live:
+    whether it is read. Each word's 8 products are summed in fp32, then times the block scale.
     """
-    g = tl.arange(0, BLOCK_K // 32)
-    kb = k0 // 2 + g[:, None] * 16 + tl.arange(0, 16)[None, :]  # [NB, 16] byte columns
-    live = kb < K // 2
-    mask = n_mask[:, None, None] & live[None, :, :]
-    q = tl.load(w_rows[:, :, None] + kb[None, :, :], mask=mask, other=0).to(tl.int32)
-    s_mask = n_mask[:, None, None] & (k0 // 32 + g < K // 32)[None, :, None]
-    s = ue8m0_to_f32(tl.load(s_rows[:, :, None] + (k0 // 32 + g)[None, :, None], mask=s_mask, other=127))
-    a_mask = live & a_live
-    a_even = tl.load(a_row + 2 * kb, mask=a_mask, other=0.0).to(tl.float32)
-    a_odd = tl.load(a_row + 2 * kb + 1, mask=a_mask, other=0.0).to(tl.float32)
-    part = e2m1_to_f32(q & 15) * a_even[None, :, :] + e2m1_to_f32((q >> 4) & 15) * a_odd[None, :, :]
-    return acc + part * s
+    NB: tl.constexpr = BLOCK_K // 32
+    g = tl.arange(0, NB)
+    kw = k0 // 8 + g[:, None] * 4 + tl.arange(0, 4)[None, :]  # [NB, 4] word columns
+    live = kw < K // 8
+    w = tl.load(w_rows[:, None, None] + kw[None, :, :], mask=n_mask[:, None, None] & live[None, :, :], other=0)
+    blocks = k0 // 32 + g
+    s = tl.load(s_rows[:, None] + blocks[None, :], mask=n_mask[:, None] & (blocks < K // 32)[None, :], other=127)
+    # The activation's bf16 pairs of each word: [NB, 4 words, 4 pairs], split by pair.
+    pairs = tl.load(a_row + kw[:, :, None] * 4 + tl.arange(0, 4)[None, None, :], mask=live[:, :, None] & a_live,
+                    other=0)  # fmt: skip
+    a02, a13 = tl.split(tl.reshape(pairs, [NB, 4, 2, 2]))
+    a0, a2 = tl.split(a02)
+    a1, a3 = tl.split(a13)
+    p0, p1, p2, p3 = e2m1_word_pairs(w, INTERP)
+    part = _lo(p0) * _lo(a0)[None, :, :]
+    part += _hi(p0) * _hi(a0)[None, :, :]
+    part += _lo(p1) * _lo(a1)[None, :, :]
+    part += _hi(p1) * _hi(a1)[None, :, :]
+    part += _lo(p2) * _lo(a2)[None, :, :]
+    part += _hi(p2) * _hi(a2)[None, :, :]
+    part += _lo(p3) * _lo(a3)[None, :, :]
+    part += _hi(p3) * _hi(a3)[None, :, :]
+    return acc + part * ue8m0_to_f32(s)[:, :, None]
 
 
 @triton.jit
@@ -131,46 +271,72 @@ def _expert_tiles(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_B: tl.constexpr,
-    USE_DOT: tl.constexpr,
     NATIVE: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """W[rows] @ a^T over K (up to k_end: 0 reads nothing) -> fp32 [BLOCK_N, BLOCK_B] ([BLOCK_N, 1] for FMA).
+    """W[rows] @ a^T over K (up to k_end: 0 reads nothing) -> fp32 [BLOCK_N, BLOCK_B], by dot.
 
-    a_rows: [BLOCK_B, 1] activation row pointers (a_mask: the rows read); W FP8 (s_rows [BLOCK_N]
-    pointers to its scale-grid rows) or MXFP4 (w_rows / s_rows [BLOCK_N, 1]).
+    a_rows: [BLOCK_B, 1] activation row pointers (a_mask: the rows read); W FP8 (w_rows
+    [BLOCK_N] pointers to its rows, s_rows [BLOCK_N] to its scale-grid rows) or MXFP4 (w_rows /
+    s_rows [BLOCK_N] pointers to the rows' first byte / scale). BLOCK_K at most 128.
     """
     offs_k = tl.arange(0, BLOCK_K)
-    if USE_DOT:
-        acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
-        for k0 in range(0, k_end, BLOCK_K):
-            if IS_FP8:
-                kk = k0 + offs_k
-                av = tl.load(a_rows + kk[None, :], mask=a_mask[:, None] & (kk < K)[None, :], other=0.0)
-                v, s = fp8_tile(w_rows, s_rows, kk, k0, n_mask, K, False, NATIVE)
-                at = tl.trans(av)
-                acc += mma(v.to(at.dtype), at, INTERP) * s[:, None]
-            else:
-                even, odd = mxfp4_halves(w_rows, s_rows, k0, n_mask, K, BLOCK_N, BLOCK_K)
-                kk = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-                m = a_mask[:, None] & (kk < K)[None, :]
-                a_even = tl.trans(tl.load(a_rows + kk[None, :], mask=m, other=0.0))
-                a_odd = tl.trans(tl.load(a_rows + kk[None, :] + 1, mask=m, other=0.0))
-                acc += mma(even.to(a_even.dtype), a_even, INTERP) + mma(odd.to(a_odd.dtype), a_odd, INTERP)
-        return acc
-    elif IS_FP8:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
-        for k0 in range(0, k_end, BLOCK_K):
+    acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
+    for k0 in range(0, k_end, BLOCK_K):
+        if IS_FP8:
             kk = k0 + offs_k
-            av = tl.load(a_rows + kk[None, :], mask=a_mask[:, None] & (kk < K)[None, :], other=0.0)  # [1, BLOCK_K]
-            v, s = fp8_tile(w_rows, s_rows, kk, k0, n_mask, K, False, NATIVE)
-            acc += (v * s[:, None]) * av.to(tl.float32)
-        return tl.sum(acc, 1)[:, None]
-    else:
-        acc3 = tl.zeros([BLOCK_N, BLOCK_K // 32, 16], dtype=tl.float32)
+            av = tl.load(a_rows + kk[None, :], mask=a_mask[:, None] & (kk < K)[None, :], other=0.0)
+            v, s = fp8_tile(w_rows[:, None], s_rows, kk, k0, n_mask, K, False, NATIVE)
+            at = tl.trans(av)
+            acc += mma(v.to(at.dtype), at, INTERP) * s[:, None]
+        else:
+            even, odd = mxfp4_halves(w_rows[:, None], s_rows[:, None], k0, n_mask, K, BLOCK_N, BLOCK_K, INTERP)
+            kk = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            m = a_mask[:, None] & (kk < K)[None, :]
+            a_even = tl.trans(tl.load(a_rows + kk[None, :], mask=m, other=0.0))
+            a_odd = tl.trans(tl.load(a_rows + kk[None, :] + 1, mask=m, other=0.0))
+            acc += mma(even.to(a_even.dtype), a_even, INTERP) + mma(odd.to(a_odd.dtype), a_odd, INTERP)
+    return acc
+
+
+@triton.jit
+def _expert_tiles_fma(
+    a_row,
+    w_rows,
+    s_rows,
+    n_mask,
+    K,
+    k_end,
+    IS_FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SUB_K: tl.constexpr,
+    EVEN: tl.constexpr,
+    NATIVE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """W[rows] @ a over K (up to k_end: 0 reads nothing) -> fp32 [BLOCK_N, 1], one activation row.
+
+    a_row: the row's pointer (bf16); W FP8 (wide tiles of fp8_linear: w_rows [BLOCK_N] row
+    pointers, s_rows [BLOCK_N] scale-grid rows) or MXFP4 (words: w_rows [BLOCK_N] int32 row
+    pointers, s_rows [BLOCK_N] pointers to the rows' first scale). EVEN: the FP8 tiles need no
+    masks (BLOCK_N and BLOCK_K divide the matrix).
+    """
+    if IS_FP8:
+        NBK: tl.constexpr = BLOCK_K // SUB_K
+        cols = tl.arange(0, NBK)[:, None] * SUB_K + tl.arange(0, SUB_K)[None, :]
+        acc3 = tl.zeros([BLOCK_N, NBK, SUB_K], dtype=tl.float32)
         for k0 in range(0, k_end, BLOCK_K):
-            acc3 = mxfp4_fma(acc3, w_rows, s_rows, a_rows, a_mask[:, None], k0, n_mask, K, BLOCK_K)
+            v, s = fp8_tile3(w_rows, s_rows, k0, n_mask, K, NBK, SUB_K, EVEN, NATIVE)
+            av = tl.load(a_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+            acc3 += (v * s[:, :, None]) * av[None, :, :]
         return tl.sum(tl.sum(acc3, 2), 1)[:, None]
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
+        a_words = a_row.to(tl.pointer_type(tl.int32), bitcast=True)
+        for k0 in range(0, k_end, BLOCK_K):
+            acc = mxfp4_fma(acc, w_rows, s_rows, a_words, True, k0, n_mask, K, BLOCK_K, INTERP)
+        return tl.sum(tl.sum(acc, 2), 1)[:, None]
 
 
 @triton.jit
@@ -198,6 +364,8 @@ def _w13_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    SUB_K: tl.constexpr,
+    EVEN: tl.constexpr,
     GROUPED: tl.constexpr,
     USE_DOT: tl.constexpr,
     NATIVE: tl.constexpr,
@@ -225,18 +393,35 @@ def _w13_kernel(
     n64 = offs_n.to(tl.int64)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xb
     if shared:
+        sw1_rows = sw1_ptr + n64 * D
+        sw3_rows = sw3_ptr + n64 * D
         s_rows = (offs_n // 128) * stride_ssn
-        g = _expert_tiles(x_rows, serves, sw1_ptr + n64[:, None] * D, ss1_ptr + s_rows, n_mask, D, k_end,
-                          True, BLOCK_N, BLOCK_K, BLOCK_B, USE_DOT, NATIVE, INTERP)  # fmt: skip
-        u = _expert_tiles(x_rows, serves, sw3_ptr + n64[:, None] * D, ss3_ptr + s_rows, n_mask, D, k_end,
-                          True, BLOCK_N, BLOCK_K, BLOCK_B, USE_DOT, NATIVE, INTERP)  # fmt: skip
+        if USE_DOT:
+            g = _expert_tiles(x_rows, serves, sw1_rows, ss1_ptr + s_rows, n_mask, D, k_end,
+                              True, BLOCK_N, BLOCK_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
+            u = _expert_tiles(x_rows, serves, sw3_rows, ss3_ptr + s_rows, n_mask, D, k_end,
+                              True, BLOCK_N, BLOCK_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
+        else:
+            g = _expert_tiles_fma(x_ptr, sw1_rows, ss1_ptr + s_rows, n_mask, D, k_end,
+                                  True, BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE, INTERP)  # fmt: skip
+            u = _expert_tiles_fma(x_ptr, sw3_rows, ss3_ptr + s_rows, n_mask, D, k_end,
+                                  True, BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE, INTERP)  # fmt: skip
     else:
-        w_off = e * INTER * (D // 2) + n64[:, None] * (D // 2)
-        s_off = e * INTER * (D // 32) + n64[:, None] * (D // 32)
-        g = _expert_tiles(x_rows, serves, w1_ptr + w_off, s1_ptr + s_off, n_mask, D, k_end,
-                          False, BLOCK_N, BLOCK_K, BLOCK_B, USE_DOT, NATIVE, INTERP)  # fmt: skip
-        u = _expert_tiles(x_rows, serves, w3_ptr + w_off, s3_ptr + s_off, n_mask, D, k_end,
-                          False, BLOCK_N, BLOCK_K, BLOCK_B, USE_DOT, NATIVE, INTERP)  # fmt: skip
+        s_off = e * INTER * (D // 32) + n64 * (D // 32)
+        if USE_DOT:
+            w_off = e * INTER * (D // 2) + n64 * (D // 2)
+            g = _expert_tiles(x_rows, serves, w1_ptr + w_off, s1_ptr + s_off, n_mask, D, k_end,
+                              False, BLOCK_N, BLOCK_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
+            u = _expert_tiles(x_rows, serves, w3_ptr + w_off, s3_ptr + s_off, n_mask, D, k_end,
+                              False, BLOCK_N, BLOCK_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
+        else:
+            w_off = e * INTER * (D // 8) + n64 * (D // 8)  # in words (D % 32 == 0)
+            w1_words = w1_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+            w3_words = w3_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+            g = _expert_tiles_fma(x_ptr, w1_words + w_off, s1_ptr + s_off, n_mask, D, k_end,
+                                  False, BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE, INTERP)  # fmt: skip
+            u = _expert_tiles_fma(x_ptr, w3_words + w_off, s3_ptr + s_off, n_mask, D, k_end,
+                                  False, BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE, INTERP)  # fmt: skip
     act = clamped_swiglu(g, u, limit) * weight[None, :]
     ptrs = act_ptr + dest.to(tl.int64)[None, :] * INTER + offs_n[:, None]
     tl.store(ptrs, act.to(act_ptr.dtype.element_ty), mask=n_mask[:, None] & serves[None, :])
@@ -260,6 +445,8 @@ def _w2_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    SUB_K: tl.constexpr,
+    EVEN: tl.constexpr,
     HAS_SHARED: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     USE_DOT: tl.constexpr,
@@ -272,7 +459,6 @@ def _w2_kernel(
     # pipeline never drains between experts; then the shared expert's FP8 loop.
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < D
     n64 = offs_n.to(tl.int64)
     rows = tl.arange(0, BLOCK_B)
@@ -280,17 +466,18 @@ def _w2_kernel(
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
     else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # the shared expert's FP8 tiles
-        acc3 = tl.zeros([BLOCK_N, BLOCK_K // 32, 16], dtype=tl.float32)  # the routed MXFP4 ones
+        acc = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)  # the routed MXFP4 words
+        w2_words = w2_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        act_words = act_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     for t in range(0, routed * INTER, BLOCK_K):
         slot = t // INTER
         k0 = t - slot * INTER
         e = tl.load(idx_ptr + slot).to(tl.int64)
-        w_rows = w2_ptr + e * D * (INTER // 2) + n64[:, None] * (INTER // 2)
-        s_rows = s2_ptr + e * D * (INTER // 32) + n64[:, None] * (INTER // 32)
+        s_rows = s2_ptr + e * D * (INTER // 32) + n64 * (INTER // 32)
         live = n_mask & splat(e >= 0, offs_n)  # a negative id (NO_EXPERT): nothing loaded, the tile is 0
         if USE_DOT:
-            even, odd = mxfp4_halves(w_rows, s_rows, k0, live, INTER, BLOCK_N, BLOCK_K)
+            w_rows = w2_ptr + e * D * (INTER // 2) + n64 * (INTER // 2)
+            even, odd = mxfp4_halves(w_rows[:, None], s_rows[:, None], k0, live, INTER, BLOCK_N, BLOCK_K, INTERP)
             src = tl.where(rows == slot // TOPK, slot, -1)
             cols = k0 + 2 * tl.arange(0, BLOCK_K // 2)
             a_rows = act_ptr + tl.maximum(src, 0).to(tl.int64)[:, None] * INTER + cols[None, :]
@@ -298,25 +485,26 @@ def _w2_kernel(
             a_odd = tl.trans(tl.load(a_rows + 1, mask=(src >= 0)[:, None], other=0.0))
             acc += mma(even.to(a_even.dtype), a_even, INTERP) + mma(odd.to(a_odd.dtype), a_odd, INTERP)
         else:
-            a_row = act_ptr + slot.to(tl.int64) * INTER  # batch 1: row = slot
-            acc3 = mxfp4_fma(acc3, w_rows, s_rows, a_row, True, k0, live, INTER, BLOCK_K)
-    if HAS_SHARED:
-        sw_rows = sw2_ptr + n64[:, None] * INTER
-        ss_rows = ss2_ptr + (offs_n // 128) * stride_ssn
-        for k0 in range(0, INTER, BLOCK_K):
-            kk = k0 + offs_k
-            v, s = fp8_tile(sw_rows, ss_rows, kk, k0, n_mask, INTER, False, NATIVE)
-            if USE_DOT:
+            w_rows = w2_words + e * D * (INTER // 8) + n64 * (INTER // 8)
+            a_row = act_words + slot.to(tl.int64) * (INTER // 2)  # batch 1: row = slot
+            acc = mxfp4_fma(acc, w_rows, s_rows, a_row, True, k0, live, INTER, BLOCK_K, INTERP)
+    if USE_DOT:
+        if HAS_SHARED:
+            sw_rows = sw2_ptr + n64[:, None] * INTER
+            ss_rows = ss2_ptr + (offs_n // 128) * stride_ssn
+            for k0 in range(0, INTER, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                v, s = fp8_tile(sw_rows, ss_rows, kk, k0, n_mask, INTER, False, NATIVE)
                 a = tl.load(act_ptr + (routed + rows).to(tl.int64)[:, None] * INTER + kk[None, :],
                             mask=(rows < B)[:, None], other=0.0)  # fmt: skip
                 acc += mma(v.to(a.dtype), tl.trans(a), INTERP) * s[:, None]
-            else:
-                a = tl.load(act_ptr + routed * INTER + kk).to(tl.float32)
-                acc += (v * s[:, None]) * a[None, :]
-    if USE_DOT:
         total = acc
     else:
-        total = (tl.sum(acc, 1) + tl.sum(tl.sum(acc3, 2), 1))[:, None]
+        total = tl.sum(tl.sum(acc, 2), 1)[:, None]
+        if HAS_SHARED:
+            total += _expert_tiles_fma(act_ptr + routed * INTER, sw2_ptr + n64 * INTER,
+                                       ss2_ptr + (offs_n // 128) * stride_ssn, n_mask, INTER, INTER,
+                                       True, BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE, INTERP)  # fmt: skip
     ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_ob + offs_n[:, None]
     mask = n_mask[:, None] & (rows < B)[None, :]
     if ACCUMULATE:
@@ -357,13 +545,13 @@ def _w2_grouped_kernel(
     a_rows = act_ptr + dest.to(tl.int64)[:, None] * INTER
     k_end = tl.where(owner, INTER, 0)
     if shared:
-        acc = _expert_tiles(a_rows, serves, sw2_ptr + n64[:, None] * INTER, ss2_ptr + (offs_n // 128) * stride_ssn,
-                            n_mask, INTER, k_end, True, BLOCK_N, BLOCK_K, BLOCK_B, True, NATIVE, INTERP)  # fmt: skip
+        acc = _expert_tiles(a_rows, serves, sw2_ptr + n64 * INTER, ss2_ptr + (offs_n // 128) * stride_ssn,
+                            n_mask, INTER, k_end, True, BLOCK_N, BLOCK_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
     else:
-        w_rows = w2_ptr + e * D * (INTER // 2) + n64[:, None] * (INTER // 2)
-        s_rows = s2_ptr + e * D * (INTER // 32) + n64[:, None] * (INTER // 32)
+        w_rows = w2_ptr + e * D * (INTER // 2) + n64 * (INTER // 2)
+        s_rows = s2_ptr + e * D * (INTER // 32) + n64 * (INTER // 32)
         acc = _expert_tiles(a_rows, serves, w_rows, s_rows, n_mask, INTER, k_end,
-                            False, BLOCK_N, BLOCK_K, BLOCK_B, True, NATIVE, INTERP)  # fmt: skip
+                            False, BLOCK_N, BLOCK_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
     ptrs = part_ptr + dest.to(tl.int64)[None, :] * D + offs_n[:, None]
     tl.store(ptrs, acc, mask=n_mask[:, None] & serves[None, :])
 
@@ -495,22 +683,26 @@ def moe_mxfp4_launches(
     def w13():
         bn = min(c13.block_n, max(16 if dot13 else 1, next_pow2(inter)))
         bn = max(bn, 16) if dot13 else bn
-        bk = min(c13.block_k, FP8_BLOCK, max(MXFP4_BLOCK, next_pow2(d)))
+        # A dot K tile lies in one FP8 scale block; an FMA one may be wide (see "MXFP4 words").
+        bk = min(c13.block_k, FP8_BLOCK if dot13 else c13.block_k, max(MXFP4_BLOCK, next_pow2(d)))
         _w13_kernel[(triton.cdiv(inter, bn), slots)](
             x, idx, wts, w1b, s1b, w3b, s3b, sw1b, ss1b, sw3b, ss3b, act, b, d, inter, x.stride(0), s13, limit,
             TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_N=bn, BLOCK_K=bk, BLOCK_B=block_b if dot13 else 1,
-            GROUPED=grouped, USE_DOT=dot13, NATIVE=native, INTERP=interp,
+            SUB_K=min(bk, FP8_BLOCK), EVEN=d % bk == 0 and inter % bn == 0, GROUPED=grouped, USE_DOT=dot13,
+            NATIVE=native, INTERP=interp,
             num_warps=c13.num_warps, num_stages=c13.num_stages, **pdl,
         )  # fmt: skip
 
     def w2_():
         bn = min(c2.block_n, max(16 if dot2 else 1, next_pow2(d)))
         bn = max(bn, 16) if dot2 else bn
-        bk = _pow2_dividing(inter, min(c2.block_k, FP8_BLOCK))  # >= 32: the flat loop needs whole K tiles
+        # >= 32: the flat loop needs whole K tiles
+        bk = _pow2_dividing(inter, min(c2.block_k, FP8_BLOCK) if dot2 else c2.block_k)
         _w2_kernel[(triton.cdiv(d, bn),)](
             act, idx, w2b, s2b, sw2b, ss2b, out, b, d, inter, out.stride(0), s2,
-            TOPK=top_k, BLOCK_N=bn, BLOCK_K=bk, BLOCK_B=block_b if dot2 else 1, HAS_SHARED=has_shared,
-            ACCUMULATE=accumulate, USE_DOT=dot2, NATIVE=native, INTERP=interp,
+            TOPK=top_k, BLOCK_N=bn, BLOCK_K=bk, BLOCK_B=block_b if dot2 else 1, SUB_K=min(bk, FP8_BLOCK),
+            EVEN=d % bn == 0, HAS_SHARED=has_shared, ACCUMULATE=accumulate, USE_DOT=dot2, NATIVE=native,
+            INTERP=interp,
             num_warps=c2.num_warps, num_stages=c2.num_stages, **pdl,
         )  # fmt: skip
 

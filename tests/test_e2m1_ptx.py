@@ -1,0 +1,124 @@
+"""The e2m1 decode's PTX, run on the CPU by a model of its few instructions.
+
+``moe_mxfp4`` decodes MXFP4 codes on the GPU with inline PTX (the interpreter runs none, so the
+CPU tests of the kernels take its arithmetic twin). Here the PTX text itself is executed,
+instruction by instruction, by a model of the six instructions it uses (PTX ISA semantics:
+``prmt`` default mode, ``mul.rn.bf16x2`` round to nearest even), for every byte value and
+the scale bytes at the edges. The cuda tests run the same text on the device.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from draftgraph.ops.triton import moe_mxfp4 as MX  # noqa: E402
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+MASK = 0xFFFFFFFF
+
+
+def e2m1(code: int) -> float:
+    return (-1.0 if code & 8 else 1.0) * E2M1[code & 7]
+
+
+def bf16_bits(value: float) -> int:
+    return int(torch.tensor([value], dtype=torch.float32).to(torch.bfloat16).view(torch.int16).item()) & 0xFFFF
+
+
+def bf16_value(bits: int) -> float:
+    return float(torch.tensor([bits & 0xFFFF], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).item())
+
+
+def prmt(a: int, b: int, sel: int) -> int:
+    pool = (b << 32 | a).to_bytes(8, "little")
+    out = 0
+    for i in range(4):
+        nib = sel >> (4 * i) & 0xF
+        byte = pool[nib & 7]
+        if nib & 8:  # replicate the selected byte's sign bit
+            byte = 0xFF if byte & 0x80 else 0x00
+        out |= byte << (8 * i)
+    return out
+
+
+def mul_bf16x2(a: int, b: int) -> int:
+    halves = []
+    for shift in (0, 16):
+        x, y = bf16_value(a >> shift), bf16_value(b >> shift)
+        halves.append(bf16_bits(x * y))  # exact in fp32 here, then RNE to bf16
+    return halves[0] | halves[1] << 16
+
+
+def run_ptx(text: str, operands: dict[str, int]) -> dict[str, int]:
+    """Execute ``text`` with ``$n`` operands given (inputs) or returned (outputs)."""
+    regs = dict(operands)
+
+    def val(tok: str) -> int:
+        tok = tok.strip()
+        if tok in regs:
+            return regs[tok]
+        return int(tok, 16) if tok.lower().startswith("0x") else int(tok)
+
+    for line in text.strip().splitlines():
+        line = line.strip().rstrip(";")
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *src = [t.strip() for t in args.split(",")]
+        v = [val(t) for t in src]
+        if op == "mov.b32":
+            r = v[0]
+        elif op == "and.b32":
+            r = v[0] & v[1]
+        elif op == "shr.u32":
+            r = v[0] >> v[1]
+        elif op == "prmt.b32":
+            r = prmt(v[0], v[1], v[2])
+        elif op == "mul.lo.u32":
+            r = v[0] * v[1]
+        elif op == "mul.rn.bf16x2":
+            r = mul_bf16x2(v[0], v[1])
+        else:
+            raise AssertionError(f"an instruction the model does not know: {op}")
+        regs[dst] = r & MASK
+    return regs
+
+
+def test_the_model_knows_every_instruction_of_the_ptx():
+    ops = {line.split()[0] for text in (MX.E2M1_WORD_PTX.value, MX.E2M1_HALVES_PTX.value)
+           for line in text.strip().splitlines() if re.match(r"\s*[a-z]", line)}  # fmt: skip
+    assert ops == {"mov.b32", "and.b32", "shr.u32", "prmt.b32", "mul.lo.u32", "mul.rn.bf16x2"}
+
+
+def test_word_ptx_gives_each_pair_of_codes_as_bf16x2_in_column_order():
+    g = torch.Generator().manual_seed(7)
+    for byte in range(256):
+        for pos in range(4):
+            word = int(torch.randint(0, 2**32, (1,), generator=g, dtype=torch.int64).item())
+            word = word & ~(0xFF << 8 * pos) | byte << 8 * pos
+            regs = run_ptx(MX.E2M1_WORD_PTX.value, {"$4": word})
+            for j in range(4):
+                b = word >> 8 * j & 0xFF
+                expected = bf16_bits(e2m1(b & 15)) | bf16_bits(e2m1(b >> 4)) << 16
+                assert regs[f"${j}"] == expected, (hex(word), j, hex(regs[f"${j}"]), hex(expected))
+
+
+@pytest.mark.parametrize("scale_byte", [0, 1, 100, 127, 128, 200, 254, 255])
+def test_halves_ptx_gives_even_and_odd_codes_times_the_scale(scale_byte):
+    scale = 2.0 ** (scale_byte - 127) if scale_byte < 255 else float("nan")
+    s_bits = bf16_bits(scale) if scale_byte else 0x0040  # 2^-127: a bf16 subnormal
+    assert scale_byte == 255 or bf16_value(s_bits) == scale
+    for word in (0x76543210, 0xFEDCBA98, 0x0F1E2D3C, 0x80808080, 0x08F7E6D5):
+        regs = run_ptx(MX.E2M1_HALVES_PTX.value, {"$4": word, "$5": s_bits * 0x10001, "$6": s_bits * 0x10001})
+        got = [bf16_value(regs[f"${r}"] >> h) for r in range(4) for h in (0, 16)]
+        codes = [word >> 8 * j & 0xFF for j in range(4)]
+        # As fp32 does it (the arithmetic twin): 4 * 2^127 overflows to inf.
+        want = [e2m1(c & 15) for c in codes] + [e2m1(c >> 4) for c in codes]
+        want = (torch.tensor(want, dtype=torch.float32) * torch.tensor(scale, dtype=torch.float32)).tolist()
+        for gv, wv in zip(got, want):
+            assert (gv == wv) or (gv != gv and wv != wv), (hex(word), scale_byte, got, want)
