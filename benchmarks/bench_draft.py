@@ -497,6 +497,22 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
                   f"{num(r.get('host_stacked_us'), '.0f'):>7}")
 
 
+def apply_kernel_configs(path: Path) -> dict[str, object]:
+    """Set each ``module.KNOB`` of a bench_kernels.json's ``chosen_values`` (tile configs as dicts)."""
+    import dataclasses
+    import importlib
+
+    chosen = json.loads(path.read_text()).get("chosen_values", {})
+    for knob, value in chosen.items():
+        module_name, attr = knob.rsplit(".", 1)
+        module = importlib.import_module(module_name)
+        current = getattr(module, attr)  # a knob the tree does not have is an error, not a no-op
+        if dataclasses.is_dataclass(current):
+            value = type(current)(**value)
+        setattr(module, attr, value)
+    return chosen
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", choices=("flash", "small"), default="flash")
@@ -518,6 +534,8 @@ def main() -> int:
                     help="on CPU at the small config: make each weights format, build and run the eager proposer, "
                          "print the floors from the specs and which nodes take fused kernels on CUDA; no timing")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--kernel-configs", metavar="JSON",
+                    help="set the kernels' tile configs a bench_kernels.py --tune run chose (its bench_kernels.json)")
     ap.add_argument("--table", metavar="JSON", help="print the table of a run's bench_draft_*.json and exit")
     args = ap.parse_args()
     if args.table:
@@ -528,6 +546,9 @@ def main() -> int:
     formats = args.weights.split(",")
     if any(f not in WEIGHTS for f in formats):
         ap.error(f"--weights: expected a comma list of {' / '.join(WEIGHTS)}, got {args.weights!r}")
+    if args.kernel_configs:
+        for knob, value in apply_kernel_configs(Path(args.kernel_configs)).items():
+            print(f"kernel config {knob} = {value}", flush=True)
     if args.cpu_dry_run:
         return dry_run(cases, formats)
     kernel_sets = args.kernels.split(",")

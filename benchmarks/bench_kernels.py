@@ -25,6 +25,7 @@ warm-up). The table is printed last; the log and JSON go to $OUT (or --out).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -521,6 +522,7 @@ class Tuner:
         self.copy_bw, self.deadline = copy_bw, deadline
         self.results: list[dict] = []
         self.chosen: dict[str, str] = {}
+        self.values: dict[str, object] = {}  # the same as JSON values: bench_draft.py --kernel-configs reads them
 
     def case(self, name, cfg, b):
         from draftgraph.ops.triton import _impls
@@ -583,6 +585,8 @@ class Tuner:
                 self._record(label, None, c, repr(exc)[:300])
         setattr(module, knob, best_val)
         self.chosen[f"{module.__name__}.{knob}"] = repr(best_val)
+        self.values[f"{module.__name__}.{knob}"] = dataclasses.asdict(best_val) if dataclasses.is_dataclass(best_val) \
+            else best_val
         log(f"  tune -> {module.__name__}.{knob} = {_short(best_val)} ({best_us:.1f}us)")
         return best_val
 
@@ -758,20 +762,25 @@ def tune_all(flash, copy_bw, deadline, only: set[str] | None = None) -> Tuner:
 
 
 def native_jobs() -> list:
-    """The block-scaled kernels' own knobs (--weights native): FP8 GEMV tiles hold at most 128
-    columns (one scale block), MXFP4 ones 64 bytes a row, so the candidates grow BLOCK_N."""
+    """The block-scaled kernels' own knobs (--weights native). Batch 1: FMA tiles from narrow and
+    long ("wide tiles", "MXFP4 words": many scale blocks a tile) to the 128-column ones of b93df2d,
+    and the dot path padded to 16 rows; batch > 1: dot tiles, at most 128 columns (one FP8 scale
+    block)."""
     from draftgraph.ops.triton import fp8_linear as F
     from draftgraph.ops.triton import moe_mxfp4 as MX
     from draftgraph.ops.triton.gemv import GemvConfig as C
 
-    tiles = ((32, 4, 4), (64, 4, 4), (128, 4, 3), (64, 8, 4), (128, 8, 4))
-    fma = [C(n, 128, warps, stages, False) for n, warps, stages in (*tiles, (32, 4, 6))]
+    wide = ((4, 1024, 1), (8, 512, 2), (8, 1024, 4), (16, 256, 4), (16, 512, 4), (16, 1024, 8), (32, 256, 4),
+            (4, 2048, 4), (32, 128, 4), (64, 128, 8))  # fmt: skip
+    fma = [C(n, k, warps, 3, False) for n, k, warps in wide]
+    tiles = ((16, 4, 4), (32, 4, 4), (64, 4, 4), (128, 4, 3), (64, 8, 4), (128, 8, 4))
     dot = [C(n, 128, warps, stages) for n, warps, stages in tiles]
     return [
-        ("linear", 1, [(F, "BATCH1_CONFIG", fma)]),
-        ("moe", 1, [(MX, "W13_CONFIG", fma), (MX, "W2_CONFIG", fma), (MX, "GROUPED_MIN_BATCH", [1])]),
+        ("linear", 1, [(F, "BATCH1_CONFIG", fma + dot[:2])]),
+        ("moe", 1, [(MX, "W13_CONFIG", fma + dot[:2]), (MX, "W2_CONFIG", fma + dot[:2]),
+                    (MX, "GROUPED_MIN_BATCH", [1])]),  # fmt: skip
         ("linear", 4, [(F, "DEFAULT", dot)]),
-        ("moe", 32, [(MX, "W13_CONFIG_BATCHED", dot), (MX, "W2_CONFIG_BATCHED", dot)]),
+        ("moe", 32, [(MX, "W13_CONFIG_BATCHED", dot[1:]), (MX, "W2_CONFIG_BATCHED", dot[1:])]),
     ]
 
 
@@ -927,6 +936,7 @@ def main() -> int:
                 "rows": ROWS,
                 "tuning": tuner.results if tuner else [],
                 "chosen": tuner.chosen if tuner else {},
+                "chosen_values": tuner.values if tuner else {},
                 "phases": phases,
             },
             indent=1,

@@ -6,8 +6,10 @@
 #
 # 1. the cuda tests of the FP8 / MXFP4 kernels and the native chain (issue 28's correctness);
 # 2. bench_kernels --weights native --tune: the FP8 GEMV and MXFP4 MoE tiles, per op against its floor;
-# 3. bench_draft, native and bf16 weights side by side, the four cases (issue 28's table);
-# 4. bench_decode at K=3, B=1 and 16 (issue 27's table).
+# 3. bench_draft on the tiles step 2 chose, native and bf16 weights side by side, the four cases
+#    (issue 28's table);
+# 4. bench_decode at K=3, B=1 and 16 (issue 27's table), only with DECODE=1 (the call's 10 minutes
+#    hold the first three).
 # Each step's output is OUT/<step>.txt; the last lines of each are printed.
 set -uo pipefail
 out=${1:?usage: device_run_native.sh OUT}
@@ -23,15 +25,19 @@ step() {  # step NAME SECONDS COMMAND...: run it under a limit, keep its output,
     timeout "$limit" "$@" >"$out/$name.txt" 2>&1
     echo "   exit $?"
 }
-step pytest_native 130 python3 -m pytest -q -m cuda -p no:cacheprovider -p no:warnings \
+step pytest_native 150 python3 -m pytest -q -m cuda -p no:cacheprovider -p no:warnings \
     tests/test_triton_fp8_mxfp4.py tests/test_triton_moe_shard.py tests/test_native_proposer.py tests/test_fp8_head.py
 tail -2 "$out/pytest_native.txt"
-step bench_kernels 120 python3 benchmarks/bench_kernels.py --weights native --tune --budget-s 60 \
+step bench_kernels 200 python3 benchmarks/bench_kernels.py --weights native --tune --budget-s 110 \
     --ops linear,moe,swa_attention --out "$out/kernels"
 grep "tune ->" "$out/kernels/bench_kernels.log"
 grep -E "^(linear|moe|swa_attention) +v4-flash" "$out/bench_kernels.txt"
-step bench_draft 230 python3 benchmarks/bench_draft.py --weights native,bf16 --kernels fused \
-    --cases 1x1,1x3,8x1,32x1 --no-compile --no-plain --out "$out/draft"
+tuned=()  # the tiles step 2 chose, if it finished
+[ -f "$out/kernels/bench_kernels.json" ] && tuned=(--kernel-configs "$out/kernels/bench_kernels.json")
+step bench_draft 200 python3 benchmarks/bench_draft.py --weights native,bf16 --kernels fused \
+    --cases 1x1,1x3,8x1,32x1 --no-compile --no-plain --out "$out/draft" "${tuned[@]}"
 grep -A12 "^floor = " "$out/bench_draft.txt"
-step bench_decode 70 python3 benchmarks/bench_decode.py --batches 1,16 --max-tokens 128 --repeat 3 -k 3
-tail -4 "$out/bench_decode.txt"
+if [ "${DECODE:-0}" = 1 ]; then
+    step bench_decode 70 python3 benchmarks/bench_decode.py --batches 1,16 --max-tokens 128 --repeat 3 -k 3
+    tail -4 "$out/bench_decode.txt"
+fi
