@@ -93,6 +93,16 @@ def edge_tiles(b: int) -> None:
     gemv(x, w, torch.empty(b, 200, dtype=torch.bfloat16))
 
 
+def nonfinite(b: int) -> None:
+    """drop_nonfinite and mark_dropped (no bench_kernels case: they are not weight-bound)."""
+    from draftgraph.ops.triton.nonfinite import drop_nonfinite_impl, mark_dropped_impl
+
+    positions = torch.arange(b, dtype=torch.int64)
+    drop_nonfinite_impl([positions, torch.randn(b, 4, 4096, dtype=torch.bfloat16)], [positions.clone()], {}, None)
+    drafts = torch.zeros(b, 3, dtype=torch.int64)
+    mark_dropped_impl([drafts, positions], [drafts], {}, None)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability as one number (90: H100 / H200)")
@@ -121,12 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     for w in weights:
         bk.WEIGHTS = w
         names = [n for n in bk.CASES if w == "bf16" or n in bk.NATIVE]
-        for name in names + (["edge tiles"] if w == "native" else []):
+        for name in names + (["edge tiles"] if w == "native" else ["nonfinite"]):
             for b in batches:
                 before, t0 = len(COMPILED), time.time()
                 try:
                     if name == "edge tiles":
                         edge_tiles(b)
+                    elif name == "nonfinite":
+                        nonfinite(b)
                     else:
                         inputs, attrs = bk.make_case(name, cfg, b)
                         bk.run_once(name, impls[name], inputs, attrs, bk.workspace_for(name, inputs, attrs))

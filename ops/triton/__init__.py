@@ -20,6 +20,8 @@ swa_attention             draftgraph.ops.triton.attention
 linear, rms_norm,         draftgraph.ops.triton.gemv   (combiner: a norm and a GEMV per half + the sum)
 combiner
 draft_gate, cut_drafts    draftgraph.ops.triton.gate   (one program each: a few dozen ints)
+drop_nonfinite,           draftgraph.ops.triton.nonfinite (one program each: the batch's
+mark_dropped                                 hiddens checked in one wide tile; the drafts marked)
 ========================  =========================================================
 
 Native weights (FP8 / MXFP4 QuantWeights, issue 28.2): linear, combiner and swa_attention run
@@ -37,11 +39,13 @@ from __future__ import annotations
 
 
 def _impls() -> dict:
-    from draftgraph.ops.triton import attention, gate, gemv, head, mhc, moe
+    from draftgraph.ops.triton import attention, gate, gemv, head, mhc, moe, nonfinite
 
     return {
         "draft_gate": gate.draft_gate_impl,
         "cut_drafts": gate.cut_drafts_impl,
+        "drop_nonfinite": nonfinite.drop_nonfinite_impl,
+        "mark_dropped": nonfinite.mark_dropped_impl,
         "lm_head": head.lm_head_impl,
         "draft_argmax": head.draft_argmax_impl,
         "moe": moe.moe_impl,

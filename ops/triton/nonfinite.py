@@ -1,0 +1,82 @@
+"""drop_nonfinite and mark_dropped (ops/nonfinite.py), one kernel each.
+
+Why: the torch ops take five launches a step (the finiteness GEMV, a compare and a select for
+the drop; a compare and a select for the mark), which made the captured K=1 step 37 kernel
+nodes where issue 28 asks for at most 35. Both read little: the drop reads the batch's
+hiddens once (32 KB a row-block at most, B x D bf16), the mark a few dozen ints.
+
+drop_nonfinite is one program: whether the batch holds a NaN or an infinity is one bit for all
+rows (ops/nonfinite.py: the whole call is refused), and a second kernel or a grid-wide sync to
+merge per-program verdicts would cost what this saves. Its tile is wide (16 Ki elements, 16
+warps, eight 16-byte loads a thread in flight) so that B = 32 at D = 4096 is 8 loads deep.
+An element is bad where ``|x| <= FLT_MAX`` is false: NaN compares false, inf exceeds it; no
+arithmetic a compiler could fold away.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from draftgraph.ops.nonfinite import DROPPED, NONFINITE, _drop_impl, _mark_impl
+from draftgraph.ops.triton._common import next_pow2, pdl_args, pdl_wait
+
+DROP_BLOCK = 16384
+DROP_WARPS = 16
+DROPPED_POS: tl.constexpr = tl.constexpr(DROPPED)
+NONFINITE_ID: tl.constexpr = tl.constexpr(NONFINITE)
+FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def _drop_nonfinite_kernel(positions, hidden, out, B, N, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr,
+                           PDL: tl.constexpr):  # fmt: skip
+    pdl_wait(PDL)
+    bad = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, N, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(hidden + offs, mask=offs < N, other=0.0).to(tl.float32)
+        bad = bad | (~(tl.abs(x) <= FLT_MAX)).to(tl.int32)
+    dropped = tl.max(bad, axis=0) != 0
+    rows = tl.arange(0, BLOCK_B)
+    inside = rows < B
+    p = tl.load(positions + rows, mask=inside, other=0)
+    tl.store(out + rows, tl.where(dropped, DROPPED_POS, p), mask=inside)
+
+
+def drop_nonfinite_impl(inputs, outputs, attrs, workspace):
+    positions, hidden = inputs
+    (out,) = outputs
+    if not (hidden.is_contiguous() and positions.is_contiguous() and out.is_contiguous()):
+        _drop_impl(inputs, outputs, attrs, workspace)
+        return
+    b = positions.shape[0]
+    n = hidden.numel()
+    block = min(DROP_BLOCK, max(256, next_pow2(n)))
+    _drop_nonfinite_kernel[(1,)](positions, hidden, out, b, n, BLOCK=block, BLOCK_B=max(16, next_pow2(b)),
+                                 num_warps=DROP_WARPS, **pdl_args(hidden.device))  # fmt: skip
+
+
+@triton.jit
+def _mark_dropped_kernel(drafts, positions, out, B, K, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr):  # fmt: skip
+    pdl_wait(PDL)
+    rows = tl.arange(0, BLOCK_B)
+    cols = tl.arange(0, BLOCK_K)
+    inside = (rows < B)[:, None] & (cols < K)[None, :]
+    dropped = tl.load(positions + rows, mask=rows < B, other=0) == DROPPED_POS
+    d = tl.load(drafts + rows[:, None] * K + cols[None, :], mask=inside, other=0)
+    tl.store(out + rows[:, None] * K + cols[None, :], tl.where(dropped[:, None], NONFINITE_ID, d), mask=inside)
+
+
+def mark_dropped_impl(inputs, outputs, attrs, workspace):
+    drafts, positions = inputs
+    (out,) = outputs
+    if not (drafts.is_contiguous() and positions.is_contiguous() and out.is_contiguous()):
+        _mark_impl(inputs, outputs, attrs, workspace)
+        return
+    b, k = drafts.shape
+    _mark_dropped_kernel[(1,)](drafts, positions, out, b, k, BLOCK_B=max(16, next_pow2(b)),
+                               BLOCK_K=max(2, next_pow2(k)), num_warps=1, **pdl_args(drafts.device))  # fmt: skip
+
+
+__all__ = ["drop_nonfinite_impl", "mark_dropped_impl"]

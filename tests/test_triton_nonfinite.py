@@ -1,0 +1,79 @@
+"""The one-kernel drop_nonfinite and mark_dropped against their torch ops (ops/nonfinite.py).
+
+Without CUDA the kernels run under Triton's CPU interpreter; on a GPU also captured in a CUDA
+graph, replayed with new hiddens (the verdict is read on the device every replay).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# Before anything imports triton: without CUDA it sets the interpreter up (tests/triton_modules.py).
+from triton_modules import HAS_CUDA, INTERPRET, load_kernel_modules
+
+K = load_kernel_modules(["_common", "nonfinite"])
+NF = K["nonfinite"]
+
+from draftgraph.ops.nonfinite import DROPPED, NONFINITE  # noqa: E402
+
+cpu_only = pytest.mark.skipif(not INTERPRET, reason="the interpreter tests run where there is no CUDA")
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+DEVICES = [pytest.param("cpu", marks=cpu_only), pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda])]
+BF16_MAX = torch.finfo(torch.bfloat16).max
+
+
+def hiddens(b: int, d: int, device: str, seed: int = 0) -> torch.Tensor:
+    return torch.randn(b, 4, d, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(device)
+
+
+def drop(positions, h):
+    out = torch.full_like(positions, -7)
+    NF.drop_nonfinite_impl([positions, h], [out], {}, None)
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("b,d", [(1, 64), (33, 160)])  # 33 x 4 x 160 = 21120 values: two tiles, the second partial
+def test_drop_nonfinite_kernel(device, b, d):
+    positions = (torch.arange(b, dtype=torch.int64) * 7 + 3).to(device)
+    h = hiddens(b, d, device)
+    h[0, 0, :4] = torch.tensor([BF16_MAX, -BF16_MAX, 1e-40, -0.0])  # extremes that are finite
+    assert torch.equal(drop(positions, h), positions)
+    for row, stream, col in ((0, 0, 0), (b - 1, 3, d - 1), (b // 2, 2, 17)):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            bent = h.clone()
+            bent[row, stream, col] = bad
+            assert drop(positions, bent).tolist() == [DROPPED] * b, (row, stream, col, bad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mark_dropped_kernel_in_place_and_not(device):
+    drafts = torch.arange(12, dtype=torch.int64).reshape(3, 4).to(device)
+    positions = torch.tensor([5, DROPPED, 9], device=device)
+    out = torch.full_like(drafts, -7)
+    NF.mark_dropped_impl([drafts, positions], [out], {}, None)
+    want = drafts.clone()
+    want[1] = NONFINITE
+    assert torch.equal(out, want)
+    NF.mark_dropped_impl([drafts, positions], [drafts], {}, None)  # in place, as the chain plans it
+    assert torch.equal(drafts, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_drop_nonfinite_kernel_captured_reads_each_replays_hiddens():
+    b = 32
+    positions = torch.arange(b, dtype=torch.int64, device="cuda")
+    h = hiddens(b, 1024, "cuda")
+    out = drop(positions, h)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        NF.drop_nonfinite_impl([positions, h], [out], {}, None)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        h[b - 1, 3, 1023] = bad
+        graph.replay()
+        assert out.tolist() == [DROPPED] * b, bad
+    h[b - 1].fill_(BF16_MAX)
+    graph.replay()
+    assert torch.equal(out, positions)
