@@ -26,7 +26,8 @@ step() {  # step NAME SECONDS COMMAND...: run it under a limit, keep its output,
     echo "   exit $?"
 }
 step pytest_native 150 python3 -m pytest -q -m cuda -p no:cacheprovider -p no:warnings \
-    tests/test_triton_fp8_mxfp4.py tests/test_triton_moe_shard.py tests/test_native_proposer.py tests/test_fp8_head.py
+    tests/test_triton_fp8_mxfp4.py tests/test_triton_moe_shard.py tests/test_native_proposer.py tests/test_fp8_head.py \
+    tests/test_triton_nonfinite.py
 tail -2 "$out/pytest_native.txt"
 step bench_kernels 200 python3 benchmarks/bench_kernels.py --weights native --tune --budget-s 110 \
     --ops linear,moe,swa_attention --out "$out/kernels"
