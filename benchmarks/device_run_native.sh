@@ -25,17 +25,17 @@ step() {  # step NAME SECONDS COMMAND...: run it under a limit, keep its output,
     timeout "$limit" "$@" >"$out/$name.txt" 2>&1
     echo "   exit $?"
 }
-step pytest_native 150 python3 -m pytest -q -m cuda -p no:cacheprovider -p no:warnings \
+step pytest_native 200 python3 -m pytest -q -m cuda -p no:cacheprovider -p no:warnings \
     tests/test_triton_fp8_mxfp4.py tests/test_triton_moe_shard.py tests/test_native_proposer.py tests/test_fp8_head.py \
     tests/test_triton_nonfinite.py
 tail -2 "$out/pytest_native.txt"
-step bench_kernels 200 python3 benchmarks/bench_kernels.py --weights native --tune --budget-s 110 \
+step bench_kernels 180 python3 benchmarks/bench_kernels.py --weights native --tune --budget-s 110 \
     --ops linear,moe,swa_attention --out "$out/kernels"
 grep "tune ->" "$out/kernels/bench_kernels.log"
 grep -E "^(linear|moe|swa_attention) +v4-flash" "$out/bench_kernels.txt"
 tuned=()  # the tiles step 2 chose, if it finished
 [ -f "$out/kernels/bench_kernels.json" ] && tuned=(--kernel-configs "$out/kernels/bench_kernels.json")
-step bench_draft 200 python3 benchmarks/bench_draft.py --weights native,bf16 --kernels fused \
+step bench_draft 170 python3 benchmarks/bench_draft.py --weights native,bf16 --kernels fused \
     --cases 1x1,1x3,8x1,32x1 --no-compile --no-plain --out "$out/draft" "${tuned[@]}"
 grep -A12 "^floor = " "$out/bench_draft.txt"
 if [ "${DECODE:-0}" = 1 ]; then

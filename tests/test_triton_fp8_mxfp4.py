@@ -316,17 +316,24 @@ MOE_WIDE = (K["gemv"].GemvConfig(8, 256, 4, 2, use_dot=False), K["gemv"].GemvCon
         (1, False, "wide"),
         (1, False, "dot"),
         (4, True, "dot"),
+        (4, True, "rows"),
+        (4, True, "rows1"),  # one row a chunk: an expert two rows chose takes two chunks
         (4, False, "dot"),
         (1, True, "dot"),
-        (1, True, "fma"),
+        (1, True, "rows"),
+        (9, True, "rows"),  # past ROWS_MAX_BATCH: the dot tiles
     ],
 )
 def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
-    """Slot-major (FMA or dot) and expert-major, repeated experts, the clamp active, poisoned out."""
-    if variant != "fma":
+    """Slot-major (FMA or dot), expert-major (dot, or FMA rows: moe_mxfp4_rows), repeated experts,
+    the clamp active, poisoned out."""
+    if variant in ("dot", "wide"):
         configs = MOE_DOT if variant == "dot" else MOE_WIDE
         monkeypatch.setattr(MX, "W13_CONFIG", configs[0])
         monkeypatch.setattr(MX, "W2_CONFIG", configs[1])
+        monkeypatch.setattr(MX, "ROWS_MAX_BATCH", 0)
+    if variant == "rows1":
+        monkeypatch.setattr(MX, "ROWS_CHUNK", 1)
     ex = _experts_on(small_experts, device)
     g = gen(2100 + batch)
     x = act(g, batch, D_SMALL).to(device)

@@ -40,14 +40,13 @@ from draftgraph.ops.triton.gemv import GemvConfig, gemv
 from draftgraph.runtime.errors import InputError, describe
 from draftgraph.runtime.model.quant import FP8_BLOCK, QuantWeight, fp8_scale_shape
 
-# Batch 1: an FMA tile 16 rows x 512 columns (four scale blocks, 8 KB), as the bf16 GEMV's
-# narrow and long winners (see "wide tiles"); chosen from the SASS of the candidates (about 6
-# instructions a code); `bench_kernels.py --weights native --tune` times them on a GPU. At
-# b93df2d the best 128-column tile (64 x 128, 8 warps) ran the 4096 x 4096 linear in 21.8 us, 18%
-# of copy bandwidth (benchmarks/h200/bench_kernels_native_tuned_b93df2d.txt). Batch > 1: the dot
-# path, 32 x 128 (11.4 us at batch 4, the same run).
+# Batch 1: an FMA tile 4 rows x 1024 columns (eight scale blocks), one warp: narrow and long, as
+# the bf16 GEMV's winners (see "wide tiles"). Tuned on one H200 at the 4096 x 4096 linear
+# (`bench_kernels.py --weights native --tune`, benchmarks/h200/bench_kernels_native_tuned_bbbd33f.txt):
+# 7.0 us, 57% of copy bandwidth (8 x 1024 on 4 warps the same; 16 x 512 9.0), where the best
+# 128-column tile ran 21.8 (b93df2d). Batch > 1: the dot path, 32 x 128 (11.5 us at batch 4).
 DEFAULT = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
-BATCH1_CONFIG = GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, use_dot=False)
+BATCH1_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=1, num_stages=3, use_dot=False)
 
 
 # ---- decoding bytes in registers ------------------------------------------------------------

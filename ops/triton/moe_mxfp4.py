@@ -74,14 +74,20 @@ from draftgraph.runtime.model.quant import FP8_BLOCK, MXFP4_BLOCK, fp8_scale_sha
 
 MAX_BATCH = 64  # the shared slot covers all rows in one activation tile
 GROUPED_MIN_BATCH = 2  # as moe.py: expert-major from this batch on
-# Batch 1: FMA tiles of 16 rows x 512 columns (see "MXFP4 words"), chosen from the SASS of the
-# candidates; `bench_kernels.py --weights native --tune` times them on a GPU. At b93df2d the
-# 128-column tiles with the per-element decode ran the batch-1 MoE in 222.8 us against a 22.5 us
-# floor (benchmarks/h200/bench_kernels_native_tuned_b93df2d.txt). Batch > 1 (dot, at most 128
-# columns: an FP8 tile in one scale block): tuned there at batch 32 (random routing), w13 5365
-# against 7801 us, w2 4956 against 5363; expert-major at batch 1 was slower (242.8).
-W13_CONFIG = GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, use_dot=False)
-W2_CONFIG = GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, use_dot=False)
+# Batch 1: FMA word tiles (see "MXFP4 words"). Tuned on one H200 at V4-Flash shapes
+# (`bench_kernels.py --weights native --tune`, benchmarks/h200/bench_kernels_native_tuned_bbbd33f.txt):
+# the MoE 80.6 us (w13 47.3, w2 25.2) against a 22.8 us floor, where the 128-column tiles with the
+# per-element decode ran 222.8 (b93df2d). Batch > 1 (dot, at most 128 columns: an FP8 tile in
+# one scale block): tuned at batch 32 (random routing) at b93df2d and again at bbbd33f (the same
+# 128 x 128 won: 2911 us with the PTX decode, 5365 before); expert-major at batch 1 is slower.
+W13_CONFIG = GemvConfig(block_n=16, block_k=256, num_warps=4, num_stages=3, use_dot=False)
+W2_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=1, num_stages=3, use_dot=False)
+# Expert-major up to ROWS_MAX_BATCH rows: each routed expert's words decoded once and multiplied
+# by every row in registers (moe_mxfp4_rows); the shared expert's slot keeps the dot tiles.
+ROWS_MAX_BATCH = 8
+ROWS_CHUNK = 2  # rows a routed expert's decoded words meet at a time
+W13_CONFIG_ROWS = GemvConfig(block_n=16, block_k=256, num_warps=4, num_stages=3, use_dot=False)
+W2_CONFIG_ROWS = GemvConfig(block_n=16, block_k=256, num_warps=4, num_stages=3, use_dot=False)
 W13_CONFIG_BATCHED = GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
 W2_CONFIG_BATCHED = GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
 REDUCE_BLOCK_D = 1024
@@ -374,7 +380,9 @@ def _w13_kernel(
 ):
     pdl_wait(PDL)
     pid_n = tl.program_id(0)
-    slot = tl.program_id(1)
+    # The last slot (the shared expert, FP8: twice an MXFP4 expert's bytes) is dispatched first,
+    # so that the grid does not end on its programs.
+    slot = tl.num_programs(1) - 1 - tl.program_id(1)
     routed = B * TOPK
     rows = tl.arange(0, BLOCK_B)  # BLOCK_B = 1 without dot (batch 1: row 0 for every slot)
     if GROUPED:
@@ -723,6 +731,37 @@ def moe_mxfp4_launches(
             num_warps=4, **pdl,
         )  # fmt: skip
 
+    def rows_launches():
+        from draftgraph.ops.triton import moe_mxfp4_rows as R
+
+        block_r = next_pow2(b)
+        # >= 16 rows: the shared slot's dot; the K tiles whole words of scale blocks
+        bn13, bn2 = (max(16, min(c.block_n, next_pow2(n))) for c, n in ((W13_CONFIG_ROWS, inter), (W2_CONFIG_ROWS, d)))
+        bk13 = min(W13_CONFIG_ROWS.block_k, max(MXFP4_BLOCK, next_pow2(d)))
+        bk2 = min(W2_CONFIG_ROWS.block_k, max(MXFP4_BLOCK, next_pow2(inter)))
+        common = dict(TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_R=block_r, CHUNK=ROWS_CHUNK, BLOCK_B=block_b, NATIVE=native,
+                      INTERP=interp)
+
+        def w13_rows():
+            R.launch_w13(
+                (triton.cdiv(inter, bn13), slots),
+                x, idx, wts, w1b, s1b, w3b, s3b, sw1b, ss1b, sw3b, ss3b, act, b, d, inter, x.stride(0), s13, limit,
+                BLOCK_N=bn13, BLOCK_K=bk13, DOT_K=min(FP8_BLOCK, max(16, next_pow2(d))), **common,
+                num_warps=W13_CONFIG_ROWS.num_warps, num_stages=W13_CONFIG_ROWS.num_stages, **pdl,
+            )  # fmt: skip
+
+        def w2_rows():
+            R.launch_w2(
+                (triton.cdiv(d, bn2), slots),
+                act, idx, wts, w2b, s2b, sw2b, ss2b, part, b, d, inter, s2,
+                BLOCK_N=bn2, BLOCK_K=bk2, DOT_K=min(FP8_BLOCK, max(16, next_pow2(inter))), **common,
+                num_warps=W2_CONFIG_ROWS.num_warps, num_stages=W2_CONFIG_ROWS.num_stages, **pdl,
+            )  # fmt: skip
+
+        return [("w13", w13_rows), ("w2", w2_rows), ("reduce", reduce)]
+
+    if grouped and b <= ROWS_MAX_BATCH:
+        return rows_launches()
     if grouped:
         return [("w13", w13), ("w2", w2_grouped), ("reduce", reduce)]
     return [("w13", w13), ("w2", w2_)]
