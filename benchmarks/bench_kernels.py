@@ -781,7 +781,7 @@ def native_jobs() -> list:
         ("moe", 1, [(MX, "W13_CONFIG", fma + dot[:2]), (MX, "W2_CONFIG", fma + dot[:2]),
                     (MX, "GROUPED_MIN_BATCH", [1])]),  # fmt: skip
         ("linear", 4, [(F, "DEFAULT", dot)]),
-        ("moe", 4, [(MX, "ROWS_MAX_BATCH", [0]), (MX, "ROWS_CHUNK", [1, 4, 8]),
+        ("moe", 4, [(MX, "ROWS_MAX_BATCH", [8]), (MX, "ROWS_CHUNK", [1, 4, 8]),
                     (MX, "W13_CONFIG_ROWS", rows), (MX, "W2_CONFIG_ROWS", rows)]),  # fmt: skip
         ("moe", 32, [(MX, "ROWS_MAX_BATCH", [64]), (MX, "W13_CONFIG_BATCHED", dot[1:]),
                      (MX, "W2_CONFIG_BATCHED", dot[1:])]),  # fmt: skip

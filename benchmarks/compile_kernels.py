@@ -103,6 +103,19 @@ def nonfinite(b: int) -> None:
     mark_dropped_impl([drafts, positions], [drafts], {}, None)
 
 
+def moe_rows(bk, impl, cfg, b: int) -> None:
+    """The moe case on moe_mxfp4_rows (off by default until a GPU has timed it: ROWS_MAX_BATCH 0)."""
+    from draftgraph.ops.triton import moe_mxfp4
+
+    saved = moe_mxfp4.ROWS_MAX_BATCH
+    moe_mxfp4.ROWS_MAX_BATCH = 64
+    try:
+        inputs, attrs = bk.make_case("moe", cfg, b)
+        bk.run_once("moe", impl, inputs, attrs, bk.workspace_for("moe", inputs, attrs))
+    finally:
+        moe_mxfp4.ROWS_MAX_BATCH = saved
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability as one number (90: H100 / H200)")
@@ -131,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     for w in weights:
         bk.WEIGHTS = w
         names = [n for n in bk.CASES if w == "bf16" or n in bk.NATIVE]
-        for name in names + (["edge tiles"] if w == "native" else ["nonfinite"]):
+        for name in names + (["edge tiles", "moe rows"] if w == "native" else ["nonfinite"]):
             for b in batches:
                 before, t0 = len(COMPILED), time.time()
                 try:
@@ -139,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                         edge_tiles(b)
                     elif name == "nonfinite":
                         nonfinite(b)
+                    elif name == "moe rows":
+                        moe_rows(bk, impls["moe"], cfg, b)
                     else:
                         inputs, attrs = bk.make_case(name, cfg, b)
                         bk.run_once(name, impls[name], inputs, attrs, bk.workspace_for(name, inputs, attrs))

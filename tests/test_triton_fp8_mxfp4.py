@@ -332,6 +332,8 @@ def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
         monkeypatch.setattr(MX, "W13_CONFIG", configs[0])
         monkeypatch.setattr(MX, "W2_CONFIG", configs[1])
         monkeypatch.setattr(MX, "ROWS_MAX_BATCH", 0)
+    if variant.startswith("rows"):
+        monkeypatch.setattr(MX, "ROWS_MAX_BATCH", 8)
     if variant == "rows1":
         monkeypatch.setattr(MX, "ROWS_CHUNK", 1)
     ex = _experts_on(small_experts, device)

@@ -10,7 +10,8 @@ registers, CHUNK rows at a time ([BLOCK_N, scale blocks, 4 words, CHUNK] accumul
 ranked by a cumsum and picked by one-hot selectors, a short last chunk masked): the FMA work is
 about 3.4 instructions a code to decode plus one a row, and a chunk re-reads the expert's tile
 (from L2 after the first). The shared expert serves every row: its slot keeps the dot tiles.
-The launcher takes this path up to ``moe_mxfp4.ROWS_MAX_BATCH`` rows.
+The launcher takes this path up to ``moe_mxfp4.ROWS_MAX_BATCH`` rows: 0 (off) until a GPU has run
+and timed it (docs/KERNELS.md, "Second device run").
 
 Layouts, scratch and the deterministic reduce are ``moe_mxfp4``'s expert-major ones: w13 writes
 each served row's act row, w2 fp32 partials per (row, k), ``_moe_reduce_kernel`` sums them.
