@@ -65,8 +65,8 @@ def install(arch: int) -> None:
     # The launch options of a GPU (the ops decide them from the tensors' device, here the CPU).
     from draftgraph.ops.triton import _common, fp8_linear, moe_mxfp4
 
-    _common.pdl_enabled = lambda device: True
-    fp8_linear.native_fp8_supported = moe_mxfp4.native_fp8_supported = lambda device: True
+    _common.pdl_enabled = lambda device: arch >= 90  # as _common._pdl_supported decides on a GPU
+    fp8_linear.native_fp8_supported = moe_mxfp4.native_fp8_supported = lambda device: arch >= 89
 
 
 def _load_sibling(name: str):

@@ -111,61 +111,65 @@ def e2m1_to_f32(c):
 
 # The e2m1 decode on the GPU, as PTX (see "e2m1 by bits"): per pair of codes a byte permute, an
 # integer multiply and a mask put each code's bits into a bf16 (exponent field e, mantissa bit
-# m, sign), then one bf16x2 multiply by 2^126 (0x7E80) rebiases both values exactly.
+# m, sign), then one bf16x2 multiply by 2^126 (0x7E80) rebiases both values exactly. The multiply
+# is written as fma.rn.bf16x2 with -0 added (exact, the product's sign kept): mul.bf16x2 needs
+# sm_90, the fma sm_80 (A100, and the sm_89 cards), and ptxas emits the same HFMA2 for both.
 E2M1_WORD_PTX = tl.constexpr("""
 {
-.reg .b32 lo, hi, t, c;
+.reg .b32 lo, hi, t, c, z;
 mov.b32 c, 0x7E807E80;
+mov.b32 z, 0x80008000;
 and.b32 lo, $4, 0x0F0F0F0F;
 shr.u32 hi, $4, 4;
 and.b32 hi, hi, 0x0F0F0F0F;
 prmt.b32 t, lo, hi, 0x8480;
 mul.lo.u32 t, t, 0x1040;
 and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $0, t, c;
+fma.rn.bf16x2 $0, t, c, z;
 prmt.b32 t, lo, hi, 0x8581;
 mul.lo.u32 t, t, 0x1040;
 and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $1, t, c;
+fma.rn.bf16x2 $1, t, c, z;
 prmt.b32 t, lo, hi, 0x8682;
 mul.lo.u32 t, t, 0x1040;
 and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $2, t, c;
+fma.rn.bf16x2 $2, t, c, z;
 prmt.b32 t, lo, hi, 0x8783;
 mul.lo.u32 t, t, 0x1040;
 and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $3, t, c;
+fma.rn.bf16x2 $3, t, c, z;
 }
 """)
 # Four bytes (pack=4) and their scales as bf16 (two registers) -> the even and the odd codes of
 # the four bytes, times 2^126, times the scale: two bf16x2 registers each.
 E2M1_HALVES_PTX = tl.constexpr("""
 {
-.reg .b32 lo, hi, t, c;
+.reg .b32 lo, hi, t, c, z;
 mov.b32 c, 0x7E807E80;
+mov.b32 z, 0x80008000;
 and.b32 lo, $4, 0x0F0F0F0F;
 shr.u32 hi, $4, 4;
 and.b32 hi, hi, 0x0F0F0F0F;
 prmt.b32 t, lo, 0, 0x8180;
 mul.lo.u32 t, t, 0x1040;
 and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 t, t, c;
-mul.rn.bf16x2 $0, t, $5;
+fma.rn.bf16x2 t, t, c, z;
+fma.rn.bf16x2 $0, t, $5, z;
 prmt.b32 t, lo, 0, 0x8382;
 mul.lo.u32 t, t, 0x1040;
 and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 t, t, c;
-mul.rn.bf16x2 $1, t, $6;
+fma.rn.bf16x2 t, t, c, z;
+fma.rn.bf16x2 $1, t, $6, z;
 prmt.b32 t, hi, 0, 0x8180;
 mul.lo.u32 t, t, 0x1040;
 and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 t, t, c;
-mul.rn.bf16x2 $2, t, $5;
+fma.rn.bf16x2 t, t, c, z;
+fma.rn.bf16x2 $2, t, $5, z;
 prmt.b32 t, hi, 0, 0x8382;
 mul.lo.u32 t, t, 0x1040;
 and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 t, t, c;
-mul.rn.bf16x2 $3, t, $6;
+fma.rn.bf16x2 t, t, c, z;
+fma.rn.bf16x2 $3, t, $6, z;
 }
 """)
 
