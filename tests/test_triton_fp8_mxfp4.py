@@ -394,9 +394,17 @@ def test_moe_mxfp4_rejects_bad_inputs(small_experts):
         bad = list(ex.shared)
         bad[3] = bad[1]
         MX.moe_mxfp4(x, idx, wts, *ex.routed(), out, swiglu_limit=LIMIT, shared=tuple(bad))
+    # The word kernels read x and the codes as int32: an odd start is refused before any launch.
+    odd = act(g, 1, D_SMALL + 1)[:, 1:]
+    with pytest.raises(InputError, match="x layout.*4-byte aligned"):
+        MX.moe_mxfp4(odd, idx, wts, *ex.routed(), out, swiglu_limit=LIMIT)
+    shifted = torch.empty(w1.numel() + 1, dtype=w1.dtype)[1:].view(w1.shape)
+    shifted.copy_(w1)
+    with pytest.raises(InputError, match="w1 start.*4-byte aligned"):
+        MX.moe_mxfp4(x, idx, wts, shifted, s1, w2, s2, w3, s3, out, swiglu_limit=LIMIT)
 
 
-# ---- the V4-Flash shapes, on the GPU (never run on a GPU yet: no device in the session that wrote them) ----
+# ---- the V4-Flash shapes, on the GPU (run on an H200 since 2026-12-05: benchmarks/h200) ----
 
 FLASH = V4Config.flash()
 

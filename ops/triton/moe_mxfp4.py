@@ -609,6 +609,10 @@ def _check(x, idx, wts, w1, w1_scale, w2, w2_scale, w3, w3_scale, out, shared):
         _bytes_of(w2, down[0], MXFP4_DTYPES, "w2"),
         _bytes_of(w2_scale, down[1], SCALE_DTYPES, "w2_scale"),
     ]
+    for name, t in (("w1", routed[0]), ("w3", routed[2]), ("w2", routed[4])):
+        if t.data_ptr() % 4:
+            _fail(f"{name} start", "a 4-byte aligned address", f"{t.data_ptr()} (mod 4: {t.data_ptr() % 4})",
+                  "the kernels read the codes as int32 words; pass a tensor of its own, not an offset view")
     if shared is None:
         return routed, None
     sw1, sw1_scale, sw2, sw2_scale, sw3, sw3_scale = shared
@@ -670,6 +674,11 @@ def moe_mxfp4_launches(
     top_k = idx.shape[1]
     inter = w1.shape[1]
     grouped = b >= GROUPED_MIN_BATCH if grouped is None else bool(grouped)
+    words = (b == 1 and not grouped and not W13_CONFIG.use_dot) or (grouped and b <= ROWS_MAX_BATCH)  # x as int32
+    if words and (x.data_ptr() % 4 or x.stride(0) % 2):
+        _fail("x layout", "a 4-byte aligned start and an even row stride",
+              f"address mod 4 {x.data_ptr() % 4}, row stride {x.stride(0)}",
+              "the batch-1 and rows kernels read x as bf16 pairs (int32); a contiguous copy has both")
     has_shared = shared_b is not None
     native = native_fp8_supported(x.device) if native_fp8 is None else bool(native_fp8)
     native = native and has_shared and all(t.dtype == torch.float8_e4m3fn for t in shared[0:6:2])
