@@ -76,6 +76,15 @@ def ue8m0_to_f32(s):
 
 
 @triton.jit
+def codes_f32(q, NATIVE: tl.constexpr):
+    """e4m3 codes -> fp32: the hardware conversion of fp8 loads (NATIVE), else the integer decode of bytes."""
+    if NATIVE:
+        return q.to(tl.float32)
+    else:
+        return e4m3_to_f32(q)
+
+
+@triton.jit
 def fp8_tile(w_rows, s_rows, kk, k0, n_mask, K, EVEN: tl.constexpr, NATIVE: tl.constexpr):
     """(codes [BLOCK_N, BLOCK_K] in fp32, the rows' block scales [BLOCK_N]) of the K tile at k0.
 
@@ -89,10 +98,7 @@ def fp8_tile(w_rows, s_rows, kk, k0, n_mask, K, EVEN: tl.constexpr, NATIVE: tl.c
         # masked lanes are zeroed after the decode instead.
         live = n_mask[:, None] & (kk < K)[None, :]
         q = tl.load(w_rows + kk[None, :], mask=live)
-    if NATIVE:
-        v = q.to(tl.float32)
-    else:
-        v = e4m3_to_f32(q)
+    v = codes_f32(q, NATIVE)
     if not EVEN:
         v = tl.where(live, v, 0.0)
     s = ue8m0_to_f32(tl.load(s_rows + k0 // 128, mask=n_mask, other=127))
@@ -116,10 +122,7 @@ def fp8_tile3(w_rows, s_rows, k0, n_mask, K, NBK: tl.constexpr, SUB_K: tl.conste
         live = n_mask[:, None, None] & (cols < K)[None, :, :]
         q = tl.load(w_rows[:, None, None] + cols[None, :, :], mask=live)  # no `other`: see fp8_tile
         s = tl.load(s_rows[:, None] + blocks[None, :], mask=n_mask[:, None] & (blocks * 128 < K)[None, :], other=127)
-    if NATIVE:
-        v = q.to(tl.float32)
-    else:
-        v = e4m3_to_f32(q)
+    v = codes_f32(q, NATIVE)
     if not EVEN:
         v = tl.where(live, v, 0.0)
     return v, ue8m0_to_f32(s)
