@@ -179,6 +179,8 @@ class DecodeProgress:
         )
 
     def update(self, tokens: int, stats: DecodeStats | None = None) -> None:
+        if self.bar.disable:  # no bar (stderr is no terminal): not even the postfix's formatting, every step
+            return
         if stats is not None and stats.num_verifies:
             self.bar.set_postfix(
                 acc=f"{stats.acceptance_rate:.2f}", len=f"{stats.mean_accepted_length:.2f}", refresh=False

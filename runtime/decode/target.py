@@ -44,6 +44,7 @@ from draftgraph.runtime.errors import InputError, describe
 from draftgraph.runtime.execution.eager import EagerExecutor, concrete_device
 from draftgraph.runtime.ir.tensor_spec import B, TensorSpec
 from draftgraph.runtime.model.config import V4Config
+from draftgraph.runtime.native import batch_kernel
 from draftgraph.runtime.proposer.binding import prepare_weights
 
 DEFAULT_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -134,6 +135,7 @@ class TargetModel:
         self.graph = build_target(config, self.geometry, mode)
         self.use_captured = executor == "captured" or (executor == "auto" and self.device.type == "cuda")
         self._executors: dict[int, object] = {}
+        self._kernel = batch_kernel.load()  # design note "flat kernel" (native/batch_kernel.py): the staging writes
         self._staging: dict[int, ChainStaging] = {}
         self._pool = None
         self._verifiers: dict[int, object] = {}  # K -> DeviceVerifier
@@ -316,6 +318,7 @@ class TargetModel:
             self._staging[bucket] = ChainStaging(
                 bucket, TensorSpec((B, 1), torch.bfloat16), self.cache.max_blocks_per_seq, 1, self.device,
                 window=self.config.sliding_window, block_size=self.cache.block_size,
+                kernel=self._kernel,  # the compiled twin where it builds: every verify and token stages
             )
         return self._staging[bucket]
 
