@@ -26,7 +26,14 @@ import numpy as np
 import torch
 from draftgraph.runtime.errors import InputError, NonFiniteError, describe
 from draftgraph.runtime.native import batch_kernel
-from draftgraph.runtime.proposer.checks import check_batch, check_hidden_batch, check_ints, check_states
+from draftgraph.runtime.proposer.checks import (
+    PLAIN_INT_TYPES,
+    check_batch,
+    check_hidden_batch,
+    check_ints,
+    check_states,
+    is_on,
+)
 
 
 @dataclass
@@ -48,9 +55,9 @@ class CatchupRows:
         return int(self.count.sum())
 
     def positions(self) -> np.ndarray:
-        """int64 [N]: every row's position."""
-        return np.concatenate([np.arange(s, s + c, dtype=np.int64)
-                               for s, c in zip(self.starts.tolist(), self.count.tolist())])
+        """int64 [N]: every row's position (row r of sequence j: starts[j] + r - its first row's index)."""
+        first_row = np.cumsum(self.count) - self.count
+        return np.arange(int(self.count.sum()), dtype=np.int64) + np.repeat(self.starts - first_row, self.count)
 
     def which(self) -> np.ndarray:
         """int64 [N]: every row's proposer row (its block table)."""
@@ -77,40 +84,80 @@ class PlacedCatchup:
 
 
 def check_rows(prop, tokens: Sequence[Sequence[int]], hiddens, first_pos: Sequence[int], states,
-               assume_finite: bool = False) -> CatchupRows | None:
+               assume_finite: bool = False, keys: np.ndarray | None = None) -> CatchupRows | None:
     """Check a catch-up of ``len(tokens)`` sequences (``hiddens[i]`` [n_i, ...] pairs ``tokens[i]``).
 
     Raises InputError for the first bad item and NonFiniteError for a NaN or an infinity in a
     hidden (one host sync; none with ``assume_finite``). None when no sequence has a row.
+    ``keys``: the states' keys, as a propose of the same states made them (not yet checked).
     """
     if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
         raise InputError(describe("tokens", "one sequence of token ids per state", type(tokens).__name__))
     n = len(tokens)
     check_batch("hiddens", hiddens, n)
-    rows = check_states(states, prop.id, prop.rows, n) & batch_kernel.ROW_MASK
+    if keys is None or len(keys) != n or not _are_live(prop.rows, keys):
+        keys = check_states(states, prop.id, prop.rows, n)
+    rows = keys & batch_kernel.ROW_MASK
     starts = check_ints(first_pos, "first_pos", 0, prop.max_seq_len, n)
-    counts, toks, blocks = [], [], []
-    for i in range(n):
-        check_batch(f"tokens[{i}]", tokens[i], len(tokens[i]) if hasattr(tokens[i], "__len__") else -1)
-        tok = check_ints(tokens[i], "catch-up tokens", 0, prop.config.vocab_size, len(tokens[i]))
-        if not isinstance(hiddens[i], torch.Tensor):
-            raise InputError(describe("catch-up hiddens", f"one tensor [{len(tok)}, ...] per sequence",
-                                      type(hiddens[i]).__name__, "torch.stack a list of hiddens"))
-        blocks.append(check_hidden_batch(hiddens[i], prop._hidden_shape, prop.device, len(tok), "catch-up hiddens"))
-        counts.append(len(tok))
-        toks.append(tok)
+    regular = _regular_rows(prop, tokens, hiddens)
+    if regular is not None:  # the usual call (a decode loop's): a few batch-wide tests, no loop of checks
+        counts, flat, blocks = regular
+    else:  # item by item: the typed error of the first bad item, or rows of other types converted
+        counts, toks, blocks = [], [], []
+        for i in range(n):
+            check_batch(f"tokens[{i}]", tokens[i], len(tokens[i]) if hasattr(tokens[i], "__len__") else -1)
+            tok = check_ints(tokens[i], "catch-up tokens", 0, prop.config.vocab_size, len(tokens[i]))
+            if not isinstance(hiddens[i], torch.Tensor):
+                raise InputError(describe("catch-up hiddens", f"one tensor [{len(tok)}, ...] per sequence",
+                                          type(hiddens[i]).__name__, "torch.stack a list of hiddens"))
+            blocks.append(check_hidden_batch(hiddens[i], prop._hidden_shape, prop.device, len(tok),
+                                             "catch-up hiddens"))
+            counts.append(len(tok))
+            toks.append(tok)
+        flat = np.concatenate(toks) if toks else np.zeros(0, dtype=np.int64)
     count = np.array(counts, dtype=np.int64)
     prop._check_budget(rows, starts, count, "first_pos", "rows")
-    live = np.flatnonzero(count > 0)
-    if not len(live):
-        return None
-    kept = [blocks[i] for i in live.tolist()]
+    if min(counts, default=0) > 0:  # every sequence has rows
+        live, kept = np.arange(n, dtype=np.int64), blocks
+    else:
+        live = np.flatnonzero(count > 0)
+        if not len(live):
+            return None
+        kept = [blocks[i] for i in live.tolist()]
     hidden = kept[0] if len(kept) == 1 else torch.cat(kept)
     if not assume_finite and not bool(torch.isfinite(hidden).all()):  # the one sync: nothing mapped yet
         raise NonFiniteError(describe("catch-up hiddens", "finite values", "a NaN or an infinity",
                                       "the call is refused: no state or cache row changed"))
-    return CatchupRows(live.astype(np.int64), rows[live], starts[live], count[live],
-                       np.concatenate([toks[i] for i in live.tolist()]), hidden)
+    return CatchupRows(live, rows[live], starts[live], count[live], flat, hidden)
+
+
+def _are_live(rows, keys: np.ndarray) -> bool:
+    """Whether ``keys`` name distinct live rows of this proposer (sequences.py: a key matches its row's
+    only while that state lives, and never another proposer's)."""
+    at = keys & batch_kernel.ROW_MASK
+    if (at >= len(rows.key)).any() or (rows.key[at] != keys).any():
+        return False
+    return len(keys) < 2 or len(set(at.tolist())) == len(keys)
+
+
+def _regular_rows(prop, tokens, hiddens) -> tuple[list[int], np.ndarray, list[torch.Tensor]] | None:
+    """(counts, every token, hiddens) of rows that need no conversion and pass every check: lists of
+    ints in the vocabulary, each with one bf16 hidden [n_i, ...] on the proposer's device. None for
+    anything else (the item-by-item checks then raise or convert)."""
+    if type(tokens) is not list or type(hiddens) is not list:
+        return None
+    counts = [len(t) if type(t) is list else -1 for t in tokens]
+    flat = [v for t in tokens if type(t) is list for v in t]
+    if -1 in counts or not set(map(type, flat)) <= PLAIN_INT_TYPES:
+        return None
+    if flat and (min(flat) < 0 or max(flat) >= prop.config.vocab_size):
+        return None
+    shape, device, bf16 = prop._hidden_shape, prop.device, torch.bfloat16
+    for hidden, count in zip(hiddens, counts):
+        if type(hidden) is not torch.Tensor or hidden.dtype is not bf16 or hidden.shape[1:] != shape \
+                or hidden.shape[0] != count or not is_on(hidden, device):
+            return None
+    return counts, np.array(flat, dtype=np.int64), hiddens
 
 
 def place_rows(prop, rows: CatchupRows) -> PlacedCatchup:
@@ -121,11 +168,22 @@ def place_rows(prop, rows: CatchupRows) -> PlacedCatchup:
     """
     seq_len, kv_start = prop.rows.seq_len[rows.rows], prop.rows.kv_start[rows.rows]
     kv = np.where((rows.starts > seq_len) | (rows.starts < kv_start), rows.starts, kv_start)
-    tables = [prop.rows.table_of[r] for r in rows.rows.tolist()]
-    mapped = prop.cache.ensure_batch(tables, rows.starts.tolist(), (rows.starts + rows.count - 1).tolist())
-    placed = PlacedCatchup(rows.rows, np.repeat(kv, rows.count), seq_len.copy(), kv_start.copy(), tables, mapped)
+    ends = rows.starts + rows.count - 1
+    if _all_mapped(prop.rows.tables, rows.rows, rows.starts, ends, prop.cache.block_size):
+        tables, mapped = [], []  # the usual catch-up: rows its sequence's last propose mapped
+    else:
+        tables = [prop.rows.table_of[r] for r in rows.rows.tolist()]
+        mapped = prop.cache.ensure_batch(tables, rows.starts.tolist(), ends.tolist())
+    placed = PlacedCatchup(rows.rows, np.repeat(kv, rows.count), seq_len, kv_start, tables, mapped)
     prop.rows.kv_start[rows.rows], prop.rows.seq_len[rows.rows] = kv, rows.starts + rows.count
     return placed
+
+
+def _all_mapped(tables: np.ndarray, rows: np.ndarray, first: np.ndarray, last: np.ndarray, block_size: int) -> bool:
+    """Whether every position first[i]..last[i] of row rows[i] has a block (ranges of at most two blocks;
+    a longer one answers False, and the cache's ensure looks at it)."""
+    lo, hi = first // block_size, last // block_size
+    return bool((hi - lo <= 1).all() and (tables[rows, lo] >= 0).all() and (tables[rows, hi] >= 0).all())
 
 
 def write_in_prefill_runs(prop, which: np.ndarray, pos: np.ndarray, kv: np.ndarray, tokens: np.ndarray,

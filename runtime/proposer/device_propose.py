@@ -130,7 +130,7 @@ def propose_device(prop, last_tokens, target_hiddens, positions, num_drafts, sta
             raise InputError(describe(f"states[{waiting[0]}]", "a state with no unfinished device propose",
                                       "one whose propose_device awaits after_verify_device",
                                       "call after_verify_device(handle, ...) first"))
-        owed = _checked_catchup(prop, catchup, states, pos) if catchup is not None else None
+        owed = _checked_catchup(prop, catchup, states, keys, pos) if catchup is not None else None
         if owed is not None:
             return _propose_merged(prop, keys, tokens, pos, hiddens, k, states, owed, assume_finite)
         _, staging, executor, _, copy_in, _ = prop._plan(n, k, False)
@@ -169,7 +169,7 @@ def after_verify_device(prop, handle: DeviceDrafts, num_accepted, dropped: bool 
         # The states were checked by the propose and are the handle's own objects: only their
         # liveness can have changed (a free since), one compare for the batch; the item checks
         # name the first freed state.
-        if not np.array_equal(prop.rows.key[rows], handle.keys):
+        if (prop.rows.key[rows] != handle.keys).any():
             check_states(handle.states, prop.id, prop.rows, n)
         if (prop.rows.verify_due[rows].any() or (prop.rows.seq_len[rows] != handle.seq_len).any()):
             raise InputError(describe("handle", "the states as propose_device left them",
@@ -236,12 +236,12 @@ def _run_dead(prop, bucket: int, executor, staging=None) -> None:
 
 
 # ---- the catch-up in the chain's first step ------------------------------------------------------
-def _checked_catchup(prop, owed, states, pos: np.ndarray) -> CatchupRows | None:
+def _checked_catchup(prop, owed, states, keys: np.ndarray, pos: np.ndarray) -> CatchupRows | None:
     """A propose's catch-up argument, checked (the host's finiteness check is the caller's)."""
     if not isinstance(owed, (tuple, list)) or len(owed) != 3:
         raise InputError(describe("catchup", "(tokens, hiddens, first_pos), one entry each per state",
                                   type(owed).__name__))
-    rows = check_rows(prop, *owed, states, assume_finite=True)
+    rows = check_rows(prop, *owed, states, assume_finite=True, keys=keys)
     if rows is None:
         return None
     ends = rows.starts + rows.count
