@@ -81,11 +81,15 @@ def batch(rng: random.Random, seqs, n: int, k: int):
 POOL = ("tables", "num_trimmed", "block_state", "free_stack", "free_top")
 
 
-def run_place(kernel, seqs, keys, tokens, pos, k):
-    """place on copies of the pool's arrays: (answer, kv, mapped pairs, the arrays after)."""
+def run_place(kernel, seqs, keys, tokens, pos, k, room: int | None = None):
+    """place on copies of the pool's arrays: (answer, kv, mapped pairs, the arrays after).
+
+    ``k``: an int (every row's span, as a propose passes it) or one span per row (a catch-up's)."""
     after = {name: seqs[name].copy() for name in POOL}
-    kv, mapped = np.full(len(pos), -7, dtype=np.int64), np.full(4 * len(pos), -7, dtype=np.int64)
-    status, index, m = kernel.place(keys, tokens, pos, k, VOCAB, MAX_SEQ, seqs["key"], seqs["seq_len"],
+    spans = np.array([k] if np.ndim(k) == 0 else k, dtype=np.int64)
+    kv = np.full(len(pos), -7, dtype=np.int64)
+    mapped = np.full(4 * len(pos) if room is None else 2 * room, -7, dtype=np.int64)
+    status, index, m = kernel.place(keys, tokens, pos, spans, VOCAB, MAX_SEQ, seqs["key"], seqs["seq_len"],
                                     seqs["kv_start"], seqs["max_positions"], after["tables"], BS, after["num_trimmed"],
                                     after["block_state"], after["free_stack"], after["free_top"], kv, mapped)
     return (status, index, m), kv, mapped[: 2 * m], after
@@ -99,7 +103,9 @@ def test_place_write_and_commit_equal_the_twin(native, seed):
     for _ in range(30):
         k = rng.randrange(1, 9)
         keys, tokens, pos = batch(rng, seqs, rng.randrange(1, 9), k)
-        got, want = run_place(native, seqs, keys, tokens, pos, k), run_place(twin, seqs, keys, tokens, pos, k)
+        # half the batches place a span per row (a catch-up's rows), within K: the commit below holds
+        spans = k if rng.random() < 0.5 else [rng.randrange(1, k + 1) for _ in pos]
+        got, want = run_place(native, seqs, keys, tokens, pos, spans), run_place(twin, seqs, keys, tokens, pos, spans)
         assert got[0] == want[0]
         statuses.add(got[0][0])
         for name in POOL:  # refused: nothing changed; placed: the same blocks mapped, in the same order
@@ -202,3 +208,30 @@ def test_every_refusal_names_its_first_bad_row():
                                                         positions, k)
             assert (status, index) == want, (kernel, keys, status, index, want)
             assert m == 0 and all(np.array_equal(after[name], seqs[name]) for name in POOL)
+
+
+def test_long_spans_map_every_block_and_need_room_for_them():
+    """A catch-up row span crosses several blocks: every missing one is mapped, in row then entry order;
+    a mapped_out without room for them all is a ValueError before any change, as is a spans array
+    of neither 1 nor n entries."""
+    key = lambda serial, row: serial << twin.ROW_BITS | row  # noqa: E731
+    seqs = {"key": np.array([key(5, 0), key(6, 1)], dtype=np.int64), "seq_len": np.zeros(2, dtype=np.int64),
+            "kv_start": np.zeros(2, dtype=np.int64), "max_positions": np.full(2, MAX_SEQ, dtype=np.int64),
+            "tables": np.full((2, M), -1, dtype=np.int32), "num_trimmed": np.zeros(2, dtype=np.int64),
+            "block_state": np.zeros(P, dtype=np.int8), "free_stack": np.arange(P, dtype=np.int32),
+            "free_top": np.array([P], dtype=np.int64)}
+    seqs["tables"][1, 1] = P - 1  # row 1 holds its second block already
+    seqs["block_state"][P - 1], seqs["free_top"][0] = 1, P - 1
+    keys, tokens = seqs["key"].copy(), np.zeros(2, dtype=np.int64)
+    pos, spans = np.array([5, 0], dtype=np.int64), [3 * BS, 2 * BS + 1]  # 4 blocks of row 0; 3 of row 1 (1 held)
+    kernels = [twin] + ([build.load("batch_kernel")] if build.load("batch_kernel") is not None else [])
+    for kernel in kernels:
+        (status, _, m), kv, mapped, after = run_place(kernel, seqs, keys, tokens, pos, spans, room=6)
+        assert (status, m) == (twin.OK, 6)
+        assert mapped.reshape(-1, 2).tolist() == [[0, 0], [0, 1], [0, 2], [0, 3], [1, 0], [1, 2]]
+        assert (after["tables"][0, :4] >= 0).all() and (after["tables"][1, :3] >= 0).all()
+        assert kv.tolist() == [5, 0]  # row 0 jumps ahead of its (empty) rows; row 1 continues them
+        with pytest.raises(ValueError, match="room"):
+            run_place(kernel, seqs, keys, tokens, pos, spans, room=5)
+        with pytest.raises(ValueError, match="spans"):
+            run_place(kernel, seqs, keys, tokens, pos, [1, 2, 3])

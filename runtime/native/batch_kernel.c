@@ -34,43 +34,55 @@ static int check_keys(const int64_t *keys, Py_ssize_t n, const int64_t *seq_key,
     return OK;
 }
 
-/* place(keys, tokens, pos, k, vocab, max_seq_len, seq_key, seq_len, kv_start, max_positions, tables, block_size,
- *       num_trimmed, block_state, free_stack, free_top, kv_out, mapped_out) -> (status, index, m) */
+/* place(keys, tokens, pos, spans, vocab, max_seq_len, seq_key, seq_len, kv_start, max_positions, tables,
+ *       block_size, num_trimmed, block_state, free_stack, free_top, kv_out, mapped_out) -> (status, index, m)
+ * spans: int64 [1] (every row's) or [n] (each row's). */
 static PyObject *place(PyObject *self, PyObject *args) {
-    Py_buffer v[14] = {{0}};
-    long long k, vocab, max_seq_len, block_size;
-    if (!PyArg_ParseTuple(args, "y*y*y*LLLy*y*y*y*w*Lw*w*y*w*w*w*", &v[0], &v[1], &v[2], &k, &vocab, &max_seq_len,
-                          &v[3], &v[4], &v[5], &v[6], &v[7], &block_size, &v[8], &v[9], &v[10], &v[11], &v[12],
-                          &v[13]))
+    Py_buffer v[15] = {{0}};
+    long long vocab, max_seq_len, block_size;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*LLy*y*y*y*w*Lw*w*y*w*w*w*", &v[0], &v[1], &v[2], &v[14], &vocab,
+                          &max_seq_len, &v[3], &v[4], &v[5], &v[6], &v[7], &block_size, &v[8], &v[9], &v[10], &v[11],
+                          &v[12], &v[13]))
         return NULL;
     const int64_t *keys = v[0].buf, *tokens = v[1].buf, *pos = v[2].buf, *seq_key = v[3].buf;
-    const int64_t *seq_len = v[4].buf, *kv_start = v[5].buf, *max_positions = v[6].buf;
+    const int64_t *seq_len = v[4].buf, *kv_start = v[5].buf, *max_positions = v[6].buf, *spans = v[14].buf;
     int32_t *tables = v[7].buf, *free_stack = v[10].buf;
     int64_t *num_trimmed = v[8].buf, *free_top = v[11].buf, *kv_out = v[12].buf, *mapped_out = v[13].buf;
     int8_t *block_state = v[9].buf;
-    Py_ssize_t n = v[2].len / 8, rows = v[3].len / 8;
+    Py_ssize_t n = v[2].len / 8, rows = v[3].len / 8, num_spans = v[14].len / 8, room = v[13].len / 16;
     Py_ssize_t width = rows ? v[7].len / 4 / rows : 0;
     Py_ssize_t index = 0, m = 0;
+    if (num_spans != 1 && num_spans != n) {
+        release(v, 15);
+        return PyErr_Format(PyExc_ValueError, "spans: 1 or %zd entries, got %zd", n, num_spans);
+    }
+#define SPAN(i) spans[num_spans == 1 ? 0 : (i)]
     int status = check_keys(keys, n, seq_key, rows, &index);
     for (Py_ssize_t i = 0; i < n && status == OK; i++)
         if (tokens[i] < 0 || tokens[i] >= vocab) status = TOKEN, index = i;
     for (Py_ssize_t i = 0; i < n && status == OK; i++)
         if (pos[i] < 0 || pos[i] >= max_seq_len) status = POSITION, index = i;
     for (Py_ssize_t i = 0; i < n && status == OK; i++)
-        if (pos[i] + k > max_positions[keys[i] & ROW_MASK]) status = BUDGET, index = i;
+        if (pos[i] + SPAN(i) > max_positions[keys[i] & ROW_MASK]) status = BUDGET, index = i;
     if (status == OK) {  /* the blocks missing, all or nothing */
         Py_ssize_t needed = 0;
         for (Py_ssize_t i = 0; i < n; i++) {
             const int32_t *table = tables + (keys[i] & ROW_MASK) * width;
-            for (int64_t j = pos[i] / block_size; j <= (pos[i] + k - 1) / block_size; j++) needed += table[j] < 0;
+            for (int64_t j = pos[i] / block_size; j <= (pos[i] + SPAN(i) - 1) / block_size; j++)
+                needed += table[j] < 0;
         }
         if (needed > free_top[0]) status = POOL, index = needed;
+        else if (needed > room) {
+            release(v, 15);
+            return PyErr_Format(PyExc_ValueError, "mapped_out: room for %zd (row, entry) pairs, %zd mapped", room,
+                                needed);
+        }
     }
     if (status == OK) {
         for (Py_ssize_t i = 0; i < n; i++) {
             int64_t row = keys[i] & ROW_MASK, p = pos[i], first = kv_start[row];
             int32_t *table = tables + row * width;
-            for (int64_t j = p / block_size; j <= (p + k - 1) / block_size; j++) {
+            for (int64_t j = p / block_size; j <= (p + SPAN(i) - 1) / block_size; j++) {
                 if (table[j] >= 0) continue;
                 int32_t block = free_stack[--free_top[0]];
                 table[j] = block;
@@ -81,7 +93,8 @@ static PyObject *place(PyObject *self, PyObject *args) {
             kv_out[i] = (first <= p && p <= seq_len[row]) ? first : p;
         }
     }
-    release(v, 14);
+#undef SPAN
+    release(v, 15);
     return Py_BuildValue("(inn)", status, index, m);
 }
 

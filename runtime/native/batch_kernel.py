@@ -11,10 +11,12 @@ random batches. Where the C cannot be built (no compiler, ``DRAFTGRAPH_NATIVE=0`
 
 - :func:`place` checks a batch (live keys, distinct, token and position ranges, budgets),
   writes each row's kv_start after the propose into ``kv_out``, and maps a block from the pool
-  to every entry of positions pos .. pos + k - 1 that has none (all or nothing: when the pool is
-  short, nothing). It answers (status, index, m): on OK, m mapped (row, entry) pairs in
-  ``mapped_out`` (the caller's undo); else the first failing check and the row it failed on (for
-  POOL, the blocks needed), and the caller raises that item's typed error.
+  to every entry of positions pos .. pos + span - 1 that has none (all or nothing: when the pool
+  is short, nothing). ``spans`` is int64 [1] (K, every row: a propose) or [n] (a catch-up's rows
+  per sequence). It answers (status, index, m): on OK, m mapped (row, entry) pairs in
+  ``mapped_out`` (the caller's undo; a ValueError, before any change, where it has no room for
+  them); else the first failing check and the row it failed on (for POOL, the blocks needed),
+  and the caller raises that item's typed error.
 - :func:`write` writes rows 0..n-1 of a staging buffer's metadata (cache/metadata.py's layout,
   the window columns only) and tokens, and rows n .. num_live - 1 as dead rows.
 - :func:`commit` writes a propose's result back (seq_len, kv_start, drafts made, verify due),
@@ -60,10 +62,13 @@ def _check_keys(keys, rows, seq_key) -> tuple[int, int]:
     return OK, 0
 
 
-def place(keys, tokens, pos, k, vocab, max_seq_len, seq_key, seq_len, kv_start, max_positions, tables,
+def place(keys, tokens, pos, spans, vocab, max_seq_len, seq_key, seq_len, kv_start, max_positions, tables,
           block_size, num_trimmed, block_state, free_stack, free_top, kv_out, mapped_out) -> tuple[int, int, int]:
     """``keys`` int64 [n]: the batch's states. See the module docstring."""
     n = len(pos)
+    if len(spans) not in (1, n):
+        raise ValueError(f"spans: 1 or {n} entries, got {len(spans)}")
+    k = np.broadcast_to(spans, (n,))
     rows = keys & ROW_MASK
     status, index = _check_keys(keys, rows, seq_key)
     if status != OK:
@@ -77,10 +82,12 @@ def place(keys, tokens, pos, k, vocab, max_seq_len, seq_key, seq_len, kv_start, 
     bad = pos + k > max_positions[rows]
     if bad.any():
         return BUDGET, int(np.flatnonzero(bad)[0]), 0
-    missing = [(int(r), j) for r, p in zip(rows.tolist(), pos.tolist())
-               for j in range(p // block_size, (p + k - 1) // block_size + 1) if tables[r, j] < 0]
+    missing = [(int(r), j) for r, p, span in zip(rows.tolist(), pos.tolist(), k.tolist())
+               for j in range(p // block_size, (p + span - 1) // block_size + 1) if tables[r, j] < 0]
     if len(missing) > free_top[0]:
         return POOL, len(missing), 0
+    if 2 * len(missing) > len(mapped_out):
+        raise ValueError(f"mapped_out: room for {len(mapped_out) // 2} (row, entry) pairs, {len(missing)} mapped")
     for m, (row, j) in enumerate(missing):
         free_top[0] -= 1
         block = free_stack[free_top[0]]

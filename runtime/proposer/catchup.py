@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from draftgraph.runtime.errors import InputError, NonFiniteError, describe
+from draftgraph.runtime.errors import CacheError, InputError, NonFiniteError, describe
 from draftgraph.runtime.native import batch_kernel
 from draftgraph.runtime.proposer.checks import (
     PLAIN_INT_TYPES,
@@ -44,6 +44,7 @@ class CatchupRows:
     """
 
     index: np.ndarray  # int64 [m]: the sequence's index in the call
+    keys: np.ndarray  # int64 [m]: its state's key (proposer/sequences.py)
     rows: np.ndarray  # int64 [m]: its proposer row
     starts: np.ndarray  # int64 [m]: the position of its first row
     count: np.ndarray  # int64 [m]: its number of rows (>= 1)
@@ -72,14 +73,12 @@ class PlacedCatchup:
     row_kv: np.ndarray  # int64 [N]: each row's kv_start (its state's from here on)
     old_seq_len: np.ndarray
     old_kv_start: np.ndarray
-    tables: list  # the m BlockTables
-    mapped: list[list[int]]  # the block ids mapped into each
+    mapped: np.ndarray  # int64 [b, 2]: the (row, table entry) of every block it mapped
 
     def undo(self, prop) -> None:
         """Give the mapped blocks back and the states their old lengths (the rows never happened)."""
-        for table, ids in zip(self.tables, self.mapped):
-            if ids:
-                prop.cache.unmap(table, ids)
+        if len(self.mapped):
+            prop._unmap(self.mapped)
         prop.rows.seq_len[self.rows], prop.rows.kv_start[self.rows] = self.old_seq_len, self.old_kv_start
 
 
@@ -128,7 +127,7 @@ def check_rows(prop, tokens: Sequence[Sequence[int]], hiddens, first_pos: Sequen
     if not assume_finite and not bool(torch.isfinite(hidden).all()):  # the one sync: nothing mapped yet
         raise NonFiniteError(describe("catch-up hiddens", "finite values", "a NaN or an infinity",
                                       "the call is refused: no state or cache row changed"))
-    return CatchupRows(live, rows[live], starts[live], count[live], flat, hidden)
+    return CatchupRows(live, keys[live], rows[live], starts[live], count[live], flat, hidden)
 
 
 def _are_live(rows, keys: np.ndarray) -> bool:
@@ -164,26 +163,31 @@ def place_rows(prop, rows: CatchupRows) -> PlacedCatchup:
     """Map the rows' blocks and move each state past its rows (all or nothing; CacheError when short).
 
     A state's kv_start stays where its rows continue its valid rows (kv_start <= first <= seq_len),
-    and moves to the first row where they jump ahead or back, as a propose's does.
+    and moves to the first row where they jump ahead or back, as a propose's does: one call of
+    the batch kernel's ``place`` (design note "flat kernel"), each sequence's rows its span.
     """
-    seq_len, kv_start = prop.rows.seq_len[rows.rows], prop.rows.kv_start[rows.rows]
-    kv = np.where((rows.starts > seq_len) | (rows.starts < kv_start), rows.starts, kv_start)
-    ends = rows.starts + rows.count - 1
-    if _all_mapped(prop.rows.tables, rows.rows, rows.starts, ends, prop.cache.block_size):
-        tables, mapped = [], []  # the usual catch-up: rows its sequence's last propose mapped
-    else:
-        tables = [prop.rows.table_of[r] for r in rows.rows.tolist()]
-        mapped = prop.cache.ensure_batch(tables, rows.starts.tolist(), ends.tolist())
-    placed = PlacedCatchup(rows.rows, np.repeat(kv, rows.count), seq_len, kv_start, tables, mapped)
-    prop.rows.kv_start[rows.rows], prop.rows.seq_len[rows.rows] = kv, rows.starts + rows.count
-    return placed
-
-
-def _all_mapped(tables: np.ndarray, rows: np.ndarray, first: np.ndarray, last: np.ndarray, block_size: int) -> bool:
-    """Whether every position first[i]..last[i] of row rows[i] has a block (ranges of at most two blocks;
-    a longer one answers False, and the cache's ensure looks at it)."""
-    lo, hi = first // block_size, last // block_size
-    return bool((hi - lo <= 1).all() and (tables[rows, lo] >= 0).all() and (tables[rows, hi] >= 0).all())
+    at, m = rows.rows, len(rows.rows)
+    old_seq_len, old_kv_start = prop.rows.seq_len[at], prop.rows.kv_start[at]
+    kv = np.empty(m, dtype=np.int64)
+    # A span of c rows touches at most c // block_size + 2 blocks: room for every pair it may map.
+    room = 2 * (rows.num_rows // prop.cache.block_size + 2 * m)
+    mapped_out = prop._mapped if room <= len(prop._mapped) else np.zeros(room, dtype=np.int64)
+    no_tokens = np.zeros(m, dtype=np.int64)  # the kernel checks a token a row; the rows' own are checked
+    with prop.cache.lock:
+        status, needed, count = prop._kernel.place(rows.keys, no_tokens, rows.starts, rows.count,
+                                                   *prop._kernel_arrays()[1], kv, mapped_out)
+    if status == batch_kernel.POOL:
+        cache = prop.cache
+        raise CacheError(describe(f"MTP cache blocks for {m} sequences", f"{needed} free block(s)",
+                                  f"{cache.num_free_blocks} free of {cache.num_blocks}",
+                                  "free finished sequences, call trim_window, or size the pool larger"))
+    if status != batch_kernel.OK:
+        raise AssertionError(f"the batch kernel refused (status {status}, row {needed}) checked catch-up rows")
+    mapped = mapped_out[: 2 * count].reshape(count, 2).copy()
+    for row in set(mapped[:, 0].tolist()):
+        prop.rows.table_of[row].cache_id = prop.cache.cache_id
+    prop.rows.kv_start[at], prop.rows.seq_len[at] = kv, rows.starts + rows.count
+    return PlacedCatchup(at, np.repeat(kv, rows.count), old_seq_len, old_kv_start, mapped)
 
 
 def write_in_prefill_runs(prop, which: np.ndarray, pos: np.ndarray, kv: np.ndarray, tokens: np.ndarray,

@@ -304,6 +304,7 @@ class DeepseekV4MtpProposer:
         self._verify_one = (np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))  # after_verify's
         # (row, entry) pairs of the blocks a propose mapped; K <= the block size: two entries a row
         self._mapped = np.zeros(4 * size, dtype=np.int64)
+        self._span = np.zeros(1, dtype=np.int64)  # the kernel's spans: K for every row of a propose
 
     def _propose(self, tokens, hiddens, positions, num_drafts, states, bitmask) -> list[list[int]]:
         """The one path of every propose (design note "one path"); the caller holds the lock."""
@@ -365,9 +366,10 @@ class DeepseekV4MtpProposer:
         for the rows crossing into a block they do not hold, all or nothing, in one kernel call
         (design note "flat kernel"). Returns the (row, entry) pairs it mapped (None: none), the
         undo for ``_unmap``; raises the typed error of what it refused, with nothing mapped."""
-        cache, n = self.cache, len(keys)
+        cache, n, span = self.cache, len(keys), self._span
+        span[0] = k  # every row's
         with cache.lock:
-            status, index, m = self._kernel.place(keys, tokens, pos, k, *self._kernel_arrays()[1], kv_out,
+            status, index, m = self._kernel.place(keys, tokens, pos, span, *self._kernel_arrays()[1], kv_out,
                                                   self._mapped)
         if status != batch_kernel.OK:
             self._refuse(status, index, states, tokens, pos, k, n)
