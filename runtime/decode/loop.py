@@ -194,6 +194,9 @@ class DecodeSession:
         # (tokens, hiddens: a view of the verifier's pair_hidden, first position)
         self._owed: dict[int, tuple[list[int], torch.Tensor, int]] = {}
         self._saved_hidden: torch.Tensor | None = None  # those rows, while another session holds the buffers
+        # The device loop's target roll-backs (state, accepted length), done right after the next
+        # propose's launch: the GPU runs while the host gives the rejected rows' blocks back.
+        self._rollbacks: list[tuple[object, int]] = []
         if max_new_tokens == 0:
             for seq in self.sequences:
                 seq.status = LENGTH
@@ -354,6 +357,7 @@ class DecodeSession:
             [s.token for s in live], verifier.next_hidden[:n], [s.position for s in live], k,
             [s.draft_state for s in live], catchup=self._take_owed(live), assume_finite=True,
         )
+        self._roll_back_target()
         self.stats.num_proposes += 1
         self._sync()
         t1 = time.perf_counter()
@@ -369,11 +373,11 @@ class DecodeSession:
             self.stats.record_verify(a)
             event.accepted[seq.index] = a
             p = seq.position
-            self.target.truncate(seq.target_state, p + a + 2)  # keep t_{p+1}, d_1..d_a
             event.new_tokens[seq.index] = self._emit(seq, g)
             if seq.status != LIVE:
                 self._release(seq)
                 continue
+            self._rollbacks.append((seq.target_state, p + a + 2))  # keep t_{p+1}, d_1..d_a
             if verdict[i, NONFINITE_HIDDEN]:
                 raise NonFiniteError(describe(f"the target's hiddens of sequence {seq.index}", "finite values",
                                               "a NaN or an infinity", "the decode is stopped: no drafter row written"))
@@ -382,6 +386,13 @@ class DecodeSession:
         self._slots = [s.index for s in live]  # next_hidden row i: the hidden of live[i]'s new position
         t3 = time.perf_counter()
         self._end_step(t0, t1, t2, t3)
+
+    def _roll_back_target(self) -> None:
+        """The last verify's rejected drafts leave the target (before the next verify appends rows)."""
+        rollbacks, self._rollbacks = self._rollbacks, []
+        for state, length in rollbacks:
+            if not state.is_freed:  # a sequence cancelled since: its blocks went back with it
+                self.target.truncate(state, length)
 
     def _take_owed(self, live: list[_Sequence]):
         """The catch-up rows the live sequences owe, as ``propose_device`` takes them (None: none)."""
