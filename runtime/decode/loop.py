@@ -367,9 +367,10 @@ class DecodeSession:
         accepted = verdict[:, ACCEPTED]
         self.proposer.after_verify_device(handle, accepted, bool(verdict[:, DROPPED].any()))
         verifier.advance(n)  # next_hidden[i]: the hidden at live[i]'s new position, for the next propose
-        for i, seq in enumerate(live):
-            a = int(accepted[i])
-            g = verdict[i, TOKENS : TOKENS + a + 1].tolist()  # d_1..d_a (== g_0..g_{a-1}), bonus g_a
+        pair_rows = verifier.pair_hidden.unbind(0)  # one call for every sequence's view, not one slice each
+        for i, (seq, row) in enumerate(zip(live, verdict.tolist())):  # Python ints: no numpy item reads
+            a = row[ACCEPTED]
+            g = row[TOKENS : TOKENS + a + 1]  # d_1..d_a (== g_0..g_{a-1}), bonus g_a
             self.stats.record_verify(a)
             event.accepted[seq.index] = a
             p = seq.position
@@ -378,10 +379,10 @@ class DecodeSession:
                 self._release(seq)
                 continue
             self._rollbacks.append((seq.target_state, p + a + 2))  # keep t_{p+1}, d_1..d_a
-            if verdict[i, NONFINITE_HIDDEN]:
+            if row[NONFINITE_HIDDEN]:
                 raise NonFiniteError(describe(f"the target's hiddens of sequence {seq.index}", "finite values",
                                               "a NaN or an infinity", "the decode is stopped: no drafter row written"))
-            self._owed[seq.index] = ([seq.token, *g[:a]], verifier.pair_hidden[i, : a + 1], p)
+            self._owed[seq.index] = ([seq.token, *g[:a]], pair_rows[i][: a + 1], p)
             seq.position, seq.token = p + a + 1, g[a]
         self._slots = [s.index for s in live]  # next_hidden row i: the hidden of live[i]'s new position
         t3 = time.perf_counter()
