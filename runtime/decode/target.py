@@ -258,6 +258,10 @@ class TargetModel:
         self.last_forward_seconds = time.perf_counter() - started
         outputs = []
         for part in parts:
+            if len(part) == 1:  # the usual forward: one run, the sequence's rows a view of its copy
+                logits, hiddens, tokens = part[0]
+                outputs.append(TargetOutput(logits, hiddens, tokens))
+                continue
             logits, hiddens, tokens = zip(*part)
             outputs.append(
                 TargetOutput(torch.cat(logits), torch.cat(hiddens), [t for ts in tokens for t in ts])
@@ -291,16 +295,13 @@ class TargetModel:
                 cat="target",
                 args={"rows": m, "bucket": bucket},
             )
+        # The outputs are views of the arena, which the next run rewrites: one copy of the run's rows
+        # each, and a view of it per sequence (not a copy per sequence: two launches, not 2 x S).
+        logits, hidden = out["logits"][:m].clone(), out["hidden"][:m].clone()
         at = 0
         for i, (first, last) in segments.items():  # segments keep row order: sequence-major
             count = last - first + 1
-            parts[i].append(
-                (
-                    out["logits"][at : at + count].clone(),
-                    out["hidden"][at : at + count].clone(),
-                    next_tokens[at : at + count],
-                )
-            )
+            parts[i].append((logits[at : at + count], hidden[at : at + count], next_tokens[at : at + count]))
             states[i].length = last + 1
             if final:
                 self.cache.trim_window(states[i].table, last + 1)
