@@ -83,7 +83,7 @@ def stub_runs(executors: dict, clock: Clock, after=None) -> None:
 
 def fixed_verdict(verifier, accept: list[int]):
     """The verify's stand-in: the verdict of every live row says ``accept[step % len]`` drafts."""
-    from draftgraph.runtime.decode.device_verify import ACCEPTED, DROPPED, NONFINITE_HIDDEN, TOKENS
+    from draftgraph.ops.acceptance import ACCEPTED, DROPPED, NONFINITE_HIDDEN, TOKENS
 
     step = [0]
 

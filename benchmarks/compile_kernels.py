@@ -103,6 +103,20 @@ def nonfinite(b: int) -> None:
     mark_dropped_impl([drafts, positions], [drafts], {}, None)
 
 
+def acceptance(b: int) -> None:
+    """The device verify's clamp_drafts and accept_drafts (K = 3, V4-Flash hidden rows [4, 4096])."""
+    from draftgraph.ops.triton.acceptance import accept_drafts, clamp_drafts
+
+    k, w = 3, 4
+    drafts, tokens = torch.zeros(b, k, dtype=torch.int64), torch.zeros(b * w, dtype=torch.int64)
+    clamp_drafts(drafts, tokens, 100)
+    hidden = torch.zeros(b * w, 4, 4096, dtype=torch.bfloat16)
+    next_hidden = torch.zeros(b, 4, 4096, dtype=torch.bfloat16)
+    pair = torch.zeros(b, w + 1, 4, 4096, dtype=torch.bfloat16)
+    accept_drafts(drafts, tokens, hidden, next_hidden, pair, torch.zeros(b, 3 + w, dtype=torch.int64),
+                  torch.zeros(b, dtype=torch.int64))
+
+
 def moe_rows(bk, impl, cfg, b: int) -> None:
     """The moe case on moe_mxfp4_rows (off by default until a GPU has timed it: ROWS_MAX_BATCH 0)."""
     from draftgraph.ops.triton import moe_mxfp4
@@ -144,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     for w in weights:
         bk.WEIGHTS = w
         names = [n for n in bk.CASES if w == "bf16" or n in bk.NATIVE]
-        for name in names + (["edge tiles", "moe rows"] if w == "native" else ["nonfinite"]):
+        for name in names + (["edge tiles", "moe rows"] if w == "native" else ["nonfinite", "acceptance"]):
             for b in batches:
                 before, t0 = len(COMPILED), time.time()
                 try:
@@ -152,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                         edge_tiles(b)
                     elif name == "nonfinite":
                         nonfinite(b)
+                    elif name == "acceptance":
+                        acceptance(b)
                     elif name == "moe rows":
                         moe_rows(bk, impls["moe"], cfg, b)
                     else:

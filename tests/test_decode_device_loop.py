@@ -17,7 +17,7 @@ from decode_fixtures import (  # noqa: F401
     prompts,
     single_thread,
 )
-from draftgraph.runtime.decode.device_verify import ACCEPTED, DROPPED, NONFINITE_HIDDEN, TOKENS
+from draftgraph.ops.acceptance import ACCEPTED, DROPPED, NONFINITE_HIDDEN, TOKENS
 from draftgraph.runtime.decode.loop import DecodeSession, accept_greedy, greedy_decode, speculative_decode
 from draftgraph.runtime.decode.warmup import build_counts, plan_warmup
 from draftgraph.runtime.errors import InputError, NonFiniteError

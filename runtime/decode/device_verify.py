@@ -6,10 +6,10 @@ host: two device-to-host reads and a sync between the two graphs. Here one verif
 on the device, for every live sequence (S of them, each K + 1 rows, sequence-major):
 
     prologue   the draft columns of the verify input: token[s, 1..K] = clamp(drafts[s])
-               (the host staged t at column 0 and the positions, tables, kv_start of every row);
-               pair_hidden[s, 0] = next_hidden[s] (h_p, the hidden the propose read)
+               (the host staged t at column 0 and the positions, tables, kv_start of every row)
     target     the target graph over the S x (K + 1) rows (its bucket's executor)
-    epilogue   g = next_token as [S, K + 1]; match = drafts == g[:, :K]
+    epilogue   pair_hidden[s, 0] = next_hidden[s] (h_p, the hidden the propose read)
+               g = next_token as [S, K + 1]; match = drafts == g[:, :K]
                a = sum(cumprod(match)): the longest matching prefix (gpt-fast's rule on the device)
                dropped = some draft < 0 (the chain marked a non-finite hidden: ops/nonfinite.py)
                pair_hidden[s, 1 + j] = row j's hidden, j = 0..K: [h_p, h_{p+1} ..] pairs the
@@ -17,6 +17,9 @@ on the device, for every live sequence (S of them, each K + 1 rows, sequence-maj
                bad = a NaN or an infinity in pair rows 0 .. a (what the catch-up reads)
                verdict[s] = [a, dropped, bad, g_0 .. g_K]                  # int64 [S, 3 + K + 1]
 
+The prologue and the epilogue are ops/acceptance.py's ``clamp_drafts`` and ``accept_drafts``: on
+CUDA one Triton kernel each (ops/triton/acceptance.py; the torch ops are some twenty launches,
+each a node of the verify graph), else the torch ops, which the kernels are tested against.
 Captured (CUDA), prologue, target and epilogue are one CUDA graph per row bucket, on the same
 static staging buffers as the target's own graph of that bucket. The host then reads
 ``verdict[:S]`` once: emitted tokens are g_0 .. g_a (the accepted drafts equal g, the bonus is
@@ -40,10 +43,9 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from draftgraph.ops.nonfinite import finite_rows
+from draftgraph.ops import acceptance as acceptance_ops
+from draftgraph.ops.acceptance import TOKENS
 from draftgraph.runtime.errors import InputError, describe
-
-ACCEPTED, DROPPED, NONFINITE_HIDDEN, TOKENS = 0, 1, 2, 3  # verdict columns; TOKENS.. are g_0 .. g_K
 
 
 class DeviceVerifier:
@@ -70,12 +72,8 @@ class DeviceVerifier:
         self.verdict = torch.zeros(s, TOKENS + width, dtype=torch.int64, device=device)  # [S, 3 + K + 1]
         self.next_hidden = torch.zeros(s, *row, dtype=hidden.dtype, device=device)  # [S, C, D] or [S, D]
         self.pair_hidden = torch.zeros(s, width + 1, *row, dtype=hidden.dtype, device=device)  # [S, K + 2, ...]
-        self._clamped = torch.zeros(s, k, dtype=torch.int64, device=device)
-        self._equal = torch.zeros(s, k, dtype=torch.bool, device=device)
-        self._match = torch.zeros(s, k, dtype=torch.int64, device=device)
-        self._run = torch.zeros(s, k, dtype=torch.int64, device=device)
-        self._steps = torch.arange(s, dtype=torch.int64, device=device) * (width + 1) + 1  # pair row of row 0
-        self._index = torch.zeros(s, dtype=torch.int64, device=device)
+        self._index = torch.zeros(s, dtype=torch.int64, device=device)  # pair row of each bonus hidden (flat)
+        self._ends = _verify_ends(device)
         self._executors: dict[int, object] = {}
         self.owner = None  # the DecodeSession whose rows next_hidden holds (decode/loop.py)
         self._last_bucket = target.buckets[-1]
@@ -175,43 +173,33 @@ class DeviceVerifier:
         torch.index_select(self.pair_hidden.flatten(0, 1), 0, self._index[:n], out=self.next_hidden[:n])
 
     def _prologue(self, bucket: int, slots: int):
-        token = self.target._staging_for(bucket).views["token"]
-        columns = token[: slots * self.width].view(slots, self.width)[:, 1:]  # [S, K]: the draft rows
-        drafts, clamped, top = self.draft_buf[:slots], self._clamped[:slots], self.target.config.vocab_size - 1
-        h_p, pair = self.next_hidden[:slots], self.pair_hidden[:slots, 0]
+        tokens = self.target._staging_for(bucket).views["token"]
+        drafts, top, clamp = self.draft_buf[:slots], self.target.config.vocab_size - 1, self._ends.clamp_drafts
 
         def prologue() -> None:
-            torch.clamp(drafts, 0, top, out=clamped)  # a dropped chain's NONFINITE marks stay valid ids
-            columns.copy_(clamped)
-            pair.copy_(h_p)
+            clamp(drafts, tokens, top)  # the draft columns; a dropped chain's NONFINITE marks stay valid ids
 
         return prologue
 
     def _epilogue(self, slots: int):
-        k, width = self.num_drafts, self.width
-        drafts, verdict = self.draft_buf[:slots], self.verdict[:slots]
-        match, run, index = self._match[:slots], self._run[:slots], self._index[:slots]
-        equal = self._equal[:slots]
-        steps, pair = self._steps[:slots], self.pair_hidden[:slots]
+        drafts, verdict, index = self.draft_buf[:slots], self.verdict[:slots], self._index[:slots]
+        h_p, pair, accept = self.next_hidden[:slots], self.pair_hidden[:slots], self._ends.accept_drafts
 
         def epilogue(outputs) -> None:
-            rows = slots * width
-            g = outputs["next_token"][:rows].view(slots, width)  # [S, K + 1]
-            hidden = outputs["hidden"][:rows]  # [S * (K + 1), ...]
-            torch.eq(drafts, g[:, :k], out=equal)
-            match.copy_(equal)
-            torch.cumprod(match, 1, out=run)  # run[s, j] = 1 iff drafts 0..j all match
-            torch.sum(run, 1, out=index)  # a
-            verdict[:, ACCEPTED].copy_(index)
-            verdict[:, DROPPED].copy_((drafts < 0).any(1))
-            verdict[:, TOKENS:].copy_(g)
-            pair[:, 1:].copy_(hidden.reshape(slots, width, *hidden.shape[1:]))
-            # what the catch-up reads: pair rows 0 .. a (h_p, then rows 0 .. a-1)
-            finite = finite_rows(pair[:, :width].reshape(slots * width, -1)).view(slots, width)  # [S, K + 1]
-            verdict[:, NONFINITE_HIDDEN].copy_(~finite[:, 0] | ((~finite[:, 1:]) & run.bool()).any(1))
-            index.add_(steps)  # each sequence's pair row 1 + a, for advance()
+            accept(drafts, outputs["next_token"], outputs["hidden"], h_p, pair, verdict, index)
 
         return epilogue
+
+
+def _verify_ends(device: torch.device):
+    """clamp_drafts and accept_drafts: one kernel each on CUDA (ops/triton/acceptance.py), else the torch ops."""
+    from draftgraph.ops import triton as fused
+
+    if device.type == "cuda" and fused.available():
+        from draftgraph.ops.triton import acceptance
+
+        return acceptance
+    return acceptance_ops
 
 
 class _EagerVerify:

@@ -58,8 +58,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from draftgraph.graphs.draft_chain import is_gated
+from draftgraph.ops.acceptance import ACCEPTED, DROPPED, NONFINITE_HIDDEN, TOKENS
 from draftgraph.runtime.decode import warmup as warmups
-from draftgraph.runtime.decode.device_verify import ACCEPTED, DROPPED, NONFINITE_HIDDEN, TOKENS
 from draftgraph.runtime.decode.stats import DecodeProgress, DecodeStats
 from draftgraph.runtime.errors import InputError, NonFiniteError, describe
 
