@@ -8,8 +8,7 @@
 # 2. bench_kernels --weights native --tune: the FP8 GEMV and MXFP4 MoE tiles, per op against its floor;
 # 3. bench_draft on the tiles step 2 chose, native and bf16 weights side by side, the four cases
 #    (issue 28's table);
-# 4. bench_decode at K=3, B=1 and 16 (issue 27's table), only with DECODE=1 (the call's 10 minutes
-#    hold the first three).
+# (The decode loop has its own call: benchmarks/device_run_decode.sh.)
 # Each step's output is OUT/<step>.txt; the last lines of each are printed.
 set -uo pipefail
 out=${1:?usage: device_run_native.sh OUT}
@@ -38,7 +37,3 @@ tuned=()  # the tiles step 2 chose, if it finished
 step bench_draft 170 python3 benchmarks/bench_draft.py --weights native,bf16 --kernels fused \
     --cases 1x1,1x3,8x1,32x1 --no-compile --no-plain --out "$out/draft" "${tuned[@]}"
 grep -A12 "^floor = " "$out/bench_draft.txt"
-if [ "${DECODE:-0}" = 1 ]; then
-    step bench_decode 70 python3 benchmarks/bench_decode.py --batches 1,16 --max-tokens 128 --repeat 3 -k 3
-    tail -4 "$out/bench_decode.txt"
-fi
