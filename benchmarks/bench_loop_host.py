@@ -153,18 +153,22 @@ def main(argv=None) -> int:
     bench = _bench_decode()
     from draftgraph.runtime.decode.tokenizer import ByteTokenizer
 
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the real runs (one per bucket) on the tiny model: one thread is faster
     tok = ByteTokenizer()
     print(f"# bench_loop_host: cpu, graph runs stubbed, K={args.num_drafts}, accepted {accept} cycled, "
           f"{args.steps} steps, best of {args.repeat}; us a step (greedy: a token)")
     print(f"{'B':>3} {'loop':<7} {'gap us':>8} {'host us':>8} {'steps':>6}")
-    for b in [int(x) for x in args.batches.split(",")]:
-        prompts = [tok.encode(bench.PROMPTS[i % len(bench.PROMPTS)], add_bos=True) for i in range(b)]
-        target, proposer, _ = bench.load(args.checkpoint, "cpu", "eager", b, args.num_drafts)
-        for name, (gap, host, steps) in measure(target, proposer, prompts, args.steps, args.num_drafts, accept,
-                                                args.repeat).items():
-            print(f"{b:>3} {name:<7} {1e6 * gap:>8.1f} {1e6 * host:>8.1f} {steps:>6}")
-    print(f"# argv: {' '.join(sys.argv[1:])}")
+    try:
+        for b in [int(x) for x in args.batches.split(",")]:
+            prompts = [tok.encode(bench.PROMPTS[i % len(bench.PROMPTS)], add_bos=True) for i in range(b)]
+            target, proposer, _ = bench.load(args.checkpoint, "cpu", "eager", b, args.num_drafts)
+            for name, (gap, host, steps) in measure(target, proposer, prompts, args.steps, args.num_drafts, accept,
+                                                    args.repeat).items():
+                print(f"{b:>3} {name:<7} {1e6 * gap:>8.1f} {1e6 * host:>8.1f} {steps:>6}")
+    finally:
+        torch.set_num_threads(threads)
+    print(f"# argv: {' '.join(sys.argv[1:] if argv is None else argv)}")
     return 0
 
 
