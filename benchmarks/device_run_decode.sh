@@ -11,18 +11,7 @@
 # Each step's output is OUT/<step>.txt; the last lines of each are printed.
 set -uo pipefail
 out=${1:?usage: device_run_decode.sh OUT}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.txt" 2>&1 || cat "$out/install.txt"
-
-step() {  # step NAME SECONDS COMMAND...: run it under a limit, keep its output, show its tail
-    local name=$1 limit=$2
-    shift 2
-    echo "== $name ($*)"
-    timeout "$limit" "$@" >"$out/$name.txt" 2>&1
-    echo "   exit $?"
-}
+source "$(dirname "$0")/device_steps.sh" "$out"
 step pytest_decode 150 python3 -m pytest -q -m cuda -p no:cacheprovider -p no:warnings \
     tests/test_triton_acceptance.py tests/test_decode_cuda.py
 tail -2 "$out/pytest_decode.txt"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (the lent H200, under 10 minutes): the native-format kernels and the decode loop,
+# One device call (the lent H200, under 10 minutes): the native-format kernels and chain,
 # each step under its own time limit so that a slow one leaves the others their results.
 #
 #   bash benchmarks/device_run_native.sh OUT
@@ -12,18 +12,7 @@
 # Each step's output is OUT/<step>.txt; the last lines of each are printed.
 set -uo pipefail
 out=${1:?usage: device_run_native.sh OUT}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.txt" 2>&1 || cat "$out/install.txt"
-
-step() {  # step NAME SECONDS COMMAND...: run it under a limit, keep its output, show its tail
-    local name=$1 limit=$2
-    shift 2
-    echo "== $name ($*)"
-    timeout "$limit" "$@" >"$out/$name.txt" 2>&1
-    echo "   exit $?"
-}
+source "$(dirname "$0")/device_steps.sh" "$out"
 step pytest_native 200 python3 -m pytest -q -m cuda -p no:cacheprovider -p no:warnings \
     tests/test_triton_fp8_mxfp4.py tests/test_triton_moe_shard.py tests/test_native_proposer.py tests/test_fp8_head.py \
     tests/test_triton_nonfinite.py
