@@ -48,17 +48,16 @@ ROW_MASK = (1 << ROW_BITS) - 1
 POS, SLOT, SEQ_LEN, KV_START, TABLE = 0, 8, 16, 20, 256  # byte offsets of a metadata row
 
 
-def _check_keys(keys, rows, seq_key) -> tuple[int, int]:
+def check_keys(keys, rows, seq_key) -> tuple[int, int]:
     """(STALE, i) for the first key of no live row, (TWICE, i) for the first row named again, else (OK, 0)."""
     live = (keys != 0) & (rows < len(seq_key))
     live[live] = seq_key[rows[live]] == keys[live]
     if not live.all():
         return STALE, int(np.flatnonzero(~live)[0])
-    if len(keys) > 1:
+    if len(keys) > 1 and len(set(rows.tolist())) != len(keys):  # a set of a batch's rows: no sort (np.unique)
         repeated = np.ones(len(keys), dtype=bool)
         repeated[np.unique(rows, return_index=True)[1]] = False  # each row's first place is no repeat
-        if repeated.any():
-            return TWICE, int(np.flatnonzero(repeated)[0])
+        return TWICE, int(np.flatnonzero(repeated)[0])
     return OK, 0
 
 
@@ -70,7 +69,7 @@ def place(keys, tokens, pos, spans, vocab, max_seq_len, seq_key, seq_len, kv_sta
         raise ValueError(f"spans: 1 or {n} entries, got {len(spans)}")
     k = np.broadcast_to(spans, (n,))
     rows = keys & ROW_MASK
-    status, index = _check_keys(keys, rows, seq_key)
+    status, index = check_keys(keys, rows, seq_key)
     if status != OK:
         return status, index, 0
     bad = (tokens < 0) | (tokens >= vocab)
@@ -152,7 +151,7 @@ def verify(keys, accepted, seq_key, seq_len, kv_start, last_drafted, verify_due,
            free_stack, free_top) -> tuple[int, int, int]:
     """``keys``, ``accepted`` int64 [n]: the batch's states and accepted counts. See the module docstring."""
     rows = keys & ROW_MASK
-    status, index = _check_keys(keys, rows, seq_key)
+    status, index = check_keys(keys, rows, seq_key)
     if status != OK:
         return status, index, 0
     drafted = np.maximum(last_drafted[rows], 1)

@@ -94,8 +94,9 @@ def check_rows(prop, tokens: Sequence[Sequence[int]], hiddens, first_pos: Sequen
         raise InputError(describe("tokens", "one sequence of token ids per state", type(tokens).__name__))
     n = len(tokens)
     check_batch("hiddens", hiddens, n)
-    if keys is None or len(keys) != n or not _are_live(prop.rows, keys):
-        keys = check_states(states, prop.id, prop.rows, n)
+    if keys is None or len(keys) != n or batch_kernel.check_keys(keys, keys & batch_kernel.ROW_MASK,
+                                                                  prop.rows.key)[0] != batch_kernel.OK:
+        keys = check_states(states, prop.id, prop.rows, n)  # the typed error of the first bad state
     rows = keys & batch_kernel.ROW_MASK
     starts = check_ints(first_pos, "first_pos", 0, prop.max_seq_len, n)
     regular = _regular_rows(prop, tokens, hiddens)
@@ -128,15 +129,6 @@ def check_rows(prop, tokens: Sequence[Sequence[int]], hiddens, first_pos: Sequen
         raise NonFiniteError(describe("catch-up hiddens", "finite values", "a NaN or an infinity",
                                       "the call is refused: no state or cache row changed"))
     return CatchupRows(live, keys[live], rows[live], starts[live], count[live], flat, hidden)
-
-
-def _are_live(rows, keys: np.ndarray) -> bool:
-    """Whether ``keys`` name distinct live rows of this proposer (sequences.py: a key matches its row's
-    only while that state lives, and never another proposer's)."""
-    at = keys & batch_kernel.ROW_MASK
-    if (at >= len(rows.key)).any() or (rows.key[at] != keys).any():
-        return False
-    return len(keys) < 2 or len(set(at.tolist())) == len(keys)
 
 
 def _regular_rows(prop, tokens, hiddens) -> tuple[list[int], np.ndarray, list[torch.Tensor]] | None:
