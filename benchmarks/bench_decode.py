@@ -22,7 +22,9 @@ speculative tokens equal greedy's (they must where the target's numerics do not 
 run's row count; see loop.py).
 
 The target has row buckets 1, 2, 4 .. up to what B x (K + 1) verify rows need, so greedy runs
-B rows (not a verify window's bucket); the proposer has its default buckets.
+B rows (not a verify window's bucket); the proposer's go up to B x (K + 2) rows, a merged first
+step's most (before 2026-12-05 it had its default buckets, up to 64 rows: at B=16 and K=3 a step
+accepting more than 2 drafts a sequence on average spilled its catch-up rows into a prefill run).
 
 ``--builds`` answers issue 27's profile question instead: the ``draftgraph decode`` workload
 (its models and buckets, ``--prompt`` repeatable) decoded with warm-up off (the loop as it was:
@@ -70,8 +72,10 @@ def load(checkpoint: Path | None, device: str, executor: str, batch: int, num_dr
     target = TargetModel(config, {e.name: ckpt.tensors[e.name] for e in TARGET_TENSOR_NAMES(config)},
                          device=device, executor=executor, buckets=row_buckets(batch, num_drafts),
                          max_sequences=max(8, batch))
+    # The device loop's merged first step runs B propose rows and up to B (K + 1) catch-up rows: buckets up
+    # to B (K + 2), so that no step spills rows into a drafter-prefill run of their own (a graph run more).
     proposer = DeepseekV4MtpProposer(config, {e.name: ckpt.tensors[e.name] for e in MTP_TENSOR_NAMES(config)},
-                                     device=device, executor=executor)
+                                     device=device, executor=executor, buckets=row_buckets(batch, num_drafts + 1))
     return target, proposer, note
 
 
