@@ -152,6 +152,7 @@ def load_models(path: Path, args, num_prompts: int):
     from draftgraph.runtime.decode.target import TargetModel, concrete_device
     from draftgraph.runtime.decode.tokenizer import VOCAB_SIZE, ByteTokenizer
     from draftgraph.runtime.model.weights import MTP_TENSOR_NAMES, TARGET_TENSOR_NAMES, load_checkpoint
+    from draftgraph.runtime.proposer.options import DEFAULT_BUCKETS
     from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
 
     device = concrete_device(device_arg(args.device))
@@ -173,5 +174,10 @@ def load_models(path: Path, args, num_prompts: int):
         buckets=(bucket,),
         max_sequences=max(8, num_prompts),
     )
-    proposer = DeepseekV4MtpProposer(config, mtp_tensors, device=device, mode=args.mode, executor=executor)
+    # The device loop's merged first step runs a propose row and up to K + 1 catch-up rows a prompt:
+    # buckets up to that, so that no step spills rows into a drafter-prefill run of their own.
+    top = max(DEFAULT_BUCKETS[-1], row_bucket(num_prompts, args.num_drafts + 1))
+    buckets = tuple(1 << i for i in range(top.bit_length()))
+    proposer = DeepseekV4MtpProposer(config, mtp_tensors, device=device, mode=args.mode, executor=executor,
+                                     buckets=buckets)
     return target, proposer, ByteTokenizer()
