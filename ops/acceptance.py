@@ -14,7 +14,7 @@ rows each, [t, d_1 .. d_K] sequence-major, around two steps written here:
 
 These are the torch reference (the CPU path, and the test oracle); ops/triton/acceptance.py does
 each in one kernel (the torch ops are two and about twenty launches: each a node of the captured
-verify graph, ~2-3 us apiece on an idle GPU at B = 1).
+verify graph).
 """
 
 from __future__ import annotations

@@ -2,13 +2,12 @@
 
 Why: the torch ops of a device verify's two ends are about twenty launches (the compare, the
 cumulative product, the sums and the verdict's column copies, the pair copies, the finiteness
-GEMV and its compares), each a node of the captured verify graph: at B = 1 on a 2-layer target
-about as many nodes as the target's own layers. Here the draft columns are one kernel and the
-acceptance one program per sequence: the K + 1 drafts and argmax tokens in registers, the first
-mismatch by a min, then the W + 1 pair rows copied (next_hidden's, then the verify's) and tested
-for a NaN or an infinity as they pass (``|x| <= FLT_MAX`` is false for both), only the rows the
-catch-up reads (0 .. a) counting. A sequence's rows are a few KB at the tiny model's shapes (32
-KB each at V4-Flash's [4, 4096] bf16): one program streams them.
+GEMV and its compares), each a node of the captured verify graph. Here the draft columns are one
+kernel and the acceptance one program per sequence: the K + 1 drafts and argmax tokens in
+registers, the first mismatch by a min, then the W + 1 pair rows copied (next_hidden's, then the
+verify's) and tested for a NaN or an infinity as they pass (``|x| <= FLT_MAX`` is false for both),
+only the rows the catch-up reads (0 .. a) counting. A sequence's rows are a few KB at the tiny
+model's shapes (32 KB each at V4-Flash's [4, 4096] bf16): one program streams them.
 """
 
 from __future__ import annotations
