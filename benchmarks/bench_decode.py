@@ -36,6 +36,8 @@ every executor made on first use) and on, printing at which step each executor i
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -79,6 +81,63 @@ def load(checkpoint: Path | None, device: str, executor: str, batch: int, num_dr
     return target, proposer, note
 
 
+class Clock:
+    """Timestamps of the launches and the read-backs, in the order they happen."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, float]] = []
+
+    def mark(self, what: str) -> None:
+        self.events.append((what, time.perf_counter()))
+
+    def gaps(self, read: str) -> list[float]:
+        """Seconds from each ``read`` to the next launch after it."""
+        out, since = [], None
+        for what, at in self.events:
+            if what == read:
+                since = at
+            elif what == "launch" and since is not None:
+                out.append(at - since)
+                since = None
+        return out
+
+
+@contextlib.contextmanager
+def marking(target, proposer, num_drafts: int, clock: Clock):
+    """Mark each verdict read-back ("read") and each launch of a proposer graph built so far ("launch")."""
+    verifier = target.device_verifier(num_drafts)
+    read_verdict = verifier.read_verdict
+
+    def read_and_mark(n):
+        out = read_verdict(n)
+        clock.mark("read")
+        return out
+
+    executors = list(proposer._executors.values())
+    runs = [executor.run for executor in executors]
+    own = [vars(executor).get("run") for executor in executors]  # a run set on the instance (a stub) goes back
+
+    def launching(run):
+        def marked(inputs, check=True):
+            clock.mark("launch")
+            return run(inputs, check)
+
+        return marked
+
+    verifier.read_verdict = read_and_mark
+    for executor, run in zip(executors, runs):
+        executor.run = launching(run)
+    try:
+        yield clock
+    finally:
+        verifier.read_verdict = read_verdict
+        for executor, run in zip(executors, own):
+            if run is None:
+                del executor.run
+            else:
+                executor.run = run
+
+
 def best(runs):
     """The run of the highest tokens/s (the least disturbed by other work on the machine)."""
     return max(runs, key=lambda result: result.stats.tokens_per_second)
@@ -95,6 +154,11 @@ def measure(target, proposer, prompts, max_tokens: int, num_drafts: int, repeat:
                        for _ in range(repeat)])
         rows[name] = result.stats
         tokens[name] = result.tokens
+        if device_loop:  # the host gap a step: from the verdict on the host to the next propose's launch
+            with marking(target, proposer, num_drafts, Clock()) as clock:
+                speculative_decode(target, proposer, prompts, max_tokens, num_drafts, device_loop=True)
+            gaps = clock.gaps("read")
+            rows[name + " gap"] = statistics.median(gaps) if gaps else float("nan")
         if target.device.type == "cuda":  # the split from a run that waits at each phase's end
             synced = speculative_decode(target, proposer, prompts, max_tokens, num_drafts, device_loop=device_loop,
                                         sync_phases=True)
@@ -104,7 +168,8 @@ def measure(target, proposer, prompts, max_tokens: int, num_drafts: int, repeat:
 
 def format_rows(results: dict, batches, executors) -> list[str]:
     head = (f"{'B':>3} {'executor':<9} {'run':<10} {'tok/s':>9} {'spec/greedy':>11} {'acc len':>7} "
-            f"{'propose':>8} {'verify':>8} {'catch-up':>8} {'host':>7} {'reads':>5} {'warm-up s':>9} {'same':>5}")
+            f"{'propose':>8} {'verify':>8} {'catch-up':>8} {'host':>7} {'reads':>5} {'warm-up s':>9} {'same':>5} "
+            f"{'gap us':>7}")
     lines = [head, "-" * len(head)]
     for b in batches:
         for ex in executors:
@@ -124,9 +189,10 @@ def format_rows(results: dict, batches, executors) -> list[str]:
                 acc = f"{s.mean_accepted_length:.2f}" if name != "greedy" else "1.00"
                 reads = f"{s.num_read_backs / max(s.num_steps, 1):.1f}" if name != "greedy" else ""
                 same = {True: "yes", False: "no"}.get(entry["same"].get(name), "")
+                gap = f"{1e6 * stats[name + ' gap']:.1f}" if name + " gap" in stats else ""
                 lines.append(f"{b:>3} {ex:<9} {name:<10} {s.tokens_per_second:>9.1f} {ratio:>11} {acc:>7} "
                              + "".join(f"{p:>8.2f} " for p in phases[:3]) + f"{phases[3]:>7.2f} {reads:>5} "
-                             f"{s.warmup_seconds:>9.2f} {same:>5}")
+                             f"{s.warmup_seconds:>9.2f} {same:>5} {gap:>7}")
     lines.append("")
     lines.append("captured / eager, tokens/s:")
     for b in batches:
@@ -242,7 +308,8 @@ def main(argv=None) -> int:
     print(f"# bench_decode: {device}, checkpoint {note}, K={args.num_drafts}, {args.max_tokens} tokens a sequence, "
           f"threads {torch.get_num_threads()}")
     print("# ms a step: propose, verify, catch-up, host (the rest); reads: device-to-host reads a step; "
-          "spec (the device loop): the catch-up rides in the propose's first step")
+          "spec (the device loop): the catch-up rides in the propose's first step; gap: the median host "
+          "time from the verdict read back to the next propose's first launch (a run of its own)")
     print("\n".join(format_rows(results, batches, executors)))
     print(f"# {time.perf_counter() - started:.1f} s in all; argv: {' '.join(sys.argv[1:])}")
     return 0

@@ -25,43 +25,14 @@ once per bucket (their first call) and never again, so the CPU's torch ops cost 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
-import time
 from pathlib import Path
 
+import bench_decode as bench  # its model loading, buckets and prompts, and the clock
 import numpy as np
 import torch
-
-
-def _bench_decode():
-    """bench_decode.py beside this file (its model loading, buckets and prompts)."""
-    spec = importlib.util.spec_from_file_location("bench_decode", Path(__file__).with_name("bench_decode.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-class Clock:
-    """Timestamps of the launches and the read-backs, in the order they happen."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, float]] = []
-
-    def mark(self, what: str) -> None:
-        self.events.append((what, time.perf_counter()))
-
-    def gaps(self, read: str) -> list[float]:
-        """Seconds from each ``read`` to the next launch after it."""
-        out, since = [], None
-        for what, at in self.events:
-            if what == read:
-                since = at
-            elif what == "launch" and since is not None:
-                out.append(at - since)
-                since = None
-        return out
+from bench_decode import Clock
 
 
 def stub_runs(executors: dict, clock: Clock, after=None) -> None:
@@ -150,7 +121,6 @@ def main(argv=None) -> int:
     accept = [int(a) for a in args.accept.split(",")]
     if any(not 0 <= a <= args.num_drafts for a in accept):
         ap.error(f"--accept: counts in 0..{args.num_drafts} (K), got {args.accept}")
-    bench = _bench_decode()
     from draftgraph.runtime.decode.tokenizer import ByteTokenizer
 
     threads = torch.get_num_threads()
