@@ -235,3 +235,23 @@ def test_long_spans_map_every_block_and_need_room_for_them():
             run_place(kernel, seqs, keys, tokens, pos, spans, room=5)
         with pytest.raises(ValueError, match="spans"):
             run_place(kernel, seqs, keys, tokens, pos, [1, 2, 3])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_check_keys_loop_and_array_ops_agree(monkeypatch, seed):
+    """check_keys answers the same by its small-batch loop and by its array ops (stale, repeated, fine)."""
+    rng = random.Random(seed)
+    seq_key = np.array([rng.choice([0, rng.randrange(1, 1 << 30)]) << twin.ROW_BITS | r for r in range(S)],
+                       dtype=np.int64)
+    live = [int(k) for k in seq_key if k]
+    for _ in range(30):
+        keys = [rng.choice(live) for _ in range(rng.randrange(1, 6))] if live else [0]
+        if rng.random() < 0.3:
+            keys[rng.randrange(len(keys))] = rng.choice([0, keys[0] + (1 << twin.ROW_BITS), S + 2])
+        keys = np.array(keys, dtype=np.int64)
+        rows = keys & twin.ROW_MASK
+        answers = []
+        for small in (twin.SMALL_BATCH, 0):
+            monkeypatch.setattr(twin, "SMALL_BATCH", small)
+            answers.append(twin.check_keys(keys, rows, seq_key))
+        assert answers[0] == answers[1], (keys, answers)

@@ -46,10 +46,22 @@ FREE, OWNED = 0, 1  # block states (cache/paged_cache.py)
 ROW_BITS = 20
 ROW_MASK = (1 << ROW_BITS) - 1
 POS, SLOT, SEQ_LEN, KV_START, TABLE = 0, 8, 16, 20, 256  # byte offsets of a metadata row
+SMALL_BATCH = 16  # check_keys' Python loop up to this many keys (~1 us of numpy dispatch per array op)
 
 
 def check_keys(keys, rows, seq_key) -> tuple[int, int]:
     """(STALE, i) for the first key of no live row, (TWICE, i) for the first row named again, else (OK, 0)."""
+    if len(keys) <= SMALL_BATCH:  # a few rows (a decode loop's catch-up checks them): no numpy dispatch
+        live = len(seq_key)
+        for i, (key, row) in enumerate(zip(keys.tolist(), rows.tolist())):
+            if key == 0 or row >= live or seq_key[row] != key:
+                return STALE, i
+        seen: set[int] = set()
+        for i, row in enumerate(rows.tolist()):
+            if row in seen:
+                return TWICE, i
+            seen.add(row)
+        return OK, 0
     live = (keys != 0) & (rows < len(seq_key))
     live[live] = seq_key[rows[live]] == keys[live]
     if not live.all():
