@@ -16,12 +16,14 @@ from types import MappingProxyType
 
 import numpy as np
 import torch
+from draftgraph.runtime.cache.hidden_rows import HiddenRows
 from draftgraph.runtime.cache.metadata import MetadataView, row_bytes_for, window_columns
 from draftgraph.runtime.execution import raw_copy
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
 
 ALIGN = 256
-Hiddens = Sequence[torch.Tensor] | torch.Tensor  # one [C, D] / [D] per row, or one [n, ...] block
+# One [C, D] / [D] per row, one [n, ...] block, or rows of a buffer by index (cache/hidden_rows.py)
+Hiddens = Sequence[torch.Tensor] | torch.Tensor | HiddenRows
 Masks = Sequence[torch.Tensor | np.ndarray | Sequence[int] | None] | None  # int32 words per row, or None
 
 
@@ -243,7 +245,12 @@ class ChainStaging:
         comes after the replay has read it (a stage waits for the last copy to finish).
         """
         self._kept.clear()
-        if isinstance(hiddens, torch.Tensor):
+        if isinstance(hiddens, HiddenRows):  # each row's address from its index: no view, no copy
+            n, rows = len(hiddens), hiddens.tensor
+            addresses = self.addresses[:n]
+            np.multiply(hiddens.index, rows.stride(0) * rows.element_size(), out=addresses)
+            addresses += rows.data_ptr()
+        elif isinstance(hiddens, torch.Tensor):
             if hiddens.stride()[1:] != self._row_strides:  # rows strided inside: one contiguous copy
                 hiddens = hiddens.contiguous()
                 self._kept.append(hiddens)
@@ -268,7 +275,11 @@ class ChainStaging:
 
     def _copy_hiddens(self, hiddens: Hiddens) -> None:
         # The hiddens are of the row's shape (checked): no view of each before the copy.
-        if isinstance(hiddens, torch.Tensor):  # [n, ...]: one copy for the batch, whatever its strides
+        if isinstance(hiddens, HiddenRows):  # one gather of the rows into place
+            n = len(hiddens)
+            if n:
+                torch.index_select(hiddens.tensor, 0, hiddens.index_on_device(), out=self._hidden_rows[n])
+        elif isinstance(hiddens, torch.Tensor):  # [n, ...]: one copy for the batch, whatever its strides
             n = hiddens.shape[0]
             if n:
                 self._hidden_rows[n].copy_(hiddens, non_blocking=True)

@@ -24,12 +24,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from draftgraph.runtime.cache.hidden_rows import HiddenRows
 from draftgraph.runtime.errors import CacheError, InputError, NonFiniteError, describe
 from draftgraph.runtime.native import batch_kernel
 from draftgraph.runtime.proposer.checks import (
     PLAIN_INT_TYPES,
     check_batch,
     check_hidden_batch,
+    check_hidden_rows,
     check_ints,
     check_states,
     is_on,
@@ -49,7 +51,7 @@ class CatchupRows:
     starts: np.ndarray  # int64 [m]: the position of its first row
     count: np.ndarray  # int64 [m]: its number of rows (>= 1)
     tokens: np.ndarray  # int64 [N]: every row's token
-    hidden: torch.Tensor  # [N, ...]: every row's hidden
+    hidden: torch.Tensor | HiddenRows  # [N, ...]: every row's hidden
 
     @property
     def num_rows(self) -> int:
@@ -84,7 +86,8 @@ class PlacedCatchup:
 
 def check_rows(prop, tokens: Sequence[Sequence[int]], hiddens, first_pos: Sequence[int], states,
                assume_finite: bool = False, keys: np.ndarray | None = None) -> CatchupRows | None:
-    """Check a catch-up of ``len(tokens)`` sequences (``hiddens[i]`` [n_i, ...] pairs ``tokens[i]``).
+    """Check a catch-up of ``len(tokens)`` sequences (``hiddens[i]`` [n_i, ...] pairs ``tokens[i]``; or
+    ``hiddens`` one HiddenRows of every row, sequence after sequence).
 
     Raises InputError for the first bad item and NonFiniteError for a NaN or an infinity in a
     hidden (one host sync; none with ``assume_finite``). None when no sequence has a row.
@@ -93,13 +96,15 @@ def check_rows(prop, tokens: Sequence[Sequence[int]], hiddens, first_pos: Sequen
     if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
         raise InputError(describe("tokens", "one sequence of token ids per state", type(tokens).__name__))
     n = len(tokens)
-    check_batch("hiddens", hiddens, n)
+    as_rows = isinstance(hiddens, HiddenRows)
+    if not as_rows:
+        check_batch("hiddens", hiddens, n)
     if keys is None or len(keys) != n or batch_kernel.check_keys(keys, keys & batch_kernel.ROW_MASK,
                                                                   prop.rows.key)[0] != batch_kernel.OK:
         keys = check_states(states, prop.id, prop.rows, n)  # the typed error of the first bad state
     rows = keys & batch_kernel.ROW_MASK
     starts = check_ints(first_pos, "first_pos", 0, prop.max_seq_len, n)
-    regular = _regular_rows(prop, tokens, hiddens)
+    regular = _regular_rows(prop, tokens, None if as_rows else hiddens)
     if regular is not None:  # the usual call (a decode loop's): a few batch-wide tests, no loop of checks
         counts, flat, blocks = regular
     else:  # item by item: the typed error of the first bad item, or rows of other types converted
@@ -107,14 +112,18 @@ def check_rows(prop, tokens: Sequence[Sequence[int]], hiddens, first_pos: Sequen
         for i in range(n):
             check_batch(f"tokens[{i}]", tokens[i], len(tokens[i]) if hasattr(tokens[i], "__len__") else -1)
             tok = check_ints(tokens[i], "catch-up tokens", 0, prop.config.vocab_size, len(tokens[i]))
+            counts.append(len(tok))
+            toks.append(tok)
+            if as_rows:
+                continue
             if not isinstance(hiddens[i], torch.Tensor):
                 raise InputError(describe("catch-up hiddens", f"one tensor [{len(tok)}, ...] per sequence",
                                           type(hiddens[i]).__name__, "torch.stack a list of hiddens"))
             blocks.append(check_hidden_batch(hiddens[i], prop._hidden_shape, prop.device, len(tok),
                                              "catch-up hiddens"))
-            counts.append(len(tok))
-            toks.append(tok)
         flat = np.concatenate(toks) if toks else np.zeros(0, dtype=np.int64)
+    if as_rows:
+        check_hidden_rows(hiddens, prop._hidden_shape, prop.device, sum(counts), "catch-up hiddens")
     count = np.array(counts, dtype=np.int64)
     prop._check_budget(rows, starts, count, "first_pos", "rows")
     if min(counts, default=0) > 0:  # every sequence has rows
@@ -124,8 +133,8 @@ def check_rows(prop, tokens: Sequence[Sequence[int]], hiddens, first_pos: Sequen
         if not len(live):
             return None
         kept = [blocks[i] for i in live.tolist()]
-    hidden = kept[0] if len(kept) == 1 else torch.cat(kept)
-    if not assume_finite and not bool(torch.isfinite(hidden).all()):  # the one sync: nothing mapped yet
+    hidden = hiddens if as_rows else kept[0] if len(kept) == 1 else torch.cat(kept)
+    if not assume_finite and not bool(torch.isfinite(hidden.gather() if as_rows else hidden).all()):  # one sync
         raise NonFiniteError(describe("catch-up hiddens", "finite values", "a NaN or an infinity",
                                       "the call is refused: no state or cache row changed"))
     return CatchupRows(live, keys[live], rows[live], starts[live], count[live], flat, hidden)
@@ -133,9 +142,9 @@ def check_rows(prop, tokens: Sequence[Sequence[int]], hiddens, first_pos: Sequen
 
 def _regular_rows(prop, tokens, hiddens) -> tuple[list[int], np.ndarray, list[torch.Tensor]] | None:
     """(counts, every token, hiddens) of rows that need no conversion and pass every check: lists of
-    ints in the vocabulary, each with one bf16 hidden [n_i, ...] on the proposer's device. None for
-    anything else (the item-by-item checks then raise or convert)."""
-    if type(tokens) is not list or type(hiddens) is not list:
+    ints in the vocabulary, each with one bf16 hidden [n_i, ...] on the proposer's device (hiddens
+    None: the tokens only). None for anything else (the item-by-item checks then raise or convert)."""
+    if type(tokens) is not list or (hiddens is not None and type(hiddens) is not list):
         return None
     counts = [len(t) if type(t) is list else -1 for t in tokens]
     flat = [v for t in tokens if type(t) is list for v in t]
@@ -144,7 +153,7 @@ def _regular_rows(prop, tokens, hiddens) -> tuple[list[int], np.ndarray, list[to
     if flat and (min(flat) < 0 or max(flat) >= prop.config.vocab_size):
         return None
     shape, device, bf16 = prop._hidden_shape, prop.device, torch.bfloat16
-    for hidden, count in zip(hiddens, counts):
+    for hidden, count in zip(hiddens or (), counts):
         if type(hidden) is not torch.Tensor or hidden.dtype is not bf16 or hidden.shape[1:] != shape \
                 or hidden.shape[0] != count or not is_on(hidden, device):
             return None
@@ -182,14 +191,30 @@ def place_rows(prop, rows: CatchupRows) -> PlacedCatchup:
     return PlacedCatchup(at, np.repeat(kv, rows.count), old_seq_len, old_kv_start, mapped)
 
 
+def rows_of(hidden: torch.Tensor | HiddenRows, rows: slice) -> torch.Tensor | HiddenRows:
+    """Rows ``rows`` of a block of hiddens, in its own form."""
+    return hidden.take(rows) if isinstance(hidden, HiddenRows) else hidden[rows]
+
+
+def joined(first, second: torch.Tensor | HiddenRows, shape: tuple[int, ...]) -> torch.Tensor | HiddenRows:
+    """``first``'s rows then ``second``'s as one block: rows of one buffer stay rows of it (indexes
+    joined, no device work); anything else one tensor. ``first`` may also be a list of row tensors."""
+    if isinstance(first, HiddenRows) and isinstance(second, HiddenRows) and first.tensor is second.tensor:
+        return HiddenRows(first.tensor, np.concatenate([first.index, second.index]))
+    parts = [part.gather() if isinstance(part, HiddenRows) else part for part in (first, second)]
+    if not isinstance(parts[0], torch.Tensor):
+        parts[0] = torch.stack([h.reshape(shape) for h in parts[0]])
+    return torch.cat(parts)
+
+
 def write_in_prefill_runs(prop, which: np.ndarray, pos: np.ndarray, kv: np.ndarray, tokens: np.ndarray,
-                          hidden: torch.Tensor) -> None:
+                          hidden: torch.Tensor | HiddenRows) -> None:
     """Write these rows in drafter-prefill runs of at most the largest bucket, in their order."""
     chunk = prop.buckets[-1]
     for at in range(0, len(pos), chunk):
         part = slice(at, at + chunk)
         bucket = prop._bucket(len(pos[part]))
         staged = prop._staging_for(bucket).stage(prop.rows.tables, which[part], pos[part], kv[part], tokens[part],
-                                                 hidden[part], prop._vocab_limit())
+                                                 rows_of(hidden, part), prop._vocab_limit())
         prop._prefill_executor(bucket).run(
             {k: staged[k] for k in ("token", "hidden", "positions", "kv_start", "block_table")}, check=False)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from draftgraph.runtime.cache.hidden_rows import HiddenRows
 from draftgraph.runtime.errors import InputError, describe
 from draftgraph.runtime.proposer.sequences import SequenceRows
 from draftgraph.runtime.proposer.state import MtpProposerState
@@ -98,12 +99,14 @@ def check_states(states: Sequence, owner: int, rows: SequenceRows, n: int) -> np
     return keys
 
 
-def check_hiddens(hiddens: Sequence | torch.Tensor, shape: tuple[int, ...], device: torch.device,
-                  n: int) -> list[torch.Tensor] | torch.Tensor:
-    """The batch's hiddens: one bf16 tensor [n, *shape] on ``device`` (returned as it is), or a
-    sequence of n tensors of ``shape`` (a leading 1 accepted)."""
+def check_hiddens(hiddens: Sequence | torch.Tensor | HiddenRows, shape: tuple[int, ...], device: torch.device,
+                  n: int) -> list[torch.Tensor] | torch.Tensor | HiddenRows:
+    """The batch's hiddens: one bf16 tensor [n, *shape] on ``device`` (returned as it is), n rows of
+    one such buffer (HiddenRows), or a sequence of n tensors of ``shape`` (a leading 1 accepted)."""
     if isinstance(hiddens, torch.Tensor):
         return check_hidden_batch(hiddens, shape, device, n)
+    if isinstance(hiddens, HiddenRows):
+        return check_hidden_rows(hiddens, shape, device, n)
     if type(hiddens) is list and len(hiddens) == n and _are_ready(hiddens, shape, device):
         return hiddens
     if isinstance(hiddens, (str, bytes)) or not hasattr(hiddens, "__len__"):
@@ -137,6 +140,35 @@ def check_hidden_batch(hiddens: torch.Tensor, shape: tuple[int, ...], device: to
                                   "one row per sequence: streams mode takes [B, C, D], collapsed mode [B, D]"))
     _check_bf16_on(hiddens, device, what)
     return hiddens
+
+
+def check_hidden_rows(rows: HiddenRows, shape: tuple[int, ...], device: torch.device, n: int,
+                      what: str = "target_hiddens") -> HiddenRows:
+    """n rows of a bf16 buffer [R, *shape] on ``device`` whose rows are contiguous (a graph reads each
+    at its address), picked by an int64 index in [0, R)."""
+    tensor, index = rows.tensor, rows.index
+    if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape[1:]) != shape:
+        raise InputError(describe(f"{what} buffer", f"a tensor [R, {', '.join(map(str, shape))}]",
+                                  list(getattr(tensor, "shape", [])) or type(tensor).__name__))
+    _check_bf16_on(tensor, device, what)
+    if tensor.stride()[1:] != _contiguous_strides(shape):
+        raise InputError(describe(f"{what} buffer strides", "contiguous rows", list(tensor.stride()),
+                                  "make the buffer contiguous, or pass its rows as a tensor"))
+    if not isinstance(index, np.ndarray) or index.dtype != np.int64 or index.shape != (n,):
+        raise InputError(describe(f"{what} index", f"an int64 numpy array of {n} rows",
+                                  f"{getattr(index, 'dtype', type(index).__name__)} {list(np.shape(index))}"))
+    if n and (index.min() < 0 or index.max() >= tensor.shape[0]):
+        raise InputError(describe(f"{what} index", f"rows in [0, {tensor.shape[0]})",
+                                  f"{int(index.min())}..{int(index.max())}"))
+    return rows
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def _are_ready(hiddens: list, shape: tuple[int, ...], device: torch.device) -> bool:

@@ -42,13 +42,16 @@ import numpy as np
 import torch
 from draftgraph.graphs.draft_chain import is_gated
 from draftgraph.ops.nonfinite import DROPPED, NONFINITE
+from draftgraph.runtime.cache.hidden_rows import HiddenRows
 from draftgraph.runtime.errors import InputError, NonFiniteError, describe
 from draftgraph.runtime.native import batch_kernel
 from draftgraph.runtime.proposer.catchup import (
     CatchupRows,
     PlacedCatchup,
     check_rows,
+    joined,
     place_rows,
+    rows_of,
     write_in_prefill_runs,
 )
 from draftgraph.runtime.proposer.checks import check_count, check_hiddens, check_ints, check_states
@@ -279,7 +282,9 @@ def _propose_merged(prop, keys, tokens, pos, hiddens, k: int, states, owed: Catc
     """
     n = len(keys)
     early = max(owed.num_rows - (prop.buckets[-1] - n), 0)
-    if early and not assume_finite and not bool(torch.isfinite(owed.hidden[:early]).all()):
+    first = rows_of(owed.hidden, slice(0, early)) if early else None  # the rows the prefill runs write
+    if early and not assume_finite and \
+            not bool(torch.isfinite(first.gather() if isinstance(first, HiddenRows) else first).all()):
         raise NonFiniteError(describe("catch-up hiddens", "finite values", "a NaN or an infinity",
                                       "the call is refused: no state or cache row changed"))
     placed = place_rows(prop, owed)  # the states now end right before their propose's row
@@ -292,13 +297,10 @@ def _propose_merged(prop, keys, tokens, pos, hiddens, k: int, states, owed: Catc
     which, at, owed_kv = owed.which(), owed.positions(), placed.row_kv
     try:
         if early:
-            write_in_prefill_runs(prop, which[:early], at[:early], owed_kv[:early], owed.tokens[:early],
-                                  owed.hidden[:early])
+            write_in_prefill_runs(prop, which[:early], at[:early], owed_kv[:early], owed.tokens[:early], first)
         _, staging, executor, _, copy_in, _ = prop._plan(n + owed.num_rows - early, 1, False)
-        own = hiddens if isinstance(hiddens, torch.Tensor) else \
-            torch.stack([h.reshape(prop._hidden_shape) for h in hiddens])
-        # Held until the launch: a captured chain gathers the rows from this tensor's address when it runs.
-        step_hidden = torch.cat([own, owed.hidden[early:]])
+        # Held until the launch: a captured chain gathers the rows from its buffer's addresses when it runs.
+        step_hidden = joined(hiddens, rows_of(owed.hidden, slice(early, None)), prop._hidden_shape)
         staging.stage(prop.rows.tables, np.concatenate([keys, which[early:]]), np.concatenate([pos, at[early:]]),
                       np.concatenate([kv, owed_kv[early:]]), np.concatenate([tokens, owed.tokens[early:]]),
                       step_hidden, prop._vocab_limit(), None, copy_in=copy_in)
