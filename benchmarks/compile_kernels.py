@@ -113,8 +113,7 @@ def acceptance(b: int) -> None:
     hidden = torch.zeros(b * w, 4, 4096, dtype=torch.bfloat16)
     next_hidden = torch.zeros(b, 4, 4096, dtype=torch.bfloat16)
     pair = torch.zeros(b, w + 1, 4, 4096, dtype=torch.bfloat16)
-    accept_drafts(drafts, tokens, hidden, next_hidden, pair, torch.zeros(b, 3 + w, dtype=torch.int64),
-                  torch.zeros(b, dtype=torch.int64))
+    accept_drafts(drafts, tokens, hidden, next_hidden, pair, torch.zeros(b, 3 + w, dtype=torch.int64))
 
 
 def moe_rows(bk, impl, cfg, b: int) -> None:

@@ -9,8 +9,8 @@ rows each, [t, d_1 .. d_K] sequence-major, around two steps written here:
                     (gpt-fast's rule); verdict[s] = [a, dropped, bad, g_0 .. g_K], where dropped says
                     some draft < 0 and bad a NaN or an infinity in a hidden the catch-up reads: pair
                     rows 0 .. a, with pair[s, 0] = next_hidden[s] (h_p, the hidden the propose read)
-                    and pair[s, 1 + r] = the verify's row r; index[s] = the pair row of the bonus
-                    token's hidden, s * (W + 1) + 1 + a (flat), for the next propose.
+                    and pair[s, 1 + r] = the verify's row r (row 1 + a: the bonus token's position's
+                    hidden, the next propose's).
 
 These are the torch reference (the CPU path, and the test oracle); ops/triton/acceptance.py does
 each in one kernel (the torch ops are two and about twenty launches: each a node of the captured
@@ -32,12 +32,11 @@ def clamp_drafts(drafts: torch.Tensor, tokens: torch.Tensor, top: int) -> None:
 
 
 def accept_drafts(drafts: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor, next_hidden: torch.Tensor,
-                  pair: torch.Tensor, verdict: torch.Tensor, index: torch.Tensor) -> None:
-    """The verdict, pair rows and bonus index of S sequences (see the module docstring).
+                  pair: torch.Tensor, verdict: torch.Tensor) -> None:
+    """The verdict and pair rows of S sequences (see the module docstring).
 
     drafts int64 [S, K]; tokens int64 [>= S * W] (the argmax of each verify row); hidden [>= S * W, ...]
-    (each row's hidden); next_hidden [S, ...]; out: pair [S, W + 1, ...], verdict int64 [S, 3 + W],
-    index int64 [S].
+    (each row's hidden); next_hidden [S, ...]; out: pair [S, W + 1, ...], verdict int64 [S, 3 + W].
     """
     s, k = drafts.shape
     w = k + 1
@@ -51,4 +50,3 @@ def accept_drafts(drafts: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tens
     verdict[:, DROPPED].copy_((drafts < 0).any(1))
     verdict[:, NONFINITE_HIDDEN].copy_(~finite[:, 0] | ((~finite[:, 1:]) & run.bool()).any(1))
     verdict[:, TOKENS:].copy_(g)
-    torch.add(accepted, torch.arange(s, dtype=torch.int64, device=index.device) * (w + 1) + 1, out=index)

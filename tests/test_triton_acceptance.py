@@ -57,11 +57,10 @@ def run(module, drafts, tokens, hidden, next_hidden):
     s, k = drafts.shape
     pair = torch.full((s, k + 2, *next_hidden.shape[1:]), 7.0, dtype=torch.bfloat16, device=drafts.device)
     verdict = torch.full((s, TOKENS + k + 1), -7, dtype=torch.int64, device=drafts.device)
-    index = torch.full((s,), -7, dtype=torch.int64, device=drafts.device)
-    module.accept_drafts(drafts, tokens, hidden, next_hidden, pair, verdict, index)
+    module.accept_drafts(drafts, tokens, hidden, next_hidden, pair, verdict)
     columns = tokens.clone()
     module.clamp_drafts(drafts, columns, VOCAB - 1)
-    return verdict, pair, index, columns
+    return verdict, pair, columns
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -75,7 +74,7 @@ def test_one_kernel_each_equals_the_torch_ops(device, s, k, row, seed):
     inputs = case(s, k, row, device, seed)
     got, want = run(FUSED, *inputs), run(reference, *inputs)
     assert torch.equal(got[0], want[0]), (got[0], want[0])
-    assert same_bits(got[1], want[1]) and torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+    assert same_bits(got[1], want[1]) and torch.equal(got[2], want[2])
 
 
 def test_the_cases_meet_every_verdict():
@@ -85,7 +84,7 @@ def test_the_cases_meet_every_verdict():
     for s, k, row in [(1, 3, (4, 40)), (5, 1, (4, 40)), (3, 4, (2, 1200))]:
         for seed in range(6):
             drafts, tokens, hidden, next_hidden = case(s, k, row, "cpu", seed)
-            verdict, pair, _, _ = run(reference, drafts, tokens, hidden, next_hidden)
+            verdict, pair, _ = run(reference, drafts, tokens, hidden, next_hidden)
             for i in range(s):
                 seen.add(("accepted", k, int(verdict[i, ACCEPTED])))
                 seen.add(("dropped", int(verdict[i, DROPPED])))
@@ -111,12 +110,11 @@ def test_captured_ends_read_each_replays_inputs():
     drafts, tokens, hidden, next_hidden = case(s, k, row, "cuda", 0)
     pair = torch.zeros(s, k + 2, *row, dtype=torch.bfloat16, device="cuda")
     verdict = torch.zeros(s, TOKENS + k + 1, dtype=torch.int64, device="cuda")
-    index = torch.zeros(s, dtype=torch.int64, device="cuda")
     columns = tokens.clone()
 
     def ends():
         FUSED.clamp_drafts(drafts, columns, VOCAB - 1)
-        FUSED.accept_drafts(drafts, tokens, hidden, next_hidden, pair, verdict, index)
+        FUSED.accept_drafts(drafts, tokens, hidden, next_hidden, pair, verdict)
 
     ends()  # compiled outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -128,8 +126,8 @@ def test_captured_ends_read_each_replays_inputs():
             buf.copy_(value)
         graph.replay()
         want = run(reference, *new)
-        assert torch.equal(verdict, want[0]) and same_bits(pair, want[1]) and torch.equal(index, want[2])
-        assert torch.equal(columns, want[3]), seed
+        assert torch.equal(verdict, want[0]) and same_bits(pair, want[1])
+        assert torch.equal(columns, want[2]), seed
 
 
 @cpu_only

@@ -33,7 +33,7 @@ def _clamp_drafts_kernel(drafts, tokens, top, S, K: tl.constexpr, BLOCK: tl.cons
 
 
 @triton.jit
-def _accept_drafts_kernel(drafts, tokens, hidden, next_hidden, pair, verdict, index, N,
+def _accept_drafts_kernel(drafts, tokens, hidden, next_hidden, pair, verdict, N,
                           K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr,
                           PDL: tl.constexpr):  # fmt: skip
     pdl_wait(PDL)
@@ -64,7 +64,6 @@ def _accept_drafts_kernel(drafts, tokens, hidden, next_hidden, pair, verdict, in
     tl.store(row, accepted.to(tl.int64))
     tl.store(row + 1, dropped.to(tl.int64))
     tl.store(row + 2, (tl.max(bad, axis=0) != 0).to(tl.int64))
-    tl.store(index + s, s * (W + 1) + 1 + accepted.to(tl.int64))
 
 
 def clamp_drafts(drafts, tokens, top: int) -> None:
@@ -76,14 +75,14 @@ def clamp_drafts(drafts, tokens, top: int) -> None:
                                **pdl_args(drafts.device))  # fmt: skip
 
 
-def accept_drafts(drafts, tokens, hidden, next_hidden, pair, verdict, index) -> None:
+def accept_drafts(drafts, tokens, hidden, next_hidden, pair, verdict) -> None:
     s, k = drafts.shape
     n = next_hidden[0].numel() if s else 0
-    if not all(t.is_contiguous() for t in (drafts, tokens, hidden, next_hidden, pair, verdict, index)) \
+    if not all(t.is_contiguous() for t in (drafts, tokens, hidden, next_hidden, pair, verdict)) \
             or hidden.dtype != pair.dtype or next_hidden.dtype != pair.dtype:  # fmt: skip
-        accept_reference(drafts, tokens, hidden, next_hidden, pair, verdict, index)
+        accept_reference(drafts, tokens, hidden, next_hidden, pair, verdict)
         return
-    _accept_drafts_kernel[(s,)](drafts, tokens, hidden, next_hidden, pair, verdict, index, n, K=k,
+    _accept_drafts_kernel[(s,)](drafts, tokens, hidden, next_hidden, pair, verdict, n, K=k,
                                 BLOCK_K=max(2, next_pow2(k + 1)), BLOCK=min(ROW_BLOCK, max(128, next_pow2(n))),
                                 num_warps=4, **pdl_args(drafts.device))  # fmt: skip
 

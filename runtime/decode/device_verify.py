@@ -23,8 +23,9 @@ each a node of the verify graph), else the torch ops, which the kernels are test
 Captured (CUDA), prologue, target and epilogue are one CUDA graph per row bucket, on the same
 static staging buffers as the target's own graph of that bucket. The host then reads
 ``verdict[:S]`` once: emitted tokens are g_0 .. g_a (the accepted drafts equal g, the bonus is
-g_a); :meth:`DeviceVerifier.advance` then gathers pair_hidden[s, 1 + a] into next_hidden[s]
-(one kernel, indices from the device). A run reads next_hidden and writes only other buffers,
+g_a); the next propose reads its hiddens as rows of pair_hidden (pair row 1 + a, and its
+catch-up's rows 0 .. a: decode/loop.py, design note "rows by index"), and the loop copies row
+1 + a into next_hidden after that propose's launch. A run reads next_hidden and writes only other buffers,
 so running it twice (a capture's warm-up runs) gives what running it once does. The buffers
 are shared by every bucket's graph, so a batch that shrinks (a sequence ends) keeps its rows
 where the next bucket's graph reads them.
@@ -72,7 +73,6 @@ class DeviceVerifier:
         self.verdict = torch.zeros(s, TOKENS + width, dtype=torch.int64, device=device)  # [S, 3 + K + 1]
         self.next_hidden = torch.zeros(s, *row, dtype=hidden.dtype, device=device)  # [S, C, D] or [S, D]
         self.pair_hidden = torch.zeros(s, width + 1, *row, dtype=hidden.dtype, device=device)  # [S, K + 2, ...]
-        self._index = torch.zeros(s, dtype=torch.int64, device=device)  # pair row of each bonus hidden (flat)
         self._ends = _verify_ends(device)
         self._executors: dict[int, object] = {}
         self.owner = None  # the DecodeSession whose rows next_hidden holds (decode/loop.py)
@@ -167,11 +167,6 @@ class DeviceVerifier:
             staged = target.mark_dead(bucket)
             self.executor(bucket).warm({name: staged[name] for name in target.graph.inputs})
 
-    def advance(self, num_sequences: int) -> None:
-        """next_hidden[s] = pair_hidden[s, 1 + a_s] for the first ``num_sequences``: after the read-back."""
-        n = num_sequences
-        torch.index_select(self.pair_hidden.flatten(0, 1), 0, self._index[:n], out=self.next_hidden[:n])
-
     def _prologue(self, bucket: int, slots: int):
         tokens = self.target._staging_for(bucket).views["token"]
         drafts, top, clamp = self.draft_buf[:slots], self.target.config.vocab_size - 1, self._ends.clamp_drafts
@@ -182,11 +177,11 @@ class DeviceVerifier:
         return prologue
 
     def _epilogue(self, slots: int):
-        drafts, verdict, index = self.draft_buf[:slots], self.verdict[:slots], self._index[:slots]
+        drafts, verdict = self.draft_buf[:slots], self.verdict[:slots]
         h_p, pair, accept = self.next_hidden[:slots], self.pair_hidden[:slots], self._ends.accept_drafts
 
         def epilogue(outputs) -> None:
-            accept(drafts, outputs["next_token"], outputs["hidden"], h_p, pair, verdict, index)
+            accept(drafts, outputs["next_token"], outputs["hidden"], h_p, pair, verdict)
 
         return epilogue
 

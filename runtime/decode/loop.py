@@ -59,6 +59,7 @@ import numpy as np
 import torch
 from draftgraph.graphs.draft_chain import is_gated
 from draftgraph.ops.acceptance import ACCEPTED, DROPPED, NONFINITE_HIDDEN, TOKENS
+from draftgraph.runtime.cache.hidden_rows import HiddenRows
 from draftgraph.runtime.decode import warmup as warmups
 from draftgraph.runtime.decode.stats import DecodeProgress, DecodeStats
 from draftgraph.runtime.errors import InputError, NonFiniteError, describe
@@ -190,10 +191,14 @@ class DecodeSession:
         self.is_closed = False
         self._verifier = target.device_verifier(num_drafts) if self.device_loop else None
         self._slots: list[int] = []  # sequence index of each row of the verifier's next_hidden
-        # The device loop's catch-up rows, owed until the next propose: sequence index ->
-        # (tokens, hiddens: a view of the verifier's pair_hidden, first position)
-        self._owed: dict[int, tuple[list[int], torch.Tensor, int]] = {}
-        self._saved_hidden: torch.Tensor | None = None  # those rows, while another session holds the buffers
+        # Design note "rows by index": after a verify, each live sequence's next hidden and its
+        # catch-up rows are rows of the verifier's pair_hidden (flattened: ``_rows``); the next
+        # propose reads them there by index (cache/hidden_rows.py), no gather before its launch.
+        # sequence index -> (catch-up tokens, the first catch-up row in _rows, first position)
+        self._owed: dict[int, tuple[list[int], int, int]] = {}
+        self._next_rows: dict[int, int] = {}  # sequence index -> the row of its next hidden in _rows
+        self._rows = self._verifier.pair_hidden.flatten(0, 1) if self.device_loop else None
+        self._saved_hidden: torch.Tensor | None = None  # next_hidden's rows, while another session holds the buffers
         # The device loop's target roll-backs (state, accepted length), done right after the next
         # propose's launch: the GPU runs while the host gives the rejected rows' blocks back.
         self._rollbacks: list[tuple[object, int]] = []
@@ -351,12 +356,21 @@ class DecodeSession:
         """One round with the drafts, the verify input and the acceptance on the device; one read-back."""
         live, k, verifier = self.live, self.num_drafts, self._verifier
         n = len(live)
-        self._arrange_hiddens(live)
+        self._claim_verifier()
+        if self._next_rows:  # rows of the last verify (design note "rows by index")
+            hiddens = HiddenRows(self._rows, np.array([self._next_rows[s.index] for s in live], dtype=np.int64))
+        else:  # the first propose: the prefill's last hiddens, in next_hidden
+            self._arrange_hiddens(live)
+            hiddens = verifier.next_hidden[:n]
         t0 = time.perf_counter()
         handle = self.proposer.propose_device(
-            [s.token for s in live], verifier.next_hidden[:n], [s.position for s in live], k,
+            [s.token for s in live], hiddens, [s.position for s in live], k,
             [s.draft_state for s in live], catchup=self._take_owed(live), assume_finite=True,
         )
+        if isinstance(hiddens, HiddenRows):  # next_hidden[i]: live[i]'s h_p, the verify's pair row 0
+            torch.index_select(hiddens.tensor, 0, hiddens.index_on_device(), out=verifier.next_hidden[:n])
+            self._next_rows.clear()
+            self._slots = [s.index for s in live]
         self._roll_back_target()
         self.stats.num_proposes += 1
         self._sync()
@@ -366,8 +380,7 @@ class DecodeSession:
         t2 = time.perf_counter()
         accepted = verdict[:, ACCEPTED]
         self.proposer.after_verify_device(handle, accepted, bool(verdict[:, DROPPED].any()))
-        verifier.advance(n)  # next_hidden[i]: the hidden at live[i]'s new position, for the next propose
-        pair_rows = verifier.pair_hidden.unbind(0)  # one call for every sequence's view, not one slice each
+        self._rows, rows_a_sequence = verifier.pair_hidden.flatten(0, 1), k + 2  # pair rows 0 .. K + 1
         for i, (seq, row) in enumerate(zip(live, verdict.tolist())):  # Python ints: no numpy item reads
             a = row[ACCEPTED]
             g = row[TOKENS : TOKENS + a + 1]  # d_1..d_a (== g_0..g_{a-1}), bonus g_a
@@ -382,9 +395,10 @@ class DecodeSession:
             if row[NONFINITE_HIDDEN]:
                 raise NonFiniteError(describe(f"the target's hiddens of sequence {seq.index}", "finite values",
                                               "a NaN or an infinity", "the decode is stopped: no drafter row written"))
-            self._owed[seq.index] = ([seq.token, *g[:a]], pair_rows[i][: a + 1], p)
+            # catch-up rows p .. p + a: pair rows 0 .. a; the next hidden (position p + a + 1): row 1 + a
+            self._owed[seq.index] = ([seq.token, *g[:a]], i * rows_a_sequence, p)
+            self._next_rows[seq.index] = i * rows_a_sequence + 1 + a
             seq.position, seq.token = p + a + 1, g[a]
-        self._slots = [s.index for s in live]  # next_hidden row i: the hidden of live[i]'s new position
         t3 = time.perf_counter()
         self._end_step(t0, t1, t2, t3)
 
@@ -396,12 +410,13 @@ class DecodeSession:
                 self.target.truncate(state, length)
 
     def _take_owed(self, live: list[_Sequence]):
-        """The catch-up rows the live sequences owe, as ``propose_device`` takes them (None: none)."""
+        """The catch-up rows the live sequences owe, as ``propose_device`` takes them (None: none):
+        their hiddens one HiddenRows of ``_rows``, sequence after sequence."""
         if not self._owed:
             return None
-        none = self._verifier.pair_hidden[0, :0]
-        owed = [self._owed.pop(s.index, ([], none, s.position)) for s in live]
-        return [t for t, _, _ in owed], [h for _, h, _ in owed], [p for _, _, p in owed]
+        owed = [self._owed.pop(s.index, ([], 0, s.position)) for s in live]
+        index = np.array([r for tokens, first, _ in owed for r in range(first, first + len(tokens))], dtype=np.int64)
+        return [t for t, _, _ in owed], HiddenRows(self._rows, index), [p for _, _, p in owed]
 
     def _claim_verifier(self) -> None:
         """The verifier's buffers are the target's, shared by every session of it with this K: a
@@ -412,8 +427,8 @@ class DecodeSession:
         other = verifier.owner
         if other is not None and not other.is_closed and other._slots:
             other._saved_hidden = verifier.next_hidden[: len(other._slots)].clone()
-            for index, (tokens, hidden, first) in other._owed.items():  # views of pair_hidden, rewritten next
-                other._owed[index] = (tokens, hidden.clone(), first)
+            if (other._owed or other._next_rows) and other._rows.data_ptr() == verifier.pair_hidden.data_ptr():
+                other._rows = other._rows[: len(other._slots) * (other.num_drafts + 2)].clone()  # rewritten next
         verifier.owner = self
         if self._saved_hidden is not None:
             verifier.next_hidden[: len(self._saved_hidden)].copy_(self._saved_hidden)
@@ -493,6 +508,7 @@ class DecodeSession:
         seq.target_state = seq.draft_state = None
         seq.hidden = None
         self._owed.pop(seq.index, None)
+        self._next_rows.pop(seq.index, None)
         try:
             if target_state is not None:
                 self.target.free(target_state)
