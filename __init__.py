@@ -11,6 +11,7 @@ graphs) and ``draftgraph.tools`` (the command line). The names below are the pub
 
 from draftgraph.graphs.draft_chain import ChainSpec, build_draft_chain
 from draftgraph.graphs.v4_block import CacheGeometry
+from draftgraph.runtime.cache.hidden_rows import HiddenRows
 from draftgraph.runtime.errors import (
     CacheError,
     CaptureError,
@@ -59,6 +60,7 @@ __all__ = [
     "GraphBuilder",
     "GraphError",
     "GraphPlan",
+    "HiddenRows",
     "InputError",
     "MtpProposerState",
     "PlanError",

@@ -8,6 +8,7 @@ no device work and no view per row: a captured chain gathers each row by its add
 
 Example
 -------
+>>> from draftgraph import HiddenRows                           # doctest: +SKIP
 >>> rows = HiddenRows(hidden_states, np.array([3, 17, 40]))   # doctest: +SKIP
 >>> prop.propose_batch(tokens, rows, positions, 3, states)     # doctest: +SKIP
 """
