@@ -68,22 +68,30 @@ def bad_rows(shape) -> dict[str, tuple[HiddenRows, str]]:
         "row shape": (HiddenRows(torch.zeros(5, 1, *shape, dtype=torch.bfloat16), index), "buffer"),
         "dtype": (HiddenRows(good.float(), index), "dtype"),
         "strides": (HiddenRows(good.transpose(0, -1).contiguous().transpose(0, -1), index), "strides"),
-        "index dtype": (HiddenRows(good, index.astype(np.int32)), "index"),
-        "index length": (HiddenRows(good, np.array([0, 1, 2], dtype=np.int64)), "index"),
-        "index range": (HiddenRows(good, np.array([0, 5], dtype=np.int64)), r"rows in \[0, 5\)"),
-        "negative": (HiddenRows(good, np.array([-1, 0], dtype=np.int64)), r"rows in \[0, 5\)"),
+        "index floats": (HiddenRows(good, index.astype(np.float32)), r"index\[0\]: expected an int"),
+        "index length": (HiddenRows(good, np.array([0, 1, 2], dtype=np.int64)), "index length"),
+        "index range": (HiddenRows(good, np.array([0, 5], dtype=np.int64)), r"index\[1\]: expected an int in \[0, 5\)"),
+        "negative": (HiddenRows(good, np.array([-1, 0], dtype=np.int64)), r"index\[0\]: expected an int in \[0, 5\)"),
     }
 
 
-@pytest.mark.parametrize("case", ["row shape", "dtype", "strides", "index dtype", "index length", "index range",
+@pytest.mark.parametrize("case", ["row shape", "dtype", "strides", "index floats", "index length", "index range",
                                   "negative"])
 def test_bad_rows_are_a_typed_error(case):
     shape = SHAPES["streams"]
     rows, says = bad_rows(shape)[case]
     with pytest.raises(InputError, match=says):
         check_hiddens(rows, shape, CPU, 2)
-    good = HiddenRows(torch.zeros(5, *shape, dtype=torch.bfloat16), np.array([0, 4], dtype=np.int64))
+
+
+def test_good_rows_pass_as_they_are_and_other_integer_indexes_as_int64():
+    shape = SHAPES["streams"]
+    buffer = torch.zeros(5, *shape, dtype=torch.bfloat16)
+    good = HiddenRows(buffer, np.array([0, 4], dtype=np.int64))
     assert check_hiddens(good, shape, CPU, 2) is good
+    for index in (np.array([0, 4], dtype=np.int32), [0, 4], [np.int64(0), 4]):
+        checked = check_hiddens(HiddenRows(buffer, index), shape, CPU, 2)
+        assert checked.tensor is buffer and checked.index.dtype == np.int64 and checked.index.tolist() == [0, 4]
 
 
 def test_a_bad_rows_propose_changes_nothing():

@@ -123,7 +123,7 @@ def check_rows(prop, tokens: Sequence[Sequence[int]], hiddens, first_pos: Sequen
                                              "catch-up hiddens"))
         flat = np.concatenate(toks) if toks else np.zeros(0, dtype=np.int64)
     if as_rows:
-        check_hidden_rows(hiddens, prop._hidden_shape, prop.device, sum(counts), "catch-up hiddens")
+        hiddens = check_hidden_rows(hiddens, prop._hidden_shape, prop.device, sum(counts), "catch-up hiddens")
     count = np.array(counts, dtype=np.int64)
     prop._check_budget(rows, starts, count, "first_pos", "rows")
     if min(counts, default=0) > 0:  # every sequence has rows

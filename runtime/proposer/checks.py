@@ -145,7 +145,7 @@ def check_hidden_batch(hiddens: torch.Tensor, shape: tuple[int, ...], device: to
 def check_hidden_rows(rows: HiddenRows, shape: tuple[int, ...], device: torch.device, n: int,
                       what: str = "target_hiddens") -> HiddenRows:
     """n rows of a bf16 buffer [R, *shape] on ``device`` whose rows are contiguous (a graph reads each
-    at its address), picked by an int64 index in [0, R)."""
+    at its address), picked by n ints in [0, R) (``check_ints``'s rules; returned as int64)."""
     tensor, index = rows.tensor, rows.index
     if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape[1:]) != shape:
         raise InputError(describe(f"{what} buffer", f"a tensor [R, {', '.join(map(str, shape))}]",
@@ -154,13 +154,8 @@ def check_hidden_rows(rows: HiddenRows, shape: tuple[int, ...], device: torch.de
     if tensor.stride()[1:] != _contiguous_strides(shape):
         raise InputError(describe(f"{what} buffer strides", "contiguous rows", list(tensor.stride()),
                                   "make the buffer contiguous, or pass its rows as a tensor"))
-    if not isinstance(index, np.ndarray) or index.dtype != np.int64 or index.shape != (n,):
-        raise InputError(describe(f"{what} index", f"an int64 numpy array of {n} rows",
-                                  f"{getattr(index, 'dtype', type(index).__name__)} {list(np.shape(index))}"))
-    if n and (index.min() < 0 or index.max() >= tensor.shape[0]):
-        raise InputError(describe(f"{what} index", f"rows in [0, {tensor.shape[0]})",
-                                  f"{int(index.min())}..{int(index.max())}"))
-    return rows
+    checked = check_ints(index, f"{what} index", 0, tensor.shape[0], n)
+    return rows if checked is index else HiddenRows(tensor, checked)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
