@@ -174,6 +174,8 @@ def test_table_of_another_cache_is_refused():
     before = _snapshot(two)
     with pytest.raises(CacheError, match="a table of cache"):
         two.ensure(table, 16, 16)
+    with pytest.raises(CacheError, match="a table of cache"):  # positions it holds: no block to map, still refused
+        two.ensure(table, 0, 0)
     assert _snapshot(two) == before
 
 

@@ -246,11 +246,14 @@ class PagedLatentCache:
         for first_pos, last_pos in zip(first_positions, last_positions):
             self._check_range(first_pos, last_pos)
         with self._lock:
-            missing = []
-            for table, first_pos, last_pos in zip(tables, first_positions, last_positions):
-                self._check_table(table)
-                missing.append(self._missing(table, first_pos, last_pos))
+            missing = [self._missing(table, first_pos, last_pos)
+                       for table, first_pos, last_pos in zip(tables, first_positions, last_positions)]
             needed = sum(map(len, missing))
+            for table, entries in zip(tables, missing):  # a table's full checks where a block is mapped into
+                if entries or table.cache_id not in (0, self.cache_id):  # it; another cache's table: always
+                    self._check_table(table)
+            if not needed:  # the usual call (a verify's rows inside blocks held): nothing changes hands
+                return [[] for _ in missing]
             if needed > self.free_top[0]:
                 raise CacheError(describe(f"MTP cache blocks for {what or f'{len(tables)} sequences'}",
                                           f"{needed} free block(s)", f"{self.free_top[0]} free of {self.num_blocks}",

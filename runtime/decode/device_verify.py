@@ -112,8 +112,8 @@ class DeviceVerifier:
         bucket = self.bucket_for(n)
         lengths = [s.length for s in states]
         try:
-            for state, start in zip(states, lengths):
-                target.cache.ensure(state.table, start, start + width - 1)
+            target.cache.ensure_batch([state.table for state in states], lengths,
+                                      [length + width - 1 for length in lengths])  # all or nothing
             tables = np.stack([state.table.blocks for state in states])  # [S, max_blocks]
             which = np.repeat(np.arange(n, dtype=np.int64), width)
             pos = (np.asarray(lengths, dtype=np.int64)[:, None] + np.arange(width)).reshape(-1)

@@ -276,8 +276,8 @@ class TargetModel:
         for i, pos, _ in rows:
             first, _last = segments.get(i, (pos, pos))
             segments[i] = (first, pos)
-        for i, (first, last) in segments.items():
-            self.cache.ensure(states[i].table, first, last)
+        self.cache.ensure_batch([states[i].table for i in segments], [f for f, _ in segments.values()],
+                                [last for _, last in segments.values()])  # all or nothing
         staging = self._staging_for(bucket)
         tables = np.stack([state.table.blocks for state in states])  # [S, max_blocks]: every table is fit now
         which, pos, tokens = (np.array(column, dtype=np.int64) for column in zip(*rows))
