@@ -126,3 +126,29 @@ def test_a_catch_up_with_rows_of_a_buffer_equals_the_per_sequence_form():
     with pytest.raises(InputError, match="catch-up hiddens index"):  # 3 rows for 2 tokens
         props[1].catchup_batch([[1], [2]], HiddenRows(buffer, np.array([1, 2, 3], dtype=np.int64)), [6, 10],
                                states[1])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_rows_of_a_buffer_equal_the_tensor_form():
+    """On a GPU the captured chain gathers the rows from their addresses at every replay."""
+    from proposer_fixtures import make_proposer
+
+    gen = torch.Generator().manual_seed(3)
+    props = [make_proposer(TINY, seed=1, device="cuda", executor="captured") for _ in range(2)]
+    states = [[prop.alloc_state() for _ in range(3)] for prop in props]
+    for i in range(3):
+        prompt = torch.randint(TINY.vocab_size, (3 + 5 * i,), generator=gen).tolist()
+        hs = hidden(TINY, gen, "streams", len(prompt)).cuda()
+        for prop, st in zip(props, states):
+            prop.prefill_drafter(prompt, hs, st[i])
+    positions = [2, 7, 12]
+    for index in ([6, 1, 3], [0, 7, 2], [6, 1, 3]):  # new rows each replay, then the first again
+        buffer = hidden(TINY, gen, "streams", 8).cuda()
+        by_tensor = props[0].propose_batch([5, 17, 42], buffer[index], positions, 3, states[0])
+        by_rows = props[1].propose_batch([5, 17, 42], HiddenRows(buffer, np.array(index)), positions, 3, states[1])
+        assert by_rows == by_tensor, index
+        for prop, st in zip(props, states):
+            prop.after_verify_batch([3, 3, 3], st)
+        positions = [p + 3 for p in positions]
+    assert torch.equal(props[0].cache.kv, props[1].cache.kv)
