@@ -47,3 +47,8 @@ class HiddenRows:
     def gather(self) -> torch.Tensor:
         """The rows as one new tensor [n, *row]."""
         return self.tensor.index_select(0, self.index_on_device())
+
+
+def as_tensor(hiddens: torch.Tensor | HiddenRows) -> torch.Tensor:
+    """A block of hiddens as one tensor: rows of a buffer gathered, a tensor as it is."""
+    return hiddens.gather() if isinstance(hiddens, HiddenRows) else hiddens

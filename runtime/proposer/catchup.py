@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from draftgraph.runtime.cache.hidden_rows import HiddenRows
+from draftgraph.runtime.cache.hidden_rows import HiddenRows, as_tensor
 from draftgraph.runtime.errors import CacheError, InputError, NonFiniteError, describe
 from draftgraph.runtime.native import batch_kernel
 from draftgraph.runtime.proposer.checks import (
@@ -134,7 +134,7 @@ def check_rows(prop, tokens: Sequence[Sequence[int]], hiddens, first_pos: Sequen
             return None
         kept = [blocks[i] for i in live.tolist()]
     hidden = hiddens if as_rows else kept[0] if len(kept) == 1 else torch.cat(kept)
-    if not assume_finite and not bool(torch.isfinite(hidden.gather() if as_rows else hidden).all()):  # one sync
+    if not assume_finite and not bool(torch.isfinite(as_tensor(hidden)).all()):  # one sync
         raise NonFiniteError(describe("catch-up hiddens", "finite values", "a NaN or an infinity",
                                       "the call is refused: no state or cache row changed"))
     return CatchupRows(live, keys[live], rows[live], starts[live], count[live], flat, hidden)
@@ -201,7 +201,7 @@ def joined(first, second: torch.Tensor | HiddenRows, shape: tuple[int, ...]) -> 
     joined, no device work); anything else one tensor. ``first`` may also be a list of row tensors."""
     if isinstance(first, HiddenRows) and isinstance(second, HiddenRows) and first.tensor is second.tensor:
         return HiddenRows(first.tensor, np.concatenate([first.index, second.index]))
-    parts = [part.gather() if isinstance(part, HiddenRows) else part for part in (first, second)]
+    parts = [first if isinstance(first, list) else as_tensor(first), as_tensor(second)]
     if not isinstance(parts[0], torch.Tensor):
         parts[0] = torch.stack([h.reshape(shape) for h in parts[0]])
     return torch.cat(parts)

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from draftgraph.graphs.draft_chain import is_gated
 from draftgraph.ops.nonfinite import DROPPED, NONFINITE
-from draftgraph.runtime.cache.hidden_rows import HiddenRows
+from draftgraph.runtime.cache.hidden_rows import as_tensor
 from draftgraph.runtime.errors import InputError, NonFiniteError, describe
 from draftgraph.runtime.native import batch_kernel
 from draftgraph.runtime.proposer.catchup import (
@@ -283,8 +283,7 @@ def _propose_merged(prop, keys, tokens, pos, hiddens, k: int, states, owed: Catc
     n = len(keys)
     early = max(owed.num_rows - (prop.buckets[-1] - n), 0)
     first = rows_of(owed.hidden, slice(0, early)) if early else None  # the rows the prefill runs write
-    if early and not assume_finite and \
-            not bool(torch.isfinite(first.gather() if isinstance(first, HiddenRows) else first).all()):
+    if early and not assume_finite and not bool(torch.isfinite(as_tensor(first)).all()):
         raise NonFiniteError(describe("catch-up hiddens", "finite values", "a NaN or an infinity",
                                       "the call is refused: no state or cache row changed"))
     placed = place_rows(prop, owed)  # the states now end right before their propose's row

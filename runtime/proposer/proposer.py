@@ -49,7 +49,7 @@ from draftgraph.graphs.draft_chain import (
 )
 from draftgraph.graphs.v4_block import CacheGeometry, Numerics, block_interface, numerics_for
 from draftgraph.ops.nonfinite import NONFINITE
-from draftgraph.runtime.cache.hidden_rows import HiddenRows
+from draftgraph.runtime.cache.hidden_rows import as_tensor
 from draftgraph.runtime.cache.paged_cache import PagedLatentCache, TakenBlocks
 from draftgraph.runtime.cache.staging import ChainStaging
 from draftgraph.runtime.errors import CacheError, CaptureError, InputError, NonFiniteError, describe
@@ -121,8 +121,7 @@ def _int64_array(values, n: int) -> np.ndarray | None:
 
 def _nonfinite_rows(hiddens) -> list[int]:
     """The rows holding a NaN or an infinity (the error's message: a host sync, on that path only)."""
-    if isinstance(hiddens, HiddenRows):
-        hiddens = hiddens.gather()
+    hiddens = hiddens if isinstance(hiddens, list) else as_tensor(hiddens)
     rows = hiddens if isinstance(hiddens, torch.Tensor) else torch.stack([h.reshape(-1) for h in hiddens])
     return torch.nonzero(~torch.isfinite(rows.reshape(rows.shape[0], -1)).all(dim=1)).flatten().tolist()
 
