@@ -169,7 +169,7 @@ def measure(target, proposer, prompts, max_tokens: int, num_drafts: int, repeat:
 def format_rows(results: dict, batches, executors) -> list[str]:
     head = (f"{'B':>3} {'executor':<9} {'run':<10} {'tok/s':>9} {'spec/greedy':>11} {'acc len':>7} "
             f"{'propose':>8} {'verify':>8} {'catch-up':>8} {'host':>7} {'reads':>5} {'warm-up s':>9} {'same':>5} "
-            f"{'gap us':>7}")
+            f"{'gap us':>7} {'full tok/s':>10} {'full s/g':>8}")
     lines = [head, "-" * len(head)]
     for b in batches:
         for ex in executors:
@@ -190,9 +190,12 @@ def format_rows(results: dict, batches, executors) -> list[str]:
                 reads = f"{s.num_read_backs / max(s.num_steps, 1):.1f}" if name != "greedy" else ""
                 same = {True: "yes", False: "no"}.get(entry["same"].get(name), "")
                 gap = f"{1e6 * stats[name + ' gap']:.1f}" if name + " gap" in stats else ""
+                full = s.full_batch_tokens_per_second
+                full_ratio = (f"{full / stats['greedy'].full_batch_tokens_per_second:.2f}"
+                              if name != "greedy" and stats["greedy"].full_batch_tokens_per_second else "")
                 lines.append(f"{b:>3} {ex:<9} {name:<10} {s.tokens_per_second:>9.1f} {ratio:>11} {acc:>7} "
                              + "".join(f"{p:>8.2f} " for p in phases[:3]) + f"{phases[3]:>7.2f} {reads:>5} "
-                             f"{s.warmup_seconds:>9.2f} {same:>5} {gap:>7}")
+                             f"{s.warmup_seconds:>9.2f} {same:>5} {gap:>7} {full:>10.1f} {full_ratio:>8}")
     lines.append("")
     lines.append("captured / eager, tokens/s:")
     for b in batches:
@@ -309,7 +312,9 @@ def main(argv=None) -> int:
           f"threads {torch.get_num_threads()}")
     print("# ms a step: propose, verify, catch-up, host (the rest); reads: device-to-host reads a step; "
           "spec (the device loop): the catch-up rides in the propose's first step; gap: the median host "
-          "time from the verdict read back to the next propose's first launch (a run of its own)")
+          "time from the verdict read back to the next propose's first launch (a run of its own); full: the rounds "
+          "that began with all B sequences live (a lockstep batch ends in rounds with fewer; an engine that refills "
+          "its batch runs none), tokens/s and spec/greedy")
     print("\n".join(format_rows(results, batches, executors)))
     print(f"# {time.perf_counter() - started:.1f} s in all; argv: {' '.join(sys.argv[1:])}")
     return 0

@@ -8,15 +8,27 @@ from decode_fixtures import make_proposer, make_target, prompts
 from draftgraph.runtime.decode.loop import speculative_decode
 
 
-def test_a_short_run_reports_the_gap_of_the_device_loop(capsys):
+def cell(header: str, line: str, name: str) -> str:
+    """The cell of column ``name`` (cells are right-aligned under their header): '' if blank."""
+    end = header.index(name) + len(name)
+    return line[:end].split()[-1] if line[end - 1] != " " else ""
+
+
+def test_a_short_run_reports_the_gap_and_the_full_batch_figures(capsys):
     assert bench_decode.main(["--device", "cpu", "--batches", "1", "--executors", "eager", "--max-tokens", "8",
                               "-k", "2"]) == 0
-    rows = {line[14:24].strip(): line.split() for line in capsys.readouterr().out.splitlines()
-            if line.startswith("  1 eager")}  # the run's name: columns 14-23
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("  B executor"))
+    rows = {line[14:24].strip(): line for line in lines if line.startswith("  1 eager")}  # name: columns 14-23
     assert set(rows) == {"greedy", "spec", "spec host"}
-    assert rows["spec host"][-1] in ("yes", "no") and rows["greedy"][-1] != "yes"  # a gap on the device loop only
-    gap = float(rows["spec"][-1])
+    assert cell(header, rows["spec host"], "same") in ("yes", "no") and cell(header, rows["greedy"], "same") == ""
+    assert cell(header, rows["spec host"], "gap us") == ""  # a gap on the device loop only
+    gap = float(cell(header, rows["spec"], "gap us"))
     assert 0 < gap < 1e6  # microseconds: host time between a read-back and the next launch
+    # B=1: every round after the prefill began with the one sequence live, until it ended
+    for name in ("greedy", "spec"):
+        assert float(cell(header, rows[name], "full tok/s")) > 0
+    assert cell(header, rows["greedy"], "full s/g") == "" and float(cell(header, rows["spec"], "full s/g")) > 0
 
 
 def test_marking_records_each_read_and_launch_then_restores():

@@ -94,6 +94,29 @@ def test_eos_ends_one_sequence(target, greedy, device_loop):
     assert pools_full(target, proposer)
 
 
+@pytest.mark.parametrize("greedy_run", [True, False])
+def test_full_batch_figures_hold_the_rounds_that_began_with_every_sequence_live(target, greedy, greedy_run):
+    eos = greedy[1][4]  # sequence 1 ends early: the rounds after its end are not full-batch
+    live_after, full_tokens = [], []
+
+    def on_step(session, event):
+        if event.step > 0 and live_after[-1] == len(PROMPTS):
+            full_tokens.append(sum(len(t) for t in event.new_tokens.values()))
+        live_after.append(len(session.live))
+
+    if greedy_run:  # one token a sequence a forward: full rounds make tokens 2 .. the first end's
+        result = greedy_decode(target, PROMPTS, MAX_NEW, eos_id=eos)
+        full_tokens = [len(PROMPTS)] * (min(len(t) for t in result.tokens) - 1)
+    else:
+        result = speculative_decode(target, oracle(greedy), PROMPTS, MAX_NEW, K, eos_id=eos, on_step=on_step)
+        assert 0 < len(full_tokens) < len(live_after) - 1  # some rounds full, some after sequence 1's end
+    stats = result.stats
+    assert full_tokens and stats.full_batch_generated == sum(full_tokens) < stats.num_generated
+    assert 0 < stats.full_batch_seconds < stats.total_seconds
+    assert stats.full_batch_tokens_per_second == pytest.approx(stats.full_batch_generated / stats.full_batch_seconds)
+    assert "tokens / s, full batch" in stats.format_table()
+
+
 @pytest.mark.parametrize("device_loop", [True, False])
 def test_cancel_midway_frees_the_sequence(target, greedy, device_loop):
     proposer = oracle(greedy)

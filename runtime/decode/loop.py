@@ -239,6 +239,7 @@ class DecodeSession:
             return False
         if self.warmup and not self.is_warm:
             self.warm_up()
+        full_batch = self.num_steps_run > 0 and len(self.live) == len(self.sequences)
         started = time.perf_counter()
         event = StepEvent(self.num_steps_run)
         try:
@@ -250,9 +251,14 @@ class DecodeSession:
             self._abort()
             raise
         finally:
-            self.stats.total_seconds += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            self.stats.total_seconds += elapsed
         self.num_steps_run += 1
-        self.progress.update(sum(len(t) for t in event.new_tokens.values()), self.stats)
+        generated = sum(len(t) for t in event.new_tokens.values())
+        if full_batch:
+            self.stats.full_batch_generated += generated
+            self.stats.full_batch_seconds += elapsed
+        self.progress.update(generated, self.stats)
         if self.on_step is not None:
             try:
                 self.on_step(self, event)
@@ -615,6 +621,7 @@ def greedy_decode(
             )
             stats.prefill_seconds = time.perf_counter() - started
             nexts = {i: out.tokens[-1] for i, out in enumerate(outs)}
+            full_since = None  # the start of a round that began with every sequence live (DecodeStats)
             while nexts:
                 for i, t in nexts.items():
                     tokens[i].append(t)
@@ -625,10 +632,14 @@ def greedy_decode(
                         reasons[i] = LENGTH
                     if reasons[i] != LIVE:
                         target.free(states.pop(i))
+                if full_since is not None:
+                    stats.full_batch_generated += len(nexts)
+                    stats.full_batch_seconds += time.perf_counter() - full_since
                 live = [i for i in nexts if reasons[i] == LIVE]
                 if not live:
                     break
                 t0 = time.perf_counter()
+                full_since = t0 if len(live) == len(prompts) else None
                 outs = target.forward(
                     [states[i] for i in live],
                     [[tokens[i][-1]] for i in live],

@@ -8,6 +8,10 @@ Definitions (per sequence and verify step, K drafts proposed, a of them accepted
 - time split: ``prefill`` (target over the prompts + drafter prefill), ``draft`` (proposes and
   drafter catch-up), ``verify`` (target forwards), ``host`` (the rest: acceptance, bookkeeping);
 - tokens per second: generated tokens / wall time of the run (prefill and steps);
+- full-batch tokens per second: the tokens of the rounds that began with every sequence live,
+  over those rounds' wall time. A fixed batch decoded in lockstep ends in rounds with fewer
+  live rows (speculation ends them at different rounds: acceptance varies by sequence); an
+  engine that refills its batch never runs those, so this is its throughput at that batch;
 - warm-up (building, capturing and compiling every executor the run can use) is timed apart
   and is in none of the figures above: they are steady state.
 """
@@ -44,6 +48,8 @@ class DecodeStats:
     total_seconds: float = 0.0
     warmup_seconds: float = 0.0  # apart: not in total_seconds nor any figure derived from it
     num_read_backs: int = 0  # device-to-host reads of the steps (the device loop: one per step)
+    full_batch_generated: int = 0  # tokens of the rounds that began with every sequence live
+    full_batch_seconds: float = 0.0  # those rounds' wall time
 
     def __post_init__(self) -> None:
         if not self.accepted_at:
@@ -96,6 +102,10 @@ class DecodeStats:
     def tokens_per_second(self) -> float:
         return self.num_generated / self.total_seconds if self.total_seconds > 0 else 0.0
 
+    @property
+    def full_batch_tokens_per_second(self) -> float:
+        return self.full_batch_generated / self.full_batch_seconds if self.full_batch_seconds > 0 else 0.0
+
     def as_dict(self) -> dict:
         return {
             "num_drafts": self.num_drafts,
@@ -118,6 +128,7 @@ class DecodeStats:
                 "total": self.total_seconds,
             },
             "tokens_per_second": self.tokens_per_second,
+            "full_batch_tokens_per_second": self.full_batch_tokens_per_second,
         }
 
     # ---- printing -------------------------------------------------------------------------------
@@ -140,6 +151,7 @@ class DecodeStats:
             ("verify ms / step", f"{self.verify_ms_per_step:.2f}"),
             ("host ms / step", f"{self.host_ms_per_step:.2f}"),
             ("tokens / s", f"{self.tokens_per_second:.1f}"),
+            ("tokens / s, full batch", f"{self.full_batch_tokens_per_second:.1f} (rounds with every sequence live)"),
             ("warm-up", f"{self.warmup_seconds:.3f} s (apart: in no figure above or below)"),
         ]
         width = max(len(name) for name, _ in summary) + 2
