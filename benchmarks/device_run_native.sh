@@ -10,19 +10,32 @@
 #    (issue 28's table);
 # (The decode loop has its own call: benchmarks/device_run_decode.sh.)
 # Each step's output is OUT/<step>.txt; the last lines of each are printed.
+# A shorter call for a change to the MoE kernels (about 6 minutes): the MoE's and the chain's tests,
+# the batch-1 MoE tiles tuned, the chain at B=1 and 8:
+#   TESTS=moe TUNE_JOBS=moe:1 CASES=1x1,1x3,8x1 bash benchmarks/device_run_native.sh OUT
 set -uo pipefail
 out=${1:?usage: device_run_native.sh OUT}
 source "$(dirname "$0")/device_steps.sh" "$out"
-step pytest_native 200 python3 -m pytest -q -m cuda -p no:cacheprovider -p no:warnings \
-    tests/test_triton_fp8_mxfp4.py tests/test_triton_moe_shard.py tests/test_native_proposer.py tests/test_fp8_head.py \
-    tests/test_triton_nonfinite.py
+if [ "${TESTS:-all}" = moe ]; then
+    step pytest_native 130 python3 -m pytest -q -m cuda -p no:cacheprovider -p no:warnings \
+        tests/test_triton_fp8_mxfp4.py -k "moe or e2m1 or native" tests/test_triton_moe_shard.py tests/test_native_proposer.py
+else
+    step pytest_native 200 python3 -m pytest -q -m cuda -p no:cacheprovider -p no:warnings \
+        tests/test_triton_fp8_mxfp4.py tests/test_triton_moe_shard.py tests/test_native_proposer.py \
+        tests/test_fp8_head.py tests/test_triton_nonfinite.py
+fi
 tail -2 "$out/pytest_native.txt"
-step bench_kernels 180 python3 benchmarks/bench_kernels.py --weights native --tune --budget-s 110 \
-    --ops linear,moe,swa_attention --out "$out/kernels"
+if [ -n "${TUNE_JOBS:-}" ]; then
+    step bench_kernels 80 python3 benchmarks/bench_kernels.py --weights native --tune --tune-jobs "$TUNE_JOBS" \
+        --budget-s 40 --ops moe --out "$out/kernels"
+else
+    step bench_kernels 180 python3 benchmarks/bench_kernels.py --weights native --tune --budget-s 110 \
+        --ops linear,moe,swa_attention --out "$out/kernels"
+fi
 grep "tune ->" "$out/kernels/bench_kernels.log"
 grep -E "^(linear|moe|swa_attention) +v4-flash" "$out/bench_kernels.txt"
 tuned=()  # the tiles step 2 chose, if it finished
 [ -f "$out/kernels/bench_kernels.json" ] && tuned=(--kernel-configs "$out/kernels/bench_kernels.json")
 step bench_draft 170 python3 benchmarks/bench_draft.py --weights native,bf16 --kernels fused \
-    --cases 1x1,1x3,8x1,32x1 --no-compile --no-plain --out "$out/draft" "${tuned[@]}"
+    --cases "${CASES:-1x1,1x3,8x1,32x1}" --no-compile --no-plain --out "$out/draft" "${tuned[@]}"
 grep -A12 "^floor = " "$out/bench_draft.txt"

@@ -394,14 +394,17 @@ def test_moe_mxfp4_rejects_bad_inputs(small_experts):
         bad = list(ex.shared)
         bad[3] = bad[1]
         MX.moe_mxfp4(x, idx, wts, *ex.routed(), out, swiglu_limit=LIMIT, shared=tuple(bad))
-    # The word kernels read x and the codes as int32: an odd start is refused before any launch.
-    odd = act(g, 1, D_SMALL + 1)[:, 1:]
-    with pytest.raises(InputError, match="x layout.*4-byte aligned"):
-        MX.moe_mxfp4(odd, idx, wts, *ex.routed(), out, swiglu_limit=LIMIT)
-    shifted = torch.empty(w1.numel() + 1, dtype=w1.dtype)[1:].view(w1.shape)
-    shifted.copy_(w1)
-    with pytest.raises(InputError, match="w1 start.*4-byte aligned"):
-        MX.moe_mxfp4(x, idx, wts, shifted, s1, w2, s2, w3, s3, out, swiglu_limit=LIMIT)
+    # The word kernels read x and the codes as int32, batch 1 16 bytes at a time: a start off those
+    # boundaries is refused before any launch (4-byte aligned x is not enough at batch 1).
+    for offset in (1, 4):
+        shifted_x = act(g, 1, D_SMALL + offset)[:, offset:]
+        with pytest.raises(InputError, match="x layout.*16-byte aligned"):
+            MX.moe_mxfp4(shifted_x, idx, wts, *ex.routed(), out, swiglu_limit=LIMIT)
+    for offset in (1, 4):
+        shifted = torch.empty(w1.numel() + offset, dtype=w1.dtype)[offset:].view(w1.shape)
+        shifted.copy_(w1)
+        with pytest.raises(InputError, match="w1 start.*16-byte aligned"):
+            MX.moe_mxfp4(x, idx, wts, shifted, s1, w2, s2, w3, s3, out, swiglu_limit=LIMIT)
 
 
 # ---- the V4-Flash shapes, on the GPU (run on an H200 since 2026-12-05: benchmarks/h200) ----

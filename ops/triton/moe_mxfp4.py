@@ -30,14 +30,16 @@ memory): it multiplies the even and odd halves, each times its 32-column scale, 
 odd activation columns in two dots; e2m1 times a power of two is exact in bf16. The FP8 shared
 expert's tiles apply their row scale to the tile's partial product (``fp8_linear``).
 
-Note "MXFP4 words" (batch 1, ``mxfp4_fma``): the tile is read as int32 words of 8 codes,
-[rows, BLOCK_K / 32 scale blocks, 4 words], and the activation as int32 bf16 pairs, so each
-decoded pair meets its two activation columns with no shuffle; a word's 8 products are summed
-in fp32 and times the block's scale. BLOCK_K may span many scale blocks (and FP8 ones, for the
-shared expert: ``fp8_linear``'s "wide tiles"): at batch 1 the kernel is bound by the bytes in
-flight, and one program's loads are one tile. At b93df2d the 16 x 64-byte tiles, decoded per
-element in fp32 (about 17 SASS instructions a code), ran the batch-1 MoE at 10% of copy
-bandwidth on an H200.
+Note "MXFP4 words" (batch 1, ``mxfp4_rows_dot``): the tile is read as int32 words of 8 codes,
+[scale blocks, rows, 4 words]: a row's 16-byte groups of words lie on consecutive lanes (whole
+32-byte sectors a warp: the [rows, blocks, words] order read half sectors). Each lane loads
+the activation's bf16 pairs and the scale of its own words itself (inline ``ld.global.nc``: no
+layout conversion through shared memory in the loop); a word's 8 products are summed in fp32
+and times the block's scale. w1 and w3 share one loop (twice the bytes in flight a program).
+BLOCK_K may span many scale blocks (and FP8 ones, for the shared expert: ``fp8_linear``'s "wide
+tiles"): at batch 1 the kernel is bound by the bytes in flight, and one program's loads are one
+tile. At b93df2d the 16 x 64-byte tiles, decoded per element in fp32 (about 17 SASS
+instructions a code), ran the batch-1 MoE at 10% of copy bandwidth on an H200.
 
 Note "e2m1 by bits" (``E2M1_WORD_PTX``, ``E2M1_HALVES_PTX``): a code s e1 e0 m placed as the
 bf16 bits s at 15, e1 e0 m at 8..6 is the value times 2^-126 (e = 0: a bf16 subnormal, exact),
@@ -80,16 +82,17 @@ GROUPED_MIN_BATCH = 2  # as moe.py: expert-major from this batch on
 # per-element decode ran 222.8 (b93df2d). Batch > 1 (dot, at most 128 columns: an FP8 tile in
 # one scale block): tuned at batch 32 (random routing) at b93df2d and again at bbbd33f (the same
 # 128 x 128 won: 2911 us with the PTX decode, 5365 before); expert-major at batch 1 is slower.
-W13_CONFIG = GemvConfig(block_n=16, block_k=256, num_warps=4, num_stages=3, use_dot=False)
+W13_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=1, num_stages=3, use_dot=False)
 W2_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=1, num_stages=3, use_dot=False)
 # Expert-major up to ROWS_MAX_BATCH rows: each routed expert's words decoded once and multiplied
 # by the rows that chose it in registers (moe_mxfp4_rows); the shared expert's slot keeps the dot
-# tiles. Off (0) until a GPU has run and timed it: its cuda tests and `bench_kernels.py --weights
-# native --tune` (the moe:4 job turns it on) are owed (benchmarks/h200/README.md, "Runs still owed").
-ROWS_MAX_BATCH = 0
-ROWS_CHUNK = 2  # rows a routed expert's decoded words meet at a time
-W13_CONFIG_ROWS = GemvConfig(block_n=16, block_k=256, num_warps=4, num_stages=3, use_dot=False)
-W2_CONFIG_ROWS = GemvConfig(block_n=16, block_k=256, num_warps=4, num_stages=3, use_dot=False)
+# tiles. Tuned on one H100 (2026-12-05, benchmarks/h200/bench_kernels_native_tuned_45f7cd2_h100.txt):
+# the MoE at B=4 (random routing) 640.6 us on the dot tiles, 391.4 on these, 364.3 with the tiles
+# below. Not above 8: at B=32 the chain's MoE (23 experts, ~8 rows each) replayed in 3.19 ms on them.
+ROWS_MAX_BATCH = 8
+ROWS_CHUNK = 1  # rows a routed expert's decoded words meet at a time (1: 387.7 us, 2: 391.7, 4: 547.2)
+W13_CONFIG_ROWS = GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, use_dot=False)
+W2_CONFIG_ROWS = GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, use_dot=False)
 W13_CONFIG_BATCHED = GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
 W2_CONFIG_BATCHED = GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
 REDUCE_BLOCK_D = 1024
@@ -236,38 +239,159 @@ def mxfp4_halves(w_rows, s_rows, k0, n_mask, K, BLOCK_N: tl.constexpr, BLOCK_K: 
         )  # fmt: skip
 
 
-@triton.jit
-def mxfp4_fma(acc, w_rows, s_rows, a_row, a_live, k0, n_mask, K, BLOCK_K: tl.constexpr, INTERP: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_K / 32, 4] += the tile of logical columns k0.. times one activation row.
+# Note "e2m1 as fp16" (batch 1, ``mxfp4_rows_dot``): a code s e1 e0 m placed as the fp16 bits s at
+# 15, e1 e0 m at 11..9 is its value times 2^-14 (e = 0: an fp16 subnormal, exact), so the hardware's
+# fp16 -> fp32 conversion decodes it with no rebias multiply; the 2^-14 is undone once per word's
+# 8-product sum (a power of two: exact). Per word of 8 codes: the two nibble halves spread over
+# the bytes with their signs (8 ops), a byte permute per pair of codes into fp16x2 (4), 8 cvt;
+# about 4.1 instructions a code with the products, against ~6.3 for the bf16x2 words
+# (E2M1_WORD_PTX), whose pairs must be unpacked to fp32 one by one anyway.
+# (benchmarks/bench_mxfp4_gemv.py at 67ca29e, since removed: the w13 of six experts on an H100, 25.4 us
+# against 38.1; benchmarks/h200/bench_mxfp4_gemv_45f7cd2_h100.txt.)
+# $8: the word; $0..$7: its columns 0..7 as fp32, each times 2^-14.
+E2M1_F16_PTX = tl.constexpr("""
+{
+.reg .b32 a, b, m, t, q0, q1, q2, q3;
+.reg .b16 h0, h1, h2, h3, h4, h5, h6, h7;
+and.b32 m, $8, 0x07070707;
+shl.b32 a, m, 1;
+shl.b32 t, $8, 4;
+and.b32 t, t, 0x80808080;
+or.b32 a, a, t;
+and.b32 m, $8, 0x70707070;
+shr.u32 b, m, 3;
+and.b32 t, $8, 0x80808080;
+or.b32 b, b, t;
+prmt.b32 q0, a, 0, 0x1404;
+prmt.b32 q1, a, 0, 0x3424;
+prmt.b32 q2, b, 0, 0x1404;
+prmt.b32 q3, b, 0, 0x3424;
+mov.b32 {h0, h2}, q0;
+mov.b32 {h4, h6}, q1;
+mov.b32 {h1, h3}, q2;
+mov.b32 {h5, h7}, q3;
+cvt.f32.f16 $0, h0;
+cvt.f32.f16 $1, h1;
+cvt.f32.f16 $2, h2;
+cvt.f32.f16 $3, h3;
+cvt.f32.f16 $4, h4;
+cvt.f32.f16 $5, h5;
+cvt.f32.f16 $6, h6;
+cvt.f32.f16 $7, h7;
+}
+""")
+F16_REBIAS = tl.constexpr(16384.0)  # 2^14
 
-    The tile as int32 words [rows, scale blocks, 4 words of 8 codes] (see "MXFP4 words"):
-    w_rows: [BLOCK_N] int32 pointers to the rows' first word; s_rows: [BLOCK_N] pointers to
-    their first scale; a_row: the activation row as int32 pointer (bf16 pairs); a_live:
-    whether it is read. Each word's 8 products are summed in fp32, then times the block scale.
+
+@triton.jit
+def _e2m1_times_2m14(c):
+    """e2m1 codes (int32 0..15) -> their values times 2^-14, as E2M1_F16_PTX decodes them."""
+    return e2m1_to_f32(c) * 0.00006103515625
+
+
+@triton.jit
+def e2m1_word_f16(w, INTERP: tl.constexpr):
+    """int32 words of 8 e2m1 codes -> 8 fp32 tensors, columns 0..7, each value times 2^-14."""
+    if INTERP:  # the interpreter runs no PTX: the same values by arithmetic
+        return (_e2m1_times_2m14(w & 15), _e2m1_times_2m14(w >> 4 & 15), _e2m1_times_2m14(w >> 8 & 15),
+                _e2m1_times_2m14(w >> 12 & 15), _e2m1_times_2m14(w >> 16 & 15), _e2m1_times_2m14(w >> 20 & 15),
+                _e2m1_times_2m14(w >> 24 & 15), _e2m1_times_2m14(w >> 28 & 15))  # fmt: skip
+    else:
+        return tl.inline_asm_elementwise(E2M1_F16_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 8,
+                                         is_pure=True, pack=1)  # fmt: skip
+
+
+@triton.jit
+def _ld_v4(ptr, INTERP: tl.constexpr):
+    """Four int32 at each pointer (16-byte aligned), loaded by every thread holding the pointer: a
+    tensor broadcast along the tile's rows needs no layout conversion (no shared memory, no barrier)."""
+    if INTERP:
+        return tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2), tl.load(ptr + 3)
+    else:
+        return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
+                                         dtype=(tl.int32,) * 4, is_pure=True, pack=1)  # fmt: skip
+
+
+@triton.jit
+def _ld_u8(ptr, INTERP: tl.constexpr):
+    """The byte at each pointer as int32, loaded by the thread holding the pointer (as ``_ld_v4``)."""
+    if INTERP:
+        return tl.load(ptr).to(tl.int32)
+    else:
+        return tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=True,
+                                         pack=1)  # fmt: skip
+
+
+@triton.jit
+def _words_f16_dot(acc, w, s, a0, a1, a2, a3, INTERP: tl.constexpr):
+    """acc += each word's 8 codes times its activation columns (a0..a3: bf16 pairs), times the block scale."""
+    c0, c1, c2, c3, c4, c5, c6, c7 = e2m1_word_f16(w, INTERP)
+    part = c0 * _lo(a0)
+    part += c1 * _hi(a0)
+    part += c2 * _lo(a1)
+    part += c3 * _hi(a1)
+    part += c4 * _lo(a2)
+    part += c5 * _hi(a2)
+    part += c6 * _lo(a3)
+    part += c7 * _hi(a3)
+    return acc + (part * F16_REBIAS) * ue8m0_to_f32(s)
+
+
+@triton.jit
+def _word_block(k0, blocks, words, K, EVEN: tl.constexpr):
+    """(word columns [NB, 1, 4], scale columns [NB, 1, 1], live [NB, 1, 1]) of the tile's scale blocks
+    from k0 on; a block past K (none: EVEN) reads its row's last block (a real address), masked."""
+    b = k0 // 32 + blocks
+    if EVEN:
+        return b * 4 + words, b, b >= 0
+    live = b < K // 32
+    b = tl.minimum(b, K // 32 - 1)
+    return b * 4 + words, b, live
+
+
+@triton.jit
+def _load_words(ptrs, live, EVEN: tl.constexpr):
+    """The tile's words; masked (0: no product) unless EVEN (every row and block real)."""
+    if EVEN:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=live, other=0)
+
+
+@triton.jit
+def mxfp4_rows_dot(
+    x_ptr, wa_ptr, sa_ptr, wb_ptr, sb_ptr, w_off, s_off, n_live, K, k_end,
+    TWO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """W_a[rows] @ x (and W_b[rows] @ x: TWO) over K (up to k_end: 0 reads nothing) -> fp32 [BLOCK_N] each.
+
+    Batch 1, MXFP4 (see "e2m1 as fp16"): wa_ptr / wb_ptr the matrices' bytes, sa_ptr / sb_ptr
+    their scales; w_off / s_off [BLOCK_N] int64: each row's first word / scale (rows past the end
+    given as a real row: n_live masks them); x bf16, 16-byte aligned, K % 32 == 0. The tile is
+    [scale blocks, rows, 4 words]: a row's 16-byte words are consecutive lanes' (whole sectors a
+    warp), and each lane loads the activation pairs and the scale of its own words (``_ld_v4``).
+    TWO reads both matrices in one loop: twice the bytes in flight a program. EVEN: BLOCK_N and
+    BLOCK_K divide the matrix (no masks).
     """
     NB: tl.constexpr = BLOCK_K // 32
-    g = tl.arange(0, NB)
-    kw = k0 // 8 + g[:, None] * 4 + tl.arange(0, 4)[None, :]  # [NB, 4] word columns
-    live = kw < K // 8
-    w = tl.load(w_rows[:, None, None] + kw[None, :, :], mask=n_mask[:, None, None] & live[None, :, :], other=0)
-    blocks = k0 // 32 + g
-    s = tl.load(s_rows[:, None] + blocks[None, :], mask=n_mask[:, None] & (blocks < K // 32)[None, :], other=127)
-    # The activation's bf16 pairs of each word: [NB, 4 words, 4 pairs], split by pair.
-    pairs = tl.load(a_row + kw[:, :, None] * 4 + tl.arange(0, 4)[None, None, :], mask=live[:, :, None] & a_live,
-                    other=0)  # fmt: skip
-    a02, a13 = tl.split(tl.reshape(pairs, [NB, 4, 2, 2]))
-    a0, a2 = tl.split(a02)
-    a1, a3 = tl.split(a13)
-    p0, p1, p2, p3 = e2m1_word_pairs(w, INTERP)
-    part = _lo(p0) * _lo(a0)[None, :, :]
-    part += _hi(p0) * _hi(a0)[None, :, :]
-    part += _lo(p1) * _lo(a1)[None, :, :]
-    part += _hi(p1) * _hi(a1)[None, :, :]
-    part += _lo(p2) * _lo(a2)[None, :, :]
-    part += _hi(p2) * _hi(a2)[None, :, :]
-    part += _lo(p3) * _lo(a3)[None, :, :]
-    part += _hi(p3) * _hi(a3)[None, :, :]
-    return acc + part * ue8m0_to_f32(s)[:, :, None]
+    blocks = tl.arange(0, NB)[:, None, None]
+    words = tl.arange(0, 4)[None, None, :]
+    live_rows = n_live[None, :, None]
+    w_rows = tl.multiple_of(w_off, 4)[None, :, None]  # K % 32 == 0: every row starts on 16 bytes
+    s_rows = s_off[None, :, None]
+    wa = wa_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + w_rows
+    wb = wb_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + w_rows
+    a_words = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    acc_a = tl.zeros([NB, BLOCK_N, 4], dtype=tl.float32)
+    acc_b = tl.zeros([NB, BLOCK_N, 4], dtype=tl.float32)
+    for k0 in range(0, k_end, BLOCK_K):
+        kw, kb, live = _word_block(k0, blocks, words, K, EVEN)
+        a0, a1, a2, a3 = _ld_v4(a_words + kw * 4, INTERP)
+        w = _load_words(wa + kw, live & live_rows, EVEN)
+        acc_a = _words_f16_dot(acc_a, w, _ld_u8(sa_ptr + s_rows + kb, INTERP), a0, a1, a2, a3, INTERP)
+        if TWO:
+            w = _load_words(wb + kw, live & live_rows, EVEN)
+            acc_b = _words_f16_dot(acc_b, w, _ld_u8(sb_ptr + s_rows + kb, INTERP), a0, a1, a2, a3, INTERP)
+    return tl.sum(tl.sum(acc_a, 2), 0), tl.sum(tl.sum(acc_b, 2), 0)
 
 
 @triton.jit
@@ -312,43 +436,31 @@ def _expert_tiles(
 
 
 @triton.jit
-def _expert_tiles_fma(
+def _fp8_rows_fma(
     a_row,
     w_rows,
     s_rows,
     n_mask,
     K,
     k_end,
-    IS_FP8: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SUB_K: tl.constexpr,
     EVEN: tl.constexpr,
     NATIVE: tl.constexpr,
-    INTERP: tl.constexpr,
 ):
-    """W[rows] @ a over K (up to k_end: 0 reads nothing) -> fp32 [BLOCK_N, 1], one activation row.
-
-    a_row: the row's pointer (bf16); W FP8 (wide tiles of fp8_linear: w_rows [BLOCK_N] row
-    pointers, s_rows [BLOCK_N] scale-grid rows) or MXFP4 (words: w_rows [BLOCK_N] int32 row
-    pointers, s_rows [BLOCK_N] pointers to the rows' first scale). EVEN: the FP8 tiles need no
-    masks (BLOCK_N and BLOCK_K divide the matrix).
+    """W[rows] @ a over K (up to k_end: 0 reads nothing) -> fp32 [BLOCK_N, 1], one activation row, W FP8
+    (the shared expert; fp8_linear's wide tiles: w_rows [BLOCK_N] row pointers, s_rows [BLOCK_N]
+    scale-grid rows). a_row: the row's pointer (bf16). EVEN: no masks (BLOCK_N and BLOCK_K divide W).
     """
-    if IS_FP8:
-        NBK: tl.constexpr = BLOCK_K // SUB_K
-        cols = tl.arange(0, NBK)[:, None] * SUB_K + tl.arange(0, SUB_K)[None, :]
-        acc3 = tl.zeros([BLOCK_N, NBK, SUB_K], dtype=tl.float32)
-        for k0 in range(0, k_end, BLOCK_K):
-            v, s = fp8_tile3(w_rows, s_rows, k0, n_mask, K, NBK, SUB_K, EVEN, NATIVE)
-            av = tl.load(a_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-            acc3 += (v * s[:, :, None]) * av[None, :, :]
-        return tl.sum(tl.sum(acc3, 2), 1)[:, None]
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
-        a_words = a_row.to(tl.pointer_type(tl.int32), bitcast=True)
-        for k0 in range(0, k_end, BLOCK_K):
-            acc = mxfp4_fma(acc, w_rows, s_rows, a_words, True, k0, n_mask, K, BLOCK_K, INTERP)
-        return tl.sum(tl.sum(acc, 2), 1)[:, None]
+    NBK: tl.constexpr = BLOCK_K // SUB_K
+    cols = tl.arange(0, NBK)[:, None] * SUB_K + tl.arange(0, SUB_K)[None, :]
+    acc3 = tl.zeros([BLOCK_N, NBK, SUB_K], dtype=tl.float32)
+    for k0 in range(0, k_end, BLOCK_K):
+        v, s = fp8_tile3(w_rows, s_rows, k0, n_mask, K, NBK, SUB_K, EVEN, NATIVE)
+        av = tl.load(a_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+        acc3 += (v * s[:, :, None]) * av[None, :, :]
+    return tl.sum(tl.sum(acc3, 2), 1)[:, None]
 
 
 @triton.jit
@@ -414,10 +526,10 @@ def _w13_kernel(
             u = _expert_tiles(x_rows, serves, sw3_rows, ss3_ptr + s_rows, n_mask, D, k_end,
                               True, BLOCK_N, BLOCK_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
         else:
-            g = _expert_tiles_fma(x_ptr, sw1_rows, ss1_ptr + s_rows, n_mask, D, k_end,
-                                  True, BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE, INTERP)  # fmt: skip
-            u = _expert_tiles_fma(x_ptr, sw3_rows, ss3_ptr + s_rows, n_mask, D, k_end,
-                                  True, BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE, INTERP)  # fmt: skip
+            g = _fp8_rows_fma(x_ptr, sw1_rows, ss1_ptr + s_rows, n_mask, D, k_end,
+                              BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE)  # fmt: skip
+            u = _fp8_rows_fma(x_ptr, sw3_rows, ss3_ptr + s_rows, n_mask, D, k_end,
+                              BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE)  # fmt: skip
     else:
         s_off = e * INTER * (D // 32) + n64 * (D // 32)
         if USE_DOT:
@@ -426,14 +538,14 @@ def _w13_kernel(
                               False, BLOCK_N, BLOCK_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
             u = _expert_tiles(x_rows, serves, w3_ptr + w_off, s3_ptr + s_off, n_mask, D, k_end,
                               False, BLOCK_N, BLOCK_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
-        else:
-            w_off = e * INTER * (D // 8) + n64 * (D // 8)  # in words (D % 32 == 0)
-            w1_words = w1_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-            w3_words = w3_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-            g = _expert_tiles_fma(x_ptr, w1_words + w_off, s1_ptr + s_off, n_mask, D, k_end,
-                                  False, BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE, INTERP)  # fmt: skip
-            u = _expert_tiles_fma(x_ptr, w3_words + w_off, s3_ptr + s_off, n_mask, D, k_end,
-                                  False, BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE, INTERP)  # fmt: skip
+        else:  # w1 and w3 in one loop (see "e2m1 as fp16"); rows past INTER read the last row, unstored
+            n_c = tl.minimum(offs_n, INTER - 1).to(tl.int64)
+            e_c = tl.maximum(e, 0)  # NO_EXPERT reads nothing (k_end 0): any real address
+            g1, u1 = mxfp4_rows_dot(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, (e_c * INTER + n_c) * (D // 8),
+                                    (e_c * INTER + n_c) * (D // 32), n_mask, D, k_end, True, BLOCK_N, BLOCK_K,
+                                    EVEN, INTERP)  # fmt: skip
+            g = g1[:, None]
+            u = u1[:, None]
     act = clamped_swiglu(g, u, limit) * weight[None, :]
     ptrs = act_ptr + dest.to(tl.int64)[None, :] * INTER + offs_n[:, None]
     tl.store(ptrs, act.to(act_ptr.dtype.element_ty), mask=n_mask[:, None] & serves[None, :])
@@ -478,7 +590,10 @@ def _w2_kernel(
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
     else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)  # the routed MXFP4 words
+        acc = tl.zeros([BLOCK_K // 32, BLOCK_N, 4], dtype=tl.float32)  # the routed MXFP4 words
+        n_c = tl.minimum(offs_n, D - 1).to(tl.int64)  # rows past D read the last row, unstored
+        blocks = tl.arange(0, BLOCK_K // 32)[:, None, None]
+        words = tl.arange(0, 4)[None, None, :]
         w2_words = w2_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         act_words = act_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     for t in range(0, routed * INTER, BLOCK_K):
@@ -496,10 +611,14 @@ def _w2_kernel(
             a_even = tl.trans(tl.load(a_rows, mask=(src >= 0)[:, None], other=0.0))
             a_odd = tl.trans(tl.load(a_rows + 1, mask=(src >= 0)[:, None], other=0.0))
             acc += mma(even.to(a_even.dtype), a_even, INTERP) + mma(odd.to(a_odd.dtype), a_odd, INTERP)
-        else:
-            w_rows = w2_words + e * D * (INTER // 8) + n64 * (INTER // 8)
-            a_row = act_words + slot.to(tl.int64) * (INTER // 2)  # batch 1: row = slot
-            acc = mxfp4_fma(acc, w_rows, s_rows, a_row, True, k0, live, INTER, BLOCK_K, INTERP)
+        elif e >= 0:  # the words as mxfp4_rows_dot's tile (see "e2m1 as fp16"); NO_EXPERT adds nothing
+            row = e * D + n_c
+            kw, kb, blive = _word_block(k0, blocks, words, INTER, True)  # INTER % BLOCK_K == 0
+            a0, a1, a2, a3 = _ld_v4(act_words + slot.to(tl.int64) * (INTER // 2) + kw * 4, INTERP)  # row = slot
+            w = _load_words(w2_words + tl.multiple_of(row * (INTER // 8), 4)[None, :, None] + kw,
+                            n_mask[None, :, None], EVEN)  # fmt: skip
+            sc = _ld_u8(s2_ptr + (row * (INTER // 32))[None, :, None] + kb, INTERP)
+            acc = _words_f16_dot(acc, w, sc, a0, a1, a2, a3, INTERP)
     if USE_DOT:
         if HAS_SHARED:
             sw_rows = sw2_ptr + n64[:, None] * INTER
@@ -512,11 +631,11 @@ def _w2_kernel(
                 acc += mma(v.to(a.dtype), tl.trans(a), INTERP) * s[:, None]
         total = acc
     else:
-        total = tl.sum(tl.sum(acc, 2), 1)[:, None]
+        total = tl.sum(tl.sum(acc, 2), 0)[:, None]
         if HAS_SHARED:
-            total += _expert_tiles_fma(act_ptr + routed * INTER, sw2_ptr + n64 * INTER,
-                                       ss2_ptr + (offs_n // 128) * stride_ssn, n_mask, INTER, INTER,
-                                       True, BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE, INTERP)  # fmt: skip
+            total += _fp8_rows_fma(act_ptr + routed * INTER, sw2_ptr + n64 * INTER,
+                                   ss2_ptr + (offs_n // 128) * stride_ssn, n_mask, INTER, INTER,
+                                   BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE)  # fmt: skip
     ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_ob + offs_n[:, None]
     mask = n_mask[:, None] & (rows < B)[None, :]
     if ACCUMULATE:
@@ -610,9 +729,10 @@ def _check(x, idx, wts, w1, w1_scale, w2, w2_scale, w3, w3_scale, out, shared):
         _bytes_of(w2_scale, down[1], SCALE_DTYPES, "w2_scale"),
     ]
     for name, t in (("w1", routed[0]), ("w3", routed[2]), ("w2", routed[4])):
-        if t.data_ptr() % 4:
-            _fail(f"{name} start", "a 4-byte aligned address", f"{t.data_ptr()} (mod 4: {t.data_ptr() % 4})",
-                  "the kernels read the codes as int32 words; pass a tensor of its own, not an offset view")
+        if t.data_ptr() % 16:  # each row's words (D / 8 of them, D % 32 == 0) then start on 16 bytes too
+            _fail(f"{name} start", "a 16-byte aligned address", f"{t.data_ptr()} (mod 16: {t.data_ptr() % 16})",
+                  "the kernels read the codes as int32 words, 16 bytes at a time; pass a tensor of its own, "
+                  "not an offset view")
     if shared is None:
         return routed, None
     sw1, sw1_scale, sw2, sw2_scale, sw3, sw3_scale = shared
@@ -674,10 +794,12 @@ def moe_mxfp4_launches(
     top_k = idx.shape[1]
     inter = w1.shape[1]
     grouped = b >= GROUPED_MIN_BATCH if grouped is None else bool(grouped)
-    words = (b == 1 and not grouped and not W13_CONFIG.use_dot) or (grouped and b <= ROWS_MAX_BATCH)  # x as int32
-    if words and (x.data_ptr() % 4 or x.stride(0) % 2):
-        _fail("x layout", "a 4-byte aligned start and an even row stride",
-              f"address mod 4 {x.data_ptr() % 4}, row stride {x.stride(0)}",
+    one_row = b == 1 and not grouped and not W13_CONFIG.use_dot  # x read 16 bytes at a time (mxfp4_rows_dot)
+    words = one_row or (grouped and b <= ROWS_MAX_BATCH)  # x as int32
+    align = 16 if one_row else 4
+    if words and (x.data_ptr() % align or x.stride(0) % 2):
+        _fail("x layout", f"a {align}-byte aligned start and an even row stride",
+              f"address mod {align} {x.data_ptr() % align}, row stride {x.stride(0)}",
               "the batch-1 and rows kernels read x as bf16 pairs (int32); a contiguous copy has both")
     has_shared = shared_b is not None
     native = native_fp8_supported(x.device) if native_fp8 is None else bool(native_fp8)
@@ -689,6 +811,9 @@ def moe_mxfp4_launches(
     else:  # never read: the grid has no shared slot; any byte tensors of the kernel's types
         sw1b, ss1b, sw3b, ss3b, sw2b, ss2b = w1b, s1b, w3b, s3b, w2b, s2b
     act, part = carve(workspace, x.device, moe_mxfp4_parts(b, top_k, inter, d, x.dtype, grouped, has_shared))
+    if one_row and act.data_ptr() % 16:  # w2 reads its rows as x (inter % 32 == 0: every row aligned)
+        _fail("workspace alignment", "16 bytes", f"address mod 16 {act.data_ptr() % 16}",
+              "carve it at a 16-byte boundary, as the arena does")
     c13, c2 = (W13_CONFIG, W2_CONFIG) if b == 1 else (W13_CONFIG_BATCHED, W2_CONFIG_BATCHED)
     dot13 = c13.use_dot or b > 1
     dot2 = c2.use_dot or b > 1
