@@ -349,8 +349,9 @@ def test_selection_takes_the_fused_impl_where_its_kernels_read_the_format(on_fak
 # ---- the native chain through the fused impls -------------------------------------------------
 
 
-def test_native_chain_runs_the_fused_impls_and_drafts_as_the_torch_ops(tmp_path, monkeypatch):
-    """The small native checkpoint's K=2 chain at batch 3, each step's impl chosen as on CUDA.
+@pytest.mark.parametrize("batch", [1, 3])  # 1: the MoE's one-row kernels (16-byte reads of x and act)
+def test_native_chain_runs_the_fused_impls_and_drafts_as_the_torch_ops(tmp_path, monkeypatch, batch):
+    """The small native checkpoint's K=2 chain at batch 1 and 3, each step's impl chosen as on CUDA.
 
     Every node reading a block-scaled weight takes its fused impl (no torch fallback inside), and
     the drafts equal the torch ops' wherever the top-2 logit gap is wider than bf16 noise.
@@ -363,14 +364,14 @@ def test_native_chain_runs_the_fused_impls_and_drafts_as_the_torch_ops(tmp_path,
     cfg = V4Config.small()
     write_checkpoint(tmp_path, cfg, random_mtp_weights(cfg, seed=9), fmt="mxfp4")
     g = torch.Generator().manual_seed(1)
-    hiddens = torch.randn(3, cfg.hc_mult, cfg.hidden_size, generator=g).bfloat16()
-    tokens, positions = [5, 77, 901], [30, 45, 7]
+    hiddens = torch.randn(3, cfg.hc_mult, cfg.hidden_size, generator=g).bfloat16()[:batch]
+    tokens, positions = [5, 77, 901][:batch], [30, 45, 7][:batch]
 
     def propose(fused: bool):
         prop = DeepseekV4MtpProposer.from_checkpoint(
-            tmp_path, executor="eager", weights="native", kernels="torch", buckets=(3,)
+            tmp_path, executor="eager", weights="native", kernels="torch", buckets=(batch,)
         )
-        executor = prop._executor(3, 2, False)
+        executor = prop._executor(batch, 2, False)
         chosen = []
         for step in executor.steps:
             specs = [executor.graph.values[n].spec for n in step.node.inputs if n in executor.graph.values]
@@ -379,9 +380,9 @@ def test_native_chain_runs_the_fused_impls_and_drafts_as_the_torch_ops(tmp_path,
                 assert block_scaled_gap(impl, specs) is None, step.node.op
                 step.impl = impl
                 chosen.append(step.node.op)
-        states = [prop.alloc_state() for _ in range(3)]
+        states = [prop.alloc_state() for _ in range(batch)]
         drafts = prop.propose_batch(tokens, list(hiddens), positions, 2, states)
-        return drafts, prop.last_hidden(3).float(), chosen
+        return drafts, prop.last_hidden(batch).float(), chosen
 
     want, want_hidden, _ = propose(False)
     fallbacks = no_torch_fallback(monkeypatch)

@@ -31,12 +31,11 @@ odd activation columns in two dots; e2m1 times a power of two is exact in bf16. 
 expert's tiles apply their row scale to the tile's partial product (``fp8_linear``).
 
 Note "MXFP4 words" (batch 1, ``mxfp4_rows_dot``): the tile is read as int32 words of 8 codes,
-[scale blocks, rows, 4 words]: a row's 16-byte groups of words lie on consecutive lanes (whole
-32-byte sectors a warp: the [rows, blocks, words] order read half sectors). Each lane loads
-the activation's bf16 pairs and the scale of its own words itself (inline ``ld.global.nc``: no
-layout conversion through shared memory in the loop); a word's 8 products are summed in fp32
-and times the block's scale. w1 and w3 share one loop (twice the bytes in flight a program).
-BLOCK_K may span many scale blocks (and FP8 ones, for the shared expert: ``fp8_linear``'s "wide
+[scale blocks, rows, 4 words], and each lane loads the activation's bf16 pairs and the scale of
+its own words itself (inline ``ld.global.nc``): no layout conversion through shared memory, no
+barrier in the loop (loaded as a [blocks, 4] tile, the activation cost two a tile). A word's 8
+products are summed in fp32 and times the block's scale. w1 and w3 share one loop (twice the
+bytes in flight a program). BLOCK_K may span many scale blocks (and FP8 ones, for the shared expert: ``fp8_linear``'s "wide
 tiles"): at batch 1 the kernel is bound by the bytes in flight, and one program's loads are one
 tile. At b93df2d the 16 x 64-byte tiles, decoded per element in fp32 (about 17 SASS
 instructions a code), ran the batch-1 MoE at 10% of copy bandwidth on an H200.
@@ -367,8 +366,8 @@ def mxfp4_rows_dot(
     Batch 1, MXFP4 (see "e2m1 as fp16"): wa_ptr / wb_ptr the matrices' bytes, sa_ptr / sb_ptr
     their scales; w_off / s_off [BLOCK_N] int64: each row's first word / scale (rows past the end
     given as a real row: n_live masks them); x bf16, 16-byte aligned, K % 32 == 0. The tile is
-    [scale blocks, rows, 4 words]: a row's 16-byte words are consecutive lanes' (whole sectors a
-    warp), and each lane loads the activation pairs and the scale of its own words (``_ld_v4``).
+    [scale blocks, rows, 4 words] (see "MXFP4 words"); each lane loads the activation pairs and
+    the scale of its own words (``_ld_v4``, ``_ld_u8``).
     TWO reads both matrices in one loop: twice the bytes in flight a program. EVEN: BLOCK_N and
     BLOCK_K divide the matrix (no masks).
     """
