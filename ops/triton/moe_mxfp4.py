@@ -35,9 +35,9 @@ Note "MXFP4 words" (batch 1, ``mxfp4_rows_dot``): the tile is read as int32 word
 its own words itself (inline ``ld.global.nc``): no layout conversion through shared memory, no
 barrier in the loop (loaded as a [blocks, 4] tile, the activation cost two a tile). A word's 8
 products are summed in fp32 and times the block's scale. w1 and w3 share one loop (twice the
-bytes in flight a program). BLOCK_K may span many scale blocks (and FP8 ones, for the shared expert: ``fp8_linear``'s "wide
-tiles"): at batch 1 the kernel is bound by the bytes in flight, and one program's loads are one
-tile. At b93df2d the 16 x 64-byte tiles, decoded per element in fp32 (about 17 SASS
+bytes in flight a program). BLOCK_K may span many scale blocks (and FP8 ones, for the shared
+expert: ``fp8_linear``'s "wide tiles"): at batch 1 the kernel is bound by the bytes in flight,
+and one program's loads are one tile. At b93df2d the 16 x 64-byte tiles, decoded per element in fp32 (about 17 SASS
 instructions a code), ran the batch-1 MoE at 10% of copy bandwidth on an H200.
 
 Note "e2m1 by bits" (``E2M1_WORD_PTX``, ``E2M1_HALVES_PTX``): a code s e1 e0 m placed as the
