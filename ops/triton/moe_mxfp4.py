@@ -349,11 +349,12 @@ def _word_block(k0, blocks, words, K, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _load_words(ptrs, live, EVEN: tl.constexpr):
-    """The tile's words; masked (0: no product) unless EVEN (every row and block real)."""
-    if EVEN:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=live, other=0)
+def _tile_dot(acc, w_rows, s_rows, kw, kb, live, a0, a1, a2, a3, EVEN: tl.constexpr, INTERP: tl.constexpr):
+    """acc += one tile of a matrix (rows' first word / scale pointers [1, BLOCK_N, 1], the tile's
+    word / scale columns from ``_word_block``) times the activation pairs a0..a3; its words masked
+    by ``live`` (0: no product) unless EVEN (every row and block real)."""
+    w = tl.load(w_rows + kw) if EVEN else tl.load(w_rows + kw, mask=live, other=0)
+    return _words_f16_dot(acc, w, _ld_u8(s_rows + kb, INTERP), a0, a1, a2, a3, INTERP)
 
 
 @triton.jit
@@ -385,11 +386,9 @@ def mxfp4_rows_dot(
     for k0 in range(0, k_end, BLOCK_K):
         kw, kb, live = _word_block(k0, blocks, words, K, EVEN)
         a0, a1, a2, a3 = _ld_v4(a_words + kw * 4, INTERP)
-        w = _load_words(wa + kw, live & live_rows, EVEN)
-        acc_a = _words_f16_dot(acc_a, w, _ld_u8(sa_ptr + s_rows + kb, INTERP), a0, a1, a2, a3, INTERP)
+        acc_a = _tile_dot(acc_a, wa, sa_ptr + s_rows, kw, kb, live & live_rows, a0, a1, a2, a3, EVEN, INTERP)
         if TWO:
-            w = _load_words(wb + kw, live & live_rows, EVEN)
-            acc_b = _words_f16_dot(acc_b, w, _ld_u8(sb_ptr + s_rows + kb, INTERP), a0, a1, a2, a3, INTERP)
+            acc_b = _tile_dot(acc_b, wb, sb_ptr + s_rows, kw, kb, live & live_rows, a0, a1, a2, a3, EVEN, INTERP)
     return tl.sum(tl.sum(acc_a, 2), 0), tl.sum(tl.sum(acc_b, 2), 0)
 
 
@@ -599,9 +598,9 @@ def _w2_kernel(
         slot = t // INTER
         k0 = t - slot * INTER
         e = tl.load(idx_ptr + slot).to(tl.int64)
-        s_rows = s2_ptr + e * D * (INTER // 32) + n64 * (INTER // 32)
-        live = n_mask & splat(e >= 0, offs_n)  # a negative id (NO_EXPERT): nothing loaded, the tile is 0
         if USE_DOT:
+            s_rows = s2_ptr + e * D * (INTER // 32) + n64 * (INTER // 32)
+            live = n_mask & splat(e >= 0, offs_n)  # a negative id (NO_EXPERT): nothing loaded, the tile is 0
             w_rows = w2_ptr + e * D * (INTER // 2) + n64 * (INTER // 2)
             even, odd = mxfp4_halves(w_rows[:, None], s_rows[:, None], k0, live, INTER, BLOCK_N, BLOCK_K, INTERP)
             src = tl.where(rows == slot // TOPK, slot, -1)
@@ -610,14 +609,13 @@ def _w2_kernel(
             a_even = tl.trans(tl.load(a_rows, mask=(src >= 0)[:, None], other=0.0))
             a_odd = tl.trans(tl.load(a_rows + 1, mask=(src >= 0)[:, None], other=0.0))
             acc += mma(even.to(a_even.dtype), a_even, INTERP) + mma(odd.to(a_odd.dtype), a_odd, INTERP)
-        elif e >= 0:  # the words as mxfp4_rows_dot's tile (see "e2m1 as fp16"); NO_EXPERT adds nothing
+        elif e >= 0:  # mxfp4_rows_dot's tile, one matrix; NO_EXPERT adds nothing
             row = e * D + n_c
-            kw, kb, blive = _word_block(k0, blocks, words, INTER, True)  # INTER % BLOCK_K == 0
+            kw, kb, _ = _word_block(k0, blocks, words, INTER, True)  # INTER % BLOCK_K == 0
             a0, a1, a2, a3 = _ld_v4(act_words + slot.to(tl.int64) * (INTER // 2) + kw * 4, INTERP)  # row = slot
-            w = _load_words(w2_words + tl.multiple_of(row * (INTER // 8), 4)[None, :, None] + kw,
-                            n_mask[None, :, None], EVEN)  # fmt: skip
-            sc = _ld_u8(s2_ptr + (row * (INTER // 32))[None, :, None] + kb, INTERP)
-            acc = _words_f16_dot(acc, w, sc, a0, a1, a2, a3, INTERP)
+            acc = _tile_dot(acc, w2_words + tl.multiple_of(row * (INTER // 8), 4)[None, :, None],
+                            s2_ptr + (row * (INTER // 32))[None, :, None], kw, kb, n_mask[None, :, None],
+                            a0, a1, a2, a3, EVEN, INTERP)  # fmt: skip
     if USE_DOT:
         if HAS_SHARED:
             sw_rows = sw2_ptr + n64[:, None] * INTER
