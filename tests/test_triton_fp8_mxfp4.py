@@ -405,6 +405,13 @@ def test_moe_mxfp4_rejects_bad_inputs(small_experts):
         shifted.copy_(w1)
         with pytest.raises(InputError, match="w1 start.*16-byte aligned"):
             MX.moe_mxfp4(x, idx, wts, shifted, s1, w2, s2, w3, s3, out, swiglu_limit=LIMIT)
+    # Batch 1's w2 reads the act rows carved from the workspace 16 bytes at a time too.
+    nbytes = MX.moe_mxfp4_workspace(1, K_SMALL, I_SMALL, D_SMALL, BF16, False, shared=False)
+    off = torch.zeros(nbytes + 8, dtype=torch.uint8)[8:]
+    out.fill_(7.0)
+    with pytest.raises(InputError, match="workspace alignment.*16 bytes"):
+        MX.moe_mxfp4(x, idx, wts, *ex.routed(), out, swiglu_limit=LIMIT, workspace=off)
+    assert bool((out == 7.0).all()) and not bool(off.any())  # refused before any launch
 
 
 # ---- the V4-Flash shapes, on the GPU (run on an H200 since 2026-12-05: benchmarks/h200) ----
