@@ -360,17 +360,16 @@ def _tile_dot(acc, w_rows, s_rows, kw, kb, live, a0, a1, a2, a3, EVEN: tl.conste
 @triton.jit
 def mxfp4_rows_dot(
     x_ptr, wa_ptr, sa_ptr, wb_ptr, sb_ptr, w_off, s_off, n_live, K, k_end,
-    TWO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
-    """W_a[rows] @ x (and W_b[rows] @ x: TWO) over K (up to k_end: 0 reads nothing) -> fp32 [BLOCK_N] each.
+    """(W_a[rows] @ x, W_b[rows] @ x) over K (up to k_end: 0 reads nothing) -> fp32 [BLOCK_N] each.
 
     Batch 1, MXFP4 (see "e2m1 as fp16"): wa_ptr / wb_ptr the matrices' bytes, sa_ptr / sb_ptr
     their scales; w_off / s_off [BLOCK_N] int64: each row's first word / scale (rows past the end
     given as a real row: n_live masks them); x bf16, 16-byte aligned, K % 32 == 0. The tile is
     [scale blocks, rows, 4 words] (see "MXFP4 words"); each lane loads the activation pairs and
-    the scale of its own words (``_ld_v4``, ``_ld_u8``).
-    TWO reads both matrices in one loop: twice the bytes in flight a program. EVEN: BLOCK_N and
-    BLOCK_K divide the matrix (no masks).
+    the scale of its own words (``_ld_v4``, ``_ld_u8``). Both matrices in one loop: twice the
+    bytes in flight a program. EVEN: BLOCK_N and BLOCK_K divide the matrix (no masks).
     """
     NB: tl.constexpr = BLOCK_K // 32
     blocks = tl.arange(0, NB)[:, None, None]
@@ -387,8 +386,7 @@ def mxfp4_rows_dot(
         kw, kb, live = _word_block(k0, blocks, words, K, EVEN)
         a0, a1, a2, a3 = _ld_v4(a_words + kw * 4, INTERP)
         acc_a = _tile_dot(acc_a, wa, sa_ptr + s_rows, kw, kb, live & live_rows, a0, a1, a2, a3, EVEN, INTERP)
-        if TWO:
-            acc_b = _tile_dot(acc_b, wb, sb_ptr + s_rows, kw, kb, live & live_rows, a0, a1, a2, a3, EVEN, INTERP)
+        acc_b = _tile_dot(acc_b, wb, sb_ptr + s_rows, kw, kb, live & live_rows, a0, a1, a2, a3, EVEN, INTERP)
     return tl.sum(tl.sum(acc_a, 2), 0), tl.sum(tl.sum(acc_b, 2), 0)
 
 
@@ -529,8 +527,8 @@ def _w13_kernel(
             u = _fp8_rows_fma(x_ptr, sw3_rows, ss3_ptr + s_rows, n_mask, D, k_end,
                               BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE)  # fmt: skip
     else:
-        s_off = e * INTER * (D // 32) + n64 * (D // 32)
         if USE_DOT:
+            s_off = e * INTER * (D // 32) + n64 * (D // 32)
             w_off = e * INTER * (D // 2) + n64 * (D // 2)
             g = _expert_tiles(x_rows, serves, w1_ptr + w_off, s1_ptr + s_off, n_mask, D, k_end,
                               False, BLOCK_N, BLOCK_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
@@ -540,7 +538,7 @@ def _w13_kernel(
             n_c = tl.minimum(offs_n, INTER - 1).to(tl.int64)
             e_c = tl.maximum(e, 0)  # NO_EXPERT reads nothing (k_end 0): any real address
             g1, u1 = mxfp4_rows_dot(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, (e_c * INTER + n_c) * (D // 8),
-                                    (e_c * INTER + n_c) * (D // 32), n_mask, D, k_end, True, BLOCK_N, BLOCK_K,
+                                    (e_c * INTER + n_c) * (D // 32), n_mask, D, k_end, BLOCK_N, BLOCK_K,
                                     EVEN, INTERP)  # fmt: skip
             g = g1[:, None]
             u = u1[:, None]
