@@ -775,14 +775,16 @@ def native_jobs() -> list:
     fma = [C(n, k, warps, 3, False) for n, k, warps in wide]
     tiles = ((16, 4, 4), (32, 4, 4), (64, 4, 4), (128, 4, 3), (64, 8, 4), (128, 8, 4))
     dot = [C(n, 128, warps, stages) for n, warps, stages in tiles]
-    rows = [C(n, k, warps, 3, False) for n, k, warps in ((16, 256, 4), (32, 512, 4), (32, 256, 4), (16, 512, 8))]
+    mma = [C(n, k, n // 16, 1, False) for n, k in ((16, 512), (16, 1024), (32, 256), (32, 512), (64, 256), (64, 512),
+                                                    (128, 256))]  # fmt: skip
     return [
         ("linear", 1, [(F, "BATCH1_CONFIG", fma + dot[:2])]),
         ("moe", 1, [(MX, "W13_CONFIG", fma + dot[:2]), (MX, "W2_CONFIG", fma + dot[:2]),
                     (MX, "GROUPED_MIN_BATCH", [1])]),  # fmt: skip
         ("linear", 4, [(F, "DEFAULT", dot)]),
-        ("moe", 4, [(MX, "ROWS_MAX_BATCH", [0]), (MX, "ROWS_CHUNK", [1, 2, 4]),
-                    (MX, "W13_CONFIG_ROWS", rows), (MX, "W2_CONFIG_ROWS", rows)]),  # fmt: skip
+        # The tensor-core kernels (moe_mxfp4_mma) first; off (0), B=4 takes the rows kernel, whose
+        # tiles were tuned at 45f7cd2 (benchmarks/h200/bench_kernels_native_tuned_45f7cd2_h100.txt).
+        ("moe", 4, [(MX, "MMA_MAX_BATCH", [0]), (MX, "W13_CONFIG_MMA", mma), (MX, "W2_CONFIG_MMA", mma)]),
         # Not ROWS_MAX_BATCH: this case routes 32 rows to ~150 experts, the chain to ~23 (~8 rows each),
         # where the rows kernel lost (3.19 ms a B=32 replay on an H100, 45f7cd2) though it won here.
         ("moe", 32, [(MX, "W13_CONFIG_BATCHED", dot[1:]), (MX, "W2_CONFIG_BATCHED", dot[1:])]),  # fmt: skip

@@ -117,16 +117,16 @@ def acceptance(b: int) -> None:
 
 
 def moe_rows(bk, impl, cfg, b: int) -> None:
-    """The moe case on moe_mxfp4_rows (off by default until a GPU has timed it: ROWS_MAX_BATCH 0)."""
+    """The moe case on moe_mxfp4_rows at any batch (by default the mma kernels take B <= MMA_MAX_BATCH)."""
     from draftgraph.ops.triton import moe_mxfp4
 
-    saved = moe_mxfp4.ROWS_MAX_BATCH
-    moe_mxfp4.ROWS_MAX_BATCH = 64
+    saved = moe_mxfp4.ROWS_MAX_BATCH, moe_mxfp4.MMA_MAX_BATCH
+    moe_mxfp4.ROWS_MAX_BATCH, moe_mxfp4.MMA_MAX_BATCH = 64, 0
     try:
         inputs, attrs = bk.make_case("moe", cfg, b)
         bk.run_once("moe", impl, inputs, attrs, bk.workspace_for("moe", inputs, attrs))
     finally:
-        moe_mxfp4.ROWS_MAX_BATCH = saved
+        moe_mxfp4.ROWS_MAX_BATCH, moe_mxfp4.MMA_MAX_BATCH = saved
 
 
 def main(argv: list[str] | None = None) -> int:

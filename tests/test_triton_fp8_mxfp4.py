@@ -322,11 +322,21 @@ MOE_WIDE = (K["gemv"].GemvConfig(8, 256, 4, 2, use_dot=False), K["gemv"].GemvCon
         (1, True, "dot"),
         (1, True, "rows"),
         (9, True, "rows"),  # past ROWS_MAX_BATCH: the dot tiles
+        (2, True, "mma"),  # 1 warp, 16 rows a program, 128-column K tiles (D, I: the last one ragged)
+        (8, True, "mma_wide"),  # 8 rows: every batch column of the mma
+        (5, True, "mma_wide"),  # 4 warps, 64 rows a program (ragged in I and D), 256-column K tiles
     ],
 )
 def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
-    """Slot-major (FMA or dot), expert-major (dot, or FMA rows: moe_mxfp4_rows), repeated experts,
-    the clamp active, poisoned out."""
+    """Slot-major (FMA or dot), expert-major (dot, FMA rows: moe_mxfp4_rows, or tensor cores:
+    moe_mxfp4_mma), repeated experts, the clamp active, poisoned out."""
+    if not variant.startswith("mma"):
+        monkeypatch.setattr(MX, "MMA_MAX_BATCH", 0)
+    if variant.startswith("mma"):
+        tile = K["gemv"].GemvConfig(64, 256, 4, 1) if variant == "mma_wide" else K["gemv"].GemvConfig(16, 128, 1, 1)
+        monkeypatch.setattr(MX, "W13_CONFIG_MMA", tile)
+        monkeypatch.setattr(MX, "W2_CONFIG_MMA", tile)
+        monkeypatch.setattr(MX, "ROWS_MAX_BATCH", 0)
     if variant in ("dot", "wide"):
         configs = MOE_DOT if variant == "dot" else MOE_WIDE
         monkeypatch.setattr(MX, "W13_CONFIG", configs[0])

@@ -75,20 +75,29 @@ from draftgraph.runtime.model.quant import FP8_BLOCK, MXFP4_BLOCK, fp8_scale_sha
 
 MAX_BATCH = 64  # the shared slot covers all rows in one activation tile
 GROUPED_MIN_BATCH = 2  # as moe.py: expert-major from this batch on
-# Batch 1: FMA word tiles (see "MXFP4 words"). Tuned on one H200 at V4-Flash shapes
-# (`bench_kernels.py --weights native --tune`, benchmarks/h200/bench_kernels_native_tuned_bbbd33f.txt):
-# the MoE 80.6 us (w13 47.3, w2 25.2) against a 22.8 us floor, where the 128-column tiles with the
-# per-element decode ran 222.8 (b93df2d). Batch > 1 (dot, at most 128 columns: an FP8 tile in
+# Batch 1: FMA word tiles (see "MXFP4 words", "e2m1 as fp16"). Tuned on one H100 at V4-Flash shapes
+# (`bench_kernels.py --weights native --tune --tune-jobs moe:1`, 84a9f63,
+# benchmarks/h200/bench_kernels_native_tuned_84a9f63_h100.txt): the MoE 65.2 us (w13 39.2, w2 20.6)
+# against a 31.8 us floor; 81.1 on the 4 x 1024 1-warp tile of the GEMV variants. On an H200 at
+# bbbd33f the bf16x2 decode ran it in 80.6 us; the 128-column tiles with the per-element decode in
+# 222.8 (b93df2d). Batch > 1 (dot, at most 128 columns: an FP8 tile in
 # one scale block): tuned at batch 32 (random routing) at b93df2d and again at bbbd33f (the same
 # 128 x 128 won: 2911 us with the PTX decode, 5365 before); expert-major at batch 1 is slower.
-W13_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=1, num_stages=3, use_dot=False)
-W2_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=1, num_stages=3, use_dot=False)
+W13_CONFIG = GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=3, use_dot=False)
+W2_CONFIG = GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=3, use_dot=False)
 # Expert-major up to ROWS_MAX_BATCH rows: each routed expert's words decoded once and multiplied
 # by the rows that chose it in registers (moe_mxfp4_rows); the shared expert's slot keeps the dot
 # tiles. Tuned on one H100 (2026-12-05, benchmarks/h200/bench_kernels_native_tuned_45f7cd2_h100.txt):
 # the MoE at B=4 (random routing) 640.6 us on the dot tiles, 391.4 on these, 364.3 with the tiles
 # below. Not above 8: at B=32 the chain's MoE (23 experts, ~8 rows each) replayed in 3.19 ms on them.
 ROWS_MAX_BATCH = 8
+# Expert-major up to MMA_MAX_BATCH rows (at most MMA_MAX_ROWS, bf16 x): the routed
+# experts' decoded words multiplied by all the rows that chose them on the tensor cores
+# (moe_mxfp4_mma); it comes before the rows kernel. BLOCK_N is 16 rows a warp.
+MMA_MAX_BATCH = 8
+MMA_MAX_ROWS = 8  # the mma's n: the most rows one expert can serve there
+W13_CONFIG_MMA = GemvConfig(block_n=16, block_k=512, num_warps=1, num_stages=1, use_dot=False)
+W2_CONFIG_MMA = GemvConfig(block_n=16, block_k=512, num_warps=1, num_stages=1, use_dot=False)
 ROWS_CHUNK = 1  # rows a routed expert's decoded words meet at a time (1: 387.7 us, 2: 391.7, 4: 547.2)
 W13_CONFIG_ROWS = GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, use_dot=False)
 W2_CONFIG_ROWS = GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, use_dot=False)
@@ -789,13 +798,16 @@ def moe_mxfp4_launches(
     top_k = idx.shape[1]
     inter = w1.shape[1]
     grouped = b >= GROUPED_MIN_BATCH if grouped is None else bool(grouped)
-    one_row = b == 1 and not grouped and not W13_CONFIG.use_dot  # x read 16 bytes at a time (mxfp4_rows_dot)
-    words = one_row or (grouped and b <= ROWS_MAX_BATCH)  # x as int32
-    align = 16 if one_row else 4
-    if words and (x.data_ptr() % align or x.stride(0) % 2):
-        _fail("x layout", f"a {align}-byte aligned start and an even row stride",
+    # The word kernels read x as bf16 pairs (int32): fp16 x takes the dot tiles.
+    bf16 = x.dtype == torch.bfloat16
+    one_row = bf16 and b == 1 and not grouped and not W13_CONFIG.use_dot  # x 16 bytes at a time (mxfp4_rows_dot)
+    use_mma = bf16 and grouped and b <= min(MMA_MAX_BATCH, MMA_MAX_ROWS)  # x 16 bytes at a time (moe_mxfp4_mma)
+    use_rows = bf16 and grouped and not use_mma and b <= ROWS_MAX_BATCH  # x as int32
+    align, step = (16, 8) if one_row or use_mma else (4, 2)
+    if (one_row or use_mma or use_rows) and (x.data_ptr() % align or x.stride(0) % step):
+        _fail("x layout", f"a {align}-byte aligned start and a row stride a multiple of {step}",
               f"address mod {align} {x.data_ptr() % align}, row stride {x.stride(0)}",
-              "the batch-1 and rows kernels read x as bf16 pairs (int32); a contiguous copy has both")
+              "the batch-1, mma and rows kernels read x as bf16 pairs (int32); a contiguous copy of [B, D] has both")
     has_shared = shared_b is not None
     native = native_fp8_supported(x.device) if native_fp8 is None else bool(native_fp8)
     native = native and has_shared and all(t.dtype == torch.float8_e4m3fn for t in shared[0:6:2])
@@ -806,7 +818,7 @@ def moe_mxfp4_launches(
     else:  # never read: the grid has no shared slot; any byte tensors of the kernel's types
         sw1b, ss1b, sw3b, ss3b, sw2b, ss2b = w1b, s1b, w3b, s3b, w2b, s2b
     act, part = carve(workspace, x.device, moe_mxfp4_parts(b, top_k, inter, d, x.dtype, grouped, has_shared))
-    if one_row and act.data_ptr() % 16:  # w2 reads its rows as x (inter % 32 == 0: every row aligned)
+    if (one_row or use_mma) and act.data_ptr() % 16:  # w2 reads its rows as x (inter % 32 == 0: every row aligned)
         _fail("workspace alignment", "16 bytes", f"address mod 16 {act.data_ptr() % 16}",
               "carve it at a 16-byte boundary, as the arena does")
     c13, c2 = (W13_CONFIG, W2_CONFIG) if b == 1 else (W13_CONFIG_BATCHED, W2_CONFIG_BATCHED)
@@ -893,7 +905,37 @@ def moe_mxfp4_launches(
 
         return [("w13", w13_rows), ("w2", w2_rows), ("reduce", reduce)]
 
-    if grouped and b <= ROWS_MAX_BATCH:
+    def mma_launches():
+        from draftgraph.ops.triton import moe_mxfp4_mma as M
+
+        c13, c2 = W13_CONFIG_MMA, W2_CONFIG_MMA
+        # 16 rows a warp; K tiles of whole 128-column chunks (4 scale blocks, one a lane)
+        bk13 = min(c13.block_k, max(128, next_pow2(d)))
+        bk2 = min(c2.block_k, max(128, next_pow2(inter)))
+        common = dict(TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_R=next_pow2(b), BLOCK_B=block_b, NATIVE=native,
+                      INTERP=interp)
+
+        def w13_mma():
+            M.launch_w13(
+                (triton.cdiv(inter, c13.block_n), slots),
+                x, idx, wts, w1b, s1b, w3b, s3b, sw1b, ss1b, sw3b, ss3b, act, b, d, inter, x.stride(0), s13, limit,
+                BLOCK_N=c13.block_n, BLOCK_K=bk13, DOT_K=min(FP8_BLOCK, max(16, next_pow2(d))), EVEN=d % bk13 == 0,
+                **common, num_warps=c13.block_n // 16, num_stages=c13.num_stages, **pdl,
+            )  # fmt: skip
+
+        def w2_mma():
+            M.launch_w2(
+                (triton.cdiv(d, c2.block_n), slots),
+                act, idx, wts, w2b, s2b, sw2b, ss2b, part, b, d, inter, s2,
+                BLOCK_N=c2.block_n, BLOCK_K=bk2, DOT_K=min(FP8_BLOCK, max(16, next_pow2(inter))),
+                EVEN=inter % bk2 == 0, **common, num_warps=c2.block_n // 16, num_stages=c2.num_stages, **pdl,
+            )  # fmt: skip
+
+        return [("w13", w13_mma), ("w2", w2_mma), ("reduce", reduce)]
+
+    if use_mma:
+        return mma_launches()
+    if use_rows:
         return rows_launches()
     if grouped:
         return [("w13", w13), ("w2", w2_grouped), ("reduce", reduce)]

@@ -78,6 +78,41 @@ def _pick(sel, values, zero):
 
 
 @triton.jit
+def shared_w13_dot(x_ptr, sw1_ptr, ss1_ptr, sw3_ptr, ss3_ptr, act_ptr, pid_n, B, D, INTER, routed, stride_xb,
+                   stride_ssn, limit, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, DOT_K: tl.constexpr,
+                   NATIVE: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """The shared expert's (FP8) act rows of every batch row, rows pid_n of its intermediate: the dot tiles."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < INTER
+    n64 = offs_n.to(tl.int64)
+    all_rows = tl.arange(0, BLOCK_B)
+    every = all_rows < B
+    x_rows = x_ptr + all_rows.to(tl.int64)[:, None] * stride_xb
+    s_rows = (offs_n // 128) * stride_ssn
+    g = _expert_tiles(x_rows, every, sw1_ptr + n64 * D, ss1_ptr + s_rows, n_mask, D, D,
+                      True, BLOCK_N, DOT_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
+    u = _expert_tiles(x_rows, every, sw3_ptr + n64 * D, ss3_ptr + s_rows, n_mask, D, D,
+                      True, BLOCK_N, DOT_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
+    ptrs = act_ptr + (routed + all_rows).to(tl.int64)[None, :] * INTER + offs_n[:, None]
+    tl.store(ptrs, clamped_swiglu(g, u, limit).to(act_ptr.dtype.element_ty), mask=n_mask[:, None] & every[None, :])
+
+
+@triton.jit
+def shared_w2_dot(act_ptr, sw2_ptr, ss2_ptr, part_ptr, pid_n, B, D, INTER, routed, stride_ssn, BLOCK_N: tl.constexpr,
+                  BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, NATIVE: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """The shared expert's (FP8) w2 partials of every batch row, output rows pid_n: the dot tiles."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < D
+    all_rows = tl.arange(0, BLOCK_B)
+    every = all_rows < B
+    dest = routed + all_rows
+    a_rows = act_ptr + dest.to(tl.int64)[:, None] * INTER
+    acc = _expert_tiles(a_rows, every, sw2_ptr + offs_n.to(tl.int64) * INTER, ss2_ptr + (offs_n // 128) * stride_ssn,
+                        n_mask, INTER, INTER, True, BLOCK_N, DOT_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
+    tl.store(part_ptr + dest.to(tl.int64)[None, :] * D + offs_n[:, None], acc, mask=n_mask[:, None] & every[None, :])
+
+
+@triton.jit
 def _w13_rows_kernel(
     x_ptr,
     idx_ptr,
@@ -117,18 +152,9 @@ def _w13_rows_kernel(
     n_mask = offs_n < INTER
     n64 = offs_n.to(tl.int64)
     # (Names differ between the branches: compiled Triton types a name across an if.)
-    if slot >= routed:  # the shared expert (FP8), every row: the dot tiles
-        all_rows = tl.arange(0, BLOCK_B)
-        every = all_rows < B
-        x_rows = x_ptr + all_rows.to(tl.int64)[:, None] * stride_xb
-        s_rows = (offs_n // 128) * stride_ssn
-        g_s = _expert_tiles(x_rows, every, sw1_ptr + n64 * D, ss1_ptr + s_rows, n_mask, D, D,
-                            True, BLOCK_N, DOT_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
-        u_s = _expert_tiles(x_rows, every, sw3_ptr + n64 * D, ss3_ptr + s_rows, n_mask, D, D,
-                            True, BLOCK_N, DOT_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
-        act_s = clamped_swiglu(g_s, u_s, limit)
-        ptrs_s = act_ptr + (routed + all_rows).to(tl.int64)[None, :] * INTER + offs_n[:, None]
-        tl.store(ptrs_s, act_s.to(act_ptr.dtype.element_ty), mask=n_mask[:, None] & every[None, :])
+    if slot >= routed:
+        shared_w13_dot(x_ptr, sw1_ptr, ss1_ptr, sw3_ptr, ss3_ptr, act_ptr, pid_n, B, D, INTER, routed, stride_xb,
+                       stride_ssn, limit, BLOCK_N, BLOCK_B, DOT_K, NATIVE, INTERP)  # fmt: skip
     else:
         e, _, owner, serves, weight, dest = _owned_rows(idx_ptr, wts_ptr, slot, B, TOPK, TOPK_PAD, BLOCK_R)
         rows = tl.arange(0, BLOCK_R)
@@ -183,15 +209,9 @@ def _w2_rows_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < D
     n64 = offs_n.to(tl.int64)
-    if slot >= routed:  # the shared expert (FP8), every row: the dot tiles
-        all_rows = tl.arange(0, BLOCK_B)
-        every = all_rows < B
-        dest_s = routed + all_rows
-        a_rows = act_ptr + dest_s.to(tl.int64)[:, None] * INTER
-        acc_s = _expert_tiles(a_rows, every, sw2_ptr + n64 * INTER, ss2_ptr + (offs_n // 128) * stride_ssn,
-                              n_mask, INTER, INTER, True, BLOCK_N, DOT_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
-        ptrs_s = part_ptr + dest_s.to(tl.int64)[None, :] * D + offs_n[:, None]
-        tl.store(ptrs_s, acc_s, mask=n_mask[:, None] & every[None, :])
+    if slot >= routed:
+        shared_w2_dot(act_ptr, sw2_ptr, ss2_ptr, part_ptr, pid_n, B, D, INTER, routed, stride_ssn, BLOCK_N, BLOCK_B,
+                      DOT_K, NATIVE, INTERP)  # fmt: skip
     else:
         e, _, owner, serves, _, dest = _owned_rows(idx_ptr, wts_ptr, slot, B, TOPK, TOPK_PAD, BLOCK_R)
         rank = tl.cumsum(serves.to(tl.int32), 0) - 1
@@ -216,4 +236,4 @@ def launch_w2(grid, *args, **meta):
     _w2_rows_kernel[grid](*args, **meta)
 
 
-__all__ = ["launch_w13", "launch_w2"]
+__all__ = ["launch_w13", "launch_w2", "shared_w13_dot", "shared_w2_dot"]

@@ -1,0 +1,359 @@
+"""Expert-major MXFP4 MoE for 2..8 rows on the tensor cores: ``mma.sync`` on the decoded words.
+
+At a few rows an expert, the FMA kernels (``moe_mxfp4_rows``) pay their decode and one FMA a row
+for every code, on CUDA cores, and the dot tiles (``_expert_tiles``) move the decoded tile through
+shared memory into ``tl.dot``. Here each lane decodes its own words straight into the A fragments
+of ``mma.sync.m16n8k16`` (bf16, fp32 accumulate) and loads the activation of its own batch column
+straight into the B fragment: no shared memory, no barrier, and one decode serves every row that
+chose the expert (up to 8: the mma's n).
+
+Note "lanes and fragments": a warp holds 16 weight rows. Lane (g, t) (g = lane / 4, t = lane % 4)
+reads rows g and g + 8 of its warp's 16, block t of each 4 consecutive 32-column scale blocks (16
+bytes a row: one ``ld.v4`` of 4 words), and the activation of batch column g (the g-th row that
+chose the expert) over the same 32 columns. One word of each row (8 codes, as bf16x2 pairs 0..3
+times its block scale) is A of 2 mmas (pairs 0, 1 at k slots 2t, 2t + 1 and 2t + 8, 2t + 9; then
+pairs 2, 3); the activation's pairs of the same word are B. The mma sums over k slots, so the
+order in which lanes cover the columns does not matter as long as A and B use the same one. The
+fragments of C are rows (g, g + 8) x columns (2t, 2t + 1): each lane stores its four results.
+
+Every tensor in the loop has one element a thread (1D, 32 x warps: Triton's layout puts element i
+on thread i), and every load and store there is inline PTX (no layout anchor that could move an
+element to another thread), so the element a lane holds is the one its index says. The lanes'
+rows and columns are found by scalar loads of the routing (``_lane_columns``), not by reductions
+over a tensor of another layout.
+
+The shared expert (FP8, every row) keeps ``moe_mxfp4_rows``' dot tiles. Scratch, partials and the
+reduce are ``moe_mxfp4``'s expert-major ones. Under the interpreter, which runs no PTX, the mma
+is computed by ``_mma_twin`` from the same per-lane fragments (the lane mapping, gathers and
+stores are the ones the GPU runs; only the mma and the loads differ).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from draftgraph.ops.triton._common import clamped_swiglu, pdl_wait
+from draftgraph.ops.triton.fp8_linear import ue8m0_to_f32
+from draftgraph.ops.triton.moe_mxfp4 import MMA_MAX_ROWS, _hi, _ld_u8, _ld_v4, _lo, e2m1_word_pairs
+from draftgraph.ops.triton.moe_mxfp4_rows import shared_w2_dot, shared_w13_dot
+
+
+def _decode_lines(word: str, scale: str, outs: tuple[str, ...]) -> str:
+    """PTX: the 4 bf16x2 pairs of ``word`` (moe_mxfp4's E2M1_WORD_PTX steps) times ``scale``."""
+    lines = [f"and.b32 lo, {word}, 0x0F0F0F0F;", f"shr.u32 hi, {word}, 4;", "and.b32 hi, hi, 0x0F0F0F0F;"]
+    for j, out in enumerate(outs):
+        lines += [
+            f"prmt.b32 t, lo, hi, 0x8{4 + j}8{j};",
+            "mul.lo.u32 t, t, 0x1040;",
+            "and.b32 t, t, 0x81C081C0;",
+            "fma.rn.bf16x2 t, t, r, z;",  # times 2^126: the codes' values, exactly
+            f"fma.rn.bf16x2 {out}, t, {scale}, z;",  # times the block scale (a power of two: exact)
+        ]
+    return "\n".join(lines)
+
+
+# $4 / $5: a word of row g / g + 8; $6 / $7: their block scales as bf16x2; $8..$11: the activation's
+# pairs 0..3 of the same 8 columns; $12..$15: C in; $0..$3: C out (see "lanes and fragments").
+MMA_WORD_PTX = tl.constexpr(
+    "{\n.reg .b32 lo, hi, t, r, z, a0, a1, a2, a3, b0, b1, b2, b3;\n"
+    "mov.b32 r, 0x7E807E80;\nmov.b32 z, 0x80008000;\n"
+    + _decode_lines("$4", "$6", ("a0", "a1", "a2", "a3"))
+    + "\n"
+    + _decode_lines("$5", "$7", ("b0", "b1", "b2", "b3"))
+    + "\nmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {a0, b0, a1, b1}, {$8, $9}, "
+    "{$12, $13, $14, $15};\n"
+    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {a2, b2, a3, b3}, {$10, $11}, "
+    "{$0, $1, $2, $3};\n}"
+)
+
+# Stores by the lane that holds the value (no layout anchor), where $3 != 0.
+ST_F32_PTX = tl.constexpr("{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n@p st.global.b32 [$1], $2;\nmov.b32 $0, 0;\n}")
+ST_B16_PTX = tl.constexpr(
+    "{\n.reg .pred p;\n.reg .b16 h;\nsetp.ne.b32 p, $3, 0;\ncvt.u16.u32 h, $2;\n@p st.global.b16 [$1], h;\n"
+    "mov.b32 $0, 0;\n}"
+)
+
+
+@triton.jit
+def _scale_pair(s):
+    """UE8M0 bytes (int32) -> 2^(byte - 127) as bf16 in both halves (0: 2^-127, 255: NaN)."""
+    bits = tl.where(s == 0, 0x40, tl.where(s == 255, 0x7FC0, s << 7))
+    return bits | bits << 16
+
+
+@triton.jit
+def _word_values(w, s):
+    """The 8 codes of words ``w`` times their scale bytes ``s``, fp32 (the interpreter's decode)."""
+    p0, p1, p2, p3 = e2m1_word_pairs(w, True)
+    f = ue8m0_to_f32(s)
+    return _lo(p0) * f, _hi(p0) * f, _lo(p1) * f, _hi(p1) * f, _lo(p2) * f, _hi(p2) * f, _lo(p3) * f, _hi(p3) * f
+
+
+@triton.jit
+def _quad_sum(a, x, W: tl.constexpr):
+    """[W, 8 (weight row g), 8 (column n)]: sum over the 4 lanes t of a (lane (w, g, t)'s value) times
+    x (lane (w, n, t)'s value): one code's share of a warp's 8 x 8 block of C."""
+    a3 = tl.reshape(a, [W, 8, 4])
+    x3 = tl.reshape(x, [W, 8, 4])
+    return tl.sum(a3[:, :, None, :] * x3[:, None, :, :], 3)
+
+
+@triton.jit
+def _lane_pick(c, t, odd, W: tl.constexpr):
+    """Lane (w, g, t)'s C value c[w, g, 2t + odd] of a [W, 8, 8] block, as a [32 W] tensor."""
+    n = tl.arange(0, 8)[None, None, :, None]
+    hit = n == (2 * tl.reshape(t, [W, 8, 4]) + odd)[:, :, None, :]
+    return tl.reshape(tl.sum(tl.where(hit, c[:, :, :, None], 0.0), 2), [32 * W])
+
+
+@triton.jit
+def _mma_twin(c0, c1, c2, c3, wa, wb, sa, sb, x0, x1, x2, x3, t, W: tl.constexpr):
+    """MMA_WORD_PTX by arithmetic (the interpreter): the same C fragments from the same lanes' words."""
+    va = _word_values(wa, sa)
+    vb = _word_values(wb, sb)
+    xs = (_lo(x0), _hi(x0), _lo(x1), _hi(x1), _lo(x2), _hi(x2), _lo(x3), _hi(x3))
+    top = _quad_sum(va[0], xs[0], W)
+    bot = _quad_sum(vb[0], xs[0], W)
+    for j in tl.static_range(1, 8):
+        top += _quad_sum(va[j], xs[j], W)
+        bot += _quad_sum(vb[j], xs[j], W)
+    return (c0 + _lane_pick(top, t, 0, W), c1 + _lane_pick(top, t, 1, W),
+            c2 + _lane_pick(bot, t, 0, W), c3 + _lane_pick(bot, t, 1, W))  # fmt: skip
+
+
+@triton.jit
+def _mma_word(c0, c1, c2, c3, wa, wb, sa, sb, x0, x1, x2, x3, t, W: tl.constexpr, INTERP: tl.constexpr):
+    """C += one word of rows g and g + 8 (UE8M0 bytes sa / sb) times the activation pairs x0..x3."""
+    if INTERP:
+        return _mma_twin(c0, c1, c2, c3, wa, wb, sa, sb, x0, x1, x2, x3, t, W)
+    else:
+        return tl.inline_asm_elementwise(MMA_WORD_PTX, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,f,f,f,f",
+                                         [wa, wb, _scale_pair(sa), _scale_pair(sb), x0, x1, x2, x3, c0, c1, c2, c3],
+                                         dtype=(tl.float32,) * 4, is_pure=True, pack=1)  # fmt: skip
+
+
+@triton.jit
+def _mma_block(c0, c1, c2, c3, w_g, w_g8, s_g, s_g8, bt, live, x, t, W: tl.constexpr, EVEN: tl.constexpr,
+               INTERP: tl.constexpr):  # fmt: skip
+    """C += a lane's block ``bt`` of its two rows (word pointers w_g / w_g8, scale pointers s_g / s_g8)
+    times the activation words x (16: the block's 32 columns, from ``_act_block``, 0 where the block
+    is not real). ``live``: the block is real; a clamped one's scale reads as byte 0 (finite: its
+    products with the zero activation are 0, even where the real byte is 255, NaN)."""
+    a0, a1, a2, a3 = _ld_v4(w_g + bt * 4, INTERP)
+    b0, b1, b2, b3 = _ld_v4(w_g8 + bt * 4, INTERP)
+    sa = _ld_u8(s_g + bt, INTERP)
+    sb = _ld_u8(s_g8 + bt, INTERP)
+    if not EVEN:
+        sa = tl.where(live, sa, 0)
+        sb = tl.where(live, sb, 0)
+    c0, c1, c2, c3 = _mma_word(c0, c1, c2, c3, a0, b0, sa, sb, x[0], x[1], x[2], x[3], t, W, INTERP)
+    c0, c1, c2, c3 = _mma_word(c0, c1, c2, c3, a1, b1, sa, sb, x[4], x[5], x[6], x[7], t, W, INTERP)
+    c0, c1, c2, c3 = _mma_word(c0, c1, c2, c3, a2, b2, sa, sb, x[8], x[9], x[10], x[11], t, W, INTERP)
+    c0, c1, c2, c3 = _mma_word(c0, c1, c2, c3, a3, b3, sa, sb, x[12], x[13], x[14], x[15], t, W, INTERP)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _act_block(a_row, bt, live, EVEN: tl.constexpr, INTERP: tl.constexpr):
+    """The 16 activation words (bf16 pairs) of block ``bt`` of a lane's row ``a_row``; 0 where the
+    block is not real (none: EVEN). A batch column with no row reads a real row: C's column n
+    depends on B's column n alone, and a dead column is never stored."""
+    x0, x1, x2, x3 = _ld_v4(a_row + bt * 16, INTERP)
+    x4, x5, x6, x7 = _ld_v4(a_row + bt * 16 + 4, INTERP)
+    x8, x9, x10, x11 = _ld_v4(a_row + bt * 16 + 8, INTERP)
+    x12, x13, x14, x15 = _ld_v4(a_row + bt * 16 + 12, INTERP)
+    if EVEN:
+        return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
+    return (tl.where(live, x0, 0), tl.where(live, x1, 0), tl.where(live, x2, 0), tl.where(live, x3, 0),
+            tl.where(live, x4, 0), tl.where(live, x5, 0), tl.where(live, x6, 0), tl.where(live, x7, 0),
+            tl.where(live, x8, 0), tl.where(live, x9, 0), tl.where(live, x10, 0), tl.where(live, x11, 0),
+            tl.where(live, x12, 0), tl.where(live, x13, 0), tl.where(live, x14, 0), tl.where(live, x15, 0))  # fmt: skip
+
+
+@triton.jit
+def _lane_columns(idx_ptr, wts_ptr, e, slot, B, g, t, TOPK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Which rows ``slot`` serves, per lane: (owner?, batch column g (B's): its x row and its act row
+    (0 for a column with no row); then columns 2t and 2t + 1 (C's): the act / part row, the routing
+    weight, whether live). A column's act row is (row, the first k that chose the expert), as w13
+    writes it.
+
+    The slot owns its expert if it is the first (row, k) that chose it (``moe_grouped._owned_rows``);
+    the columns are the rows that chose it in row order. Scalar loads of the routing, unrolled over
+    BLOCK_R rows (at most MMA_MAX_ROWS), so every lane tensor keeps the one-element-a-thread layout.
+    """
+    routed = B * TOPK
+    first = routed
+    count = slot * 0
+    row_b = g * 0
+    dest_b = g * 0
+    dest0 = g * 0
+    dest1 = g * 0
+    wt0 = g * 0.0
+    wt1 = g * 0.0
+    live0 = g < 0
+    live1 = g < 0
+    for r in tl.static_range(BLOCK_R):
+        chose = slot < 0
+        k_first = slot * 0 + TOPK
+        weight = 0.0
+        for k in tl.static_range(TOPK):
+            hit = (r < B) & (tl.load(idx_ptr + r * TOPK + k, mask=r < B, other=-1) == e)
+            k_first = tl.where(hit & (k_first == TOPK), k, k_first)
+            weight += tl.load(wts_ptr + r * TOPK + k, mask=hit, other=0.0)  # a repeated expert: summed
+            first = tl.where(hit, tl.minimum(first, r * TOPK + k), first)
+            chose = chose | hit
+        here_b = chose & (g == count)
+        row_b = tl.where(here_b, r, row_b)
+        dest_b = tl.where(here_b, r * TOPK + k_first, dest_b)
+        here0 = chose & (2 * t == count)
+        here1 = chose & (2 * t + 1 == count)
+        dest0 = tl.where(here0, r * TOPK + k_first, dest0)
+        dest1 = tl.where(here1, r * TOPK + k_first, dest1)
+        wt0 = tl.where(here0, weight, wt0)
+        wt1 = tl.where(here1, weight, wt1)
+        live0 = live0 | here0
+        live1 = live1 | here1
+        count += chose.to(tl.int32)
+    owner = (first == slot) & (e >= 0)  # a negative id (NO_EXPERT) owns nothing
+    return owner, row_b, dest_b, dest0, wt0, live0, dest1, wt1, live1
+
+
+@triton.jit
+def _store(ptr, v, live, INTERP: tl.constexpr):
+    """ptr[i] = v[i] (fp32, or rounded to ptr's bf16) where live, by the lane that holds it."""
+    if INTERP:
+        tl.store(ptr, v.to(ptr.dtype.element_ty), mask=live != 0)
+    elif ptr.dtype.element_ty == tl.float32:
+        tl.inline_asm_elementwise(ST_F32_PTX, "=r,l,r,r", [ptr.to(tl.int64), v.to(tl.int32, bitcast=True),
+                                  live.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+    else:
+        bits = v.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        tl.inline_asm_elementwise(ST_B16_PTX, "=r,l,r,r", [ptr.to(tl.int64), bits, live.to(tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@triton.jit
+def _lanes(pid_n, N, BLOCK_N: tl.constexpr):
+    """(t, g, the lane's rows g and g + 8 clamped into N (int64), whether each is real)."""
+    tid = tl.arange(0, 2 * BLOCK_N)  # 32 lanes a warp, 16 rows a warp
+    g = tid % 32 // 4
+    t = tid % 4
+    row = pid_n * BLOCK_N + tid // 32 * 16 + g
+    return t, g, tl.minimum(row, N - 1).to(tl.int64), tl.minimum(row + 8, N - 1).to(tl.int64), row < N, row + 8 < N
+
+
+@triton.jit
+def _w13_mma_kernel(
+    x_ptr, idx_ptr, wts_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, sw1_ptr, ss1_ptr, sw3_ptr, ss3_ptr, act_ptr,
+    B, D, INTER, stride_xb, stride_ssn, limit,
+    TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, EVEN: tl.constexpr,
+    NATIVE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_wait(PDL)
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    routed = B * TOPK
+    if slot >= routed:
+        shared_w13_dot(x_ptr, sw1_ptr, ss1_ptr, sw3_ptr, ss3_ptr, act_ptr, pid_n, B, D, INTER, routed, stride_xb,
+                       stride_ssn, limit, BLOCK_N, BLOCK_B, DOT_K, NATIVE, INTERP)  # fmt: skip
+    else:
+        W: tl.constexpr = BLOCK_N // 16
+        t, g, row_g, row_g8, real_g, real_g8 = _lanes(pid_n, INTER, BLOCK_N)
+        e = tl.load(idx_ptr + slot).to(tl.int64)
+        owner, row_b, _, dest0, wt0, live0, dest1, wt1, live1 = _lane_columns(
+            idx_ptr, wts_ptr, e, slot, B, g, t, TOPK, BLOCK_R)
+        e_c = tl.maximum(e, 0)
+        w1_words = w1_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        w3_words = w3_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        base_g = (e_c * INTER + row_g)
+        base_g8 = (e_c * INTER + row_g8)
+        a_row = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + row_b.to(tl.int64) * (stride_xb // 2)
+        zero = g * 0.0
+        c0, c1, c2, c3 = zero, zero, zero, zero
+        d0, d1, d2, d3 = zero, zero, zero, zero
+        for k0 in range(0, tl.where(owner, D, 0), BLOCK_K):
+            for c in tl.static_range(BLOCK_K // 128):
+                bt = k0 // 32 + c * 4 + t  # this lane's scale block
+                if EVEN:
+                    live = bt >= 0
+                else:
+                    live = bt < D // 32
+                    bt = tl.minimum(bt, D // 32 - 1)
+                x = _act_block(a_row, bt, live, EVEN, INTERP)
+                c0, c1, c2, c3 = _mma_block(c0, c1, c2, c3, w1_words + base_g * (D // 8), w1_words + base_g8 * (D // 8),
+                                            s1_ptr + base_g * (D // 32), s1_ptr + base_g8 * (D // 32), bt, live, x, t,
+                                            W, EVEN, INTERP)  # fmt: skip
+                d0, d1, d2, d3 = _mma_block(d0, d1, d2, d3, w3_words + base_g * (D // 8), w3_words + base_g8 * (D // 8),
+                                            s3_ptr + base_g * (D // 32), s3_ptr + base_g8 * (D // 32), bt, live, x, t,
+                                            W, EVEN, INTERP)  # fmt: skip
+        live0 = live0 & owner
+        live1 = live1 & owner
+        out0 = act_ptr + dest0.to(tl.int64) * INTER
+        out1 = act_ptr + dest1.to(tl.int64) * INTER
+        _store(out0 + row_g, clamped_swiglu(c0, d0, limit) * wt0, live0 & real_g, INTERP)
+        _store(out1 + row_g, clamped_swiglu(c1, d1, limit) * wt1, live1 & real_g, INTERP)
+        _store(out0 + row_g8, clamped_swiglu(c2, d2, limit) * wt0, live0 & real_g8, INTERP)
+        _store(out1 + row_g8, clamped_swiglu(c3, d3, limit) * wt1, live1 & real_g8, INTERP)
+
+
+@triton.jit
+def _w2_mma_kernel(
+    act_ptr, idx_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, part_ptr,
+    B, D, INTER, stride_ssn,
+    TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, EVEN: tl.constexpr,
+    NATIVE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_wait(PDL)
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    routed = B * TOPK
+    if slot >= routed:
+        shared_w2_dot(act_ptr, sw2_ptr, ss2_ptr, part_ptr, pid_n, B, D, INTER, routed, stride_ssn, BLOCK_N, BLOCK_B,
+                      DOT_K, NATIVE, INTERP)  # fmt: skip
+    else:
+        W: tl.constexpr = BLOCK_N // 16
+        t, g, row_g, row_g8, real_g, real_g8 = _lanes(pid_n, D, BLOCK_N)
+        e = tl.load(idx_ptr + slot).to(tl.int64)
+        owner, _, dest_b, dest0, _, live0, dest1, _, live1 = _lane_columns(
+            idx_ptr, wts_ptr, e, slot, B, g, t, TOPK, BLOCK_R)
+        e_c = tl.maximum(e, 0)
+        w2_words = w2_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        base_g = (e_c * D + row_g)
+        base_g8 = (e_c * D + row_g8)
+        a_row = act_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + dest_b.to(tl.int64) * (INTER // 2)
+        zero = g * 0.0
+        c0, c1, c2, c3 = zero, zero, zero, zero
+        for k0 in range(0, tl.where(owner, INTER, 0), BLOCK_K):
+            for c in tl.static_range(BLOCK_K // 128):
+                bt = k0 // 32 + c * 4 + t
+                if EVEN:
+                    live = bt >= 0
+                else:
+                    live = bt < INTER // 32
+                    bt = tl.minimum(bt, INTER // 32 - 1)
+                x = _act_block(a_row, bt, live, EVEN, INTERP)
+                c0, c1, c2, c3 = _mma_block(c0, c1, c2, c3, w2_words + base_g * (INTER // 8),
+                                            w2_words + base_g8 * (INTER // 8), s2_ptr + base_g * (INTER // 32),
+                                            s2_ptr + base_g8 * (INTER // 32), bt, live, x, t, W, EVEN,
+                                            INTERP)  # fmt: skip
+        live0 = live0 & owner
+        live1 = live1 & owner
+        out0 = part_ptr + dest0.to(tl.int64) * D
+        out1 = part_ptr + dest1.to(tl.int64) * D
+        _store(out0 + row_g, c0, live0 & real_g, INTERP)
+        _store(out1 + row_g, c1, live1 & real_g, INTERP)
+        _store(out0 + row_g8, c2, live0 & real_g8, INTERP)
+        _store(out1 + row_g8, c3, live1 & real_g8, INTERP)
+
+
+def launch_w13(grid, *args, **meta):
+    _w13_mma_kernel[grid](*args, **meta)
+
+
+def launch_w2(grid, *args, **meta):
+    _w2_mma_kernel[grid](*args, **meta)
+
+
+__all__ = ["MMA_MAX_ROWS", "launch_w13", "launch_w2"]
