@@ -325,6 +325,7 @@ MOE_WIDE = (K["gemv"].GemvConfig(8, 256, 4, 2, use_dot=False), K["gemv"].GemvCon
         (2, True, "mma"),  # 1 warp, 16 rows a program, 128-column K tiles (D, I: the last one ragged)
         (8, True, "mma_wide"),  # 8 rows: every batch column of the mma
         (5, True, "mma_wide"),  # 4 warps, 64 rows a program (ragged in I and D), 256-column K tiles
+        (12, True, "mma_wide"),  # an expert 9 rows chose (forced below): two chunks of 8 columns
     ],
 )
 def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
@@ -346,10 +347,14 @@ def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
         monkeypatch.setattr(MX, "ROWS_MAX_BATCH", 8)
     if variant == "rows1":
         monkeypatch.setattr(MX, "ROWS_CHUNK", 1)
+    if variant.startswith("mma"):
+        monkeypatch.setattr(MX, "MMA_MAX_BATCH", 64)
     ex = _experts_on(small_experts, device)
     g = gen(2100 + batch)
     x = act(g, batch, D_SMALL).to(device)
     idx, wts = routing(g, batch, K_SMALL, E_SMALL, device)
+    if batch > 8:
+        idx[:9, 2] = idx[0, 0]  # 9 rows share an expert (one of them twice)
     out = poisoned((batch, D_SMALL), BF16, device)
     MX.moe_mxfp4(x, idx, wts, *ex.routed(), out, swiglu_limit=LIMIT, shared=ex.shared, grouped=grouped)
     ref, gates = moe_reference(x, idx, wts, ex, LIMIT)

@@ -91,11 +91,10 @@ W2_CONFIG = GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=3, use_d
 # the MoE at B=4 (random routing) 640.6 us on the dot tiles, 391.4 on these, 364.3 with the tiles
 # below. Not above 8: at B=32 the chain's MoE (23 experts, ~8 rows each) replayed in 3.19 ms on them.
 ROWS_MAX_BATCH = 8
-# Expert-major up to MMA_MAX_BATCH rows (at most MMA_MAX_ROWS, bf16 x): the routed
-# experts' decoded words multiplied by all the rows that chose them on the tensor cores
-# (moe_mxfp4_mma); it comes before the rows kernel. BLOCK_N is 16 rows a warp.
+# Expert-major up to MMA_MAX_BATCH rows (bf16 x): the routed experts' decoded words multiplied by
+# the rows that chose them, 8 at a time, on the tensor cores (moe_mxfp4_mma); it comes before the
+# rows kernel. BLOCK_N is 16 rows a warp.
 MMA_MAX_BATCH = 8
-MMA_MAX_ROWS = 8  # the mma's n: the most rows one expert can serve there
 W13_CONFIG_MMA = GemvConfig(block_n=16, block_k=512, num_warps=1, num_stages=1, use_dot=False)
 W2_CONFIG_MMA = GemvConfig(block_n=16, block_k=512, num_warps=1, num_stages=1, use_dot=False)
 ROWS_CHUNK = 1  # rows a routed expert's decoded words meet at a time (1: 387.7 us, 2: 391.7, 4: 547.2)
@@ -801,7 +800,7 @@ def moe_mxfp4_launches(
     # The word kernels read x as bf16 pairs (int32): fp16 x takes the dot tiles.
     bf16 = x.dtype == torch.bfloat16
     one_row = bf16 and b == 1 and not grouped and not W13_CONFIG.use_dot  # x 16 bytes at a time (mxfp4_rows_dot)
-    use_mma = bf16 and grouped and b <= min(MMA_MAX_BATCH, MMA_MAX_ROWS)  # x 16 bytes at a time (moe_mxfp4_mma)
+    use_mma = bf16 and grouped and b <= MMA_MAX_BATCH  # x 16 bytes at a time (moe_mxfp4_mma)
     use_rows = bf16 and grouped and not use_mma and b <= ROWS_MAX_BATCH  # x as int32
     align, step = (16, 8) if one_row or use_mma else (4, 2)
     if (one_row or use_mma or use_rows) and (x.data_ptr() % align or x.stride(0) % step):

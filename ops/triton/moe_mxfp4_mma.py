@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 from draftgraph.ops.triton._common import clamped_swiglu, pdl_wait
 from draftgraph.ops.triton.fp8_linear import ue8m0_to_f32
-from draftgraph.ops.triton.moe_mxfp4 import MMA_MAX_ROWS, _hi, _ld_u8, _ld_v4, _lo, e2m1_word_pairs
+from draftgraph.ops.triton.moe_grouped import _owned_rows
+from draftgraph.ops.triton.moe_mxfp4 import _hi, _ld_u8, _ld_v4, _lo, e2m1_word_pairs
 from draftgraph.ops.triton.moe_mxfp4_rows import shared_w2_dot, shared_w13_dot
 
 
@@ -171,19 +172,16 @@ def _act_block(a_row, bt, live, EVEN: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _lane_columns(idx_ptr, wts_ptr, e, slot, B, g, t, TOPK: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Which rows ``slot`` serves, per lane: (owner?, batch column g (B's): its x row and its act row
-    (0 for a column with no row); then columns 2t and 2t + 1 (C's): the act / part row, the routing
-    weight, whether live). A column's act row is (row, the first k that chose the expert), as w13
-    writes it.
+def _lane_columns(idx_ptr, wts_ptr, e, c0, B, g, t, TOPK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The rows that chose expert ``e`` (in row order), per lane, from the c0-th on: (batch column g
+    (B's): its x row and its act row, 0 for a column with no row; then columns 2t and 2t + 1 (C's):
+    the act / part row, the routing weight, whether live). A column's act row is (row, the first k
+    that chose the expert), as w13 writes it; a repeated expert's weights are summed.
 
-    The slot owns its expert if it is the first (row, k) that chose it (``moe_grouped._owned_rows``);
-    the columns are the rows that chose it in row order. Scalar loads of the routing, unrolled over
-    BLOCK_R rows (at most MMA_MAX_ROWS), so every lane tensor keeps the one-element-a-thread layout.
+    Scalar loads of the routing, unrolled over BLOCK_R rows, so every lane tensor keeps the
+    one-element-a-thread layout (see "lanes and fragments").
     """
-    routed = B * TOPK
-    first = routed
-    count = slot * 0
+    count = -c0  # this chunk's columns: count 0..7
     row_b = g * 0
     dest_b = g * 0
     dest0 = g * 0
@@ -193,14 +191,13 @@ def _lane_columns(idx_ptr, wts_ptr, e, slot, B, g, t, TOPK: tl.constexpr, BLOCK_
     live0 = g < 0
     live1 = g < 0
     for r in tl.static_range(BLOCK_R):
-        chose = slot < 0
-        k_first = slot * 0 + TOPK
+        chose = count < -B  # False
+        k_first = count * 0 + TOPK
         weight = 0.0
         for k in tl.static_range(TOPK):
             hit = (r < B) & (tl.load(idx_ptr + r * TOPK + k, mask=r < B, other=-1) == e)
             k_first = tl.where(hit & (k_first == TOPK), k, k_first)
-            weight += tl.load(wts_ptr + r * TOPK + k, mask=hit, other=0.0)  # a repeated expert: summed
-            first = tl.where(hit, tl.minimum(first, r * TOPK + k), first)
+            weight += tl.load(wts_ptr + r * TOPK + k, mask=hit, other=0.0)
             chose = chose | hit
         here_b = chose & (g == count)
         row_b = tl.where(here_b, r, row_b)
@@ -214,8 +211,15 @@ def _lane_columns(idx_ptr, wts_ptr, e, slot, B, g, t, TOPK: tl.constexpr, BLOCK_
         live0 = live0 | here0
         live1 = live1 | here1
         count += chose.to(tl.int32)
-    owner = (first == slot) & (e >= 0)  # a negative id (NO_EXPERT) owns nothing
-    return owner, row_b, dest_b, dest0, wt0, live0, dest1, wt1, live1
+    return row_b, dest_b, dest0, wt0, live0, dest1, wt1, live1
+
+
+@triton.jit
+def _served(idx_ptr, wts_ptr, slot, B, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(the slot's expert, the rows it serves: 0 unless the slot owns it), by moe_grouped._owned_rows
+    (one tile of the routing and two reductions, to scalars only)."""
+    e, _, owner, serves, _, _ = _owned_rows(idx_ptr, wts_ptr, slot, B, TOPK, TOPK_PAD, BLOCK_R)
+    return e, tl.where(owner, tl.sum(serves.to(tl.int32), 0), 0)
 
 
 @triton.jit
@@ -260,41 +264,43 @@ def _w13_mma_kernel(
     else:
         W: tl.constexpr = BLOCK_N // 16
         t, g, row_g, row_g8, real_g, real_g8 = _lanes(pid_n, INTER, BLOCK_N)
-        e = tl.load(idx_ptr + slot).to(tl.int64)
-        owner, row_b, _, dest0, wt0, live0, dest1, wt1, live1 = _lane_columns(
-            idx_ptr, wts_ptr, e, slot, B, g, t, TOPK, BLOCK_R)
+        e, n_served = _served(idx_ptr, wts_ptr, slot, B, TOPK, TOPK_PAD, BLOCK_R)
         e_c = tl.maximum(e, 0)
         w1_words = w1_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         w3_words = w3_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         base_g = (e_c * INTER + row_g)
         base_g8 = (e_c * INTER + row_g8)
-        a_row = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + row_b.to(tl.int64) * (stride_xb // 2)
-        zero = g * 0.0
-        c0, c1, c2, c3 = zero, zero, zero, zero
-        d0, d1, d2, d3 = zero, zero, zero, zero
-        for k0 in range(0, tl.where(owner, D, 0), BLOCK_K):
-            for c in tl.static_range(BLOCK_K // 128):
-                bt = k0 // 32 + c * 4 + t  # this lane's scale block
-                if EVEN:
-                    live = bt >= 0
-                else:
-                    live = bt < D // 32
-                    bt = tl.minimum(bt, D // 32 - 1)
-                x = _act_block(a_row, bt, live, EVEN, INTERP)
-                c0, c1, c2, c3 = _mma_block(c0, c1, c2, c3, w1_words + base_g * (D // 8), w1_words + base_g8 * (D // 8),
-                                            s1_ptr + base_g * (D // 32), s1_ptr + base_g8 * (D // 32), bt, live, x, t,
-                                            W, EVEN, INTERP)  # fmt: skip
-                d0, d1, d2, d3 = _mma_block(d0, d1, d2, d3, w3_words + base_g * (D // 8), w3_words + base_g8 * (D // 8),
-                                            s3_ptr + base_g * (D // 32), s3_ptr + base_g8 * (D // 32), bt, live, x, t,
-                                            W, EVEN, INTERP)  # fmt: skip
-        live0 = live0 & owner
-        live1 = live1 & owner
-        out0 = act_ptr + dest0.to(tl.int64) * INTER
-        out1 = act_ptr + dest1.to(tl.int64) * INTER
-        _store(out0 + row_g, clamped_swiglu(c0, d0, limit) * wt0, live0 & real_g, INTERP)
-        _store(out1 + row_g, clamped_swiglu(c1, d1, limit) * wt1, live1 & real_g, INTERP)
-        _store(out0 + row_g8, clamped_swiglu(c2, d2, limit) * wt0, live0 & real_g8, INTERP)
-        _store(out1 + row_g8, clamped_swiglu(c3, d3, limit) * wt1, live1 & real_g8, INTERP)
+        # 8 rows (the mma's n) at a time; a later chunk reads the expert's words again (from L2).
+        for r0 in range(0, n_served, 8):
+            row_b, _, dest0, wt0, live0, dest1, wt1, live1 = _lane_columns(idx_ptr, wts_ptr, e, r0, B, g, t, TOPK,
+                                                                           BLOCK_R)  # fmt: skip
+            a_row = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + row_b.to(tl.int64) * (stride_xb // 2)
+            zero = g * 0.0
+            c0, c1, c2, c3 = zero, zero, zero, zero
+            d0, d1, d2, d3 = zero, zero, zero, zero
+            for k0 in range(0, D, BLOCK_K):
+                for c in tl.static_range(BLOCK_K // 128):
+                    bt = k0 // 32 + c * 4 + t  # this lane's scale block
+                    if EVEN:
+                        live = bt >= 0
+                    else:
+                        live = bt < D // 32
+                        bt = tl.minimum(bt, D // 32 - 1)
+                    x = _act_block(a_row, bt, live, EVEN, INTERP)
+                    c0, c1, c2, c3 = _mma_block(c0, c1, c2, c3, w1_words + base_g * (D // 8),
+                                                w1_words + base_g8 * (D // 8), s1_ptr + base_g * (D // 32),
+                                                s1_ptr + base_g8 * (D // 32), bt, live, x, t, W, EVEN,
+                                                INTERP)  # fmt: skip
+                    d0, d1, d2, d3 = _mma_block(d0, d1, d2, d3, w3_words + base_g * (D // 8),
+                                                w3_words + base_g8 * (D // 8), s3_ptr + base_g * (D // 32),
+                                                s3_ptr + base_g8 * (D // 32), bt, live, x, t, W, EVEN,
+                                                INTERP)  # fmt: skip
+            out0 = act_ptr + dest0.to(tl.int64) * INTER
+            out1 = act_ptr + dest1.to(tl.int64) * INTER
+            _store(out0 + row_g, clamped_swiglu(c0, d0, limit) * wt0, live0 & real_g, INTERP)
+            _store(out1 + row_g, clamped_swiglu(c1, d1, limit) * wt1, live1 & real_g, INTERP)
+            _store(out0 + row_g8, clamped_swiglu(c2, d2, limit) * wt0, live0 & real_g8, INTERP)
+            _store(out1 + row_g8, clamped_swiglu(c3, d3, limit) * wt1, live1 & real_g8, INTERP)
 
 
 @triton.jit
@@ -315,37 +321,36 @@ def _w2_mma_kernel(
     else:
         W: tl.constexpr = BLOCK_N // 16
         t, g, row_g, row_g8, real_g, real_g8 = _lanes(pid_n, D, BLOCK_N)
-        e = tl.load(idx_ptr + slot).to(tl.int64)
-        owner, _, dest_b, dest0, _, live0, dest1, _, live1 = _lane_columns(
-            idx_ptr, wts_ptr, e, slot, B, g, t, TOPK, BLOCK_R)
+        e, n_served = _served(idx_ptr, wts_ptr, slot, B, TOPK, TOPK_PAD, BLOCK_R)
         e_c = tl.maximum(e, 0)
         w2_words = w2_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         base_g = (e_c * D + row_g)
         base_g8 = (e_c * D + row_g8)
-        a_row = act_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + dest_b.to(tl.int64) * (INTER // 2)
-        zero = g * 0.0
-        c0, c1, c2, c3 = zero, zero, zero, zero
-        for k0 in range(0, tl.where(owner, INTER, 0), BLOCK_K):
-            for c in tl.static_range(BLOCK_K // 128):
-                bt = k0 // 32 + c * 4 + t
-                if EVEN:
-                    live = bt >= 0
-                else:
-                    live = bt < INTER // 32
-                    bt = tl.minimum(bt, INTER // 32 - 1)
-                x = _act_block(a_row, bt, live, EVEN, INTERP)
-                c0, c1, c2, c3 = _mma_block(c0, c1, c2, c3, w2_words + base_g * (INTER // 8),
-                                            w2_words + base_g8 * (INTER // 8), s2_ptr + base_g * (INTER // 32),
-                                            s2_ptr + base_g8 * (INTER // 32), bt, live, x, t, W, EVEN,
-                                            INTERP)  # fmt: skip
-        live0 = live0 & owner
-        live1 = live1 & owner
-        out0 = part_ptr + dest0.to(tl.int64) * D
-        out1 = part_ptr + dest1.to(tl.int64) * D
-        _store(out0 + row_g, c0, live0 & real_g, INTERP)
-        _store(out1 + row_g, c1, live1 & real_g, INTERP)
-        _store(out0 + row_g8, c2, live0 & real_g8, INTERP)
-        _store(out1 + row_g8, c3, live1 & real_g8, INTERP)
+        for r0 in range(0, n_served, 8):
+            _, dest_b, dest0, _, live0, dest1, _, live1 = _lane_columns(idx_ptr, wts_ptr, e, r0, B, g, t, TOPK,
+                                                                        BLOCK_R)  # fmt: skip
+            a_row = act_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + dest_b.to(tl.int64) * (INTER // 2)
+            zero = g * 0.0
+            c0, c1, c2, c3 = zero, zero, zero, zero
+            for k0 in range(0, INTER, BLOCK_K):
+                for c in tl.static_range(BLOCK_K // 128):
+                    bt = k0 // 32 + c * 4 + t
+                    if EVEN:
+                        live = bt >= 0
+                    else:
+                        live = bt < INTER // 32
+                        bt = tl.minimum(bt, INTER // 32 - 1)
+                    x = _act_block(a_row, bt, live, EVEN, INTERP)
+                    c0, c1, c2, c3 = _mma_block(c0, c1, c2, c3, w2_words + base_g * (INTER // 8),
+                                                w2_words + base_g8 * (INTER // 8), s2_ptr + base_g * (INTER // 32),
+                                                s2_ptr + base_g8 * (INTER // 32), bt, live, x, t, W, EVEN,
+                                                INTERP)  # fmt: skip
+            out0 = part_ptr + dest0.to(tl.int64) * D
+            out1 = part_ptr + dest1.to(tl.int64) * D
+            _store(out0 + row_g, c0, live0 & real_g, INTERP)
+            _store(out1 + row_g, c1, live1 & real_g, INTERP)
+            _store(out0 + row_g8, c2, live0 & real_g8, INTERP)
+            _store(out1 + row_g8, c3, live1 & real_g8, INTERP)
 
 
 def launch_w13(grid, *args, **meta):
@@ -356,4 +361,4 @@ def launch_w2(grid, *args, **meta):
     _w2_mma_kernel[grid](*args, **meta)
 
 
-__all__ = ["MMA_MAX_ROWS", "launch_w13", "launch_w2"]
+__all__ = ["launch_w13", "launch_w2"]
