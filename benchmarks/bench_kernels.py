@@ -782,12 +782,10 @@ def native_jobs() -> list:
         ("moe", 1, [(MX, "W13_CONFIG", fma + dot[:2]), (MX, "W2_CONFIG", fma + dot[:2]),
                     (MX, "GROUPED_MIN_BATCH", [1])]),  # fmt: skip
         ("linear", 4, [(F, "DEFAULT", dot)]),
-        # The tensor-core kernels (moe_mxfp4_mma) first; off (0), B=4 takes the rows kernel, whose
-        # tiles were tuned at 45f7cd2 (benchmarks/h200/bench_kernels_native_tuned_45f7cd2_h100.txt).
+        # The tensor-core kernels (moe_mxfp4_mma) against the dot tiles (MMA_MAX_BATCH 0), then their tiles.
         ("moe", 4, [(MX, "MMA_MAX_BATCH", [0]), (MX, "W13_CONFIG_MMA", mma), (MX, "W2_CONFIG_MMA", mma)]),
-        # Not ROWS_MAX_BATCH: this case routes 32 rows to ~150 experts, the chain to ~23 (~8 rows each),
-        # where the rows kernel lost (3.19 ms a B=32 replay on an H100, 45f7cd2) though it won here.
-        ("moe", 32, [(MX, "W13_CONFIG_BATCHED", dot[1:]), (MX, "W2_CONFIG_BATCHED", dot[1:])]),  # fmt: skip
+        # B=32 takes the mma kernels too, on the B=4 job's tiles: this case routes 32 rows to ~150
+        # experts (one row each), the chain to ~23 (~8 rows each), so it would tune for another load.
     ]
 
 

@@ -116,19 +116,6 @@ def acceptance(b: int) -> None:
     accept_drafts(drafts, tokens, hidden, next_hidden, pair, torch.zeros(b, 3 + w, dtype=torch.int64))
 
 
-def moe_rows(bk, impl, cfg, b: int) -> None:
-    """The moe case on moe_mxfp4_rows at any batch (by default the mma kernels take B <= MMA_MAX_BATCH)."""
-    from draftgraph.ops.triton import moe_mxfp4
-
-    saved = moe_mxfp4.ROWS_MAX_BATCH, moe_mxfp4.MMA_MAX_BATCH
-    moe_mxfp4.ROWS_MAX_BATCH, moe_mxfp4.MMA_MAX_BATCH = 64, 0
-    try:
-        inputs, attrs = bk.make_case("moe", cfg, b)
-        bk.run_once("moe", impl, inputs, attrs, bk.workspace_for("moe", inputs, attrs))
-    finally:
-        moe_mxfp4.ROWS_MAX_BATCH, moe_mxfp4.MMA_MAX_BATCH = saved
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability as one number (90: H100 / H200)")
@@ -157,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     for w in weights:
         bk.WEIGHTS = w
         names = [n for n in bk.CASES if w == "bf16" or n in bk.NATIVE]
-        for name in names + (["edge tiles", "moe rows"] if w == "native" else ["nonfinite", "acceptance"]):
+        for name in names + (["edge tiles"] if w == "native" else ["nonfinite", "acceptance"]):
             for b in batches:
                 before, t0 = len(COMPILED), time.time()
                 try:
@@ -167,8 +154,6 @@ def main(argv: list[str] | None = None) -> int:
                         nonfinite(b)
                     elif name == "acceptance":
                         acceptance(b)
-                    elif name == "moe rows":
-                        moe_rows(bk, impls["moe"], cfg, b)
                     else:
                         inputs, attrs = bk.make_case(name, cfg, b)
                         bk.run_once(name, impls[name], inputs, attrs, bk.workspace_for(name, inputs, attrs))

@@ -47,7 +47,7 @@ def test_the_native_kernels_compile_for_sm80_too(tmp_path):
     done = _python(argv, tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    for case in ("native  moe            B=1", "native  moe            B=3", "native  moe rows       B=3"):
+    for case in ("native  moe            B=1", "native  moe            B=3"):  # B=3: moe_mxfp4_mma
         assert any(line.startswith(case) and " ok, " in line for line in lines), case
 
 

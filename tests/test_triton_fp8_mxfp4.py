@@ -316,12 +316,8 @@ MOE_WIDE = (K["gemv"].GemvConfig(8, 256, 4, 2, use_dot=False), K["gemv"].GemvCon
         (1, False, "wide"),
         (1, False, "dot"),
         (4, True, "dot"),
-        (4, True, "rows"),
-        (4, True, "rows1"),  # one row a chunk: an expert two rows chose takes two chunks
         (4, False, "dot"),
         (1, True, "dot"),
-        (1, True, "rows"),
-        (9, True, "rows"),  # past ROWS_MAX_BATCH: the dot tiles
         (2, True, "mma"),  # 1 warp, 16 rows a program, 128-column K tiles (D, I: the last one ragged)
         (8, True, "mma_wide"),  # 8 rows: every batch column of the mma
         (5, True, "mma_wide"),  # 4 warps, 64 rows a program (ragged in I and D), 256-column K tiles
@@ -329,26 +325,18 @@ MOE_WIDE = (K["gemv"].GemvConfig(8, 256, 4, 2, use_dot=False), K["gemv"].GemvCon
     ],
 )
 def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
-    """Slot-major (FMA or dot), expert-major (dot, FMA rows: moe_mxfp4_rows, or tensor cores:
-    moe_mxfp4_mma), repeated experts, the clamp active, poisoned out."""
+    """Slot-major (FMA or dot), expert-major (dot, or tensor cores: moe_mxfp4_mma), repeated experts,
+    the clamp active, poisoned out."""
     if not variant.startswith("mma"):
         monkeypatch.setattr(MX, "MMA_MAX_BATCH", 0)
-    if variant.startswith("mma"):
+    else:
         tile = K["gemv"].GemvConfig(64, 256, 4, 1) if variant == "mma_wide" else K["gemv"].GemvConfig(16, 128, 1, 1)
         monkeypatch.setattr(MX, "W13_CONFIG_MMA", tile)
         monkeypatch.setattr(MX, "W2_CONFIG_MMA", tile)
-        monkeypatch.setattr(MX, "ROWS_MAX_BATCH", 0)
     if variant in ("dot", "wide"):
         configs = MOE_DOT if variant == "dot" else MOE_WIDE
         monkeypatch.setattr(MX, "W13_CONFIG", configs[0])
         monkeypatch.setattr(MX, "W2_CONFIG", configs[1])
-        monkeypatch.setattr(MX, "ROWS_MAX_BATCH", 0)
-    if variant.startswith("rows"):
-        monkeypatch.setattr(MX, "ROWS_MAX_BATCH", 8)
-    if variant == "rows1":
-        monkeypatch.setattr(MX, "ROWS_CHUNK", 1)
-    if variant.startswith("mma"):
-        monkeypatch.setattr(MX, "MMA_MAX_BATCH", 64)
     ex = _experts_on(small_experts, device)
     g = gen(2100 + batch)
     x = act(g, batch, D_SMALL).to(device)

@@ -26,8 +26,8 @@ mark_dropped                                 hiddens checked in one wide tile; t
 
 Native weights (FP8 / MXFP4 QuantWeights, issue 28.2): linear, combiner and swa_attention run
 ``fp8_linear.fp8_gemv`` on FP8 weights, moe, moe_hash and moe_shard ``moe_mxfp4`` on MXFP4 routed
-experts with an FP8 shared expert (``moe_mxfp4_rows``, expert-major FMA for small batches, is off
-until a GPU has timed it); each such impl carries ``unsupported_block_scaled(specs)`` (why its
+experts with an FP8 shared expert (B > 1 expert-major on the tensor cores: ``moe_mxfp4_mma``);
+each such impl carries ``unsupported_block_scaled(specs)`` (why its
 kernels cannot read a node's block-scaled inputs, or None), which
 ``runtime/execution/kernel_choice.select_impl`` asks before binding it to a node that reads one.
 

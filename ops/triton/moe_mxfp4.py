@@ -85,21 +85,17 @@ GROUPED_MIN_BATCH = 2  # as moe.py: expert-major from this batch on
 # 128 x 128 won: 2911 us with the PTX decode, 5365 before); expert-major at batch 1 is slower.
 W13_CONFIG = GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=3, use_dot=False)
 W2_CONFIG = GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=3, use_dot=False)
-# Expert-major up to ROWS_MAX_BATCH rows: each routed expert's words decoded once and multiplied
-# by the rows that chose it in registers (moe_mxfp4_rows); the shared expert's slot keeps the dot
-# tiles. Tuned on one H100 (2026-12-05, benchmarks/h200/bench_kernels_native_tuned_45f7cd2_h100.txt):
-# the MoE at B=4 (random routing) 640.6 us on the dot tiles, 391.4 on these, 364.3 with the tiles
-# below. Not above 8: at B=32 the chain's MoE (23 experts, ~8 rows each) replayed in 3.19 ms on them.
-ROWS_MAX_BATCH = 8
-# Expert-major up to MMA_MAX_BATCH rows (bf16 x): the routed experts' decoded words multiplied by
-# the rows that chose them, 8 at a time, on the tensor cores (moe_mxfp4_mma); it comes before the
-# rows kernel. BLOCK_N is 16 rows a warp.
-MMA_MAX_BATCH = 8
-W13_CONFIG_MMA = GemvConfig(block_n=16, block_k=512, num_warps=1, num_stages=1, use_dot=False)
-W2_CONFIG_MMA = GemvConfig(block_n=16, block_k=512, num_warps=1, num_stages=1, use_dot=False)
-ROWS_CHUNK = 1  # rows a routed expert's decoded words meet at a time (1: 387.7 us, 2: 391.7, 4: 547.2)
-W13_CONFIG_ROWS = GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, use_dot=False)
-W2_CONFIG_ROWS = GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, use_dot=False)
+# Expert-major up to MMA_MAX_BATCH rows (bf16 x; all of them: MAX_BATCH): the routed experts'
+# decoded words multiplied by the rows that chose them, 8 at a time, on the tensor cores
+# (moe_mxfp4_mma); 16 rows a warp. Tuned on one H100 (04300e5,
+# benchmarks/h200/bench_kernels_native_tuned_04300e5_h100.txt): the MoE at B=4 (random routing,
+# ~23 experts) 366.6 us on the FMA rows kernel of 45f7cd2 (since removed), 241.4 on these tiles;
+# the chain at B=8 1.229 -> 0.822 ms, at B=32 (23 experts, ~8 rows each) 1.580 on the dot tiles
+# below -> 1.101 (bench_draft_native_*_h100.txt of that session).
+MMA_MAX_BATCH = 64
+W13_CONFIG_MMA = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, use_dot=False)
+W2_CONFIG_MMA = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, use_dot=False)
+# The dot tiles: fp16 x, slot-major B > 1 (grouped=False), or B > MMA_MAX_BATCH.
 W13_CONFIG_BATCHED = GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
 W2_CONFIG_BATCHED = GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
 REDUCE_BLOCK_D = 1024
@@ -801,12 +797,11 @@ def moe_mxfp4_launches(
     bf16 = x.dtype == torch.bfloat16
     one_row = bf16 and b == 1 and not grouped and not W13_CONFIG.use_dot  # x 16 bytes at a time (mxfp4_rows_dot)
     use_mma = bf16 and grouped and b <= MMA_MAX_BATCH  # x 16 bytes at a time (moe_mxfp4_mma)
-    use_rows = bf16 and grouped and not use_mma and b <= ROWS_MAX_BATCH  # x as int32
-    align, step = (16, 8) if one_row or use_mma else (4, 2)
-    if (one_row or use_mma or use_rows) and (x.data_ptr() % align or x.stride(0) % step):
-        _fail("x layout", f"a {align}-byte aligned start and a row stride a multiple of {step}",
-              f"address mod {align} {x.data_ptr() % align}, row stride {x.stride(0)}",
-              "the batch-1, mma and rows kernels read x as bf16 pairs (int32); a contiguous copy of [B, D] has both")
+    if (one_row or use_mma) and (x.data_ptr() % 16 or x.stride(0) % 8):
+        _fail("x layout", "a 16-byte aligned start and a row stride a multiple of 8",
+              f"address mod 16 {x.data_ptr() % 16}, row stride {x.stride(0)}",
+              "the batch-1 and mma kernels read x as bf16 pairs (int32), 16 bytes at a time; a contiguous copy "
+              "of [B, D] has both")
     has_shared = shared_b is not None
     native = native_fp8_supported(x.device) if native_fp8 is None else bool(native_fp8)
     native = native and has_shared and all(t.dtype == torch.float8_e4m3fn for t in shared[0:6:2])
@@ -875,35 +870,6 @@ def moe_mxfp4_launches(
             num_warps=4, **pdl,
         )  # fmt: skip
 
-    def rows_launches():
-        from draftgraph.ops.triton import moe_mxfp4_rows as R
-
-        block_r = next_pow2(b)
-        # >= 16 rows: the shared slot's dot; the K tiles whole words of scale blocks
-        bn13, bn2 = (max(16, min(c.block_n, next_pow2(n))) for c, n in ((W13_CONFIG_ROWS, inter), (W2_CONFIG_ROWS, d)))
-        bk13 = min(W13_CONFIG_ROWS.block_k, max(MXFP4_BLOCK, next_pow2(d)))
-        bk2 = min(W2_CONFIG_ROWS.block_k, max(MXFP4_BLOCK, next_pow2(inter)))
-        common = dict(TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_R=block_r, CHUNK=ROWS_CHUNK, BLOCK_B=block_b, NATIVE=native,
-                      INTERP=interp)
-
-        def w13_rows():
-            R.launch_w13(
-                (triton.cdiv(inter, bn13), slots),
-                x, idx, wts, w1b, s1b, w3b, s3b, sw1b, ss1b, sw3b, ss3b, act, b, d, inter, x.stride(0), s13, limit,
-                BLOCK_N=bn13, BLOCK_K=bk13, DOT_K=min(FP8_BLOCK, max(16, next_pow2(d))), **common,
-                num_warps=W13_CONFIG_ROWS.num_warps, num_stages=W13_CONFIG_ROWS.num_stages, **pdl,
-            )  # fmt: skip
-
-        def w2_rows():
-            R.launch_w2(
-                (triton.cdiv(d, bn2), slots),
-                act, idx, wts, w2b, s2b, sw2b, ss2b, part, b, d, inter, s2,
-                BLOCK_N=bn2, BLOCK_K=bk2, DOT_K=min(FP8_BLOCK, max(16, next_pow2(inter))), **common,
-                num_warps=W2_CONFIG_ROWS.num_warps, num_stages=W2_CONFIG_ROWS.num_stages, **pdl,
-            )  # fmt: skip
-
-        return [("w13", w13_rows), ("w2", w2_rows), ("reduce", reduce)]
-
     def mma_launches():
         from draftgraph.ops.triton import moe_mxfp4_mma as M
 
@@ -934,8 +900,6 @@ def moe_mxfp4_launches(
 
     if use_mma:
         return mma_launches()
-    if use_rows:
-        return rows_launches()
     if grouped:
         return [("w13", w13), ("w2", w2_grouped), ("reduce", reduce)]
     return [("w13", w13), ("w2", w2_)]
