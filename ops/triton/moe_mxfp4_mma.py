@@ -155,6 +155,29 @@ def _mma_block(c0, c1, c2, c3, w_g, w_g8, s_g, s_g8, bt, live, x, t, W: tl.const
 
 
 @triton.jit
+def _mma_rows(c0, c1, c2, c3, w_ptr, s_ptr, base_g, base_g8, K, bt, live, x, t, W: tl.constexpr, EVEN: tl.constexpr,
+              INTERP: tl.constexpr):  # fmt: skip
+    """``_mma_block`` on rows base_g and base_g8 (row indices into the stacked [E * N, K] matrix) of
+    the MXFP4 bytes at w_ptr, scales at s_ptr."""
+    words = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    return _mma_block(c0, c1, c2, c3, words + base_g * (K // 8), words + base_g8 * (K // 8), s_ptr + base_g * (K // 32),
+                      s_ptr + base_g8 * (K // 32), bt, live, x, t, W, EVEN, INTERP)  # fmt: skip
+
+
+@triton.jit
+def _lane_block(k0, c, t, K, EVEN: tl.constexpr):
+    """This lane's scale block in 128-column chunk c of the K tile at k0 (clamped into K unless
+    EVEN), and whether it is real."""
+    bt = k0 // 32 + c * 4 + t
+    if EVEN:
+        live = bt >= 0
+    else:
+        live = bt < K // 32
+        bt = tl.minimum(bt, K // 32 - 1)
+    return bt, live
+
+
+@triton.jit
 def _act_block(a_row, bt, live, EVEN: tl.constexpr, INTERP: tl.constexpr):
     """The 16 activation words (bf16 pairs) of block ``bt`` of a lane's row ``a_row``; 0 where the
     block is not real (none: EVEN). A batch column with no row reads a real row: C's column n
@@ -301,8 +324,6 @@ def _w13_mma_kernel(
         t, g, row_g, row_g8, real_g, real_g8 = _lanes(pid_n, INTER, BLOCK_N)
         e, n_served = _served(idx_ptr, wts_ptr, slot, B, TOPK, TOPK_PAD, BLOCK_R)
         e_c = tl.maximum(e, 0)
-        w1_words = w1_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-        w3_words = w3_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         base_g = (e_c * INTER + row_g)
         base_g8 = (e_c * INTER + row_g8)
         # 8 rows (the mma's n) at a time; a later chunk reads the expert's words again (from L2).
@@ -315,21 +336,12 @@ def _w13_mma_kernel(
             d0, d1, d2, d3 = zero, zero, zero, zero
             for k0 in range(0, D, BLOCK_K):
                 for c in tl.static_range(BLOCK_K // 128):
-                    bt = k0 // 32 + c * 4 + t  # this lane's scale block
-                    if EVEN:
-                        live = bt >= 0
-                    else:
-                        live = bt < D // 32
-                        bt = tl.minimum(bt, D // 32 - 1)
+                    bt, live = _lane_block(k0, c, t, D, EVEN)
                     x = _act_block(a_row, bt, live, EVEN, INTERP)
-                    c0, c1, c2, c3 = _mma_block(c0, c1, c2, c3, w1_words + base_g * (D // 8),
-                                                w1_words + base_g8 * (D // 8), s1_ptr + base_g * (D // 32),
-                                                s1_ptr + base_g8 * (D // 32), bt, live, x, t, W, EVEN,
-                                                INTERP)  # fmt: skip
-                    d0, d1, d2, d3 = _mma_block(d0, d1, d2, d3, w3_words + base_g * (D // 8),
-                                                w3_words + base_g8 * (D // 8), s3_ptr + base_g * (D // 32),
-                                                s3_ptr + base_g8 * (D // 32), bt, live, x, t, W, EVEN,
-                                                INTERP)  # fmt: skip
+                    c0, c1, c2, c3 = _mma_rows(c0, c1, c2, c3, w1_ptr, s1_ptr, base_g, base_g8, D, bt, live, x, t, W,
+                                               EVEN, INTERP)  # fmt: skip
+                    d0, d1, d2, d3 = _mma_rows(d0, d1, d2, d3, w3_ptr, s3_ptr, base_g, base_g8, D, bt, live, x, t, W,
+                                               EVEN, INTERP)  # fmt: skip
             out0 = act_ptr + dest0.to(tl.int64) * INTER
             out1 = act_ptr + dest1.to(tl.int64) * INTER
             _store(out0 + row_g, clamped_swiglu(c0, d0, limit) * wt0, live0 & real_g, INTERP)
@@ -358,7 +370,6 @@ def _w2_mma_kernel(
         t, g, row_g, row_g8, real_g, real_g8 = _lanes(pid_n, D, BLOCK_N)
         e, n_served = _served(idx_ptr, wts_ptr, slot, B, TOPK, TOPK_PAD, BLOCK_R)
         e_c = tl.maximum(e, 0)
-        w2_words = w2_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         base_g = (e_c * D + row_g)
         base_g8 = (e_c * D + row_g8)
         for r0 in range(0, n_served, 8):
@@ -369,17 +380,10 @@ def _w2_mma_kernel(
             c0, c1, c2, c3 = zero, zero, zero, zero
             for k0 in range(0, INTER, BLOCK_K):
                 for c in tl.static_range(BLOCK_K // 128):
-                    bt = k0 // 32 + c * 4 + t
-                    if EVEN:
-                        live = bt >= 0
-                    else:
-                        live = bt < INTER // 32
-                        bt = tl.minimum(bt, INTER // 32 - 1)
+                    bt, live = _lane_block(k0, c, t, INTER, EVEN)
                     x = _act_block(a_row, bt, live, EVEN, INTERP)
-                    c0, c1, c2, c3 = _mma_block(c0, c1, c2, c3, w2_words + base_g * (INTER // 8),
-                                                w2_words + base_g8 * (INTER // 8), s2_ptr + base_g * (INTER // 32),
-                                                s2_ptr + base_g8 * (INTER // 32), bt, live, x, t, W, EVEN,
-                                                INTERP)  # fmt: skip
+                    c0, c1, c2, c3 = _mma_rows(c0, c1, c2, c3, w2_ptr, s2_ptr, base_g, base_g8, INTER, bt, live, x, t,
+                                               W, EVEN, INTERP)  # fmt: skip
             out0 = part_ptr + dest0.to(tl.int64) * D
             out1 = part_ptr + dest1.to(tl.int64) * D
             _store(out0 + row_g, c0, live0 & real_g, INTERP)
