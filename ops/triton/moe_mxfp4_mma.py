@@ -260,13 +260,20 @@ def _store(ptr, v, live, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _lanes(pid_n, N, BLOCK_N: tl.constexpr):
-    """(t, g, the lane's rows g and g + 8 clamped into N (int64), whether each is real)."""
+def _slot_lanes(idx_ptr, wts_ptr, pid_n, slot, N, B, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    """A routed slot's program: (t, g, the lane's rows g and g + 8 (clamped into N) and whether each is
+    real, the expert, the rows it serves (0 unless the slot owns it), the two rows' indices in the
+    stacked [E * N, K] matrix)."""
     tid = tl.arange(0, 2 * BLOCK_N)  # 32 lanes a warp, 16 rows a warp
     g = tid % 32 // 4
     t = tid % 4
     row = pid_n * BLOCK_N + tid // 32 * 16 + g
-    return t, g, tl.minimum(row, N - 1).to(tl.int64), tl.minimum(row + 8, N - 1).to(tl.int64), row < N, row + 8 < N
+    row_g = tl.minimum(row, N - 1).to(tl.int64)
+    row_g8 = tl.minimum(row + 8, N - 1).to(tl.int64)
+    e, n_served = _served(idx_ptr, wts_ptr, slot, B, TOPK, TOPK_PAD, BLOCK_R)
+    first = tl.maximum(e, 0) * N
+    return t, g, row_g, row_g8, row < N, row + 8 < N, e, n_served, first + row_g, first + row_g8
 
 
 @triton.jit
@@ -321,11 +328,8 @@ def _w13_mma_kernel(
                        stride_ssn, limit, BLOCK_N, BLOCK_B, DOT_K, NATIVE, INTERP)  # fmt: skip
     else:
         W: tl.constexpr = BLOCK_N // 16
-        t, g, row_g, row_g8, real_g, real_g8 = _lanes(pid_n, INTER, BLOCK_N)
-        e, n_served = _served(idx_ptr, wts_ptr, slot, B, TOPK, TOPK_PAD, BLOCK_R)
-        e_c = tl.maximum(e, 0)
-        base_g = (e_c * INTER + row_g)
-        base_g8 = (e_c * INTER + row_g8)
+        t, g, row_g, row_g8, real_g, real_g8, e, n_served, base_g, base_g8 = _slot_lanes(
+            idx_ptr, wts_ptr, pid_n, slot, INTER, B, TOPK, TOPK_PAD, BLOCK_N, BLOCK_R)
         # 8 rows (the mma's n) at a time; a later chunk reads the expert's words again (from L2).
         for r0 in range(0, n_served, 8):
             row_b, _, dest0, wt0, live0, dest1, wt1, live1 = _lane_columns(idx_ptr, wts_ptr, e, r0, B, g, t, TOPK,
@@ -367,11 +371,8 @@ def _w2_mma_kernel(
                       DOT_K, NATIVE, INTERP)  # fmt: skip
     else:
         W: tl.constexpr = BLOCK_N // 16
-        t, g, row_g, row_g8, real_g, real_g8 = _lanes(pid_n, D, BLOCK_N)
-        e, n_served = _served(idx_ptr, wts_ptr, slot, B, TOPK, TOPK_PAD, BLOCK_R)
-        e_c = tl.maximum(e, 0)
-        base_g = (e_c * D + row_g)
-        base_g8 = (e_c * D + row_g8)
+        t, g, row_g, row_g8, real_g, real_g8, e, n_served, base_g, base_g8 = _slot_lanes(
+            idx_ptr, wts_ptr, pid_n, slot, D, B, TOPK, TOPK_PAD, BLOCK_N, BLOCK_R)
         for r0 in range(0, n_served, 8):
             _, dest_b, dest0, _, live0, dest1, _, live1 = _lane_columns(idx_ptr, wts_ptr, e, r0, B, g, t, TOPK,
                                                                         BLOCK_R)  # fmt: skip
