@@ -353,6 +353,20 @@ def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("batch,grouped", [(1, False), (3, True)])
+def test_moe_mxfp4_fp16_x_takes_the_dot_tiles(device, small_experts, batch, grouped):
+    """The word kernels (batch 1, the mma ones) read x as bf16 pairs; fp16 x once went there too and
+    was read as bf16 bits. It takes the dot tiles, and the result is the reference's."""
+    ex = _experts_on(small_experts, device)
+    g = gen(2300 + batch)
+    x = act(g, batch, D_SMALL).to(torch.float16).to(device)
+    idx, wts = routing(g, batch, K_SMALL, E_SMALL, device)
+    out = poisoned((batch, D_SMALL), torch.float16, device)
+    MX.moe_mxfp4(x, idx, wts, *ex.routed(), out, swiglu_limit=LIMIT, shared=ex.shared, grouped=grouped)
+    check(out.cpu(), moe_reference(x, idx, wts, ex, LIMIT)[0], f"moe_mxfp4 fp16 x B={batch}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch,grouped", [(1, False), (3, True)])
 def test_moe_mxfp4_fp32_out_matches_rounded_act(device, small_experts, batch, grouped):
     """fp32 out against the reference that rounds act to bf16 as the kernel does: only summation order left."""
     ex = _experts_on(small_experts, device)
@@ -408,6 +422,14 @@ def test_moe_mxfp4_rejects_bad_inputs(small_experts):
         shifted.copy_(w1)
         with pytest.raises(InputError, match="w1 start.*16-byte aligned"):
             MX.moe_mxfp4(x, idx, wts, shifted, s1, w2, s2, w3, s3, out, swiglu_limit=LIMIT)
+    # The mma kernels' tiles: 16 rows a warp, whole 128-column chunks (a knob set by hand or a tuner).
+    x3, (idx3, wts3), out3 = act(g, 3, D_SMALL), routing(g, 3, K_SMALL, E_SMALL, "cpu"), torch.empty(3, D_SMALL,
+                                                                                                    dtype=BF16)
+    for tile in (K["gemv"].GemvConfig(8, 256, 1, 1), K["gemv"].GemvConfig(16, 64, 1, 1)):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(MX, "W2_CONFIG_MMA", tile)
+            with pytest.raises(InputError, match="W2_CONFIG_MMA.*multiple of 16"):
+                MX.moe_mxfp4(x3, idx3, wts3, *ex.routed(), out3, swiglu_limit=LIMIT)
     # Batch 1's w2 reads the act rows carved from the workspace 16 bytes at a time too.
     nbytes = MX.moe_mxfp4_workspace(1, K_SMALL, I_SMALL, D_SMALL, BF16, False, shared=False)
     off = torch.zeros(nbytes + 8, dtype=torch.uint8)[8:]

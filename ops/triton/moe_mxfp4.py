@@ -797,11 +797,15 @@ def moe_mxfp4_launches(
     bf16 = x.dtype == torch.bfloat16
     one_row = bf16 and b == 1 and not grouped and not W13_CONFIG.use_dot  # x 16 bytes at a time (mxfp4_rows_dot)
     use_mma = bf16 and grouped and b <= MMA_MAX_BATCH  # x 16 bytes at a time (moe_mxfp4_mma)
-    if (one_row or use_mma) and (x.data_ptr() % 16 or x.stride(0) % 8):
+    if (one_row or use_mma) and (x.data_ptr() % 16 or (b > 1 and x.stride(0) % 8)):
         _fail("x layout", "a 16-byte aligned start and a row stride a multiple of 8",
               f"address mod 16 {x.data_ptr() % 16}, row stride {x.stride(0)}",
               "the batch-1 and mma kernels read x as bf16 pairs (int32), 16 bytes at a time; a contiguous copy "
               "of [B, D] has both")
+    for name, c in (("W13_CONFIG_MMA", W13_CONFIG_MMA), ("W2_CONFIG_MMA", W2_CONFIG_MMA)) if use_mma else ():
+        if c.block_n % 16 or not 16 <= c.block_n <= 512 or c.block_k % 128 or c.block_k < 128:
+            _fail(name, "block_n a multiple of 16 up to 512 (16 rows a warp), block_k a multiple of 128",
+                  f"block_n {c.block_n}, block_k {c.block_k}", "see moe_mxfp4_mma, \"lanes and fragments\"")
     has_shared = shared_b is not None
     native = native_fp8_supported(x.device) if native_fp8 is None else bool(native_fp8)
     native = native and has_shared and all(t.dtype == torch.float8_e4m3fn for t in shared[0:6:2])
@@ -816,8 +820,8 @@ def moe_mxfp4_launches(
         _fail("workspace alignment", "16 bytes", f"address mod 16 {act.data_ptr() % 16}",
               "carve it at a 16-byte boundary, as the arena does")
     c13, c2 = (W13_CONFIG, W2_CONFIG) if b == 1 else (W13_CONFIG_BATCHED, W2_CONFIG_BATCHED)
-    dot13 = c13.use_dot or b > 1
-    dot2 = c2.use_dot or b > 1
+    dot13 = c13.use_dot or b > 1 or not bf16  # the FMA loops read x (w13) and act (w2) as bf16 pairs
+    dot2 = c2.use_dot or b > 1 or not bf16
     block_b = batch_block(b)
     slots = b * top_k + (1 if has_shared else 0)
     topk_pad = next_pow2(top_k)
