@@ -123,3 +123,24 @@ def test_halves_ptx_gives_even_and_odd_codes_times_the_scale(scale_byte):
         want = (torch.tensor(want, dtype=torch.float32) * torch.tensor(scale, dtype=torch.float32)).tolist()
         for gv, wv in zip(got, want):
             assert (gv == wv) or (gv != gv and wv != wv), (hex(word), scale_byte, got, want)
+
+
+@pytest.mark.parametrize("scale_byte", [0, 1, 100, 127, 128, 200, 254, 255])
+def test_mma_word_ptx_decodes_both_rows_times_their_scales_into_the_a_fragments(scale_byte):
+    """moe_mxfp4_mma's PTX up to its two mma.sync: row g's word ($4) and row g + 8's ($5), each
+    as its 4 bf16x2 pairs in column order times its block scale ($6 / $7, bf16 in both halves)."""
+    from draftgraph.ops.triton import moe_mxfp4_mma as MMA
+
+    text, mma = MMA.MMA_WORD_PTX.value.split("mma.sync", 1)
+    assert mma.count("mma.sync") == 1  # the rest: the two mmas, which the model does not run
+    scale = 2.0 ** (scale_byte - 127) if scale_byte < 255 else float("nan")
+    s_bits = bf16_bits(scale) if scale_byte else 0x0040  # as _scale_pair: 2^-127 a bf16 subnormal
+    other = bf16_bits(0.5)  # row g + 8's scale, another value: the two rows' scales kept apart
+    for word in (0x76543210, 0xFEDCBA98, 0x0F1E2D3C, 0x80808080, 0x08F7E6D5):
+        regs = run_ptx(text, {"$4": word, "$5": word ^ 0x88888888, "$6": s_bits * 0x10001, "$7": other * 0x10001})
+        for reg, w, s in (("a", word, scale), ("b", word ^ 0x88888888, 0.5)):
+            got = [bf16_value(regs[f"{reg}{j}"] >> h) for j in range(4) for h in (0, 16)]
+            want = [e2m1(w >> 8 * j + 4 * h & 15) for j in range(4) for h in (0, 1)]  # column order
+            want = (torch.tensor(want, dtype=torch.float32) * torch.tensor(s, dtype=torch.float32)).tolist()
+            for gv, wv in zip(got, want):
+                assert (gv == wv) or (gv != gv and wv != wv), (hex(w), scale_byte, reg, got, want)
