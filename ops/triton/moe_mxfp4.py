@@ -37,8 +37,8 @@ barrier in the loop (loaded as a [blocks, 4] tile, the activation cost two a til
 products are summed in fp32 and times the block's scale. w1 and w3 share one loop (twice the
 bytes in flight a program). BLOCK_K may span many scale blocks (and FP8 ones, for the shared
 expert: ``fp8_linear``'s "wide tiles"): at batch 1 the kernel is bound by the bytes in flight,
-and one program's loads are one tile. At b93df2d the 16 x 64-byte tiles, decoded per element in fp32 (about 17 SASS
-instructions a code), ran the batch-1 MoE at 10% of copy bandwidth on an H200.
+and one program's loads are one tile. At b93df2d the 16 x 64-byte tiles, decoded per element in
+fp32 (about 17 SASS instructions a code), ran the batch-1 MoE at 10% of copy bandwidth on an H200.
 
 Note "e2m1 by bits" (``E2M1_WORD_PTX``, ``E2M1_HALVES_PTX``): a code s e1 e0 m placed as the
 bf16 bits s at 15, e1 e0 m at 8..6 is the value times 2^-126 (e = 0: a bf16 subnormal, exact),
@@ -215,11 +215,17 @@ def _hi(pair):
 
 
 @triton.jit
-def _scale_bf16(s):
-    """UE8M0 bytes -> 2^(byte - 127) as bf16, as ue8m0_to_f32 (0: 2^-127, a subnormal; 255: NaN)."""
+def ue8m0_bf16_bits(s):
+    """UE8M0 bytes -> the bits of 2^(byte - 127) as bf16 (int32), as ue8m0_to_f32 (0: 2^-127, a
+    subnormal; 255: NaN)."""
     b = s.to(tl.int32)
-    bits = tl.where(b == 0, 0x40, tl.where(b == 255, 0x7FC0, b << 7))
-    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return tl.where(b == 0, 0x40, tl.where(b == 255, 0x7FC0, b << 7))
+
+
+@triton.jit
+def _scale_bf16(s):
+    """UE8M0 bytes -> 2^(byte - 127) as bf16."""
+    return ue8m0_bf16_bits(s).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit

@@ -36,7 +36,16 @@ import triton.language as tl
 from draftgraph.ops.triton._common import clamped_swiglu, pdl_wait
 from draftgraph.ops.triton.fp8_linear import ue8m0_to_f32
 from draftgraph.ops.triton.moe_grouped import _owned_rows
-from draftgraph.ops.triton.moe_mxfp4 import _expert_tiles, _hi, _ld_u8, _ld_v4, _lo, e2m1_word_pairs
+from draftgraph.ops.triton.moe_mxfp4 import (
+    _expert_tiles,
+    _hi,
+    _ld_u8,
+    _ld_v4,
+    _lo,
+    _word_block,
+    e2m1_word_pairs,
+    ue8m0_bf16_bits,
+)
 
 
 def _decode_lines(word: str, scale: str, outs: tuple[str, ...]) -> str:
@@ -77,8 +86,8 @@ ST_B16_PTX = tl.constexpr(
 
 @triton.jit
 def _scale_pair(s):
-    """UE8M0 bytes (int32) -> 2^(byte - 127) as bf16 in both halves (0: 2^-127, 255: NaN)."""
-    bits = tl.where(s == 0, 0x40, tl.where(s == 255, 0x7FC0, s << 7))
+    """UE8M0 bytes (int32) -> 2^(byte - 127) as bf16 in both halves (moe_mxfp4._scale_bf16's bits)."""
+    bits = ue8m0_bf16_bits(s)
     return bits | bits << 16
 
 
@@ -162,19 +171,6 @@ def _mma_rows(c0, c1, c2, c3, w_ptr, s_ptr, base_g, base_g8, K, bt, live, x, t, 
     words = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     return _mma_block(c0, c1, c2, c3, words + base_g * (K // 8), words + base_g8 * (K // 8), s_ptr + base_g * (K // 32),
                       s_ptr + base_g8 * (K // 32), bt, live, x, t, W, EVEN, INTERP)  # fmt: skip
-
-
-@triton.jit
-def _lane_block(k0, c, t, K, EVEN: tl.constexpr):
-    """This lane's scale block in 128-column chunk c of the K tile at k0 (clamped into K unless
-    EVEN), and whether it is real."""
-    bt = k0 // 32 + c * 4 + t
-    if EVEN:
-        live = bt >= 0
-    else:
-        live = bt < K // 32
-        bt = tl.minimum(bt, K // 32 - 1)
-    return bt, live
 
 
 @triton.jit
@@ -340,7 +336,7 @@ def _w13_mma_kernel(
             d0, d1, d2, d3 = zero, zero, zero, zero
             for k0 in range(0, D, BLOCK_K):
                 for c in tl.static_range(BLOCK_K // 128):
-                    bt, live = _lane_block(k0, c, t, D, EVEN)
+                    first_word, bt, live = _word_block(k0 + c * 128, t, 0, D, EVEN)  # this lane's block: t of 4
                     x = _act_block(a_row, bt, live, EVEN, INTERP)
                     c0, c1, c2, c3 = _mma_rows(c0, c1, c2, c3, w1_ptr, s1_ptr, base_g, base_g8, D, bt, live, x, t, W,
                                                EVEN, INTERP)  # fmt: skip
@@ -381,7 +377,7 @@ def _w2_mma_kernel(
             c0, c1, c2, c3 = zero, zero, zero, zero
             for k0 in range(0, INTER, BLOCK_K):
                 for c in tl.static_range(BLOCK_K // 128):
-                    bt, live = _lane_block(k0, c, t, INTER, EVEN)
+                    first_word, bt, live = _word_block(k0 + c * 128, t, 0, INTER, EVEN)
                     x = _act_block(a_row, bt, live, EVEN, INTERP)
                     c0, c1, c2, c3 = _mma_rows(c0, c1, c2, c3, w2_ptr, s2_ptr, base_g, base_g8, INTER, bt, live, x, t,
                                                W, EVEN, INTERP)  # fmt: skip
