@@ -312,7 +312,8 @@ MOE_WIDE = (K["gemv"].GemvConfig(8, 256, 4, 2, use_dot=False), K["gemv"].GemvCon
 @pytest.mark.parametrize(
     "batch,grouped,variant",
     [
-        (1, False, "fma"),
+        (1, False, "fma"),  # the shared expert as FP8 words (fp8_rows_dot)
+        (1, False, "fma_tiles"),  # the shared expert on the wide tiles (FP8_WORDS off)
         (1, False, "wide"),
         (1, False, "dot"),
         (4, True, "dot"),
@@ -333,6 +334,8 @@ def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
         tile = K["gemv"].GemvConfig(64, 256, 4, 1) if variant == "mma_wide" else K["gemv"].GemvConfig(16, 128, 1, 1)
         monkeypatch.setattr(MX, "W13_CONFIG_MMA", tile)
         monkeypatch.setattr(MX, "W2_CONFIG_MMA", tile)
+    if variant == "fma_tiles":
+        monkeypatch.setattr(MX, "FP8_WORDS", False)
     if variant in ("dot", "wide"):
         configs = MOE_DOT if variant == "dot" else MOE_WIDE
         monkeypatch.setattr(MX, "W13_CONFIG", configs[0])

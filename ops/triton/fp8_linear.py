@@ -18,6 +18,15 @@ one tile, issued together, and a 64 x 128 tile (8 KB) on 64 programs kept a 4096
 linear at 18% of copy bandwidth on an H200. The bf16 GEMV's winners are narrow and long
 (8 x 1024, ``gemv.LINEAR_CONFIG``); wide tiles give the FP8 one the same shape.
 
+Note "FP8 words" (``fp8_rows_dot``, batch 1 inside the MoE): the tile read as int32 words of 4
+codes, [16-column chunks, rows, 4 words], as moe_mxfp4's "MXFP4 words": each lane loads the
+activation pairs (``ld_v2``) and the block scale (``ld_u8``) of its own words, so no value moves
+between lanes and the loop has no shared memory and no barrier (the wide tiles load the
+activation as a [NBK, SUB_K] tile, which Triton moves to every row's threads through shared
+memory, with barriers in the loop); a word's 4 products are summed in fp32 and times its block's
+scale; w1 and w3 share one loop. The codes are converted two at a time by the hardware
+(``cvt.rn.f16x2.e4m3x2``, exact) where it has it, else by the integer decode.
+
 Note "decode": the CPU interpreter has no float8 loads, so the weight is passed as uint8 and
 decoded with integer ops (:func:`e4m3_to_f32`); scales always are (:func:`ue8m0_to_f32`: the
 byte shifted into an fp32 exponent, so 2^(byte-127) exactly with no exp2). On a GPU with
@@ -37,6 +46,7 @@ import triton
 import triton.language as tl
 from draftgraph.ops.triton._common import batch_block, interpreting, mma, next_pow2, pdl_args, pdl_wait
 from draftgraph.ops.triton.gemv import GemvConfig, gemv
+from draftgraph.ops.triton.lanes import bf16_hi, bf16_lo, ld_u8, ld_v2
 from draftgraph.runtime.errors import InputError, describe
 from draftgraph.runtime.model.quant import FP8_BLOCK, QuantWeight, fp8_scale_shape
 
@@ -126,6 +136,101 @@ def fp8_tile3(w_rows, s_rows, k0, n_mask, K, NBK: tl.constexpr, SUB_K: tl.conste
     if not EVEN:
         v = tl.where(live, v, 0.0)
     return v, ue8m0_to_f32(s)
+
+
+# e4m3 x 2 -> f16 x 2 by the hardware (sm89+), exact (e4m3 is a subset of f16), then each to fp32:
+# four codes of an int32 word, column order (byte j: column j).
+FP8_WORD_PTX = tl.constexpr("""
+{
+.reg .b16 l, h, c0, c1, c2, c3;
+.reg .b32 p, q;
+mov.b32 {l, h}, $4;
+cvt.rn.f16x2.e4m3x2 p, l;
+cvt.rn.f16x2.e4m3x2 q, h;
+mov.b32 {c0, c1}, p;
+mov.b32 {c2, c3}, q;
+cvt.f32.f16 $0, c0;
+cvt.f32.f16 $1, c1;
+cvt.f32.f16 $2, c2;
+cvt.f32.f16 $3, c3;
+}
+""")
+
+
+@triton.jit
+def e4m3_word_f32(w, NATIVE: tl.constexpr, INTERP: tl.constexpr):
+    """int32 words of 4 e4m3 codes (byte j: column j) -> 4 fp32 tensors, exactly: the hardware
+    conversion (NATIVE, compiled), else the integer decode (the interpreter, sm80)."""
+    if NATIVE and not INTERP:
+        return tl.inline_asm_elementwise(FP8_WORD_PTX, "=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 4, is_pure=True,
+                                         pack=1)  # fmt: skip
+    else:
+        return e4m3_to_f32(w & 255), e4m3_to_f32(w >> 8 & 255), e4m3_to_f32(w >> 16 & 255), e4m3_to_f32(w >> 24 & 255)
+
+
+@triton.jit
+def _fp8_words_dot(acc, w, s, a0, a1, NATIVE: tl.constexpr, INTERP: tl.constexpr):
+    """acc += each word's 4 codes times its activation columns (a0, a1: bf16 pairs), times the block scale s (bytes)."""
+    c0, c1, c2, c3 = e4m3_word_f32(w, NATIVE, INTERP)
+    part = c0 * bf16_lo(a0)
+    part += c1 * bf16_hi(a0)
+    part += c2 * bf16_lo(a1)
+    part += c3 * bf16_hi(a1)
+    return acc + part * ue8m0_to_f32(s)
+
+
+@triton.jit
+def fp8_rows_dot(
+    x_ptr, wa_ptr, sa_rows, wb_ptr, sb_rows, w_off, K, k_begin, k_end,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr, EVEN: tl.constexpr, NATIVE: tl.constexpr,
+    INTERP: tl.constexpr,
+):  # fmt: skip
+    """(W_a[rows] @ x, W_b[rows] @ x) over K from k_begin up to k_end (k_end <= k_begin reads nothing)
+    -> fp32 [BLOCK_N] each; W_b only with TWO (else the second is 0).
+
+    Batch 1, FP8 (see "FP8 words"): wa_ptr / wb_ptr the matrices' bytes (fp8 or uint8), sa_rows /
+    sb_rows [BLOCK_N] pointers to the rows' scale-grid rows, w_off [BLOCK_N] int64 each row's first
+    byte (rows past the end given as a real row, their results unused); x bf16, 16-byte aligned;
+    K and k_begin multiples of 16. The tile is [16-column chunks, rows, 4 words]; each lane loads
+    the activation pairs and the block scale of its own words (``ld_v2``, ``ld_u8``): no layout
+    conversion, no barrier in the loop. EVEN: BLOCK_K divides K - k_begin (no chunk past K).
+    """
+    NC: tl.constexpr = BLOCK_K // 16
+    chunks = tl.arange(0, NC)[:, None, None]
+    words = tl.arange(0, 4)[None, None, :]
+    w_rows = tl.multiple_of(w_off // 4, 4)[None, :, None]  # in words; K % 16 == 0: rows start on 16 bytes
+    wa = wa_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + w_rows
+    wb = wb_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + w_rows
+    s_a = sa_rows[None, :, None]
+    s_b = sb_rows[None, :, None]
+    a_words = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    acc_a = tl.zeros([NC, BLOCK_N, 4], dtype=tl.float32)
+    acc_b = tl.zeros([NC, BLOCK_N, 4], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        c = k0 // 16 + chunks
+        if not EVEN:  # a chunk past K reads the row's last chunk (a real address), its words masked to 0
+            live = c < K // 16
+            c = tl.minimum(c, K // 16 - 1)
+        kw = c * 4 + words
+        kb = c // 8  # the 128-column scale block
+        a0, a1 = ld_v2(a_words + kw * 2, INTERP)
+        if EVEN:
+            w = tl.load(wa + kw)
+        else:
+            w = tl.load(wa + kw, mask=live, other=0)
+        sa = ld_u8(s_a + kb, INTERP)
+        if not EVEN:
+            sa = tl.where(live, sa, 127)  # 1: a masked chunk's zeros stay 0 even where the real byte is 255 (NaN)
+        acc_a = _fp8_words_dot(acc_a, w, sa, a0, a1, NATIVE, INTERP)
+        if TWO:
+            sb = ld_u8(s_b + kb, INTERP)
+            if EVEN:
+                w = tl.load(wb + kw)
+            else:
+                w = tl.load(wb + kw, mask=live, other=0)
+                sb = tl.where(live, sb, 127)
+            acc_b = _fp8_words_dot(acc_b, w, sb, a0, a1, NATIVE, INTERP)
+    return tl.sum(tl.sum(acc_a, 2), 0), tl.sum(tl.sum(acc_b, 2), 0)
 
 
 @triton.jit

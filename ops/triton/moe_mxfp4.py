@@ -67,8 +67,9 @@ from draftgraph.ops.triton._common import (
     scratch_bytes,
     splat,
 )
-from draftgraph.ops.triton.fp8_linear import fp8_tile, fp8_tile3, native_fp8_supported, ue8m0_to_f32
+from draftgraph.ops.triton.fp8_linear import fp8_rows_dot, fp8_tile, fp8_tile3, native_fp8_supported, ue8m0_to_f32
 from draftgraph.ops.triton.gemv import GemvConfig
+from draftgraph.ops.triton.lanes import bf16_hi, bf16_lo, ld_u8, ld_v4
 from draftgraph.ops.triton.moe_grouped import _moe_reduce_kernel, _owned_rows
 from draftgraph.runtime.errors import InputError, describe
 from draftgraph.runtime.model.quant import FP8_BLOCK, MXFP4_BLOCK, fp8_scale_shape
@@ -85,6 +86,9 @@ GROUPED_MIN_BATCH = 2  # as moe.py: expert-major from this batch on
 # 128 x 128 won: 2911 us with the PTX decode, 5365 before); expert-major at batch 1 is slower.
 W13_CONFIG = GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=3, use_dot=False)
 W2_CONFIG = GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=3, use_dot=False)
+# Batch 1: the FP8 shared expert as fp8_linear's "FP8 words" (w1 and w3 in one loop, per-lane
+# activation loads), not the wide tiles (two loops, the activation through shared memory).
+FP8_WORDS = True
 # Expert-major up to MMA_MAX_BATCH rows (bf16 x; all of them: MAX_BATCH): the routed experts'
 # decoded words multiplied by the rows that chose them, 8 at a time, on the tensor cores
 # (moe_mxfp4_mma); 16 rows a warp. Tuned on one H100 (04300e5,
@@ -203,18 +207,6 @@ def e2m1_word_pairs(w, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _lo(pair):
-    """The low bf16 of int32 pairs, as fp32."""
-    return (pair << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _hi(pair):
-    """The high bf16 of int32 pairs, as fp32."""
-    return (pair & -65536).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def ue8m0_bf16_bits(s):
     """UE8M0 bytes -> the bits of 2^(byte - 127) as bf16 (int32), as ue8m0_to_f32 (0: 2^-127, a
     subnormal; 255: NaN)."""
@@ -311,38 +303,17 @@ def e2m1_word_f16(w, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _ld_v4(ptr, INTERP: tl.constexpr):
-    """Four int32 at each pointer (16-byte aligned), loaded by every thread holding the pointer: a
-    tensor broadcast along the tile's rows needs no layout conversion (no shared memory, no barrier)."""
-    if INTERP:
-        return tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2), tl.load(ptr + 3)
-    else:
-        return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
-                                         dtype=(tl.int32,) * 4, is_pure=True, pack=1)  # fmt: skip
-
-
-@triton.jit
-def _ld_u8(ptr, INTERP: tl.constexpr):
-    """The byte at each pointer as int32, loaded by the thread holding the pointer (as ``_ld_v4``)."""
-    if INTERP:
-        return tl.load(ptr).to(tl.int32)
-    else:
-        return tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=True,
-                                         pack=1)  # fmt: skip
-
-
-@triton.jit
 def _words_f16_dot(acc, w, s, a0, a1, a2, a3, INTERP: tl.constexpr):
     """acc += each word's 8 codes times its activation columns (a0..a3: bf16 pairs), times the block scale."""
     c0, c1, c2, c3, c4, c5, c6, c7 = e2m1_word_f16(w, INTERP)
-    part = c0 * _lo(a0)
-    part += c1 * _hi(a0)
-    part += c2 * _lo(a1)
-    part += c3 * _hi(a1)
-    part += c4 * _lo(a2)
-    part += c5 * _hi(a2)
-    part += c6 * _lo(a3)
-    part += c7 * _hi(a3)
+    part = c0 * bf16_lo(a0)
+    part += c1 * bf16_hi(a0)
+    part += c2 * bf16_lo(a1)
+    part += c3 * bf16_hi(a1)
+    part += c4 * bf16_lo(a2)
+    part += c5 * bf16_hi(a2)
+    part += c6 * bf16_lo(a3)
+    part += c7 * bf16_hi(a3)
     return acc + (part * F16_REBIAS) * ue8m0_to_f32(s)
 
 
@@ -364,7 +335,7 @@ def _tile_dot(acc, w_rows, s_rows, kw, kb, live, a0, a1, a2, a3, EVEN: tl.conste
     word / scale columns from ``_word_block``) times the activation pairs a0..a3; its words masked
     by ``live`` (0: no product) unless EVEN (every row and block real)."""
     w = tl.load(w_rows + kw) if EVEN else tl.load(w_rows + kw, mask=live, other=0)
-    return _words_f16_dot(acc, w, _ld_u8(s_rows + kb, INTERP), a0, a1, a2, a3, INTERP)
+    return _words_f16_dot(acc, w, ld_u8(s_rows + kb, INTERP), a0, a1, a2, a3, INTERP)
 
 
 @triton.jit
@@ -378,7 +349,7 @@ def mxfp4_rows_dot(
     their scales; w_off / s_off [BLOCK_N] int64: each row's first word / scale (rows past the end
     given as a real row: n_live masks them); x bf16, 16-byte aligned, K % 32 == 0. The tile is
     [scale blocks, rows, 4 words] (see "MXFP4 words"); each lane loads the activation pairs and
-    the scale of its own words (``_ld_v4``, ``_ld_u8``). Both matrices in one loop: twice the
+    the scale of its own words (``ld_v4``, ``ld_u8``). Both matrices in one loop: twice the
     bytes in flight a program. EVEN: BLOCK_N and BLOCK_K divide the matrix (no masks).
     """
     NB: tl.constexpr = BLOCK_K // 32
@@ -394,7 +365,7 @@ def mxfp4_rows_dot(
     acc_b = tl.zeros([NB, BLOCK_N, 4], dtype=tl.float32)
     for k0 in range(0, k_end, BLOCK_K):
         kw, kb, live = _word_block(k0, blocks, words, K, EVEN)
-        a0, a1, a2, a3 = _ld_v4(a_words + kw * 4, INTERP)
+        a0, a1, a2, a3 = ld_v4(a_words + kw * 4, INTERP)
         acc_a = _tile_dot(acc_a, wa, sa_ptr + s_rows, kw, kb, live & live_rows, a0, a1, a2, a3, EVEN, INTERP)
         acc_b = _tile_dot(acc_b, wb, sb_ptr + s_rows, kw, kb, live & live_rows, a0, a1, a2, a3, EVEN, INTERP)
     return tl.sum(tl.sum(acc_a, 2), 0), tl.sum(tl.sum(acc_b, 2), 0)
@@ -499,6 +470,7 @@ def _w13_kernel(
     GROUPED: tl.constexpr,
     USE_DOT: tl.constexpr,
     NATIVE: tl.constexpr,
+    WORDS: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -531,6 +503,13 @@ def _w13_kernel(
                               True, BLOCK_N, BLOCK_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
             u = _expert_tiles(x_rows, serves, sw3_rows, ss3_ptr + s_rows, n_mask, D, k_end,
                               True, BLOCK_N, BLOCK_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
+        elif WORDS:  # w1 and w3 in one loop, each lane its own activation (fp8_linear's "FP8 words")
+            n_c = tl.minimum(offs_n, INTER - 1).to(tl.int64)  # rows past INTER read the last row, unstored
+            s_c = (n_c // 128) * stride_ssn
+            g1, u1 = fp8_rows_dot(x_ptr, sw1_ptr, ss1_ptr + s_c, sw3_ptr, ss3_ptr + s_c, n_c * D, D, 0,
+                                  k_end, BLOCK_N, BLOCK_K, True, EVEN, NATIVE, INTERP)  # fmt: skip
+            g = g1[:, None]
+            u = u1[:, None]
         else:
             g = _fp8_rows_fma(x_ptr, sw1_rows, ss1_ptr + s_rows, n_mask, D, k_end,
                               BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE)  # fmt: skip
@@ -581,6 +560,7 @@ def _w2_kernel(
     ACCUMULATE: tl.constexpr,
     USE_DOT: tl.constexpr,
     NATIVE: tl.constexpr,
+    WORDS: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -620,7 +600,7 @@ def _w2_kernel(
         elif e >= 0:  # mxfp4_rows_dot's tile, one matrix; NO_EXPERT adds nothing
             row = e * D + n_c
             kw, kb, _ = _word_block(k0, blocks, words, INTER, True)  # INTER % BLOCK_K == 0
-            a0, a1, a2, a3 = _ld_v4(act_words + slot.to(tl.int64) * (INTER // 2) + kw * 4, INTERP)  # row = slot
+            a0, a1, a2, a3 = ld_v4(act_words + slot.to(tl.int64) * (INTER // 2) + kw * 4, INTERP)  # row = slot
             acc = _tile_dot(acc, w2_words + tl.multiple_of(row * (INTER // 8), 4)[None, :, None],
                             s2_ptr + (row * (INTER // 32))[None, :, None], kw, kb, n_mask[None, :, None],
                             a0, a1, a2, a3, EVEN, INTERP)  # fmt: skip
@@ -637,7 +617,13 @@ def _w2_kernel(
         total = acc
     else:
         total = tl.sum(tl.sum(acc, 2), 0)[:, None]
-        if HAS_SHARED:
+        if HAS_SHARED and WORDS:
+            s_c = (n_c // 128) * stride_ssn  # n_c: rows past D read the last row, unstored
+            shared_part, _ = fp8_rows_dot(act_ptr + routed * INTER, sw2_ptr, ss2_ptr + s_c, sw2_ptr, ss2_ptr + s_c,
+                                          n_c * INTER, INTER, 0, INTER, BLOCK_N, BLOCK_K, False, True, NATIVE,
+                                          INTERP)  # fmt: skip
+            total += shared_part[:, None]
+        elif HAS_SHARED:
             total += _fp8_rows_fma(act_ptr + routed * INTER, sw2_ptr + n64 * INTER,
                                    ss2_ptr + (offs_n // 128) * stride_ssn, n_mask, INTER, INTER,
                                    BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE)  # fmt: skip
@@ -846,7 +832,7 @@ def moe_mxfp4_launches(
             x, idx, wts, w1b, s1b, w3b, s3b, sw1b, ss1b, sw3b, ss3b, act, b, d, inter, x.stride(0), s13, limit,
             TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_N=bn, BLOCK_K=bk, BLOCK_B=block_b if dot13 else 1,
             SUB_K=min(bk, FP8_BLOCK), EVEN=d % bk == 0 and inter % bn == 0, GROUPED=grouped, USE_DOT=dot13,
-            NATIVE=native, INTERP=interp,
+            NATIVE=native, WORDS=FP8_WORDS, INTERP=interp,
             num_warps=c13.num_warps, num_stages=c13.num_stages, **pdl,
         )  # fmt: skip
 
@@ -859,7 +845,7 @@ def moe_mxfp4_launches(
             act, idx, w2b, s2b, sw2b, ss2b, out, b, d, inter, out.stride(0), s2,
             TOPK=top_k, BLOCK_N=bn, BLOCK_K=bk, BLOCK_B=block_b if dot2 else 1, SUB_K=min(bk, FP8_BLOCK),
             EVEN=d % bn == 0, HAS_SHARED=has_shared, ACCUMULATE=accumulate, USE_DOT=dot2, NATIVE=native,
-            INTERP=interp,
+            WORDS=FP8_WORDS, INTERP=interp,
             num_warps=c2.num_warps, num_stages=c2.num_stages, **pdl,
         )  # fmt: skip
 

@@ -35,13 +35,10 @@ import triton
 import triton.language as tl
 from draftgraph.ops.triton._common import clamped_swiglu, pdl_wait
 from draftgraph.ops.triton.fp8_linear import ue8m0_to_f32
+from draftgraph.ops.triton.lanes import bf16_hi, bf16_lo, ld_u8, ld_v4
 from draftgraph.ops.triton.moe_grouped import _owned_rows
 from draftgraph.ops.triton.moe_mxfp4 import (
     _expert_tiles,
-    _hi,
-    _ld_u8,
-    _ld_v4,
-    _lo,
     _word_block,
     e2m1_word_pairs,
     ue8m0_bf16_bits,
@@ -96,7 +93,8 @@ def _word_values(w, s):
     """The 8 codes of words ``w`` times their scale bytes ``s``, fp32 (the interpreter's decode)."""
     p0, p1, p2, p3 = e2m1_word_pairs(w, True)
     f = ue8m0_to_f32(s)
-    return _lo(p0) * f, _hi(p0) * f, _lo(p1) * f, _hi(p1) * f, _lo(p2) * f, _hi(p2) * f, _lo(p3) * f, _hi(p3) * f
+    return (bf16_lo(p0) * f, bf16_hi(p0) * f, bf16_lo(p1) * f, bf16_hi(p1) * f,
+            bf16_lo(p2) * f, bf16_hi(p2) * f, bf16_lo(p3) * f, bf16_hi(p3) * f)  # fmt: skip
 
 
 @triton.jit
@@ -121,7 +119,7 @@ def _mma_twin(c0, c1, c2, c3, wa, wb, sa, sb, x0, x1, x2, x3, t, W: tl.constexpr
     """MMA_WORD_PTX by arithmetic (the interpreter): the same C fragments from the same lanes' words."""
     va = _word_values(wa, sa)
     vb = _word_values(wb, sb)
-    xs = (_lo(x0), _hi(x0), _lo(x1), _hi(x1), _lo(x2), _hi(x2), _lo(x3), _hi(x3))
+    xs = (bf16_lo(x0), bf16_hi(x0), bf16_lo(x1), bf16_hi(x1), bf16_lo(x2), bf16_hi(x2), bf16_lo(x3), bf16_hi(x3))
     top = _quad_sum(va[0], xs[0], W)
     bot = _quad_sum(vb[0], xs[0], W)
     for j in tl.static_range(1, 8):
@@ -149,10 +147,10 @@ def _mma_block(c0, c1, c2, c3, w_g, w_g8, s_g, s_g8, bt, live, x, t, W: tl.const
     times the activation words x (16: the block's 32 columns, from ``_act_block``, 0 where the block
     is not real). ``live``: the block is real; a clamped one's scale reads as byte 0 (finite: its
     products with the zero activation are 0, even where the real byte is 255, NaN)."""
-    a0, a1, a2, a3 = _ld_v4(w_g + bt * 4, INTERP)
-    b0, b1, b2, b3 = _ld_v4(w_g8 + bt * 4, INTERP)
-    sa = _ld_u8(s_g + bt, INTERP)
-    sb = _ld_u8(s_g8 + bt, INTERP)
+    a0, a1, a2, a3 = ld_v4(w_g + bt * 4, INTERP)
+    b0, b1, b2, b3 = ld_v4(w_g8 + bt * 4, INTERP)
+    sa = ld_u8(s_g + bt, INTERP)
+    sb = ld_u8(s_g8 + bt, INTERP)
     if not EVEN:
         sa = tl.where(live, sa, 0)
         sb = tl.where(live, sb, 0)
@@ -178,10 +176,10 @@ def _act_block(a_row, bt, live, EVEN: tl.constexpr, INTERP: tl.constexpr):
     """The 16 activation words (bf16 pairs) of block ``bt`` of a lane's row ``a_row``; 0 where the
     block is not real (none: EVEN). A batch column with no row reads a real row: C's column n
     depends on B's column n alone, and a dead column is never stored."""
-    x0, x1, x2, x3 = _ld_v4(a_row + bt * 16, INTERP)
-    x4, x5, x6, x7 = _ld_v4(a_row + bt * 16 + 4, INTERP)
-    x8, x9, x10, x11 = _ld_v4(a_row + bt * 16 + 8, INTERP)
-    x12, x13, x14, x15 = _ld_v4(a_row + bt * 16 + 12, INTERP)
+    x0, x1, x2, x3 = ld_v4(a_row + bt * 16, INTERP)
+    x4, x5, x6, x7 = ld_v4(a_row + bt * 16 + 4, INTERP)
+    x8, x9, x10, x11 = ld_v4(a_row + bt * 16 + 8, INTERP)
+    x12, x13, x14, x15 = ld_v4(a_row + bt * 16 + 12, INTERP)
     if EVEN:
         return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
     return (tl.where(live, x0, 0), tl.where(live, x1, 0), tl.where(live, x2, 0), tl.where(live, x3, 0),
