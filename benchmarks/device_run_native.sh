@@ -13,12 +13,16 @@
 # A shorter call for a change to the MoE kernels (about 6 minutes): the MoE's and the chain's tests,
 # the batch-1 MoE tiles tuned, the chain at B=1 and 8:
 #   TESTS=moe TUNE_JOBS=moe:1 CASES=1x1,1x3,8x1 bash benchmarks/device_run_native.sh OUT
+# TESTS may also be a pytest -k expression over the three files (e.g. "moe or native or fp8_gemv"),
+# OPS the ops bench_kernels times with TUNE_JOBS (default moe), TUNE_S its tuning budget (default 40 s).
 set -uo pipefail
 out=${1:?usage: device_run_native.sh OUT}
 source "$(dirname "$0")/device_steps.sh" "$out"
-if [ "${TESTS:-all}" = moe ]; then
-    step pytest_native 130 python3 -m pytest -q -m cuda -p no:cacheprovider -p no:warnings \
-        tests/test_triton_fp8_mxfp4.py -k "moe or e2m1 or native" tests/test_triton_moe_shard.py tests/test_native_proposer.py
+if [ "${TESTS:-all}" != all ]; then
+    k=$TESTS
+    [ "$k" = moe ] && k="moe or e2m1 or native"
+    step pytest_native 150 python3 -m pytest -q -m cuda -p no:cacheprovider -p no:warnings \
+        tests/test_triton_fp8_mxfp4.py -k "$k" tests/test_triton_moe_shard.py tests/test_native_proposer.py
 else
     step pytest_native 200 python3 -m pytest -q -m cuda -p no:cacheprovider -p no:warnings \
         tests/test_triton_fp8_mxfp4.py tests/test_triton_moe_shard.py tests/test_native_proposer.py \
@@ -26,8 +30,8 @@ else
 fi
 tail -2 "$out/pytest_native.txt"
 if [ -n "${TUNE_JOBS:-}" ]; then
-    step bench_kernels 80 python3 benchmarks/bench_kernels.py --weights native --tune --tune-jobs "$TUNE_JOBS" \
-        --budget-s 40 --ops moe --out "$out/kernels"
+    step bench_kernels $((${TUNE_S:-40} + 40)) python3 benchmarks/bench_kernels.py --weights native --tune \
+        --tune-jobs "$TUNE_JOBS" --budget-s "${TUNE_S:-40}" --ops "${OPS:-moe}" --out "$out/kernels"
 else
     step bench_kernels 180 python3 benchmarks/bench_kernels.py --weights native --tune --budget-s 110 \
         --ops linear,moe,swa_attention --out "$out/kernels"

@@ -507,7 +507,7 @@ def _w13_kernel(
             n_c = tl.minimum(offs_n, INTER - 1).to(tl.int64)  # rows past INTER read the last row, unstored
             s_c = (n_c // 128) * stride_ssn
             g1, u1 = fp8_rows_dot(x_ptr, sw1_ptr, ss1_ptr + s_c, sw3_ptr, ss3_ptr + s_c, n_c * D, D, 0,
-                                  k_end, BLOCK_N, BLOCK_K, True, EVEN, NATIVE, INTERP)  # fmt: skip
+                                  k_end, x_ptr, 1.0, BLOCK_N, BLOCK_K, True, False, EVEN, NATIVE, INTERP)  # fmt: skip
             g = g1[:, None]
             u = u1[:, None]
         else:
@@ -620,8 +620,8 @@ def _w2_kernel(
         if HAS_SHARED and WORDS:
             s_c = (n_c // 128) * stride_ssn  # n_c: rows past D read the last row, unstored
             shared_part, _ = fp8_rows_dot(act_ptr + routed * INTER, sw2_ptr, ss2_ptr + s_c, sw2_ptr, ss2_ptr + s_c,
-                                          n_c * INTER, INTER, 0, INTER, BLOCK_N, BLOCK_K, False, True, NATIVE,
-                                          INTERP)  # fmt: skip
+                                          n_c * INTER, INTER, 0, INTER, act_ptr, 1.0, BLOCK_N, BLOCK_K, False, False,
+                                          True, NATIVE, INTERP)  # fmt: skip
             total += shared_part[:, None]
         elif HAS_SHARED:
             total += _fp8_rows_fma(act_ptr + routed * INTER, sw2_ptr + n64 * INTER,

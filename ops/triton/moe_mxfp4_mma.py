@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from draftgraph.ops.triton._common import clamped_swiglu, pdl_wait
 from draftgraph.ops.triton.fp8_linear import ue8m0_to_f32
-from draftgraph.ops.triton.lanes import bf16_hi, bf16_lo, ld_u8, ld_v4
+from draftgraph.ops.triton.lanes import bf16_hi, bf16_lo, lane_pick, lane_store, ld_u8, ld_v4, quad_sum
 from draftgraph.ops.triton.moe_grouped import _owned_rows
 from draftgraph.ops.triton.moe_mxfp4 import (
     _expert_tiles,
@@ -73,14 +73,6 @@ MMA_WORD_PTX = tl.constexpr(
     "{$0, $1, $2, $3};\n}"
 )
 
-# Stores by the lane that holds the value (no layout anchor), where $3 != 0.
-ST_F32_PTX = tl.constexpr("{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n@p st.global.b32 [$1], $2;\nmov.b32 $0, 0;\n}")
-ST_B16_PTX = tl.constexpr(
-    "{\n.reg .pred p;\n.reg .b16 h;\nsetp.ne.b32 p, $3, 0;\ncvt.u16.u32 h, $2;\n@p st.global.b16 [$1], h;\n"
-    "mov.b32 $0, 0;\n}"
-)
-
-
 @triton.jit
 def _scale_pair(s):
     """UE8M0 bytes (int32) -> 2^(byte - 127) as bf16 in both halves (moe_mxfp4._scale_bf16's bits)."""
@@ -98,35 +90,18 @@ def _word_values(w, s):
 
 
 @triton.jit
-def _quad_sum(a, x, W: tl.constexpr):
-    """[W, 8 (weight row g), 8 (column n)]: sum over the 4 lanes t of a (lane (w, g, t)'s value) times
-    x (lane (w, n, t)'s value): one code's share of a warp's 8 x 8 block of C."""
-    a3 = tl.reshape(a, [W, 8, 4])
-    x3 = tl.reshape(x, [W, 8, 4])
-    return tl.sum(a3[:, :, None, :] * x3[:, None, :, :], 3)
-
-
-@triton.jit
-def _lane_pick(c, t, odd, W: tl.constexpr):
-    """Lane (w, g, t)'s C value c[w, g, 2t + odd] of a [W, 8, 8] block, as a [32 W] tensor."""
-    n = tl.arange(0, 8)[None, None, :, None]
-    hit = n == (2 * tl.reshape(t, [W, 8, 4]) + odd)[:, :, None, :]
-    return tl.reshape(tl.sum(tl.where(hit, c[:, :, :, None], 0.0), 2), [32 * W])
-
-
-@triton.jit
 def _mma_twin(c0, c1, c2, c3, wa, wb, sa, sb, x0, x1, x2, x3, t, W: tl.constexpr):
     """MMA_WORD_PTX by arithmetic (the interpreter): the same C fragments from the same lanes' words."""
     va = _word_values(wa, sa)
     vb = _word_values(wb, sb)
     xs = (bf16_lo(x0), bf16_hi(x0), bf16_lo(x1), bf16_hi(x1), bf16_lo(x2), bf16_hi(x2), bf16_lo(x3), bf16_hi(x3))
-    top = _quad_sum(va[0], xs[0], W)
-    bot = _quad_sum(vb[0], xs[0], W)
+    top = quad_sum(va[0], xs[0], W)
+    bot = quad_sum(vb[0], xs[0], W)
     for j in tl.static_range(1, 8):
-        top += _quad_sum(va[j], xs[j], W)
-        bot += _quad_sum(vb[j], xs[j], W)
-    return (c0 + _lane_pick(top, t, 0, W), c1 + _lane_pick(top, t, 1, W),
-            c2 + _lane_pick(bot, t, 0, W), c3 + _lane_pick(bot, t, 1, W))  # fmt: skip
+        top += quad_sum(va[j], xs[j], W)
+        bot += quad_sum(vb[j], xs[j], W)
+    return (c0 + lane_pick(top, t, 0, W), c1 + lane_pick(top, t, 1, W),
+            c2 + lane_pick(bot, t, 0, W), c3 + lane_pick(bot, t, 1, W))  # fmt: skip
 
 
 @triton.jit
@@ -240,20 +215,6 @@ def _served(idx_ptr, wts_ptr, slot, B, TOPK: tl.constexpr, TOPK_PAD: tl.constexp
 
 
 @triton.jit
-def _store(ptr, v, live, INTERP: tl.constexpr):
-    """ptr[i] = v[i] (fp32, or rounded to ptr's bf16) where live, by the lane that holds it."""
-    if INTERP:
-        tl.store(ptr, v.to(ptr.dtype.element_ty), mask=live != 0)
-    elif ptr.dtype.element_ty == tl.float32:
-        tl.inline_asm_elementwise(ST_F32_PTX, "=r,l,r,r", [ptr.to(tl.int64), v.to(tl.int32, bitcast=True),
-                                  live.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-    else:
-        bits = v.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        tl.inline_asm_elementwise(ST_B16_PTX, "=r,l,r,r", [ptr.to(tl.int64), bits, live.to(tl.int32)],
-                                  dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-
-
-@triton.jit
 def _slot_lanes(idx_ptr, wts_ptr, pid_n, slot, N, B, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
     """A routed slot's program: (t, g, the lane's rows g and g + 8 (clamped into N) and whether each is
@@ -342,10 +303,10 @@ def _w13_mma_kernel(
                                                EVEN, INTERP)  # fmt: skip
             out0 = act_ptr + dest0.to(tl.int64) * INTER
             out1 = act_ptr + dest1.to(tl.int64) * INTER
-            _store(out0 + row_g, clamped_swiglu(c0, d0, limit) * wt0, live0 & real_g, INTERP)
-            _store(out1 + row_g, clamped_swiglu(c1, d1, limit) * wt1, live1 & real_g, INTERP)
-            _store(out0 + row_g8, clamped_swiglu(c2, d2, limit) * wt0, live0 & real_g8, INTERP)
-            _store(out1 + row_g8, clamped_swiglu(c3, d3, limit) * wt1, live1 & real_g8, INTERP)
+            lane_store(out0 + row_g, clamped_swiglu(c0, d0, limit) * wt0, live0 & real_g, INTERP)
+            lane_store(out1 + row_g, clamped_swiglu(c1, d1, limit) * wt1, live1 & real_g, INTERP)
+            lane_store(out0 + row_g8, clamped_swiglu(c2, d2, limit) * wt0, live0 & real_g8, INTERP)
+            lane_store(out1 + row_g8, clamped_swiglu(c3, d3, limit) * wt1, live1 & real_g8, INTERP)
 
 
 @triton.jit
@@ -381,10 +342,10 @@ def _w2_mma_kernel(
                                                W, EVEN, INTERP)  # fmt: skip
             out0 = part_ptr + dest0.to(tl.int64) * D
             out1 = part_ptr + dest1.to(tl.int64) * D
-            _store(out0 + row_g, c0, live0 & real_g, INTERP)
-            _store(out1 + row_g, c1, live1 & real_g, INTERP)
-            _store(out0 + row_g8, c2, live0 & real_g8, INTERP)
-            _store(out1 + row_g8, c3, live1 & real_g8, INTERP)
+            lane_store(out0 + row_g, c0, live0 & real_g, INTERP)
+            lane_store(out1 + row_g, c1, live1 & real_g, INTERP)
+            lane_store(out0 + row_g8, c2, live0 & real_g8, INTERP)
+            lane_store(out1 + row_g8, c3, live1 & real_g8, INTERP)
 
 
 def launch_w13(grid, *args, **meta):
