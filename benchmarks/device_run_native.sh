@@ -14,14 +14,15 @@
 # the batch-1 MoE tiles tuned, the chain at B=1 and 8:
 #   TESTS=moe TUNE_JOBS=moe:1 CASES=1x1,1x3,8x1 bash benchmarks/device_run_native.sh OUT
 # TESTS may also be a pytest -k expression over the three files (e.g. "moe or native or fp8_gemv"),
-# OPS the ops bench_kernels times with TUNE_JOBS (default moe), TUNE_S its tuning budget (default 40 s).
+# OPS the ops bench_kernels times with TUNE_JOBS (default moe), TUNE_S its tuning budget (default 40 s),
+# PYTEST_S the tests' time limit (default 150 s).
 set -uo pipefail
 out=${1:?usage: device_run_native.sh OUT}
 source "$(dirname "$0")/device_steps.sh" "$out"
 if [ "${TESTS:-all}" != all ]; then
     k=$TESTS
     [ "$k" = moe ] && k="moe or e2m1 or native"
-    step pytest_native 150 python3 -m pytest -q -m cuda -p no:cacheprovider -p no:warnings \
+    step pytest_native "${PYTEST_S:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider -p no:warnings \
         tests/test_triton_fp8_mxfp4.py -k "$k" tests/test_triton_moe_shard.py tests/test_native_proposer.py
 else
     step pytest_native 200 python3 -m pytest -q -m cuda -p no:cacheprovider -p no:warnings \
