@@ -762,10 +762,10 @@ def tune_all(flash, copy_bw, deadline, only: set[str] | None = None) -> Tuner:
 
 
 def native_jobs() -> list:
-    """The block-scaled kernels' own knobs (--weights native). Batch 1: the FP8 words or the wide
-    tiles, FMA tiles from narrow and long ("wide tiles", "MXFP4 words": many scale blocks a tile) to
-    the 128-column ones of b93df2d, and the dot path padded to 16 rows; batch > 1: the tensor-core
-    kernels' tiles, and dot tiles of at most 128 columns (one FP8 scale block)."""
+    """The block-scaled kernels' own knobs (--weights native). Batch 1: FMA tiles from narrow and
+    long ("wide tiles", "MXFP4 words": many scale blocks a tile) to the 128-column ones of b93df2d,
+    and the dot path padded to 16 rows; batch > 1: dot tiles, at most 128 columns (one FP8 scale
+    block)."""
     from draftgraph.ops.triton import fp8_linear as F
     from draftgraph.ops.triton import moe_mxfp4 as MX
     from draftgraph.ops.triton.gemv import GemvConfig as C
@@ -777,15 +777,11 @@ def native_jobs() -> list:
     dot = [C(n, 128, warps, stages) for n, warps, stages in tiles]
     mma = [C(n, k, n // 16, 1, False) for n, k in ((16, 512), (16, 1024), (32, 256), (32, 512), (64, 256), (64, 512),
                                                     (128, 256))]  # fmt: skip
-    fp8_mma = [C(n, k, n // 16, 1, False) for n, k in ((16, 256), (32, 256), (32, 512), (64, 256), (64, 512),
-                                                        (128, 256))]  # fmt: skip
     return [
-        # The FP8 words against the wide tiles first (fp8_linear's "FP8 words"), then the tiles.
-        ("linear", 1, [(F, "WORDS", [False]), (F, "BATCH1_CONFIG", fma + dot[:2])]),
-        ("moe", 1, [(MX, "FP8_WORDS", [False]), (MX, "W13_CONFIG", fma + dot[:2]), (MX, "W2_CONFIG", fma + dot[:2]),
+        ("linear", 1, [(F, "BATCH1_CONFIG", fma + dot[:2])]),
+        ("moe", 1, [(MX, "W13_CONFIG", fma + dot[:2]), (MX, "W2_CONFIG", fma + dot[:2]),
                     (MX, "GROUPED_MIN_BATCH", [1])]),  # fmt: skip
-        # B > 1: the tensor-core GEMV (fp8_gemv_mma) against the dot tiles (MMA_MAX_BATCH 0), then its tiles.
-        ("linear", 4, [(F, "MMA_MAX_BATCH", [0]), (F, "MMA_CONFIG", fp8_mma)]),  # DEFAULT: tuned at bbbd33f
+        ("linear", 4, [(F, "DEFAULT", dot)]),
         # The tensor-core kernels (moe_mxfp4_mma) against the dot tiles (MMA_MAX_BATCH 0), then their tiles.
         ("moe", 4, [(MX, "MMA_MAX_BATCH", [0]), (MX, "W13_CONFIG_MMA", mma), (MX, "W2_CONFIG_MMA", mma)]),
         # B=32 takes the mma kernels too, on the B=4 job's tiles: this case routes 32 rows to ~150

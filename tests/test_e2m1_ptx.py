@@ -54,12 +54,6 @@ def fma_bf16x2(a: int, b: int, c: int) -> int:
     return halves[0] | halves[1] << 16
 
 
-def e4m3_f16_bits(byte: int) -> int:
-    """The f16 bits of an e4m3 code's value (exact: e4m3 is a subset of f16; 0x7F / 0xFF NaN)."""
-    value = torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float16)
-    return int(value.view(torch.int16).item()) & 0xFFFF
-
-
 def run_ptx(text: str, operands: dict[str, int]) -> dict[str, int]:
     """Execute ``text`` with ``$n`` operands given (inputs) or returned (outputs)."""
     regs = dict(operands)
@@ -75,19 +69,12 @@ def run_ptx(text: str, operands: dict[str, int]) -> dict[str, int]:
         if line in ("{", "}") or line.startswith(".reg"):
             continue
         op, args = line.split(None, 1)
-        unpack = re.fullmatch(r"\{\s*(\w+),\s*(\w+)\s*\},\s*(\S+)", args)
-        if op == "mov.b32" and unpack:  # a 32-bit value into two 16-bit registers, low half first
-            lo, hi, src = unpack.groups()
-            regs[lo], regs[hi] = val(src) & 0xFFFF, val(src) >> 16 & 0xFFFF
-            continue
         dst, *src = [t.strip() for t in args.split(",")]
         v = [val(t) for t in src]
         if op == "mov.b32":
             r = v[0]
         elif op == "and.b32":
             r = v[0] & v[1]
-        elif op == "or.b32":
-            r = v[0] | v[1]
         elif op == "shr.u32":
             r = v[0] >> v[1]
         elif op == "prmt.b32":
@@ -96,11 +83,6 @@ def run_ptx(text: str, operands: dict[str, int]) -> dict[str, int]:
             r = v[0] * v[1]
         elif op == "fma.rn.bf16x2":
             r = fma_bf16x2(v[0], v[1], v[2])
-        elif op == "cvt.rn.f16x2.e4m3x2":  # the low byte into the low half
-            r = e4m3_f16_bits(v[0] & 0xFF) | e4m3_f16_bits(v[0] >> 8 & 0xFF) << 16
-        elif op == "cvt.f32.f16":
-            r = int(torch.tensor([v[0] & 0xFFFF], dtype=torch.int32).to(torch.int16).view(torch.float16).float()
-                    .view(torch.int32).item())  # fmt: skip
         else:
             raise AssertionError(f"an instruction the model does not know: {op}")
         regs[dst] = r & MASK
@@ -162,63 +144,3 @@ def test_mma_word_ptx_decodes_both_rows_times_their_scales_into_the_a_fragments(
             want = (torch.tensor(want, dtype=torch.float32) * torch.tensor(s, dtype=torch.float32)).tolist()
             for gv, wv in zip(got, want):
                 assert (gv == wv) or (gv != gv and wv != wv), (hex(w), scale_byte, reg, got, want)
-
-
-def test_fp8_word_ptx_gives_the_four_codes_as_fp32_in_column_order():
-    """fp8_linear's FP8_WORD_PTX (two cvt.rn.f16x2.e4m3x2, then each half to fp32) for every byte
-    in every position of the word: byte j is column j, its value exactly (NaN for 0x7F / 0xFF)."""
-    from draftgraph.ops.triton import fp8_linear as FP8
-
-    ops = {line.split()[0] for line in FP8.FP8_WORD_PTX.value.strip().splitlines() if re.match(r"\s*[a-z]", line)}
-    assert ops == {"mov.b32", "cvt.rn.f16x2.e4m3x2", "cvt.f32.f16"}
-    g = torch.Generator().manual_seed(8)
-    for byte in range(256):
-        for pos in range(4):
-            word = int(torch.randint(0, 2**32, (1,), generator=g, dtype=torch.int64).item())
-            word = word & ~(0xFF << 8 * pos) | byte << 8 * pos
-            regs = run_ptx(FP8.FP8_WORD_PTX.value, {"$4": word})
-            for j in range(4):
-                b = word >> 8 * j & 0xFF
-                want = torch.tensor([b], dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-                want_bits = int(want.view(torch.int32).item()) & MASK
-                # bits, so -0 (0x80) and the subnormals count; any NaN for a NaN
-                got = regs[f"${j}"]
-                nan = want.isnan().item() and got & 0x7FFFFFFF > 0x7F800000
-                assert got == want_bits or nan, (hex(word), j, hex(got), hex(want_bits))
-
-
-@pytest.mark.parametrize("scale_byte", [0, 1, 100, 120, 127, 128, 200, 254, 255])
-def test_fp8_mma_ptx_decodes_both_rows_times_the_scale_into_the_a_fragments(scale_byte):
-    """fp8_gemv_mma's PTX up to its first mma.sync: the first word of row g ($4) and of row g + 8
-    ($8) as two bf16x2 pairs each (codes 0, 1 and 2, 3; the lower code in the low half) times the
-    block scale ($12, bf16 in both halves), every code exactly but 0x7F / 0xFF (480, see "e4m3 by
-    bits"); after the mma, the next words' pairs the same way (the same lines on $5 / $9)."""
-    from draftgraph.ops.triton import fp8_gemv_mma as MMA
-
-    text = MMA.FP8_MMA_PTX.value
-    first, rest = text.split("mma.sync", 1)
-    second = rest.split("\n", 1)[1].split("mma.sync", 1)[0]  # the lines between the first and second mma
-    scale = 2.0 ** (scale_byte - 127) if scale_byte < 255 else float("nan")
-    s_bits = bf16_bits(scale) if scale_byte else 0x0040  # as _scale_pair: 2^-127 a bf16 subnormal
-
-    def value(code: int) -> float:
-        if code & 0x7F == 0x7F:
-            return -480.0 if code & 0x80 else 480.0
-        return float(torch.tensor([code], dtype=torch.uint8).view(torch.float8_e4m3fn).float())
-
-    for base in range(0, 256, 4):
-        word_g = int.from_bytes(bytes([base, base + 1, base + 2, base + 3]), "little")
-        word_g8 = word_g ^ 0x80808080  # the other row: the signs flipped
-        for lines, word_reg, word_reg8 in ((first, "$4", "$8"), ("{\n.reg .b32 t, u;\nmov.b32 r, 0x7B807B80;\n"
-                                           "mov.b32 z, 0x80008000;\n" + second, "$5", "$9")):  # fmt: skip
-            regs = run_ptx(lines.replace("{\n.reg", ".reg", 1) if lines is first else lines,
-                           {word_reg: word_g, word_reg8: word_g8, "$12": s_bits * 0x10001})
-            for reg, w in (("a", word_g), ("b", word_g8)):
-                got = [bf16_value(regs[f"{reg}{j}"] >> h) for j in range(2) for h in (0, 16)]
-                want = [value(w >> 8 * c & 0xFF) for c in range(4)]
-                # As bf16 does it (the product of two bf16 values, rounded): exact here, or inf / 0
-                want = [bf16_value(bf16_bits(float(torch.tensor(v, dtype=torch.float32)
-                                                   * torch.tensor(scale, dtype=torch.float32))))
-                        for v in want]  # fmt: skip
-                for gv, wv in zip(got, want):
-                    assert (gv == wv) or (gv != gv and wv != wv), (hex(w), scale_byte, reg, got, want)

@@ -120,7 +120,7 @@ def poisoned(shape, dtype, device):
 FMA = K["gemv"].GemvConfig(block_n=8, block_k=64, num_warps=4, num_stages=2, use_dot=False)
 DOT = K["gemv"].GemvConfig(block_n=32, block_k=64, num_warps=4, num_stages=2)
 WIDE = K["gemv"].GemvConfig(block_n=8, block_k=256, num_warps=4, num_stages=2, use_dot=False)  # 2 scale blocks a tile
-CONFIGS = {"fma": FMA, "dot": DOT, "wide": WIDE, "fma_tiles": FMA, "wide_tiles": WIDE}  # *_tiles: FP8 words off
+CONFIGS = {"fma": FMA, "dot": DOT, "wide": WIDE}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -130,16 +130,13 @@ CONFIGS = {"fma": FMA, "dot": DOT, "wide": WIDE, "fma_tiles": FMA, "wide_tiles":
         (1, 200, 320, "fma", torch.float32),  # ragged N and K: 2 x 3 scale blocks, the last ones partial
         (1, 200, 320, "dot", BF16),
         (1, 200, 320, "wide", BF16),  # the second K tile: one whole scale block and a partial one
-        (1, 200, 320, "fma_tiles", torch.float32),  # batch 1 on the wide tiles, not the FP8 words
-        (1, 72, 640, "wide_tiles", BF16),
         (1, 72, 640, "wide", torch.float32),  # K tiles of 2 x 128, the last one past K
         (3, 136, 256, "dot", torch.float32),
         (17, 96, 200, "dot", BF16),  # K tile past the end of K; 17 rows: a 32-row activation tile
-        (2, 256, 128, "fma", BF16),  # FMA asked for at batch 2: the tensor cores (fp8_gemv_mma)
+        (2, 256, 128, "fma", BF16),  # FMA asked for at batch 2 runs as dot
     ],
 )
-def test_fp8_gemv(device, batch, n, k, cfg, out_dtype, monkeypatch):
-    monkeypatch.setattr(FP8, "WORDS", not cfg.endswith("_tiles"))
+def test_fp8_gemv(device, batch, n, k, cfg, out_dtype):
     g = gen(1000 + n + k + batch)
     q, s, w64 = fp8_weight(g, n, k, device)
     x = act(g, batch, k).to(device)
@@ -217,75 +214,6 @@ def test_fp8_gemv_rejects_bad_inputs():
         FP8.fp8_gemv(x, q.float(), s, out)
     with pytest.raises(InputError, match="x"):
         FP8.fp8_gemv(x.float(), q, s, out)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
-    "batch,case,out_dtype",
-    [
-        (3, "plain", BF16),  # ragged N (200) and K (320: a 64-column chunk past K, masked)
-        (9, "plain", torch.float32),  # two passes of 8 batch columns, the second with one live column
-        (2, "two", BF16),  # wq_a + wkv: the second matrix's programs from row 192 on, its own scale grid
-        (4, "grouped", torch.float32),  # wo_a: two groups of 64 rows, each its own 160 columns of x
-        (5, "norm", torch.float32),  # wq_b: q_norm of each row (8 inverse RMS a pass), rounded to bf16
-    ],
-)
-def test_fp8_gemv_mma(device, batch, case, out_dtype, monkeypatch):
-    """2 <= B <= 64 with a non-dot config: the tensor-core kernel (fp8_gemv_mma), taken and right."""
-    from draftgraph.ops.triton import fp8_gemv_mma as MMA
-
-    launches = []
-    real_launch = MMA.launch
-    monkeypatch.setattr(MMA, "launch", lambda *a, **k: launches.append(1) or real_launch(*a, **k))
-    monkeypatch.setattr(FP8, "MMA_CONFIG", K["gemv"].GemvConfig(32, 128, 2, 1, use_dot=False))
-    g = gen(1200 + batch)
-    kwargs = {}
-    if case == "grouped":
-        q, s, w64 = fp8_weight(g, 2 * 64, 160, device)
-        x = act(g, batch, 2 * 160).to(device)
-        xd = x.cpu().double()
-        ref = torch.cat([xd[:, i * 160 : (i + 1) * 160] @ w64[i * 64 : (i + 1) * 64].T for i in range(2)], 1)
-        kwargs["group_rows"] = 64
-    else:
-        n, k = (192, 256) if case in ("two", "norm") else (200, 320)
-        q, s, w64 = fp8_weight(g, n, k, device)
-        x = act(g, batch, k, scale=3.0).to(device)
-        xd = x.cpu().double()
-        if case == "two":
-            q2, s2, w2_64 = fp8_weight(g, 72, k, device)
-            kwargs.update(w2=q2, w2_scale=s2)
-            w64 = torch.cat([w64, w2_64])
-        if case == "norm":
-            nw = (1 + 0.1 * torch.randn(k, generator=g)).to(BF16)
-            kwargs.update(norm_w=nw.to(device), eps=1e-6)
-            xd = (xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + 1e-6) * nw.double()).to(BF16).double()
-        ref = xd @ w64.T
-    out = poisoned(tuple(ref.shape), out_dtype, device)
-    FP8.fp8_gemv(x, q, s, out, config=FP8.BATCH1_CONFIG, **kwargs)
-    assert launches == [1], "the tensor-core kernel should take this call"
-    check(out.cpu(), ref, f"fp8_gemv_mma B={batch} {case}")
-
-
-def test_fp8_gemv_mma_config_is_checked_and_other_calls_keep_the_dot_tiles(monkeypatch):
-    """An MMA_CONFIG off the lane layout is a typed error before any launch; split-K, accumulate,
-    fp16 x, or rows no 16-row tile fits in one matrix take the dot tiles."""
-    g = gen(1210)
-    q, s, w64 = fp8_weight(g, 200, 256, "cpu")
-    x = act(g, 3, 256)
-    monkeypatch.setattr(FP8, "MMA_CONFIG", K["gemv"].GemvConfig(24, 128, 1, 1, use_dot=False))
-    with pytest.raises(InputError, match="MMA_CONFIG"):
-        FP8.fp8_gemv(x, q, s, torch.empty(3, 200, dtype=BF16), config=FP8.BATCH1_CONFIG)
-    monkeypatch.setattr(FP8, "MMA_CONFIG", K["gemv"].GemvConfig(32, 128, 2, 1, use_dot=False))
-    out = torch.empty(3, 200, dtype=BF16)
-    assert not FP8._mma_path(x.half(), out, 200, 256, None, 0, 1, False, False)
-    assert not FP8._mma_path(x, out, 200, 256, None, 0, 1, True, False)
-    assert not FP8._mma_path(x, out, 200, 256, None, 0, 2, False, False)
-    assert not FP8._mma_path(x, out, 200, 256, None, 0, 1, False, True)  # 200 rows then a second matrix
-    assert FP8._mma_path(x, out, 200, 256, None, 0, 1, False, False)
-    monkeypatch.setattr(FP8, "MMA_MAX_BATCH", 0)
-    assert not FP8._mma_path(x, out, 200, 256, None, 0, 1, False, False)
-    FP8.fp8_gemv(x.half(), q, s, out, config=FP8.BATCH1_CONFIG)  # the dot tiles, fp16 in
-    check(out, x.double() @ w64.T, "fp8_gemv fp16 x on the dot tiles")
 
 
 # ---- moe_mxfp4 --------------------------------------------------------------------------------
@@ -384,8 +312,7 @@ MOE_WIDE = (K["gemv"].GemvConfig(8, 256, 4, 2, use_dot=False), K["gemv"].GemvCon
 @pytest.mark.parametrize(
     "batch,grouped,variant",
     [
-        (1, False, "fma"),  # the shared expert as FP8 words (fp8_rows_dot)
-        (1, False, "fma_tiles"),  # the shared expert on the wide tiles (FP8_WORDS off)
+        (1, False, "fma"),
         (1, False, "wide"),
         (1, False, "dot"),
         (4, True, "dot"),
@@ -406,8 +333,6 @@ def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
         tile = K["gemv"].GemvConfig(64, 256, 4, 1) if variant == "mma_wide" else K["gemv"].GemvConfig(16, 128, 1, 1)
         monkeypatch.setattr(MX, "W13_CONFIG_MMA", tile)
         monkeypatch.setattr(MX, "W2_CONFIG_MMA", tile)
-    if variant == "fma_tiles":
-        monkeypatch.setattr(MX, "FP8_WORDS", False)
     if variant in ("dot", "wide"):
         configs = MOE_DOT if variant == "dot" else MOE_WIDE
         monkeypatch.setattr(MX, "W13_CONFIG", configs[0])
@@ -548,15 +473,9 @@ def _cuda_fp8(rows, cols, seed):
 @pytest.mark.parametrize("name", sorted(_flash_fp8_cases()))
 @pytest.mark.parametrize("batch", [1, 8, 64])
 @pytest.mark.parametrize("native", [False, True])
-@pytest.mark.parametrize("path", ["fast", "tiles"])
-def test_flash_fp8_gemv(name, batch, native, path, monkeypatch):
-    """Every FP8 linear of V4-Flash. "fast": batch 1 as FP8 words, more rows on the tensor cores
-    (fp8_gemv_mma; accumulate keeps the dot tiles); "tiles": the wide tiles, the dot tiles."""
+def test_flash_fp8_gemv(name, batch, native):
     if native and not FP8.native_fp8_supported(torch.device("cuda")):
         pytest.skip("no native e4m3 conversion on this GPU")
-    if native and path == "fast" and batch != 1:
-        pytest.skip("the tensor-core kernel decodes by bits: native_fp8 is not read")
-    monkeypatch.setattr(FP8, "WORDS", path == "fast")
     rows_per, shapes, x_cols, opts = _flash_fp8_cases()[name]
     rows = batch * rows_per
     if rows > 64:
@@ -584,7 +503,7 @@ def test_flash_fp8_gemv(name, batch, native, path, monkeypatch):
         out = (torch.randn(rows, n, device="cuda")).to(BF16)
         ref = ref + out.double()
         kwargs["accumulate"] = True
-    config = FP8.BATCH1_CONFIG if rows == 1 or path == "fast" else FP8.DEFAULT
+    config = FP8.BATCH1_CONFIG if rows == 1 else FP8.DEFAULT
     FP8.fp8_gemv(x, weights[0][0], weights[0][1], out, config=config, native_fp8=native, **kwargs)
     check(out, ref, f"{name} B={rows} native={native}")
 

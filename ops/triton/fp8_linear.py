@@ -18,15 +18,6 @@ one tile, issued together, and a 64 x 128 tile (8 KB) on 64 programs kept a 4096
 linear at 18% of copy bandwidth on an H200. The bf16 GEMV's winners are narrow and long
 (8 x 1024, ``gemv.LINEAR_CONFIG``); wide tiles give the FP8 one the same shape.
 
-Note "FP8 words" (``fp8_rows_dot``, batch 1 inside the MoE): the tile read as int32 words of 4
-codes, [16-column chunks, rows, 4 words], as moe_mxfp4's "MXFP4 words": each lane loads the
-activation pairs (``ld_v2``) and the block scale (``ld_u8``) of its own words, so no value moves
-between lanes and the loop has no shared memory and no barrier (the wide tiles load the
-activation as a [NBK, SUB_K] tile, which Triton moves to every row's threads through shared
-memory, with barriers in the loop); a word's 4 products are summed in fp32 and times its block's
-scale; w1 and w3 share one loop. The codes are converted two at a time by the hardware
-(``cvt.rn.f16x2.e4m3x2``, exact) where it has it, else by the integer decode.
-
 Note "decode": the CPU interpreter has no float8 loads, so the weight is passed as uint8 and
 decoded with integer ops (:func:`e4m3_to_f32`); scales always are (:func:`ue8m0_to_f32`: the
 byte shifted into an fp32 exponent, so 2^(byte-127) exactly with no exp2). On a GPU with
@@ -46,7 +37,6 @@ import triton
 import triton.language as tl
 from draftgraph.ops.triton._common import batch_block, interpreting, mma, next_pow2, pdl_args, pdl_wait
 from draftgraph.ops.triton.gemv import GemvConfig, gemv
-from draftgraph.ops.triton.lanes import bf16_hi, bf16_lo, ld_u8, ld_v2
 from draftgraph.runtime.errors import InputError, describe
 from draftgraph.runtime.model.quant import FP8_BLOCK, QuantWeight, fp8_scale_shape
 
@@ -57,14 +47,6 @@ from draftgraph.runtime.model.quant import FP8_BLOCK, QuantWeight, fp8_scale_sha
 # 128-column tile ran 21.8 (b93df2d). Batch > 1: the dot path, 32 x 128 (11.5 us at batch 4).
 DEFAULT = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
 BATCH1_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=1, num_stages=3, use_dot=False)
-# 2 <= batch <= MMA_MAX_BATCH (bf16 x, asked for with a non-dot config, as ``project`` does): the
-# tensor-core kernel (fp8_gemv_mma), 16 rows a warp, K in 64-column chunks; 0 turns it off (the dot
-# tiles, DEFAULT).
-MMA_MAX_BATCH = 64
-MMA_CONFIG = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, use_dot=False)
-# Batch 1 on the FMA tiles: the FP8 words (per-lane activation loads), not the wide tiles (their
-# activation through shared memory, with barriers in the loop), where x is bf16 and aligned.
-WORDS = True
 
 
 # ---- decoding bytes in registers ------------------------------------------------------------
@@ -146,115 +128,6 @@ def fp8_tile3(w_rows, s_rows, k0, n_mask, K, NBK: tl.constexpr, SUB_K: tl.conste
     return v, ue8m0_to_f32(s)
 
 
-# e4m3 x 2 -> f16 x 2 by the hardware (sm89+), exact (e4m3 is a subset of f16), then each to fp32:
-# four codes of an int32 word, column order (byte j: column j).
-FP8_WORD_PTX = tl.constexpr("""
-{
-.reg .b16 l, h, c0, c1, c2, c3;
-.reg .b32 p, q;
-mov.b32 {l, h}, $4;
-cvt.rn.f16x2.e4m3x2 p, l;
-cvt.rn.f16x2.e4m3x2 q, h;
-mov.b32 {c0, c1}, p;
-mov.b32 {c2, c3}, q;
-cvt.f32.f16 $0, c0;
-cvt.f32.f16 $1, c1;
-cvt.f32.f16 $2, c2;
-cvt.f32.f16 $3, c3;
-}
-""")
-
-
-@triton.jit
-def e4m3_word_f32(w, NATIVE: tl.constexpr, INTERP: tl.constexpr):
-    """int32 words of 4 e4m3 codes (byte j: column j) -> 4 fp32 tensors, exactly: the hardware
-    conversion (NATIVE, compiled), else the integer decode (the interpreter, sm80)."""
-    if NATIVE and not INTERP:
-        return tl.inline_asm_elementwise(FP8_WORD_PTX, "=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 4, is_pure=True,
-                                         pack=1)  # fmt: skip
-    else:
-        return e4m3_to_f32(w & 255), e4m3_to_f32(w >> 8 & 255), e4m3_to_f32(w >> 16 & 255), e4m3_to_f32(w >> 24 & 255)
-
-
-@triton.jit
-def _fp8_words_dot(acc, w, s, x0, x1, x2, x3, NATIVE: tl.constexpr, INTERP: tl.constexpr):
-    """acc += each word's 4 codes times its activation columns x0..x3 (fp32), times the block scale s (bytes)."""
-    c0, c1, c2, c3 = e4m3_word_f32(w, NATIVE, INTERP)
-    part = c0 * x0
-    part += c1 * x1
-    part += c2 * x2
-    part += c3 * x3
-    return acc + part * ue8m0_to_f32(s)
-
-
-@triton.jit
-def _normed(v, inv, nw):
-    """The activation times the row's inverse RMS and the norm weight, rounded to bf16 as the bf16 norm is."""
-    return (v * inv * nw).to(tl.bfloat16).to(tl.float32)
-
-
-@triton.jit
-def fp8_rows_dot(
-    x_ptr, wa_ptr, sa_rows, wb_ptr, sb_rows, w_off, K, k_begin, k_end, nw_ptr, inv,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr, PRO_NORM: tl.constexpr, EVEN: tl.constexpr,
-    NATIVE: tl.constexpr, INTERP: tl.constexpr,
-):  # fmt: skip
-    """(W_a[rows] @ x, W_b[rows] @ x) over K from k_begin up to k_end (k_end <= k_begin reads nothing)
-    -> fp32 [BLOCK_N] each; W_b only with TWO (else the second is 0).
-
-    Batch 1, FP8 (see "FP8 words"): wa_ptr / wb_ptr the matrices' bytes (fp8 or uint8), sa_rows /
-    sb_rows [BLOCK_N] pointers to the rows' scale-grid rows, w_off [BLOCK_N] int64 each row's first
-    byte (rows past the end given as a real row, their results unused); x bf16, 16-byte aligned;
-    K and k_begin multiples of 16. PRO_NORM: x is read normed (times ``inv`` and the bf16 norm
-    weight at nw_ptr, 8-byte aligned, rounded to bf16), as the wide tiles' prologue. The tile is
-    [16-column chunks, rows, 4 words]; each lane loads the activation pairs and the block scale of
-    its own words (``ld_v2``, ``ld_u8``): no layout conversion, no barrier in the loop. EVEN:
-    BLOCK_K divides K - k_begin (no chunk past K).
-    """
-    NC: tl.constexpr = BLOCK_K // 16
-    chunks = tl.arange(0, NC)[:, None, None]
-    words = tl.arange(0, 4)[None, None, :]
-    w_rows = tl.multiple_of(w_off // 4, 4)[None, :, None]  # in words; K % 16 == 0: rows start on 16 bytes
-    wa = wa_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + w_rows
-    wb = wb_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + w_rows
-    s_a = sa_rows[None, :, None]
-    s_b = sb_rows[None, :, None]
-    a_words = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    n_words = nw_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    acc_a = tl.zeros([NC, BLOCK_N, 4], dtype=tl.float32)
-    acc_b = tl.zeros([NC, BLOCK_N, 4], dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        c = k0 // 16 + chunks
-        if not EVEN:  # a chunk past K reads the row's last chunk (a real address), its words masked to 0
-            live = c < K // 16
-            c = tl.minimum(c, K // 16 - 1)
-        kw = c * 4 + words
-        kb = c // 8  # the 128-column scale block
-        a0, a1 = ld_v2(a_words + kw * 2, INTERP)
-        x0, x1, x2, x3 = bf16_lo(a0), bf16_hi(a0), bf16_lo(a1), bf16_hi(a1)
-        if PRO_NORM:
-            n0, n1 = ld_v2(n_words + kw * 2, INTERP)
-            x0, x1 = _normed(x0, inv, bf16_lo(n0)), _normed(x1, inv, bf16_hi(n0))
-            x2, x3 = _normed(x2, inv, bf16_lo(n1)), _normed(x3, inv, bf16_hi(n1))
-        if EVEN:
-            w = tl.load(wa + kw)
-        else:
-            w = tl.load(wa + kw, mask=live, other=0)
-        sa = ld_u8(s_a + kb, INTERP)
-        if not EVEN:
-            sa = tl.where(live, sa, 127)  # 1: a masked chunk's zeros stay 0 even where the real byte is 255 (NaN)
-        acc_a = _fp8_words_dot(acc_a, w, sa, x0, x1, x2, x3, NATIVE, INTERP)
-        if TWO:
-            sb = ld_u8(s_b + kb, INTERP)
-            if EVEN:
-                w = tl.load(wb + kw)
-            else:
-                w = tl.load(wb + kw, mask=live, other=0)
-                sb = tl.where(live, sb, 127)
-            acc_b = _fp8_words_dot(acc_b, w, sb, x0, x1, x2, x3, NATIVE, INTERP)
-    return tl.sum(tl.sum(acc_a, 2), 0), tl.sum(tl.sum(acc_b, 2), 0)
-
-
 @triton.jit
 def _accumulate(acc, v, s, x_rows, nw_ptr, inv, kk, row_mask, K, PRO_NORM: tl.constexpr, INTERP: tl.constexpr):
     """acc += (codes x activation columns) * row scale (the activation normed first under PRO_NORM): the dot path."""
@@ -310,8 +183,6 @@ def _fp8_gemv_kernel(
     PRO_NORM: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     USE_DOT: tl.constexpr,
-    WORDS: tl.constexpr,
-    EVEN_K: tl.constexpr,
     NATIVE: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
@@ -365,38 +236,6 @@ def _fp8_gemv_kernel(
             v, s = fp8_tile(w_rows, s_rows, kk, k0, n_mask, K, EVEN_W, NATIVE)
             acc = _accumulate(acc, v, s, x_rows, nw_ptr, inv, kk, row_mask, K, PRO_NORM, INTERP)
         total = acc
-    elif WORDS:
-        # Batch 1, FP8 words (see "FP8 words"): each lane its own activation pairs and scales.
-        x_row = x_ptr + pid_b.to(tl.int64) * stride_xb + x_col0
-        mat_w = w_ptr
-        mat_s = s_ptr
-        row_w = stride_wn
-        row_s = stride_sn
-        local = offs_n
-        n_rows = N_A
-        if TWO_W:
-            if n0 >= N_A:
-                mat_w = w2_ptr
-                mat_s = s2_ptr
-                row_w = stride_w2n
-                row_s = stride_s2n
-                local = offs_n - N_A
-                n_rows = N - N_A
-        local = tl.minimum(local, n_rows - 1).to(tl.int64)  # rows past the end read the last row, unstored
-        pdl_wait(PDL)
-        inv = 1.0
-        if PRO_NORM:
-            cols = tl.arange(0, NBK)[:, None] * SUB_K + tl.arange(0, SUB_K)[None, :]
-            ss = tl.zeros([NBK, SUB_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                xv = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-                ss += xv * xv
-            inv = 1.0 / tl.sqrt(tl.sum(tl.sum(ss, 1), 0) / K + eps)
-        s_of_rows = mat_s + (local // 128) * row_s
-        acc, _ = fp8_rows_dot(x_row, mat_w, s_of_rows, mat_w, s_of_rows, local * row_w, K, k_begin,
-                              k_begin + K_PER_SPLIT, nw_ptr, inv, BLOCK_N, BLOCK_K, False, PRO_NORM, EVEN_K, NATIVE,
-                              INTERP)  # fmt: skip
-        total = acc[:, None]
     else:
         # Batch 1, wide tiles [BLOCK_N, NBK, SUB_K] (see "wide tiles"): one activation row.
         x_row = x_ptr + pid_b.to(tl.int64) * stride_xb + x_col0
@@ -517,9 +356,6 @@ def fp8_gemv(
     native = native and w.dtype == torch.float8_e4m3fn and (w2 is None or w2.dtype == torch.float8_e4m3fn)
     cfg = config
     if not cfg.use_dot and b != 1:
-        if _mma_path(x, out, n_a, k, norm_w, group_rows, split_k, accumulate, w2 is not None):
-            _fp8_gemv_mma(x, w, s, out, w2, s2 if w2 is not None else None, norm_w, eps, group_rows, n, n_a, k)
-            return
         cfg = DEFAULT  # the FMA variant holds one activation row
     block_n = min(cfg.block_n, max(16 if cfg.use_dot else 1, next_pow2(n)))
     if cfg.block_k & (cfg.block_k - 1) or cfg.block_k < 16:
@@ -547,9 +383,6 @@ def fp8_gemv(
         )
     k_per = k // split_k if split_k > 1 else triton.cdiv(k, block_k) * block_k
     block_b = batch_block(b) if cfg.use_dot else 1
-    # The words read x (and the norm weight) as bf16 pairs, 8 bytes at a time (see "FP8 words").
-    words = (WORDS and not cfg.use_dot and x.dtype == torch.bfloat16 and x.data_ptr() % 16 == 0 and k % 16 == 0
-             and (norm_w is None or (norm_w.dtype == torch.bfloat16 and norm_w.data_ptr() % 8 == 0)))  # fmt: skip
     grid = (triton.cdiv(n, block_n), triton.cdiv(b, block_b), split_k)
     wk = w if native else w.view(torch.uint8)
     w2k = (w2 if native else w2.view(torch.uint8)) if w2 is not None else wk
@@ -565,54 +398,9 @@ def fp8_gemv(
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_B=block_b, NBK=block_k // sub_k, SUB_K=sub_k, K_PER_SPLIT=k_per,
         EVEN_W=(n % block_n == 0) and (k % block_k == 0),
         GROUPED=bool(group_rows), TWO_W=w2 is not None, PRO_NORM=norm_w is not None, ACCUMULATE=accumulate,
-        USE_DOT=cfg.use_dot, WORDS=words, EVEN_K=k % block_k == 0, NATIVE=native, INTERP=interpreting(),
+        USE_DOT=cfg.use_dot, NATIVE=native, INTERP=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_args(x.device),
-    )  # fmt: skip
-
-
-def _mma_block_n(n_a: int, group_rows: int, two: bool) -> int:
-    """MMA_CONFIG's rows a program, halved until a program's rows lie in one matrix (two) and one
-    group (0: no 16-row tiling does)."""
-    block_n = MMA_CONFIG.block_n
-    while block_n >= 16 and ((two and n_a % block_n) or (group_rows and group_rows % block_n)):
-        block_n //= 2
-    return block_n if block_n >= 16 else 0
-
-
-def _mma_path(x, out, n_a, k, norm_w, group_rows, split_k, accumulate, two) -> bool:
-    """Whether fp8_gemv_mma takes this call (see "lanes and fragments" there): bf16 x read as pairs 16
-    bytes at a time, lane stores of bf16 / fp32, 16-row tiles; not split-K, accumulate or a grouped norm."""
-    b = x.shape[0]
-    return (2 <= b <= MMA_MAX_BATCH and split_k == 1 and not accumulate and x.dtype == torch.bfloat16
-            and out.dtype in (torch.bfloat16, torch.float32) and out.stride(1) == 1
-            and x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0 and k % 16 == 0
-            and (norm_w is None or (norm_w.dtype == torch.bfloat16 and norm_w.data_ptr() % 16 == 0 and not group_rows))
-            and _mma_block_n(n_a, group_rows, two) > 0
-            and (not group_rows or (x.shape[1] // k) * group_rows == n_a))  # fmt: skip
-
-
-def _fp8_gemv_mma(x, w, s, out, w2, s2, norm_w, eps, group_rows, n, n_a, k) -> None:
-    from draftgraph.ops.triton import fp8_gemv_mma  # imported where used, as gemv.py imports this module
-
-    cfg = MMA_CONFIG
-    if cfg.block_n % 16 or not 16 <= cfg.block_n <= 512 or cfg.block_k % 64 or cfg.block_k < 64:
-        raise InputError(describe("fp8_linear.MMA_CONFIG", "block_n a multiple of 16 up to 512 (16 rows a warp), "
-                                  "block_k a multiple of 64", f"block_n {cfg.block_n}, block_k {cfg.block_k}",
-                                  "see fp8_gemv_mma, \"lanes and fragments\""))  # fmt: skip
-    block_n = _mma_block_n(n_a, group_rows, w2 is not None)
-    block_k = min(cfg.block_k, max(64, next_pow2(k)))
-    w = w.view(torch.uint8)  # read as int32 words and decoded by bits: no fp8 loads (none in the interpreter)
-    w2k = w2.view(torch.uint8) if w2 is not None else w
-    s2k = s2 if s2 is not None else s
-    fp8_gemv_mma.launch(
-        (triton.cdiv(n, block_n),),
-        x, w, s, w2k, s2k, norm_w if norm_w is not None else x, out,
-        x.shape[0], n, n_a, k, x.stride(0), w.stride(0), s.stride(0), w2k.stride(0), s2k.stride(0), out.stride(0),
-        max(group_rows, 1), float(eps),
-        BLOCK_N=block_n, BLOCK_K=block_k, K_PAD=next_pow2(k), EVEN_K=k % block_k == 0, GROUPED=bool(group_rows),
-        TWO_W=w2 is not None, PRO_NORM=norm_w is not None, INTERP=interpreting(),
-        num_warps=block_n // 16, num_stages=cfg.num_stages, **pdl_args(x.device),
     )  # fmt: skip
 
 
@@ -664,7 +452,7 @@ def project(
         eps=eps,
         group_rows=group_rows,
         accumulate=accumulate,
-        config=BATCH1_CONFIG,  # batch 1: the FMA tiles; 2..MMA_MAX_BATCH rows: the tensor cores; else DEFAULT
+        config=BATCH1_CONFIG if x.shape[0] == 1 else DEFAULT,
     )
 
 

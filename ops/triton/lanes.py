@@ -5,7 +5,11 @@ of an mma's B fragment) is, in Triton's layouts, held by the threads of every ro
 ``tl.load`` of it is issued once and moved to those threads through shared memory, with a
 barrier in the loop. These loads are inline PTX on each thread's own pointers instead: every
 thread loads what it multiplies (from L1 / L2 after the first), and no value crosses lanes.
-The interpreter runs no PTX: there they are plain loads.
+The interpreter runs no PTX: there they are plain loads. The price: Triton's software pipeline
+(``num_stages``, ``cp.async`` into shared memory) does not take inline-PTX loads, so a loop of them
+pays each tile's latency in turn. That pays where the decode binds (the MXFP4 words) and did not
+for FP8, whose decode is one conversion (words and an mma GEMV measured slower than the pipelined
+tiles and removed, fc9e251: docs/KERNELS.md, "Fifth device runs").
 
 The activations are read as int32 bf16 pairs (column 2j in the low half): ``bf16_lo`` / ``bf16_hi``
 give the two values as fp32 by shifts, no conversion instruction. ``lane_store`` stores by the lane
@@ -38,16 +42,6 @@ def ld_u8(ptr, INTERP: tl.constexpr):
     else:
         return tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=True,
                                          pack=1)  # fmt: skip
-
-
-@triton.jit
-def ld_v2(ptr, INTERP: tl.constexpr):
-    """Two int32 at each pointer (8-byte aligned), loaded by every thread holding it (as ``ld_v4``)."""
-    if INTERP:
-        return tl.load(ptr), tl.load(ptr + 1)
-    else:
-        return tl.inline_asm_elementwise("ld.global.nc.v2.b32 {$0, $1}, [$2];", "=r,=r,l", [ptr],
-                                         dtype=(tl.int32,) * 2, is_pure=True, pack=1)  # fmt: skip
 
 
 @triton.jit

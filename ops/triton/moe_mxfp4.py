@@ -67,7 +67,7 @@ from draftgraph.ops.triton._common import (
     scratch_bytes,
     splat,
 )
-from draftgraph.ops.triton.fp8_linear import fp8_rows_dot, fp8_tile, fp8_tile3, native_fp8_supported, ue8m0_to_f32
+from draftgraph.ops.triton.fp8_linear import fp8_tile, fp8_tile3, native_fp8_supported, ue8m0_to_f32
 from draftgraph.ops.triton.gemv import GemvConfig
 from draftgraph.ops.triton.lanes import bf16_hi, bf16_lo, ld_u8, ld_v4
 from draftgraph.ops.triton.moe_grouped import _moe_reduce_kernel, _owned_rows
@@ -86,9 +86,6 @@ GROUPED_MIN_BATCH = 2  # as moe.py: expert-major from this batch on
 # 128 x 128 won: 2911 us with the PTX decode, 5365 before); expert-major at batch 1 is slower.
 W13_CONFIG = GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=3, use_dot=False)
 W2_CONFIG = GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=3, use_dot=False)
-# Batch 1: the FP8 shared expert as fp8_linear's "FP8 words" (w1 and w3 in one loop, per-lane
-# activation loads), not the wide tiles (two loops, the activation through shared memory).
-FP8_WORDS = True
 # Expert-major up to MMA_MAX_BATCH rows (bf16 x; all of them: MAX_BATCH): the routed experts'
 # decoded words multiplied by the rows that chose them, 8 at a time, on the tensor cores
 # (moe_mxfp4_mma); 16 rows a warp. Tuned on one H100 (04300e5,
@@ -470,7 +467,6 @@ def _w13_kernel(
     GROUPED: tl.constexpr,
     USE_DOT: tl.constexpr,
     NATIVE: tl.constexpr,
-    WORDS: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -503,13 +499,6 @@ def _w13_kernel(
                               True, BLOCK_N, BLOCK_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
             u = _expert_tiles(x_rows, serves, sw3_rows, ss3_ptr + s_rows, n_mask, D, k_end,
                               True, BLOCK_N, BLOCK_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
-        elif WORDS:  # w1 and w3 in one loop, each lane its own activation (fp8_linear's "FP8 words")
-            n_c = tl.minimum(offs_n, INTER - 1).to(tl.int64)  # rows past INTER read the last row, unstored
-            s_c = (n_c // 128) * stride_ssn
-            g1, u1 = fp8_rows_dot(x_ptr, sw1_ptr, ss1_ptr + s_c, sw3_ptr, ss3_ptr + s_c, n_c * D, D, 0,
-                                  k_end, x_ptr, 1.0, BLOCK_N, BLOCK_K, True, False, EVEN, NATIVE, INTERP)  # fmt: skip
-            g = g1[:, None]
-            u = u1[:, None]
         else:
             g = _fp8_rows_fma(x_ptr, sw1_rows, ss1_ptr + s_rows, n_mask, D, k_end,
                               BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE)  # fmt: skip
@@ -560,7 +549,6 @@ def _w2_kernel(
     ACCUMULATE: tl.constexpr,
     USE_DOT: tl.constexpr,
     NATIVE: tl.constexpr,
-    WORDS: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -617,13 +605,7 @@ def _w2_kernel(
         total = acc
     else:
         total = tl.sum(tl.sum(acc, 2), 0)[:, None]
-        if HAS_SHARED and WORDS:
-            s_c = (n_c // 128) * stride_ssn  # n_c: rows past D read the last row, unstored
-            shared_part, _ = fp8_rows_dot(act_ptr + routed * INTER, sw2_ptr, ss2_ptr + s_c, sw2_ptr, ss2_ptr + s_c,
-                                          n_c * INTER, INTER, 0, INTER, act_ptr, 1.0, BLOCK_N, BLOCK_K, False, False,
-                                          True, NATIVE, INTERP)  # fmt: skip
-            total += shared_part[:, None]
-        elif HAS_SHARED:
+        if HAS_SHARED:
             total += _fp8_rows_fma(act_ptr + routed * INTER, sw2_ptr + n64 * INTER,
                                    ss2_ptr + (offs_n // 128) * stride_ssn, n_mask, INTER, INTER,
                                    BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE)  # fmt: skip
@@ -832,7 +814,7 @@ def moe_mxfp4_launches(
             x, idx, wts, w1b, s1b, w3b, s3b, sw1b, ss1b, sw3b, ss3b, act, b, d, inter, x.stride(0), s13, limit,
             TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_N=bn, BLOCK_K=bk, BLOCK_B=block_b if dot13 else 1,
             SUB_K=min(bk, FP8_BLOCK), EVEN=d % bk == 0 and inter % bn == 0, GROUPED=grouped, USE_DOT=dot13,
-            NATIVE=native, WORDS=FP8_WORDS, INTERP=interp,
+            NATIVE=native, INTERP=interp,
             num_warps=c13.num_warps, num_stages=c13.num_stages, **pdl,
         )  # fmt: skip
 
@@ -845,7 +827,7 @@ def moe_mxfp4_launches(
             act, idx, w2b, s2b, sw2b, ss2b, out, b, d, inter, out.stride(0), s2,
             TOPK=top_k, BLOCK_N=bn, BLOCK_K=bk, BLOCK_B=block_b if dot2 else 1, SUB_K=min(bk, FP8_BLOCK),
             EVEN=d % bn == 0, HAS_SHARED=has_shared, ACCUMULATE=accumulate, USE_DOT=dot2, NATIVE=native,
-            WORDS=FP8_WORDS, INTERP=interp,
+            INTERP=interp,
             num_warps=c2.num_warps, num_stages=c2.num_stages, **pdl,
         )  # fmt: skip
 
