@@ -48,6 +48,27 @@ def test_drop_nonfinite_kernel(device, b, d):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_drop_nonfinite_kernel_reads_positions_by_stride(device, monkeypatch):
+    """Positions as the chain passes them at B > 1: a column of a [B, F] metadata block (a strided
+    view), into a strided out; the kernel takes them (the torch op is never called)."""
+    monkeypatch.setattr(NF, "_drop_impl", lambda *a: pytest.fail("the torch op ran instead of the kernel"))
+    b = 5
+    meta = (torch.arange(b * 6, dtype=torch.int64).reshape(b, 6) * 11).to(device)
+    positions = meta[:, 2]
+    assert not positions.is_contiguous()
+    h = hiddens(b, 64, device)
+    block = torch.full((b, 3), -7, dtype=torch.int64, device=device)
+    out = block[:, 1]
+    NF.drop_nonfinite_impl([positions, h], [out], {}, None)
+    assert torch.equal(out, positions)
+    assert (block[:, 0] == -7).all() and (block[:, 2] == -7).all()
+    h[3, 1, 5] = float("nan")
+    NF.drop_nonfinite_impl([positions, h], [out], {}, None)
+    assert out.tolist() == [DROPPED] * b
+    assert (block[:, 0] == -7).all() and (block[:, 2] == -7).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_mark_dropped_kernel_in_place_and_not(device):
     drafts = torch.arange(12, dtype=torch.int64).reshape(3, 4).to(device)
     positions = torch.tensor([5, DROPPED, 9], device=device)

@@ -2,7 +2,10 @@
 
 Why: the torch ops take five launches a step (the finiteness GEMV, a compare and a select for
 the drop; a compare and a select for the mark), which made the captured K=1 step 37 kernel
-nodes where issue 28 asks for at most 35 (33 with these, bbbd33f on an H200). The drop reads
+nodes where issue 28 asks for at most 35 (33 with these, bbbd33f on an H200). The positions are
+read by stride: at B > 1 the chain passes a column of its metadata block, and until the seventh
+session that sent B > 1 to the torch op (four launches: 37 nodes at B=8 and 32 by the e901c32
+profile on an H200, 33 at B=1). The drop reads
 the batch's hiddens once (B x C x D bf16: 32 KB a row at V4-Flash, 1 MB at B = 32), the mark a
 few dozen ints.
 
@@ -31,8 +34,8 @@ FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
-def _drop_nonfinite_kernel(positions, hidden, out, B, N, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr,
-                           PDL: tl.constexpr):  # fmt: skip
+def _drop_nonfinite_kernel(positions, hidden, out, B, N, stride_p, stride_o, BLOCK: tl.constexpr,
+                           BLOCK_B: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     pdl_wait(PDL)
     bad = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(0, N, BLOCK):
@@ -42,21 +45,24 @@ def _drop_nonfinite_kernel(positions, hidden, out, B, N, BLOCK: tl.constexpr, BL
     dropped = tl.max(bad, axis=0) != 0
     rows = tl.arange(0, BLOCK_B)
     inside = rows < B
-    p = tl.load(positions + rows, mask=inside, other=0)
-    tl.store(out + rows, tl.where(dropped, DROPPED_POS, p), mask=inside)
+    p = tl.load(positions + rows * stride_p, mask=inside, other=0)
+    tl.store(out + rows * stride_o, tl.where(dropped, DROPPED_POS, p), mask=inside)
 
 
 def drop_nonfinite_impl(inputs, outputs, attrs, workspace):
     positions, hidden = inputs
     (out,) = outputs
-    if not (hidden.is_contiguous() and positions.is_contiguous() and out.is_contiguous()):
+    # Positions and out by stride: in the chain at B > 1 the positions are a column of the staged
+    # metadata block (one row a sequence), and the torch op's four launches took their place.
+    if not hidden.is_contiguous():
         _drop_impl(inputs, outputs, attrs, workspace)
         return
     b = positions.shape[0]
     n = hidden.numel()
     block = min(DROP_BLOCK, max(256, next_pow2(n)))
-    _drop_nonfinite_kernel[(1,)](positions, hidden, out, b, n, BLOCK=block, BLOCK_B=max(16, next_pow2(b)),
-                                 num_warps=DROP_WARPS, **pdl_args(hidden.device))  # fmt: skip
+    _drop_nonfinite_kernel[(1,)](positions, hidden, out, b, n, positions.stride(0), out.stride(0), BLOCK=block,
+                                 BLOCK_B=max(16, next_pow2(b)), num_warps=DROP_WARPS,
+                                 **pdl_args(hidden.device))  # fmt: skip
 
 
 @triton.jit
