@@ -68,35 +68,6 @@ def test_drop_nonfinite_kernel_reads_positions_by_stride(device, monkeypatch):
     assert (block[:, 0] == -7).all() and (block[:, 2] == -7).all()
 
 
-@cpu_only
-@pytest.mark.parametrize("batch", [1, 3])
-def test_the_chain_gives_both_kernels_inputs_they_take(batch, monkeypatch):
-    """The chain's own drop_nonfinite and mark_dropped steps (bucket 4 at batch 3) on the kernels:
-    their inputs as the executor lays them out never send the ops to their torch forms (at e901c32
-    the positions' column of the metadata block did, at B > 1), and the drafts stay the torch ops'."""
-    import draftgraph.ops.triton.nonfinite as fused
-    from proposer_fixtures import SMALL, hidden, make_proposer
-
-    def drafts(use_kernels: bool):
-        prop = make_proposer(SMALL, seed=3, buckets=(1, 4))
-        gen = torch.Generator().manual_seed(2)
-        states = [prop.alloc_state() for _ in range(batch)]
-        executor = prop._executor(4 if batch > 1 else 1, 2, False)
-        for step in executor.steps if use_kernels else ():
-            if step.node.op == "drop_nonfinite":
-                step.impl = NF.drop_nonfinite_impl
-            if step.node.op == "mark_dropped":
-                step.impl = NF.mark_dropped_impl
-        return prop.propose_batch([5, 9, 11][:batch], [hidden(SMALL, gen) for _ in range(batch)],
-                                  [0, 3, 6][:batch], 2, states)  # fmt: skip
-
-    want = drafts(False)
-    for module in (NF, fused):
-        monkeypatch.setattr(module, "_drop_impl", lambda *a: pytest.fail("drop_nonfinite ran its torch form"))
-        monkeypatch.setattr(module, "_mark_impl", lambda *a: pytest.fail("mark_dropped ran its torch form"))
-    assert drafts(True) == want
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_mark_dropped_kernel_in_place_and_not(device):
     drafts = torch.arange(12, dtype=torch.int64).reshape(3, 4).to(device)
