@@ -164,6 +164,26 @@ def _act_block(a_row, bt, live, EVEN: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _mma_pass(a_row, wa_ptr, sa_ptr, wb_ptr, sb_ptr, base_g, base_g8, K, g, t, W: tl.constexpr, BLOCK_K: tl.constexpr,
+              TWO: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """One pass over K: C of matrix a (and, with TWO, of matrix b: w1 and w3 in one loop, each
+    activation block loaded once for both) for the lane's rows and batch column, from 0."""
+    zero = g * 0.0
+    c0, c1, c2, c3 = zero, zero, zero, zero
+    d0, d1, d2, d3 = zero, zero, zero, zero
+    for k0 in range(0, K, BLOCK_K):
+        for c in tl.static_range(BLOCK_K // 128):
+            _, bt, live = _word_block(k0 + c * 128, t, 0, K, EVEN)  # this lane's block: t of 4
+            x = _act_block(a_row, bt, live, EVEN, INTERP)
+            c0, c1, c2, c3 = _mma_rows(c0, c1, c2, c3, wa_ptr, sa_ptr, base_g, base_g8, K, bt, live, x, t, W, EVEN,
+                                       INTERP)  # fmt: skip
+            if TWO:
+                d0, d1, d2, d3 = _mma_rows(d0, d1, d2, d3, wb_ptr, sb_ptr, base_g, base_g8, K, bt, live, x, t, W, EVEN,
+                                           INTERP)  # fmt: skip
+    return c0, c1, c2, c3, d0, d1, d2, d3
+
+
+@triton.jit
 def _lane_columns(idx_ptr, wts_ptr, e, c0, B, g, t, TOPK: tl.constexpr, BLOCK_R: tl.constexpr):
     """The rows that chose expert ``e`` (in row order), per lane, from the c0-th on: (batch column g
     (B's): its x row and its act row, 0 for a column with no row; then columns 2t and 2t + 1 (C's):
@@ -290,17 +310,8 @@ def _w13_mma_kernel(
             row_b, _, dest0, wt0, live0, dest1, wt1, live1 = _lane_columns(idx_ptr, wts_ptr, e, r0, B, g, t, TOPK,
                                                                            BLOCK_R)  # fmt: skip
             a_row = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + row_b.to(tl.int64) * (stride_xb // 2)
-            zero = g * 0.0
-            c0, c1, c2, c3 = zero, zero, zero, zero
-            d0, d1, d2, d3 = zero, zero, zero, zero
-            for k0 in range(0, D, BLOCK_K):
-                for c in tl.static_range(BLOCK_K // 128):
-                    first_word, bt, live = _word_block(k0 + c * 128, t, 0, D, EVEN)  # this lane's block: t of 4
-                    x = _act_block(a_row, bt, live, EVEN, INTERP)
-                    c0, c1, c2, c3 = _mma_rows(c0, c1, c2, c3, w1_ptr, s1_ptr, base_g, base_g8, D, bt, live, x, t, W,
-                                               EVEN, INTERP)  # fmt: skip
-                    d0, d1, d2, d3 = _mma_rows(d0, d1, d2, d3, w3_ptr, s3_ptr, base_g, base_g8, D, bt, live, x, t, W,
-                                               EVEN, INTERP)  # fmt: skip
+            c0, c1, c2, c3, d0, d1, d2, d3 = _mma_pass(a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, base_g, base_g8, D, g, t,
+                                                       W, BLOCK_K, True, EVEN, INTERP)  # fmt: skip
             out0 = act_ptr + dest0.to(tl.int64) * INTER
             out1 = act_ptr + dest1.to(tl.int64) * INTER
             lane_store(out0 + row_g, clamped_swiglu(c0, d0, limit) * wt0, live0 & real_g, INTERP)
@@ -332,14 +343,8 @@ def _w2_mma_kernel(
             _, dest_b, dest0, _, live0, dest1, _, live1 = _lane_columns(idx_ptr, wts_ptr, e, r0, B, g, t, TOPK,
                                                                         BLOCK_R)  # fmt: skip
             a_row = act_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + dest_b.to(tl.int64) * (INTER // 2)
-            zero = g * 0.0
-            c0, c1, c2, c3 = zero, zero, zero, zero
-            for k0 in range(0, INTER, BLOCK_K):
-                for c in tl.static_range(BLOCK_K // 128):
-                    first_word, bt, live = _word_block(k0 + c * 128, t, 0, INTER, EVEN)
-                    x = _act_block(a_row, bt, live, EVEN, INTERP)
-                    c0, c1, c2, c3 = _mma_rows(c0, c1, c2, c3, w2_ptr, s2_ptr, base_g, base_g8, INTER, bt, live, x, t,
-                                               W, EVEN, INTERP)  # fmt: skip
+            c0, c1, c2, c3, _, _, _, _ = _mma_pass(a_row, w2_ptr, s2_ptr, w2_ptr, s2_ptr, base_g, base_g8, INTER, g, t,
+                                                   W, BLOCK_K, False, EVEN, INTERP)  # fmt: skip
             out0 = part_ptr + dest0.to(tl.int64) * D
             out1 = part_ptr + dest1.to(tl.int64) * D
             lane_store(out0 + row_g, c0, live0 & real_g, INTERP)
