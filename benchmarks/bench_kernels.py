@@ -177,7 +177,7 @@ def attention_case(cfg, b):
         cfg.o_groups,
         cfg.o_lora_rank,
     )
-    positions = [1000, 37, 128, 4000][:b] if b > 1 else [1000]
+    positions = ([1000, 37, 128, 4000] * (b // 4 + 1))[:b] if b > 1 else [1000]
     blocks = max(positions) // 16 + 1
     num_blocks = b * blocks + 7
     table = torch.randperm(num_blocks, device=DEV)[: b * blocks].view(b, blocks).to(I32)
@@ -775,13 +775,18 @@ def native_jobs() -> list:
     fma = [C(n, k, warps, 3, False) for n, k, warps in wide]
     tiles = ((16, 4, 4), (32, 4, 4), (64, 4, 4), (128, 4, 3), (64, 8, 4), (128, 8, 4))
     dot = [C(n, 128, warps, stages) for n, warps, stages in tiles]
+    # Deeper pipelines (more weight bytes in flight a program: one 32-row program a SM at 4096
+    # rows), tried at batch 4 and for more than 16 rows (LARGE_BATCH_CONFIG) after the tiles above.
+    deep = [C(n, 128, warps, stages) for n, warps, stages in ((16, 4, 6), (16, 4, 8), (32, 4, 6), (32, 4, 8),
+                                                              (64, 4, 6), (32, 8, 6), (64, 8, 6))]  # fmt: skip
     mma = [C(n, k, n // 16, 1, False) for n, k in ((16, 512), (16, 1024), (32, 256), (32, 512), (64, 256), (64, 512),
                                                     (128, 256))]  # fmt: skip
     return [
         ("linear", 1, [(F, "BATCH1_CONFIG", fma + dot[:2])]),
         ("moe", 1, [(MX, "W13_CONFIG", fma + dot[:2]), (MX, "W2_CONFIG", fma + dot[:2]),
                     (MX, "GROUPED_MIN_BATCH", [1])]),  # fmt: skip
-        ("linear", 4, [(F, "DEFAULT", dot)]),
+        ("linear", 4, [(F, "DEFAULT", dot + deep)]),
+        ("linear", 32, [(F, "LARGE_BATCH_CONFIG", dot + deep)]),
         # The tensor-core kernels (moe_mxfp4_mma) against the dot tiles (MMA_MAX_BATCH 0), then their tiles.
         ("moe", 4, [(MX, "MMA_MAX_BATCH", [0]), (MX, "W13_CONFIG_MMA", mma), (MX, "W2_CONFIG_MMA", mma)]),
         # B=32 takes the mma kernels too, on the B=4 job's tiles: this case routes 32 rows to ~150
@@ -901,6 +906,9 @@ def main() -> int:
     plan = [(name, "v4-flash", flash, 1, True) for name in ops]
     timed_b4 = ("lm_head", "moe", "swa_attention", "hc_pre", "linear")
     plan += [(n, "v4-flash", flash, 4, n in timed_b4) for n in ops if n not in ("moe_hash", "rms_norm")]
+    # B=32 where the FP8 dot tiles take LARGE_BATCH_CONFIG (the MoE's torch reference at 32 rows
+    # would take minutes): the linear alone and the attention's four GEMVs.
+    plan += [(n, "v4-flash", flash, 32, True) for n in ops if n in ("linear", "swa_attention")]
     plan += [(name, "small", small, 3, False) for name in ops]
     failures = 0
     for name, label, cfg, b, time_it in plan:

@@ -503,7 +503,7 @@ def test_flash_fp8_gemv(name, batch, native):
         out = (torch.randn(rows, n, device="cuda")).to(BF16)
         ref = ref + out.double()
         kwargs["accumulate"] = True
-    config = FP8.BATCH1_CONFIG if rows == 1 else FP8.DEFAULT
+    config = FP8.config_for(rows)
     FP8.fp8_gemv(x, weights[0][0], weights[0][1], out, config=config, native_fp8=native, **kwargs)
     check(out, ref, f"{name} B={rows} native={native}")
 

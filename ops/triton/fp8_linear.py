@@ -47,6 +47,16 @@ from draftgraph.runtime.model.quant import FP8_BLOCK, QuantWeight, fp8_scale_sha
 # 128-column tile ran 21.8 (b93df2d). Batch > 1: the dot path, 32 x 128 (11.5 us at batch 4).
 DEFAULT = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
 BATCH1_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=1, num_stages=3, use_dot=False)
+# More than 16 rows (a dot tile of 32 or 64 activation rows: a serving batch, or the combiner's
+# B x 4 stream rows from B=5 on) is a load of its own: twice the activation bytes a weight tile,
+# and a chain at B=32 spent 306 us in these GEMVs for 140 MB (profile_native_e901c32.txt). Its
+# own knob, so that bench_kernels' linear:32 job tunes it apart from DEFAULT's batch 4.
+LARGE_BATCH_CONFIG = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
+
+
+def config_for(rows: int) -> GemvConfig:
+    """The tile config of a GEMV over ``rows`` activation rows (read at call time: tuners set the knobs)."""
+    return BATCH1_CONFIG if rows == 1 else DEFAULT if rows <= 16 else LARGE_BATCH_CONFIG
 
 
 # ---- decoding bytes in registers ------------------------------------------------------------
@@ -419,9 +429,8 @@ def project(
     """out (+)= x @ [W; W2]^T with W a bf16 tensor (``gemv.gemv``) or an FP8 QuantWeight (:func:`fp8_gemv`).
 
     The fused ops' one GEMV call on either kind of weight: ``config`` is the bf16 GEMV's; the
-    FP8 one passes its ``data`` and ``scale`` with this module's configs (BATCH1_CONFIG at
-    batch 1, DEFAULT above). ``w2`` must be of ``w``'s kind; ``accumulate`` needs FP8 (the bf16
-    GEMV overwrites).
+    FP8 one passes its ``data`` and ``scale`` with this module's configs (:func:`config_for`).
+    ``w2`` must be of ``w``'s kind; ``accumulate`` needs FP8 (the bf16 GEMV overwrites).
     """
     if not isinstance(w, QuantWeight):
         if isinstance(w2, QuantWeight) or accumulate:
@@ -452,7 +461,7 @@ def project(
         eps=eps,
         group_rows=group_rows,
         accumulate=accumulate,
-        config=BATCH1_CONFIG if x.shape[0] == 1 else DEFAULT,
+        config=config_for(x.shape[0]),
     )
 
 
