@@ -45,6 +45,18 @@ def ld_u8(ptr, INTERP: tl.constexpr):
 
 
 @triton.jit
+def ld_b32(ptr, INTERP: tl.constexpr):
+    """The 32-bit word at each pointer (int32 or fp32 pointers; returned as their type), loaded by
+    the thread holding the pointer (as ``ld_v4``; a plain load: a table the kernel before wrote)."""
+    if INTERP:
+        return tl.load(ptr)
+    else:
+        bits = tl.inline_asm_elementwise("ld.global.b32 $0, [$1];", "=r,l", [ptr.to(tl.pointer_type(tl.int32),
+                                         bitcast=True)], dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+        return bits.to(ptr.dtype.element_ty, bitcast=True)
+
+
+@triton.jit
 def bf16_lo(pair):
     """The low bf16 of int32 pairs, as fp32."""
     return (pair << 16).to(tl.float32, bitcast=True)

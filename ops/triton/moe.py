@@ -503,8 +503,8 @@ def _mxfp4_launches(x, xq, idx, wts, weights, out, rest, attrs) -> list[tuple[st
     def round_act():  # every act row: the routed slots' and the shared expert's, before w2 reads them
         act.copy_(fp8_round_activations(act))
 
-    w13, *after = launches
-    return [("round_x", round_x), w13, ("round_act", round_act), *after]
+    at = [name for name, _ in launches].index("w13") + 1  # the act rows are w13's: rounded before w2 reads them
+    return [("round_x", round_x), *launches[:at], ("round_act", round_act), *launches[at:]]
 
 
 def _w2_block_k(inter: int, cfg: GemvConfig) -> int:

@@ -730,9 +730,14 @@ def _pow2_dividing(n: int, at_most: int) -> int:
 
 def moe_mxfp4_parts(batch: int, top_k: int, inter: int, d: int, dtype: torch.dtype, grouped: bool, shared: bool = True):
     """Scratch of one call, as :func:`_common.carve` parts: act rows (routed slots, then the
-    shared expert per row, if any) and, expert-major, fp32 w2 partials per slot."""
+    shared expert per row, if any) and, expert-major, fp32 w2 partials per slot and the
+    tensor-core kernels' expert-row table (moe_mxfp4_mma, "expert-row table": a count per routed
+    slot, then its rows, act rows and weights, next_pow2(batch) a slot)."""
     slots = batch * top_k + (batch if shared else 0)
-    return [((slots, inter), dtype), ((slots if grouped else 0, d), torch.float32)]
+    routed = batch * top_k if grouped else 0
+    table = (routed, next_pow2(batch))
+    return [((slots, inter), dtype), ((slots if grouped else 0, d), torch.float32), ((routed,), torch.int32),
+            (table, torch.int32), (table, torch.int32), (table, torch.float32)]  # fmt: skip
 
 
 def moe_mxfp4_workspace(
@@ -789,7 +794,7 @@ def moe_mxfp4_launches(
             sw1b, sw3b, sw2b = shared[0], shared[4], shared[2]
     else:  # never read: the grid has no shared slot; any byte tensors of the kernel's types
         sw1b, ss1b, sw3b, ss3b, sw2b, ss2b = w1b, s1b, w3b, s3b, w2b, s2b
-    act, part = carve(workspace, x.device, moe_mxfp4_parts(b, top_k, inter, d, x.dtype, grouped, has_shared))
+    act, part, *table = carve(workspace, x.device, moe_mxfp4_parts(b, top_k, inter, d, x.dtype, grouped, has_shared))
     if (one_row or use_mma) and act.data_ptr() % 16:  # w2 reads its rows as x (inter % 32 == 0: every row aligned)
         _fail("workspace alignment", "16 bytes", f"address mod 16 {act.data_ptr() % 16}",
               "carve it at a 16-byte boundary, as the arena does")
@@ -858,10 +863,14 @@ def moe_mxfp4_launches(
         common = dict(TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_R=next_pow2(b), BLOCK_B=block_b, NATIVE=native,
                       INTERP=interp)
 
+        def rows():
+            M.launch_rows((b * top_k,), idx, wts, *table, b, TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_R=next_pow2(b),
+                          num_warps=1, **pdl)  # fmt: skip
+
         def w13_mma():
             M.launch_w13(
                 (triton.cdiv(inter, c13.block_n), slots),
-                x, idx, wts, w1b, s1b, w3b, s3b, sw1b, ss1b, sw3b, ss3b, act, b, d, inter, x.stride(0), s13, limit,
+                x, idx, *table, w1b, s1b, w3b, s3b, sw1b, ss1b, sw3b, ss3b, act, b, d, inter, x.stride(0), s13, limit,
                 BLOCK_N=c13.block_n, BLOCK_K=bk13, DOT_K=min(FP8_BLOCK, max(16, next_pow2(d))), EVEN=d % bk13 == 0,
                 **common, num_warps=c13.block_n // 16, num_stages=c13.num_stages, **pdl,
             )  # fmt: skip
@@ -869,12 +878,12 @@ def moe_mxfp4_launches(
         def w2_mma():
             M.launch_w2(
                 (triton.cdiv(d, c2.block_n), slots),
-                act, idx, wts, w2b, s2b, sw2b, ss2b, part, b, d, inter, s2,
+                act, idx, *table, w2b, s2b, sw2b, ss2b, part, b, d, inter, s2,
                 BLOCK_N=c2.block_n, BLOCK_K=bk2, DOT_K=min(FP8_BLOCK, max(16, next_pow2(inter))),
                 EVEN=inter % bk2 == 0, **common, num_warps=c2.block_n // 16, num_stages=c2.num_stages, **pdl,
             )  # fmt: skip
 
-        return [("w13", w13_mma), ("w2", w2_mma), ("reduce", reduce)]
+        return [("rows", rows), ("w13", w13_mma), ("w2", w2_mma), ("reduce", reduce)]
 
     if use_mma:
         return mma_launches()

@@ -20,8 +20,17 @@ fragments of C are rows (g, g + 8) x columns (2t, 2t + 1): each lane stores its 
 Every tensor in the loop has one element a thread (1D, 32 x warps: Triton's layout puts element i
 on thread i), and every load and store there is inline PTX (no layout anchor that could move an
 element to another thread), so the element a lane holds is the one its index says. The lanes'
-rows and columns are found by scalar loads of the routing (``_lane_columns``), not by reductions
+rows and columns are read from the expert-row table (``_table_columns``), not found by reductions
 over a tensor of another layout.
+
+Note "expert-row table": a launch before w13 (``_expert_rows_kernel``, one program a routed slot)
+writes, for the slot that owns an expert (its first pair in the routing), the rows that chose it
+in row order: each row's index, its act row (the first k that chose the expert) and its summed
+routing weight, and their count (0 for a slot that owns nothing). Every w13 / w2 program reads its
+slot's count, and a pass three words a lane. Before (e901c32), each program found its rows by
+scalar loads of the whole routing, B x top_k of them a pass, in all (N / BLOCK_N) x B x top_k
+programs of both kernels: at B=32, 192 loads and selects a lane a pass against a w2 pass of 16
+K tiles, and w2 (half the bytes of w13) took longer than w13 in the chain's profile.
 
 The shared expert (FP8, every row) takes the dot tiles (``_shared_w13_dot``, ``_shared_w2_dot``).
 Scratch, partials and the reduce are ``moe_mxfp4``'s expert-major ones. Under the interpreter,
@@ -35,7 +44,7 @@ import triton
 import triton.language as tl
 from draftgraph.ops.triton._common import clamped_swiglu, pdl_wait
 from draftgraph.ops.triton.fp8_linear import ue8m0_to_f32
-from draftgraph.ops.triton.lanes import bf16_hi, bf16_lo, lane_pick, lane_store, ld_u8, ld_v4, quad_sum
+from draftgraph.ops.triton.lanes import bf16_hi, bf16_lo, lane_pick, lane_store, ld_b32, ld_u8, ld_v4, quad_sum
 from draftgraph.ops.triton.moe_grouped import _owned_rows
 from draftgraph.ops.triton.moe_mxfp4 import (
     _expert_tiles,
@@ -184,69 +193,57 @@ def _mma_pass(a_row, wa_ptr, sa_ptr, wb_ptr, sb_ptr, base_g, base_g8, K, g, t, W
 
 
 @triton.jit
-def _lane_columns(idx_ptr, wts_ptr, e, c0, B, g, t, TOPK: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The rows that chose expert ``e`` (in row order), per lane, from the c0-th on: (batch column g
-    (B's): its x row and its act row, 0 for a column with no row; then columns 2t and 2t + 1 (C's):
-    the act / part row, the routing weight, whether live). A column's act row is (row, the first k
-    that chose the expert), as w13 writes it; a repeated expert's weights are summed.
+def _expert_rows_kernel(idx_ptr, wts_ptr, count_ptr, rows_ptr, dest_ptr, wt_ptr, B, TOPK: tl.constexpr,
+                        TOPK_PAD: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """Routed slot s's row of the expert-row table (see "expert-row table"): count[s], and from
+    s * BLOCK_R on, the rows that chose the slot's expert in row order, their act rows and weights."""
+    pdl_wait(PDL)
+    slot = tl.program_id(0)
+    _, _, _, serves, weight, dest = _owned_rows(idx_ptr, wts_ptr, slot, B, TOPK, TOPK_PAD, BLOCK_R)
+    rank = tl.cumsum(serves.to(tl.int32), 0) - 1  # each served row's place: rows in row order
+    at = slot * BLOCK_R + rank
+    tl.store(rows_ptr + at, tl.arange(0, BLOCK_R), mask=serves)
+    tl.store(dest_ptr + at, dest.to(tl.int32), mask=serves)
+    tl.store(wt_ptr + at, weight, mask=serves)
+    tl.store(count_ptr + slot, tl.sum(serves.to(tl.int32), 0))
 
-    Scalar loads of the routing, unrolled over BLOCK_R rows, so every lane tensor keeps the
-    one-element-a-thread layout (see "lanes and fragments").
-    """
-    count = -c0  # this chunk's columns: count 0..7
-    row_b = g * 0
-    dest_b = g * 0
-    dest0 = g * 0
-    dest1 = g * 0
-    wt0 = g * 0.0
-    wt1 = g * 0.0
-    live0 = g < 0
-    live1 = g < 0
-    for r in tl.static_range(BLOCK_R):
-        chose = count < -B  # False
-        k_first = count * 0 + TOPK
-        weight = 0.0
-        for k in tl.static_range(TOPK):
-            hit = (r < B) & (tl.load(idx_ptr + r * TOPK + k, mask=r < B, other=-1) == e)
-            k_first = tl.where(hit & (k_first == TOPK), k, k_first)
-            weight += tl.load(wts_ptr + r * TOPK + k, mask=hit, other=0.0)
-            chose = chose | hit
-        here_b = chose & (g == count)
-        row_b = tl.where(here_b, r, row_b)
-        dest_b = tl.where(here_b, r * TOPK + k_first, dest_b)
-        here0 = chose & (2 * t == count)
-        here1 = chose & (2 * t + 1 == count)
-        dest0 = tl.where(here0, r * TOPK + k_first, dest0)
-        dest1 = tl.where(here1, r * TOPK + k_first, dest1)
-        wt0 = tl.where(here0, weight, wt0)
-        wt1 = tl.where(here1, weight, wt1)
-        live0 = live0 | here0
-        live1 = live1 | here1
-        count += chose.to(tl.int32)
+
+@triton.jit
+def _table_columns(rows_ptr, dest_ptr, wt_ptr, slot, c0, n, g, t, BLOCK_R: tl.constexpr, INTERP: tl.constexpr):
+    """The lane's columns of the chunk of the slot's rows from the c0-th (n rows in all): batch
+    column g (B's): its x row and its act row; columns 2t and 2t + 1 (C's): the act / part row, the
+    routing weight, whether live. A batch column with no row reads the chunk's first (a real row:
+    C's column n depends on B's column n alone, and a dead column is never stored)."""
+    base = rows_ptr.to(tl.int64) * 0 + slot * BLOCK_R  # int64 table offsets
+    jb = base + tl.where(c0 + g < n, c0 + g, c0)
+    j0 = c0 + 2 * t
+    j1 = j0 + 1
+    live0 = j0 < n
+    live1 = j1 < n
+    at0 = base + tl.where(live0, j0, c0)
+    at1 = base + tl.where(live1, j1, c0)
+    row_b = ld_b32(rows_ptr + jb, INTERP)
+    dest_b = ld_b32(dest_ptr + jb, INTERP)
+    dest0 = ld_b32(dest_ptr + at0, INTERP)
+    dest1 = ld_b32(dest_ptr + at1, INTERP)
+    wt0 = ld_b32(wt_ptr + at0, INTERP)
+    wt1 = ld_b32(wt_ptr + at1, INTERP)
     return row_b, dest_b, dest0, wt0, live0, dest1, wt1, live1
 
 
 @triton.jit
-def _served(idx_ptr, wts_ptr, slot, B, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
-    """(the slot's expert, the rows it serves: 0 unless the slot owns it), by moe_grouped._owned_rows
-    (one tile of the routing and two reductions, to scalars only)."""
-    e, _, owner, serves, _, _ = _owned_rows(idx_ptr, wts_ptr, slot, B, TOPK, TOPK_PAD, BLOCK_R)
-    return e, tl.where(owner, tl.sum(serves.to(tl.int32), 0), 0)
-
-
-@triton.jit
-def _slot_lanes(idx_ptr, wts_ptr, pid_n, slot, N, B, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+def _slot_lanes(idx_ptr, count_ptr, pid_n, slot, N, BLOCK_N: tl.constexpr):
     """A routed slot's program: (t, g, the lane's rows g and g + 8 (clamped into N) and whether each is
-    real, the expert, the rows it serves (0 unless the slot owns it), the two rows' indices in the
-    stacked [E * N, K] matrix)."""
+    real, the expert, the rows it serves (the table's count: 0 unless the slot owns it), the two rows'
+    indices in the stacked [E * N, K] matrix)."""
     tid = tl.arange(0, 2 * BLOCK_N)  # 32 lanes a warp, 16 rows a warp
     g = tid % 32 // 4
     t = tid % 4
     row = pid_n * BLOCK_N + tid // 32 * 16 + g
     row_g = tl.minimum(row, N - 1).to(tl.int64)
     row_g8 = tl.minimum(row + 8, N - 1).to(tl.int64)
-    e, n_served = _served(idx_ptr, wts_ptr, slot, B, TOPK, TOPK_PAD, BLOCK_R)
+    e = tl.load(idx_ptr + slot).to(tl.int64)
+    n_served = tl.load(count_ptr + slot)
     first = tl.maximum(e, 0) * N
     return t, g, row_g, row_g8, row < N, row + 8 < N, e, n_served, first + row_g, first + row_g8
 
@@ -288,7 +285,8 @@ def _shared_w2_dot(act_ptr, sw2_ptr, ss2_ptr, part_ptr, pid_n, B, D, INTER, rout
 
 @triton.jit
 def _w13_mma_kernel(
-    x_ptr, idx_ptr, wts_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, sw1_ptr, ss1_ptr, sw3_ptr, ss3_ptr, act_ptr,
+    x_ptr, idx_ptr, count_ptr, trows_ptr, tdest_ptr, twt_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, sw1_ptr, ss1_ptr,
+    sw3_ptr, ss3_ptr, act_ptr,
     B, D, INTER, stride_xb, stride_ssn, limit,
     TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, EVEN: tl.constexpr,
@@ -304,11 +302,11 @@ def _w13_mma_kernel(
     else:
         W: tl.constexpr = BLOCK_N // 16
         t, g, row_g, row_g8, real_g, real_g8, e, n_served, base_g, base_g8 = _slot_lanes(
-            idx_ptr, wts_ptr, pid_n, slot, INTER, B, TOPK, TOPK_PAD, BLOCK_N, BLOCK_R)
+            idx_ptr, count_ptr, pid_n, slot, INTER, BLOCK_N)
         # 8 rows (the mma's n) at a time; a later chunk reads the expert's words again (from L2).
         for r0 in range(0, n_served, 8):
-            row_b, _, dest0, wt0, live0, dest1, wt1, live1 = _lane_columns(idx_ptr, wts_ptr, e, r0, B, g, t, TOPK,
-                                                                           BLOCK_R)  # fmt: skip
+            row_b, _, dest0, wt0, live0, dest1, wt1, live1 = _table_columns(
+                trows_ptr, tdest_ptr, twt_ptr, slot, r0, n_served, g, t, BLOCK_R, INTERP)
             a_row = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + row_b.to(tl.int64) * (stride_xb // 2)
             c0, c1, c2, c3, d0, d1, d2, d3 = _mma_pass(a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, base_g, base_g8, D, g, t,
                                                        W, BLOCK_K, True, EVEN, INTERP)  # fmt: skip
@@ -322,7 +320,7 @@ def _w13_mma_kernel(
 
 @triton.jit
 def _w2_mma_kernel(
-    act_ptr, idx_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, part_ptr,
+    act_ptr, idx_ptr, count_ptr, trows_ptr, tdest_ptr, twt_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, part_ptr,
     B, D, INTER, stride_ssn,
     TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, EVEN: tl.constexpr,
@@ -338,10 +336,10 @@ def _w2_mma_kernel(
     else:
         W: tl.constexpr = BLOCK_N // 16
         t, g, row_g, row_g8, real_g, real_g8, e, n_served, base_g, base_g8 = _slot_lanes(
-            idx_ptr, wts_ptr, pid_n, slot, D, B, TOPK, TOPK_PAD, BLOCK_N, BLOCK_R)
+            idx_ptr, count_ptr, pid_n, slot, D, BLOCK_N)
         for r0 in range(0, n_served, 8):
-            _, dest_b, dest0, _, live0, dest1, _, live1 = _lane_columns(idx_ptr, wts_ptr, e, r0, B, g, t, TOPK,
-                                                                        BLOCK_R)  # fmt: skip
+            _, dest_b, dest0, _, live0, dest1, _, live1 = _table_columns(trows_ptr, tdest_ptr, twt_ptr, slot, r0,
+                                                                         n_served, g, t, BLOCK_R, INTERP)  # fmt: skip
             a_row = act_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + dest_b.to(tl.int64) * (INTER // 2)
             c0, c1, c2, c3, _, _, _, _ = _mma_pass(a_row, w2_ptr, s2_ptr, w2_ptr, s2_ptr, base_g, base_g8, INTER, g, t,
                                                    W, BLOCK_K, False, EVEN, INTERP)  # fmt: skip
@@ -353,6 +351,10 @@ def _w2_mma_kernel(
             lane_store(out1 + row_g8, c3, live1 & real_g8, INTERP)
 
 
+def launch_rows(grid, *args, **meta):
+    _expert_rows_kernel[grid](*args, **meta)
+
+
 def launch_w13(grid, *args, **meta):
     _w13_mma_kernel[grid](*args, **meta)
 
@@ -361,4 +363,4 @@ def launch_w2(grid, *args, **meta):
     _w2_mma_kernel[grid](*args, **meta)
 
 
-__all__ = ["launch_w13", "launch_w2"]
+__all__ = ["launch_rows", "launch_w13", "launch_w2"]
