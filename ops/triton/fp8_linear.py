@@ -44,14 +44,18 @@ from draftgraph.runtime.model.quant import FP8_BLOCK, QuantWeight, fp8_scale_sha
 # the bf16 GEMV's winners (see "wide tiles"). Tuned on one H200 at the 4096 x 4096 linear
 # (`bench_kernels.py --weights native --tune`, benchmarks/h200/bench_kernels_native_tuned_bbbd33f.txt):
 # 7.0 us, 57% of copy bandwidth (8 x 1024 on 4 warps the same; 16 x 512 9.0), where the best
-# 128-column tile ran 21.8 (b93df2d). Batch > 1: the dot path, 32 x 128 (11.5 us at batch 4).
-DEFAULT = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
+# 128-column tile ran 21.8 (b93df2d). Batch > 1: the dot path, 32 x 128 on 4 warps with 6 stages
+# in flight: at batch 4, 10.6 us against 11.5 with 4 stages on an H200, 10.8 against 11.7 on an
+# H100 (the tuner's choice on both, benchmarks/h200/bench_kernels_native_tuned_73f0f53.txt and
+# _a9be17b_h100.txt; 8 stages and 16- or 64-row tiles slower).
+DEFAULT = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=6)
 BATCH1_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=1, num_stages=3, use_dot=False)
 # More than 16 rows (a dot tile of 32 or 64 activation rows: a serving batch, or the combiner's
 # B x 4 stream rows from B=5 on) is a load of its own: twice the activation bytes a weight tile,
 # and a chain at B=32 spent 306 us in these GEMVs for 140 MB (profile_native_e901c32.txt). Its
-# own knob, so that bench_kernels' linear:32 job tunes it apart from DEFAULT's batch 4.
-LARGE_BATCH_CONFIG = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
+# own knob, tuned at B=32 (bench_kernels' linear:32 job): the same tile won there on both cards,
+# by less (13.4 us against 13.6 / 13.7 with 4 stages; 31% of copy on the H200).
+LARGE_BATCH_CONFIG = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=6)
 
 
 def config_for(rows: int) -> GemvConfig:
