@@ -34,8 +34,8 @@ def drop(positions, h):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-# 33 x 4 x 160 = 21120 values: two tiles of one loop step, the second partial; 33 x 4 x 320 = 42240:
-# two loop steps (the bad values in the first step's second tile and the second step's first)
+# 33 x 4 x 160 = 21120 values: two tiles, the second partial; 33 x 4 x 320 = 42240: three tiles
+# (the bad values in the first, second and last)
 @pytest.mark.parametrize("b,d", [(1, 64), (33, 160), (33, 320)])
 def test_drop_nonfinite_kernel(device, b, d):
     positions = (torch.arange(b, dtype=torch.int64) * 7 + 3).to(device)

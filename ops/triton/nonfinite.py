@@ -12,14 +12,13 @@ few dozen ints.
 drop_nonfinite is one program: whether the batch holds a NaN or an infinity is one bit for all
 rows (ops/nonfinite.py: the whole call is refused), and a second kernel or a grid-wide sync to
 merge per-program verdicts would cost what this saves at small batches. Its tile is wide (16 Ki
-elements, 16 warps, four 16-byte loads a thread); measured in the chain (bbbd33f, bf16 weights,
-against the torch ops at 078dabc): B=1 0.500 -> 0.493 ms, B=8 0.698 -> 0.694, B=32 0.920 -> 0.917.
-One SM reads the whole batch, so what bounds it is the bytes in flight: at B = 32 (1 MB) the
-kernel took 23.6 us with one tile a loop step (73f0f53 profile, H200), the first step of the
-chain, before everything. A loop step now issues two tiles' loads before it tests either (one
-accumulator: the registers of one tile more a step). An element is bad where
-``|x| <= FLT_MAX`` is false: NaN compares false, inf exceeds it; no arithmetic a compiler could
-fold away.
+elements, 16 warps, four 16-byte loads a thread in flight); at B = 32 it loops 32 tiles on one
+SM. Measured in the chain (bbbd33f, bf16 weights, against the torch ops at 078dabc): B=1 0.500
+-> 0.493 ms, B=8 0.698 -> 0.694, B=32 0.920 -> 0.917. At B = 32 it takes 23.4 us on an H200 (the
+first step of the chain); two tiles' loads issued together each loop step took the same (23.5,
+4d5dc37, removed): what bounds it is one SM, so larger batches want a grid and a last-program
+merge. An element is bad where ``|x| <= FLT_MAX`` is false: NaN compares false, inf exceeds it;
+no arithmetic a compiler could fold away.
 """
 
 from __future__ import annotations
@@ -37,22 +36,14 @@ FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
-def _not_finite(x):
-    """1 where x is a NaN or an infinity (int32)."""
-    return (~(tl.abs(x.to(tl.float32)) <= FLT_MAX)).to(tl.int32)
-
-
-@triton.jit
 def _drop_nonfinite_kernel(positions, hidden, out, B, N, stride_p, stride_o, BLOCK: tl.constexpr,
                            BLOCK_B: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     pdl_wait(PDL)
     bad = tl.zeros([BLOCK], dtype=tl.int32)
-    for start in range(0, N, 2 * BLOCK):  # two tiles a step, both loads issued before either is tested
-        first = start + tl.arange(0, BLOCK)
-        second = first + BLOCK
-        x = tl.load(hidden + first, mask=first < N, other=0.0)
-        y = tl.load(hidden + second, mask=second < N, other=0.0)
-        bad = bad | _not_finite(x) | _not_finite(y)
+    for start in range(0, N, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(hidden + offs, mask=offs < N, other=0.0).to(tl.float32)
+        bad = bad | (~(tl.abs(x) <= FLT_MAX)).to(tl.int32)
     dropped = tl.max(bad, axis=0) != 0
     rows = tl.arange(0, BLOCK_B)
     inside = rows < B
