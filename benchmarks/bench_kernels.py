@@ -779,7 +779,8 @@ def native_jobs() -> list:
     # rows), tried at batch 4 and for more than 16 rows (LARGE_BATCH_CONFIG) after the tiles above.
     deep = [C(n, 128, warps, stages) for n, warps, stages in ((16, 4, 6), (16, 4, 8), (32, 4, 6), (32, 4, 8),
                                                               (64, 4, 6), (32, 8, 6), (64, 8, 6))]  # fmt: skip
-    mma = [C(n, 128, n // 16, 1, False) for n in (16, 32, 64, 128)]  # K in 128-column chunks, one ahead
+    mma = [C(n, k, n // 16, 1, False) for n, k in ((16, 512), (16, 1024), (32, 256), (32, 512), (64, 256), (64, 512),
+                                                    (128, 256))]  # fmt: skip
     return [
         ("linear", 1, [(F, "BATCH1_CONFIG", fma + dot[:2])]),
         ("moe", 1, [(MX, "W13_CONFIG", fma + dot[:2]), (MX, "W2_CONFIG", fma + dot[:2]),

@@ -318,9 +318,9 @@ MOE_WIDE = (K["gemv"].GemvConfig(8, 256, 4, 2, use_dot=False), K["gemv"].GemvCon
         (4, True, "dot"),
         (4, False, "dot"),
         (1, True, "dot"),
-        (2, True, "mma"),  # 1 warp, 16 rows a program, K in 128-column chunks (D, I: the last one ragged)
+        (2, True, "mma"),  # 1 warp, 16 rows a program, 128-column K tiles (D, I: the last one ragged)
         (8, True, "mma_wide"),  # 8 rows: every batch column of the mma
-        (5, True, "mma_wide"),  # 4 warps, 64 rows a program (ragged in I and D)
+        (5, True, "mma_wide"),  # 4 warps, 64 rows a program (ragged in I and D), 256-column K tiles
         (12, True, "mma_wide"),  # an expert 9 rows chose (forced below): two chunks of 8 columns
     ],
 )
@@ -330,7 +330,7 @@ def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
     if not variant.startswith("mma"):
         monkeypatch.setattr(MX, "MMA_MAX_BATCH", 0)
     else:
-        tile = K["gemv"].GemvConfig(64 if variant == "mma_wide" else 16, 128, 4 if variant == "mma_wide" else 1, 1)
+        tile = K["gemv"].GemvConfig(64, 256, 4, 1) if variant == "mma_wide" else K["gemv"].GemvConfig(16, 128, 1, 1)
         monkeypatch.setattr(MX, "W13_CONFIG_MMA", tile)
         monkeypatch.setattr(MX, "W2_CONFIG_MMA", tile)
     if variant in ("dot", "wide"):

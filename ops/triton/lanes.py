@@ -24,29 +24,24 @@ import triton.language as tl
 
 
 @triton.jit
-def ld_v4(ptr, INTERP: tl.constexpr, AHEAD: tl.constexpr = False):
+def ld_v4(ptr, INTERP: tl.constexpr):
     """Four int32 at each pointer (16-byte aligned), loaded by every thread holding the pointer: a
-    tensor broadcast along the tile's rows needs no layout conversion (no shared memory, no barrier).
-
-    ``AHEAD``: a load issued ahead of its use (a software pipeline's next step), kept where it is
-    written. A pure asm statement may be moved, and the compiler sank such a load down to its use
-    in the next loop step (the SASS of moe_mxfp4_mma's first "one chunk ahead"): not pure, it stays.
-    """
+    tensor broadcast along the tile's rows needs no layout conversion (no shared memory, no barrier)."""
     if INTERP:
         return tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2), tl.load(ptr + 3)
     else:
         return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
-                                         dtype=(tl.int32,) * 4, is_pure=not AHEAD, pack=1)  # fmt: skip
+                                         dtype=(tl.int32,) * 4, is_pure=True, pack=1)  # fmt: skip
 
 
 @triton.jit
-def ld_u8(ptr, INTERP: tl.constexpr, AHEAD: tl.constexpr = False):
+def ld_u8(ptr, INTERP: tl.constexpr):
     """The byte at each pointer as int32, loaded by the thread holding the pointer (as ``ld_v4``)."""
     if INTERP:
         return tl.load(ptr).to(tl.int32)
     else:
-        return tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
-                                         is_pure=not AHEAD, pack=1)  # fmt: skip
+        return tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=True,
+                                         pack=1)  # fmt: skip
 
 
 @triton.jit

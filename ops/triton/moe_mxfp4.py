@@ -93,12 +93,9 @@ W2_CONFIG = GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=3, use_d
 # ~23 experts) 366.6 us on the FMA rows kernel of 45f7cd2 (since removed), 241.4 on these tiles;
 # the chain at B=8 1.229 -> 0.822 ms, at B=32 (23 experts, ~8 rows each) 1.580 on the dot tiles
 # below -> 1.101 (bench_draft_native_*_h100.txt of that session).
-# block_k is the K chunk, 128 columns (4 scale blocks, one a lane), with the next chunk's loads in
-# flight ("one chunk ahead" in moe_mxfp4_mma); the 256-column tiles of 04300e5 unrolled two chunks
-# with no load ahead. num_warps is block_n / 16 (16 rows a warp).
 MMA_MAX_BATCH = 64
-W13_CONFIG_MMA = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=1, use_dot=False)
-W2_CONFIG_MMA = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=1, use_dot=False)
+W13_CONFIG_MMA = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, use_dot=False)
+W2_CONFIG_MMA = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, use_dot=False)
 # The dot tiles: fp16 x, slot-major B > 1 (grouped=False), or B > MMA_MAX_BATCH.
 W13_CONFIG_BATCHED = GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
 W2_CONFIG_BATCHED = GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
@@ -785,8 +782,8 @@ def moe_mxfp4_launches(
               "the batch-1 and mma kernels read x as bf16 pairs (int32), 16 bytes at a time; a contiguous copy "
               "of [B, D] has both")
     for name, c in (("W13_CONFIG_MMA", W13_CONFIG_MMA), ("W2_CONFIG_MMA", W2_CONFIG_MMA)) if use_mma else ():
-        if c.block_n % 16 or not 16 <= c.block_n <= 512 or c.block_k != 128:
-            _fail(name, "block_n a multiple of 16 up to 512 (16 rows a warp), block_k 128 (the K chunk)",
+        if c.block_n % 16 or not 16 <= c.block_n <= 512 or c.block_k % 128 or c.block_k < 128:
+            _fail(name, "block_n a multiple of 16 up to 512 (16 rows a warp), block_k a multiple of 128",
                   f"block_n {c.block_n}, block_k {c.block_k}", "see moe_mxfp4_mma, \"lanes and fragments\"")
     has_shared = shared_b is not None
     native = native_fp8_supported(x.device) if native_fp8 is None else bool(native_fp8)
@@ -859,7 +856,10 @@ def moe_mxfp4_launches(
     def mma_launches():
         from draftgraph.ops.triton import moe_mxfp4_mma as M
 
-        c13, c2 = W13_CONFIG_MMA, W2_CONFIG_MMA  # 16 rows a warp; K in 128-column chunks
+        c13, c2 = W13_CONFIG_MMA, W2_CONFIG_MMA
+        # 16 rows a warp; K tiles of whole 128-column chunks (4 scale blocks, one a lane)
+        bk13 = min(c13.block_k, max(128, next_pow2(d)))
+        bk2 = min(c2.block_k, max(128, next_pow2(inter)))
         common = dict(TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_R=next_pow2(b), BLOCK_B=block_b, NATIVE=native,
                       INTERP=interp)
 
@@ -871,7 +871,7 @@ def moe_mxfp4_launches(
             M.launch_w13(
                 (triton.cdiv(inter, c13.block_n), slots),
                 x, idx, *table, w1b, s1b, w3b, s3b, sw1b, ss1b, sw3b, ss3b, act, b, d, inter, x.stride(0), s13, limit,
-                BLOCK_N=c13.block_n, DOT_K=min(FP8_BLOCK, max(16, next_pow2(d))), EVEN=d % 128 == 0,
+                BLOCK_N=c13.block_n, BLOCK_K=bk13, DOT_K=min(FP8_BLOCK, max(16, next_pow2(d))), EVEN=d % bk13 == 0,
                 **common, num_warps=c13.block_n // 16, num_stages=c13.num_stages, **pdl,
             )  # fmt: skip
 
@@ -879,8 +879,8 @@ def moe_mxfp4_launches(
             M.launch_w2(
                 (triton.cdiv(d, c2.block_n), slots),
                 act, idx, *table, w2b, s2b, sw2b, ss2b, part, b, d, inter, s2,
-                BLOCK_N=c2.block_n, DOT_K=min(FP8_BLOCK, max(16, next_pow2(inter))),
-                EVEN=inter % 128 == 0, **common, num_warps=c2.block_n // 16, num_stages=c2.num_stages, **pdl,
+                BLOCK_N=c2.block_n, BLOCK_K=bk2, DOT_K=min(FP8_BLOCK, max(16, next_pow2(inter))),
+                EVEN=inter % bk2 == 0, **common, num_warps=c2.block_n // 16, num_stages=c2.num_stages, **pdl,
             )  # fmt: skip
 
         return [("rows", rows), ("w13", w13_mma), ("w2", w2_mma), ("reduce", reduce)]

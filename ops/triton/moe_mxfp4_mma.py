@@ -23,15 +23,6 @@ element to another thread), so the element a lane holds is the one its index say
 rows and columns are read from the expert-row table (``_table_columns``), not found by reductions
 over a tensor of another layout.
 
-Note "one chunk ahead": the loop over K goes 128 columns (4 scale blocks, one a lane) a step,
-and issues the next chunk's loads (its activation words, both rows' words and scale bytes of each
-matrix) before the decode and the mmas of this one, so a step's load latency overlaps the one
-before's arithmetic: Triton's own pipeline (``num_stages``, ``cp.async``) does not take inline-PTX
-loads (lanes.py). The loads are written ``AHEAD`` (not pure): as pure asm, the compiler sank them
-to their use in the next step, and the SASS had one chunk's loads then its mmas, in turn. In the
-e901c32 / 73f0f53 profiles w2 (half the bytes of w13, the same number of chunk steps) took as long
-as w13: the steps' latency, not the decode, bound them.
-
 Note "expert-row table": a launch before w13 (``_expert_rows_kernel``, one program a routed slot)
 writes, for the slot that owns an expert (its first pair in the routing), the rows that chose it
 in row order: each row's index, its act row (the first k that chose the expert) and its summed
@@ -134,35 +125,19 @@ def _mma_word(c0, c1, c2, c3, wa, wb, sa, sb, x0, x1, x2, x3, t, W: tl.constexpr
 
 
 @triton.jit
-def _block_words(w_g, w_g8, s_g, s_g8, bt, live, EVEN: tl.constexpr, INTERP: tl.constexpr):
-    """A lane's block ``bt`` of its two rows (word pointers w_g / w_g8, scale pointers s_g / s_g8):
-    the 4 words of each row and their UE8M0 bytes. ``live``: the block is real; a clamped one's
-    scale reads as byte 0 (finite: its products with the zero activation are 0, even where the
-    real byte is 255, NaN)."""
-    a0, a1, a2, a3 = ld_v4(w_g + bt * 4, INTERP, True)
-    b0, b1, b2, b3 = ld_v4(w_g8 + bt * 4, INTERP, True)
-    sa = ld_u8(s_g + bt, INTERP, True)
-    sb = ld_u8(s_g8 + bt, INTERP, True)
+def _mma_block(c0, c1, c2, c3, w_g, w_g8, s_g, s_g8, bt, live, x, t, W: tl.constexpr, EVEN: tl.constexpr,
+               INTERP: tl.constexpr):  # fmt: skip
+    """C += a lane's block ``bt`` of its two rows (word pointers w_g / w_g8, scale pointers s_g / s_g8)
+    times the activation words x (16: the block's 32 columns, from ``_act_block``, 0 where the block
+    is not real). ``live``: the block is real; a clamped one's scale reads as byte 0 (finite: its
+    products with the zero activation are 0, even where the real byte is 255, NaN)."""
+    a0, a1, a2, a3 = ld_v4(w_g + bt * 4, INTERP)
+    b0, b1, b2, b3 = ld_v4(w_g8 + bt * 4, INTERP)
+    sa = ld_u8(s_g + bt, INTERP)
+    sb = ld_u8(s_g8 + bt, INTERP)
     if not EVEN:
         sa = tl.where(live, sa, 0)
         sb = tl.where(live, sb, 0)
-    return a0, a1, a2, a3, b0, b1, b2, b3, sa, sb
-
-
-@triton.jit
-def _rows_words(w_ptr, s_ptr, base_g, base_g8, K, bt, live, EVEN: tl.constexpr, INTERP: tl.constexpr):
-    """``_block_words`` of rows base_g and base_g8 (row indices into the stacked [E * N, K] matrix)
-    of the MXFP4 bytes at w_ptr, scales at s_ptr."""
-    words = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    return _block_words(words + base_g * (K // 8), words + base_g8 * (K // 8), s_ptr + base_g * (K // 32),
-                        s_ptr + base_g8 * (K // 32), bt, live, EVEN, INTERP)  # fmt: skip
-
-
-@triton.jit
-def _block_mma(c0, c1, c2, c3, w, x, t, W: tl.constexpr, INTERP: tl.constexpr):
-    """C += the block words ``w`` (``_block_words``) times the activation words x (16: the block's 32
-    columns, from ``_act_block``, 0 where the block is not real)."""
-    a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = w
     c0, c1, c2, c3 = _mma_word(c0, c1, c2, c3, a0, b0, sa, sb, x[0], x[1], x[2], x[3], t, W, INTERP)
     c0, c1, c2, c3 = _mma_word(c0, c1, c2, c3, a1, b1, sa, sb, x[4], x[5], x[6], x[7], t, W, INTERP)
     c0, c1, c2, c3 = _mma_word(c0, c1, c2, c3, a2, b2, sa, sb, x[8], x[9], x[10], x[11], t, W, INTERP)
@@ -171,14 +146,24 @@ def _block_mma(c0, c1, c2, c3, w, x, t, W: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _mma_rows(c0, c1, c2, c3, w_ptr, s_ptr, base_g, base_g8, K, bt, live, x, t, W: tl.constexpr, EVEN: tl.constexpr,
+              INTERP: tl.constexpr):  # fmt: skip
+    """``_mma_block`` on rows base_g and base_g8 (row indices into the stacked [E * N, K] matrix) of
+    the MXFP4 bytes at w_ptr, scales at s_ptr."""
+    words = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    return _mma_block(c0, c1, c2, c3, words + base_g * (K // 8), words + base_g8 * (K // 8), s_ptr + base_g * (K // 32),
+                      s_ptr + base_g8 * (K // 32), bt, live, x, t, W, EVEN, INTERP)  # fmt: skip
+
+
+@triton.jit
 def _act_block(a_row, bt, live, EVEN: tl.constexpr, INTERP: tl.constexpr):
     """The 16 activation words (bf16 pairs) of block ``bt`` of a lane's row ``a_row``; 0 where the
     block is not real (none: EVEN). A batch column with no row reads a real row: C's column n
     depends on B's column n alone, and a dead column is never stored."""
-    x0, x1, x2, x3 = ld_v4(a_row + bt * 16, INTERP, True)
-    x4, x5, x6, x7 = ld_v4(a_row + bt * 16 + 4, INTERP, True)
-    x8, x9, x10, x11 = ld_v4(a_row + bt * 16 + 8, INTERP, True)
-    x12, x13, x14, x15 = ld_v4(a_row + bt * 16 + 12, INTERP, True)
+    x0, x1, x2, x3 = ld_v4(a_row + bt * 16, INTERP)
+    x4, x5, x6, x7 = ld_v4(a_row + bt * 16 + 4, INTERP)
+    x8, x9, x10, x11 = ld_v4(a_row + bt * 16 + 8, INTERP)
+    x12, x13, x14, x15 = ld_v4(a_row + bt * 16 + 12, INTERP)
     if EVEN:
         return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
     return (tl.where(live, x0, 0), tl.where(live, x1, 0), tl.where(live, x2, 0), tl.where(live, x3, 0),
@@ -188,39 +173,22 @@ def _act_block(a_row, bt, live, EVEN: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _chunk_loads(a_row, wa_ptr, sa_ptr, wb_ptr, sb_ptr, base_g, base_g8, K, k0, t, TWO: tl.constexpr,
-                 EVEN: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
-    """Everything the 128 columns from k0 need, loaded: (the activation words, matrix a's block
-    words, matrix b's (TWO; else a's again, unused))."""
-    _, bt, live = _word_block(k0, t, 0, K, EVEN)  # this lane's block: t of 4
-    x = _act_block(a_row, bt, live, EVEN, INTERP)
-    wa = _rows_words(wa_ptr, sa_ptr, base_g, base_g8, K, bt, live, EVEN, INTERP)
-    wb = wa
-    if TWO:
-        wb = _rows_words(wb_ptr, sb_ptr, base_g, base_g8, K, bt, live, EVEN, INTERP)
-    return x, wa, wb
-
-
-@triton.jit
-def _mma_pass(a_row, wa_ptr, sa_ptr, wb_ptr, sb_ptr, base_g, base_g8, K, g, t, W: tl.constexpr,
+def _mma_pass(a_row, wa_ptr, sa_ptr, wb_ptr, sb_ptr, base_g, base_g8, K, g, t, W: tl.constexpr, BLOCK_K: tl.constexpr,
               TWO: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
     """One pass over K: C of matrix a (and, with TWO, of matrix b: w1 and w3 in one loop, each
-    activation block loaded once for both) for the lane's rows and batch column, from 0.
-
-    See "one chunk ahead": the loads of the next 128 columns are issued before the decode and
-    the mmas of these (the last chunk loads itself again, a real address)."""
+    activation block loaded once for both) for the lane's rows and batch column, from 0."""
     zero = g * 0.0
     c0, c1, c2, c3 = zero, zero, zero, zero
     d0, d1, d2, d3 = zero, zero, zero, zero
-    last = (K - 1) // 128 * 128
-    x, wa, wb = _chunk_loads(a_row, wa_ptr, sa_ptr, wb_ptr, sb_ptr, base_g, base_g8, K, 0, t, TWO, EVEN, INTERP)
-    for k0 in range(0, K, 128):
-        nx, nwa, nwb = _chunk_loads(a_row, wa_ptr, sa_ptr, wb_ptr, sb_ptr, base_g, base_g8, K,
-                                    tl.minimum(k0 + 128, last), t, TWO, EVEN, INTERP)  # fmt: skip
-        c0, c1, c2, c3 = _block_mma(c0, c1, c2, c3, wa, x, t, W, INTERP)
-        if TWO:
-            d0, d1, d2, d3 = _block_mma(d0, d1, d2, d3, wb, x, t, W, INTERP)
-        x, wa, wb = nx, nwa, nwb
+    for k0 in range(0, K, BLOCK_K):
+        for c in tl.static_range(BLOCK_K // 128):
+            _, bt, live = _word_block(k0 + c * 128, t, 0, K, EVEN)  # this lane's block: t of 4
+            x = _act_block(a_row, bt, live, EVEN, INTERP)
+            c0, c1, c2, c3 = _mma_rows(c0, c1, c2, c3, wa_ptr, sa_ptr, base_g, base_g8, K, bt, live, x, t, W, EVEN,
+                                       INTERP)  # fmt: skip
+            if TWO:
+                d0, d1, d2, d3 = _mma_rows(d0, d1, d2, d3, wb_ptr, sb_ptr, base_g, base_g8, K, bt, live, x, t, W, EVEN,
+                                           INTERP)  # fmt: skip
     return c0, c1, c2, c3, d0, d1, d2, d3
 
 
@@ -320,7 +288,7 @@ def _w13_mma_kernel(
     x_ptr, idx_ptr, count_ptr, trows_ptr, tdest_ptr, twt_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, sw1_ptr, ss1_ptr,
     sw3_ptr, ss3_ptr, act_ptr,
     B, D, INTER, stride_xb, stride_ssn, limit,
-    TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, EVEN: tl.constexpr,
     NATIVE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -341,7 +309,7 @@ def _w13_mma_kernel(
                 trows_ptr, tdest_ptr, twt_ptr, slot, r0, n_served, g, t, BLOCK_R, INTERP)
             a_row = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + row_b.to(tl.int64) * (stride_xb // 2)
             c0, c1, c2, c3, d0, d1, d2, d3 = _mma_pass(a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, base_g, base_g8, D, g, t,
-                                                       W, True, EVEN, INTERP)  # fmt: skip
+                                                       W, BLOCK_K, True, EVEN, INTERP)  # fmt: skip
             out0 = act_ptr + dest0.to(tl.int64) * INTER
             out1 = act_ptr + dest1.to(tl.int64) * INTER
             lane_store(out0 + row_g, clamped_swiglu(c0, d0, limit) * wt0, live0 & real_g, INTERP)
@@ -354,7 +322,7 @@ def _w13_mma_kernel(
 def _w2_mma_kernel(
     act_ptr, idx_ptr, count_ptr, trows_ptr, tdest_ptr, twt_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, part_ptr,
     B, D, INTER, stride_ssn,
-    TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, EVEN: tl.constexpr,
     NATIVE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -374,7 +342,7 @@ def _w2_mma_kernel(
                                                                          n_served, g, t, BLOCK_R, INTERP)  # fmt: skip
             a_row = act_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + dest_b.to(tl.int64) * (INTER // 2)
             c0, c1, c2, c3, _, _, _, _ = _mma_pass(a_row, w2_ptr, s2_ptr, w2_ptr, s2_ptr, base_g, base_g8, INTER, g, t,
-                                                   W, False, EVEN, INTERP)  # fmt: skip
+                                                   W, BLOCK_K, False, EVEN, INTERP)  # fmt: skip
             out0 = part_ptr + dest0.to(tl.int64) * D
             out1 = part_ptr + dest1.to(tl.int64) * D
             lane_store(out0 + row_g, c0, live0 & real_g, INTERP)
