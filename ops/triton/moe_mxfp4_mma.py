@@ -214,7 +214,7 @@ def _table_columns(rows_ptr, dest_ptr, wt_ptr, slot, c0, n, g, t, BLOCK_R: tl.co
     column g (B's): its x row and its act row; columns 2t and 2t + 1 (C's): the act / part row, the
     routing weight, whether live. A batch column with no row reads the chunk's first (a real row:
     C's column n depends on B's column n alone, and a dead column is never stored)."""
-    base = rows_ptr.to(tl.int64) * 0 + slot * BLOCK_R  # int64 table offsets
+    base = slot * BLOCK_R
     jb = base + tl.where(c0 + g < n, c0 + g, c0)
     j0 = c0 + 2 * t
     j1 = j0 + 1
