@@ -794,8 +794,8 @@ def native_jobs() -> list:
     ]
 
 
-def phase_breakdown(flash) -> list[dict]:
-    """Per-launch times of the multi-kernel ops at batch 1 (each launch timed alone, scratch warm)."""
+def phase_breakdown(flash, b: int = 1) -> list[dict]:
+    """Per-launch times of the multi-kernel ops at batch ``b`` (each launch timed alone, scratch warm)."""
     from draftgraph.ops.triton import attention as A
     from draftgraph.ops.triton import head as Hd
     from draftgraph.ops.triton import moe as M
@@ -807,7 +807,7 @@ def phase_breakdown(flash) -> list[dict]:
         ("swa_attention", A.plan),
     ):
         try:
-            inputs, attrs = make_case(name, flash, 1)
+            inputs, attrs = make_case(name, flash, b)
             ws = workspace_for(name, inputs, attrs)
             f_in = fresh_state(name, inputs)
             outs = outputs_for(name, f_in, attrs)
@@ -818,11 +818,11 @@ def phase_breakdown(flash) -> list[dict]:
             for phase, launch in launches:
                 us = time_graph(launch, 10)
                 total += us
-                rows.append({"op": name, "phase": phase, "us": us})
-                log(f"  phase {name:14s} {phase:10s} {us:8.1f}us")
-            rows.append({"op": name, "phase": "sum", "us": total})
+                rows.append({"op": name, "b": b, "phase": phase, "us": us})
+                log(f"  phase {name:14s} B={b:<3d} {phase:10s} {us:8.1f}us")
+            rows.append({"op": name, "b": b, "phase": "sum", "us": total})
         except Exception:
-            log(f"phase breakdown {name}: ERROR\n{traceback.format_exc()}")
+            log(f"phase breakdown {name} B={b}: ERROR\n{traceback.format_exc()}")
         torch.cuda.empty_cache()
     return rows
 
@@ -862,6 +862,8 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--ops", default=",".join(CASES), help="comma-separated op names")
     parser.add_argument("--tune-jobs", default="", help="tune only these op:batch jobs, e.g. moe:32,hc_pre:32")
+    parser.add_argument("--phase-batches", default="1",
+                        help="with --tune: the batches whose per-launch times are printed, e.g. 1,8,32")
     parser.add_argument(
         "--cpu-dry-run", action="store_true", help="run the logic on CPU (TRITON_INTERPRET=1)"
     )
@@ -900,7 +902,8 @@ def main() -> int:
         flash = small  # the whole plan at the small shapes
     only = {job for job in args.tune_jobs.split(",") if job} or None
     tuner = tune_all(flash, copy_bw, T0 + args.budget_s, only) if args.tune else None
-    phases = phase_breakdown(flash) if args.tune and not DRY else []
+    batches = [int(v) for v in args.phase_batches.split(",") if v]
+    phases = [r for b in batches for r in phase_breakdown(flash, b)] if args.tune and not DRY else []
     impls = _impls()
     ops = [o for o in args.ops.split(",") if o]
     plan = [(name, "v4-flash", flash, 1, True) for name in ops]
@@ -937,9 +940,9 @@ def main() -> int:
         for knob, value in tuner.chosen.items():
             print(f"  {knob} = {value}")
     if phases:
-        print("\nper-launch times, V4-Flash batch 1 (each launch alone in a graph, scratch warm):")
+        print("\nper-launch times, V4-Flash (each launch alone in a graph, scratch warm):")
         for r in phases:
-            print(f"  {r['op']:14s} {r['phase']:10s} {r['us']:8.1f} us")
+            print(f"  {r['op']:14s} B={r['b']:<3d} {r['phase']:10s} {r['us']:8.1f} us")
     print_table(copy_bw)
     (out_dir / "bench_kernels.json").write_text(
         json.dumps(

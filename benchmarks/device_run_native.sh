@@ -15,7 +15,8 @@
 #   TESTS=moe TUNE_JOBS=moe:1 CASES=1x1,1x3,8x1 bash benchmarks/device_run_native.sh OUT
 # TESTS may also be a pytest -k expression over the three files (e.g. "moe or native or fp8_gemv"),
 # OPS the ops bench_kernels times with TUNE_JOBS (default moe), TUNE_S its tuning budget (default 40 s),
-# PYTEST_S the tests' time limit (default 150 s).
+# PYTEST_S the tests' time limit (default 150 s), PHASES the batches of the per-launch times (default 1;
+# e.g. 1,8,32: the attention's GEMVs and the MoE's launches apart at B > 1, not yet run on a GPU).
 set -uo pipefail
 out=${1:?usage: device_run_native.sh OUT}
 source "$(dirname "$0")/device_steps.sh" "$out"
@@ -35,7 +36,7 @@ if [ -n "${TUNE_JOBS:-}" ]; then
         --tune-jobs "$TUNE_JOBS" --budget-s "${TUNE_S:-40}" --ops "${OPS:-moe}" --out "$out/kernels"
 else
     step bench_kernels 180 python3 benchmarks/bench_kernels.py --weights native --tune --budget-s 110 \
-        --ops linear,moe,swa_attention --out "$out/kernels"
+        --ops linear,moe,swa_attention --phase-batches "${PHASES:-1}" --out "$out/kernels"
 fi
 grep "tune ->" "$out/kernels/bench_kernels.log"
 grep -E "^(linear|moe|swa_attention) +v4-flash" "$out/bench_kernels.txt"
