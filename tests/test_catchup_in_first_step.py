@@ -7,9 +7,11 @@ dropped, leave everything as it was.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from decode_fixtures import drafter_after_prompts, make_proposer, make_target, single_thread  # noqa: F401
+from draftgraph.runtime.cache.hidden_rows import HiddenRows
 from draftgraph.runtime.errors import InputError, NonFiniteError
 from proposer_fixtures import assert_unchanged, frozen
 
@@ -163,3 +165,78 @@ def test_a_pool_too_short_is_refused_with_nothing_changed(target, short_for):
         proposer.propose_device([3, 4], hid[:, 0], [13 + rows] * 2, 1, states, catchup=owed)
     assert_unchanged(proposer, states, before)
     _free(proposer, states)
+
+
+def _as_rows(hiddens: list[torch.Tensor]) -> HiddenRows:
+    """The catch-up hiddens as the decode loop passes them: rows of one buffer, picked by index."""
+    buffer = torch.cat(hiddens)
+    return HiddenRows(buffer, np.arange(len(buffer), dtype=np.int64))
+
+
+def test_the_loops_rows_take_the_usual_path_and_equal_the_checked_one(target, monkeypatch):
+    """Catch-up rows as a HiddenRows of plain ints (the decode loop's call) skip check_rows (design note
+    "checks the kernel makes") and draft, place and write exactly what the checked path does."""
+    from draftgraph.runtime.proposer import device_propose
+
+    ref, fast = make_proposer(buckets=(1, 2, 4, 8)), make_proposer(buckets=(1, 2, 4, 8))
+    rs, owed, nxt = _mid_decode(ref, target, 3, [2, 1])
+    fs, _, _ = _mid_decode(fast, target, 3, [2, 1])
+    tokens, hiddens, first = (list(x) for x in zip(*owed))
+    tok, hid, pos = [t for t, _, _ in nxt], torch.stack([h for _, h, _ in nxt]), [p for _, _, p in nxt]
+    want = ref.propose_device(tok, hid, pos, 3, rs, catchup=(tokens, hiddens, first))
+
+    def no_checks(*args, **kwargs):
+        raise AssertionError("check_rows ran on the usual path")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(device_propose, "check_rows", no_checks)
+        got = fast.propose_device(tok, hid, pos, 3, fs, catchup=(tokens, _as_rows(hiddens), first))
+    assert got.drafts.tolist() == want.drafts.tolist()
+    assert torch.equal(fast.cache.kv, ref.cache.kv)
+    ref.after_verify_device(want, [1, 0], dropped=False)
+    fast.after_verify_device(got, [1, 0], dropped=False)
+    assert [s.snapshot() for s in fs] == [s.snapshot() for s in rs]
+    _free(ref, rs)
+    _free(fast, fs)
+
+
+@pytest.mark.parametrize("bad", ["freed state", "past the budget", "short of the propose", "index out of range",
+                                 "numpy first positions"])
+def test_the_usual_path_names_the_error_the_checks_name(target, bad):
+    """What the batch kernel refuses on the usual path (a freed state, rows past a budget) and what it
+    leaves to the checks (rows short of the propose, a bad index) raise the typed error check_rows
+    raises for the same call with the hiddens as tensors, and leave states, pool and cache rows as
+    they were; numpy positions take the checked path and work."""
+    proposer = make_proposer(buckets=(1, 2, 4, 8))
+    states, owed, nxt = _mid_decode(proposer, target, 3, [2, 1])
+    tokens, hiddens, first = (list(x) for x in zip(*owed))
+    tok, hid, pos = [t for t, _, _ in nxt], torch.stack([h for _, h, _ in nxt]), [p for _, _, p in nxt]
+    rows = _as_rows(hiddens)
+    if bad == "freed state":
+        proposer.free_state(states[1])
+    elif bad == "past the budget":
+        proposer.rows.max_positions[states[1].row] = first[1] + 1  # its two catch-up rows need first + 2
+    elif bad == "short of the propose":
+        first = [first[0], first[1] - 1]
+    elif bad == "index out of range":
+        rows = HiddenRows(rows.tensor, rows.index + 1)
+    elif bad == "numpy first positions":
+        first = [np.int64(p) for p in first]
+    live = [s for s in states if not s.is_freed]
+    before = frozen(proposer, live)
+    if bad == "numpy first positions":
+        handle = proposer.propose_device(tok, hid, pos, 3, states, catchup=(tokens, rows, first))
+        proposer.after_verify_device(handle, [0, 0], dropped=False)
+        _free(proposer, states)
+        return
+    with pytest.raises(InputError) as usual:
+        proposer.propose_device(tok, hid, pos, 3, states, catchup=(tokens, rows, first))
+    assert_unchanged(proposer, live, before)
+    if bad == "index out of range":  # the tensors' form has no index to get wrong
+        assert "catch-up hiddens index" in str(usual.value)
+    else:
+        with pytest.raises(InputError) as checked:
+            proposer.propose_device(tok, hid, pos, 3, states, catchup=(tokens, hiddens, first))
+        assert_unchanged(proposer, live, before)
+        assert str(usual.value) == str(checked.value)
+    _free(proposer, live)

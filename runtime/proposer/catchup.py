@@ -9,17 +9,29 @@ and ``propose_device(..., catchup=...)`` in the first step of the next chain (de
 - :func:`check_rows` checks a call's rows, all before any work (and their finiteness, one host
   sync, unless the caller checked it on the device): a :class:`CatchupRows`, or None when no
   sequence has a row;
+- :func:`usual_rows` is check_rows' fast path for a decode loop's usual call (design note "checks
+  the kernel makes", below);
 - :func:`place_rows` maps the rows' blocks and moves each state's seq_len / kv_start past them, all
   or nothing: a :class:`PlacedCatchup`, whose ``undo`` puts both back (a failed or dropped run);
 - :func:`write_in_prefill_runs` writes rows in drafter-prefill runs of at most the largest bucket.
 
 Rows of one sequence are consecutive positions; any split of them into runs in position order is
 causal (a row reads only positions <= its own, written by the same run or an earlier one).
+
+Design note "checks the kernel makes": a decode loop calls ``propose_device(..., catchup=)`` every
+step, and check_rows' item checks were a third of the host time from the verdict to the next
+launch (33 of 160 us at B=1 on the CPU harness, benchmarks/bench_loop_host.py). Most of them
+repeat what ``place_rows``' one batch-kernel call checks anyway (live distinct keys, position
+ranges, budgets, all before it maps anything). :func:`usual_rows` takes the usual call (lists of
+plain ints, one HiddenRows) with only the checks the kernel does not make (token ids, the
+hiddens' buffer and index); when the kernel then refuses, ``place_rows``' ``recheck`` runs
+check_rows in full for the typed error of the first bad item, as before. Anything unusual goes
+to check_rows directly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,8 +46,11 @@ from draftgraph.runtime.proposer.checks import (
     check_hidden_rows,
     check_ints,
     check_states,
+    hidden_rows_ok,
     is_on,
 )
+
+_FEW = 16  # sequences: below this, per-row work in Python lists beats numpy's per-call cost
 
 
 @dataclass
@@ -52,15 +67,19 @@ class CatchupRows:
     count: np.ndarray  # int64 [m]: its number of rows (>= 1)
     tokens: np.ndarray  # int64 [N]: every row's token
     hidden: torch.Tensor | HiddenRows  # [N, ...]: every row's hidden
+    recheck: Callable[[], None] | None = None  # usual_rows': the full checks, for place_rows' refusal
 
     @property
     def num_rows(self) -> int:
-        return int(self.count.sum())
+        return len(self.tokens)
 
     def positions(self) -> np.ndarray:
         """int64 [N]: every row's position (row r of sequence j: starts[j] + r - its first row's index)."""
+        if len(self.count) <= _FEW:  # a decode step's: ranges joined in Python, cheaper than five numpy calls
+            return np.array([p for s, c in zip(self.starts.tolist(), self.count.tolist()) for p in range(s, s + c)],
+                            dtype=np.int64)
         first_row = np.cumsum(self.count) - self.count
-        return np.arange(int(self.count.sum()), dtype=np.int64) + np.repeat(self.starts - first_row, self.count)
+        return np.arange(self.num_rows, dtype=np.int64) + np.repeat(self.starts - first_row, self.count)
 
     def which(self) -> np.ndarray:
         """int64 [N]: every row's proposer row (its block table)."""
@@ -140,6 +159,27 @@ def check_rows(prop, tokens: Sequence[Sequence[int]], hiddens, first_pos: Sequen
     return CatchupRows(live, keys[live], rows[live], starts[live], count[live], flat, hidden)
 
 
+def usual_rows(prop, tokens, hiddens, first_pos, keys: np.ndarray) -> CatchupRows | None:
+    """A decode loop's usual catch-up (every sequence with rows: lists of plain ints in the vocabulary,
+    one HiddenRows of a contiguous bf16 buffer, plain int first positions) checked for what the batch
+    kernel's place does not check (design note "checks the kernel makes"); None for anything else.
+    ``keys``: the states' keys as the propose made them (checked by place_rows' kernel call)."""
+    n = len(keys)
+    if type(hiddens) is not HiddenRows or type(first_pos) is not list or len(first_pos) != n:
+        return None
+    regular = _regular_rows(prop, tokens, None) if len(tokens) == n else None
+    if regular is None or not set(map(type, first_pos)) <= PLAIN_INT_TYPES:
+        return None
+    counts, flat, _ = regular
+    if not n or min(counts) < 1 or not hidden_rows_ok(hiddens, prop._hidden_shape, prop.device, len(flat)):
+        return None
+    starts = np.array(first_pos, dtype=np.int64) if max(map(abs, first_pos)) < 1 << 62 else None
+    if starts is None:
+        return None
+    return CatchupRows(np.arange(n, dtype=np.int64), keys, keys & batch_kernel.ROW_MASK, starts,
+                       np.array(counts, dtype=np.int64), flat, hiddens)
+
+
 def _regular_rows(prop, tokens, hiddens) -> tuple[list[int], np.ndarray, list[torch.Tensor]] | None:
     """(counts, every token, hiddens) of rows that need no conversion and pass every check: lists of
     ints in the vocabulary, each with one bf16 hidden [n_i, ...] on the proposer's device (hiddens
@@ -160,8 +200,12 @@ def _regular_rows(prop, tokens, hiddens) -> tuple[list[int], np.ndarray, list[to
     return counts, np.array(flat, dtype=np.int64), hiddens
 
 
-def place_rows(prop, rows: CatchupRows) -> PlacedCatchup:
+def place_rows(prop, rows: CatchupRows, recheck=None) -> PlacedCatchup:
     """Map the rows' blocks and move each state past its rows (all or nothing; CacheError when short).
+
+    ``recheck``: called when the kernel refuses the rows for anything but the pool (rows from
+    :func:`usual_rows`, whose key, position and budget checks are the kernel's): it raises the
+    typed error of the first bad item; nothing was mapped.
 
     A state's kv_start stays where its rows continue its valid rows (kv_start <= first <= seq_len),
     and moves to the first row where they jump ahead or back, as a propose's does: one call of
@@ -183,6 +227,8 @@ def place_rows(prop, rows: CatchupRows) -> PlacedCatchup:
                                   f"{cache.num_free_blocks} free of {cache.num_blocks}",
                                   "free finished sequences, call trim_window, or size the pool larger"))
     if status != batch_kernel.OK:
+        if recheck is not None:
+            recheck()
         raise AssertionError(f"the batch kernel refused (status {status}, row {needed}) checked catch-up rows")
     mapped = mapped_out[: 2 * count].reshape(count, 2).copy()
     for row in set(mapped[:, 0].tolist()):

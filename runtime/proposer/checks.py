@@ -106,7 +106,7 @@ def check_hiddens(hiddens: Sequence | torch.Tensor | HiddenRows, shape: tuple[in
     if isinstance(hiddens, torch.Tensor):
         return check_hidden_batch(hiddens, shape, device, n)
     if isinstance(hiddens, HiddenRows):
-        return check_hidden_rows(hiddens, shape, device, n)
+        return hiddens if hidden_rows_ok(hiddens, shape, device, n) else check_hidden_rows(hiddens, shape, device, n)
     if type(hiddens) is list and len(hiddens) == n and _are_ready(hiddens, shape, device):
         return hiddens
     if isinstance(hiddens, (str, bytes)) or not hasattr(hiddens, "__len__"):
@@ -151,14 +151,31 @@ def check_hidden_rows(rows: HiddenRows, shape: tuple[int, ...], device: torch.de
         raise InputError(describe(f"{what} buffer", f"a tensor [R, {', '.join(map(str, shape))}]",
                                   list(getattr(tensor, "shape", [])) or type(tensor).__name__))
     _check_bf16_on(tensor, device, what)
-    if tensor.stride()[1:] != _contiguous_strides(shape):
+    if tensor.stride()[1:] != row_strides(shape):
         raise InputError(describe(f"{what} buffer strides", "contiguous rows", list(tensor.stride()),
                                   "make the buffer contiguous, or pass its rows as a tensor"))
     checked = check_ints(index, f"{what} index", 0, tensor.shape[0], n)
     return rows if checked is index else HiddenRows(tensor, checked)
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+def hidden_rows_ok(rows: HiddenRows, shape: tuple[int, ...], device: torch.device, n: int) -> bool:
+    """Whether ``rows`` passes check_hidden_rows as it is (its index an int64 array of n rows in range),
+    in a few attribute reads; False sends the caller to the checks that name what is wrong."""
+    tensor, index = rows.tensor, rows.index
+    if type(tensor) is not torch.Tensor or tensor.dtype is not torch.bfloat16 or tensor.shape[1:] != shape:
+        return False
+    if type(index) is not np.ndarray or index.dtype != np.int64 or index.shape != (n,) or not is_on(tensor, device):
+        return False
+    if n:
+        values = index.tolist() if n <= 256 else None  # a short list's builtin min / max: no numpy reductions
+        low, high = (min(values), max(values)) if values is not None else (int(index.min()), int(index.max()))
+        if not 0 <= low <= high < tensor.shape[0]:
+            return False
+    return tensor.stride()[1:] == row_strides(shape)
+
+
+def row_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous row of ``shape`` (a buffer's rows must have them)."""
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)

@@ -52,6 +52,7 @@ from draftgraph.runtime.proposer.catchup import (
     joined,
     place_rows,
     rows_of,
+    usual_rows,
     write_in_prefill_runs,
 )
 from draftgraph.runtime.proposer.checks import check_count, check_hiddens, check_ints, check_states
@@ -244,12 +245,19 @@ def _checked_catchup(prop, owed, states, keys: np.ndarray, pos: np.ndarray) -> C
     if not isinstance(owed, (tuple, list)) or len(owed) != 3:
         raise InputError(describe("catchup", "(tokens, hiddens, first_pos), one entry each per state",
                                   type(owed).__name__))
-    rows = check_rows(prop, *owed, states, assume_finite=True, keys=keys)
+    rows = usual_rows(prop, *owed, keys)  # design note "checks the kernel makes" (catchup.py)
+    if rows is None:
+        rows = check_rows(prop, *owed, states, assume_finite=True, keys=keys)
+    else:
+        rows.recheck = lambda: check_rows(prop, *owed, states, assume_finite=True)
     if rows is None:
         return None
     ends = rows.starts + rows.count
-    off = np.flatnonzero(ends != pos[rows.index])
-    if len(off):
+    wrong = ends != pos[rows.index]
+    if wrong.any():
+        if rows.recheck is not None:
+            rows.recheck()  # a bad state or position is named first, as check_rows names it
+        off = np.flatnonzero(wrong)
         j, i = int(off[0]), int(rows.index[off[0]])
         raise InputError(describe(f"catchup rows of states[{i}]", f"positions up to {int(pos[i]) - 1}",
                                   f"positions {int(rows.starts[j])} .. {int(ends[j]) - 1}",
@@ -286,7 +294,7 @@ def _propose_merged(prop, keys, tokens, pos, hiddens, k: int, states, owed: Catc
     if early and not assume_finite and not bool(torch.isfinite(as_tensor(first)).all()):
         raise NonFiniteError(describe("catch-up hiddens", "finite values", "a NaN or an infinity",
                                       "the call is refused: no state or cache row changed"))
-    placed = place_rows(prop, owed)  # the states now end right before their propose's row
+    placed = place_rows(prop, owed, owed.recheck)  # the states now end right before their propose's row
     kv = np.zeros(n, dtype=np.int64)
     try:
         mapped = prop._place(keys, tokens, pos, k, states, kv)
