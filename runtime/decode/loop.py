@@ -385,7 +385,7 @@ class DecodeSession:
         verdict = self._read_verdict(n)  # [n, 3 + K + 1]: the step's one device-to-host read
         t2 = time.perf_counter()
         accepted = verdict[:, ACCEPTED]
-        self.proposer.after_verify_device(handle, accepted, bool(verdict[:, DROPPED].any()))
+        self.proposer.after_verify_device(handle, accepted, any(verdict[:, DROPPED].tolist()))
         self._rows, rows_a_sequence = verifier.pair_hidden.flatten(0, 1), k + 2  # pair rows 0 .. K + 1
         for i, (seq, row) in enumerate(zip(live, verdict.tolist())):  # Python ints: no numpy item reads
             a = row[ACCEPTED]

@@ -37,6 +37,17 @@ def as_int(value: object, what: str, expected: str) -> int:
         raise InputError(describe(what, expected, repr(value))) from None
 
 
+def same_ints(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two int arrays of one length hold the same values: a short one's as Python lists (0.3 us
+    against 1.5 for numpy's compare and reduction, on every decode step)."""
+    return a.tolist() == b.tolist() if len(a) <= _SMALL else bool(np.array_equal(a, b))
+
+
+def any_set(a: np.ndarray) -> bool:
+    """Whether any entry of an int / bool array is non-zero (a short one's as a Python list)."""
+    return any(a.tolist()) if len(a) <= _SMALL else bool(a.any())
+
+
 def check_count(value: object, what: str, low: int, high: int) -> int:
     """An int in [low, high] (``as_int``'s rules)."""
     expected = f"an int in [{low}, {high}]"

@@ -55,7 +55,14 @@ from draftgraph.runtime.proposer.catchup import (
     usual_rows,
     write_in_prefill_runs,
 )
-from draftgraph.runtime.proposer.checks import check_count, check_hiddens, check_ints, check_states
+from draftgraph.runtime.proposer.checks import (
+    any_set,
+    check_count,
+    check_hiddens,
+    check_ints,
+    check_states,
+    same_ints,
+)
 from draftgraph.runtime.proposer.state import MtpProposerState
 
 
@@ -114,21 +121,25 @@ def propose_device(prop, last_tokens, target_hiddens, positions, num_drafts, sta
     if not 1 <= n <= prop.propose_batch_max():
         raise InputError(describe("batch size", f"1..{prop.propose_batch_max()} (propose_batch_max)", n))
     with prop._lock:
-        k = check_count(num_drafts, "num_drafts", 1, prop.options.max_num_drafts)
+        k = num_drafts if type(num_drafts) is int and 1 <= num_drafts <= prop.options.max_num_drafts else \
+            check_count(num_drafts, "num_drafts", 1, prop.options.max_num_drafts)
         if is_gated(prop.options.draft_conf_tau, k):
             raise InputError(describe("propose_device chain", "an ungated chain (draft_conf_tau 0 or K = 1)",
                                       f"draft_conf_tau {prop.options.draft_conf_tau}, K = {k}",
                                       "a gated chain's kept drafts are a host decision: use propose_batch"))
-        keys, tokens, pos = (a.copy() for a in prop._batch_arrays(states, last_tokens, positions, n))
+        keys, tokens, pos = prop._batch_arrays(states, last_tokens, positions, n)
+        if keys is prop._one[0]:  # propose's one-row arrays, rewritten by the next call: the handle keeps its own
+            keys, tokens, pos = keys.copy(), tokens.copy(), pos.copy()
         try:
             hiddens = check_hiddens(target_hiddens, prop._hidden_shape, prop.device, n)
         except InputError:
             prop._check_items(states, tokens, pos, k, n)
             raise
         pending = _pending(prop)
-        for key in [key for key in pending if prop.rows.key[key & batch_kernel.ROW_MASK] != key]:
-            del pending[key]  # states freed before their after_verify_device (an aborted decode)
-        waiting = [i for i, key in enumerate(keys.tolist()) if key in pending]
+        if pending:  # a decode loop's propose finds none: its after_verify_device took them
+            for key in [key for key in pending if prop.rows.key[key & batch_kernel.ROW_MASK] != key]:
+                del pending[key]  # states freed before their after_verify_device (an aborted decode)
+        waiting = [i for i, key in enumerate(keys.tolist()) if key in pending] if pending else None
         if waiting:
             check_states(states, prop.id, prop.rows, n)  # a freed state is named as such
             raise InputError(describe(f"states[{waiting[0]}]", "a state with no unfinished device propose",
@@ -169,13 +180,13 @@ def after_verify_device(prop, handle: DeviceDrafts, num_accepted, dropped: bool 
         if handle.is_finished:
             raise InputError(describe("handle", "an unfinished device propose", "one already finished",
                                       "after_verify_device once per propose_device"))
-        n, k, rows = handle.num_sequences, handle.num_drafts, handle.keys & batch_kernel.ROW_MASK
+        n, k, rows, seqs = handle.num_sequences, handle.num_drafts, handle.keys & batch_kernel.ROW_MASK, prop.rows
         # The states were checked by the propose and are the handle's own objects: only their
         # liveness can have changed (a free since), one compare for the batch; the item checks
         # name the first freed state.
-        if (prop.rows.key[rows] != handle.keys).any():
-            check_states(handle.states, prop.id, prop.rows, n)
-        if (prop.rows.verify_due[rows].any() or (prop.rows.seq_len[rows] != handle.seq_len).any()):
+        if not same_ints(seqs.key[rows], handle.keys):
+            check_states(handle.states, prop.id, seqs, n)
+        if any_set(seqs.verify_due[rows]) or not same_ints(seqs.seq_len[rows], handle.seq_len):
             raise InputError(describe("handle", "the states as propose_device left them",
                                       "a state proposed or changed since", "one propose per verify"))
         accepted = np.ascontiguousarray(check_ints(num_accepted, "num_accepted", 0, k + 1, n))
@@ -253,8 +264,8 @@ def _checked_catchup(prop, owed, states, keys: np.ndarray, pos: np.ndarray) -> C
     if rows is None:
         return None
     ends = rows.starts + rows.count
-    wrong = ends != pos[rows.index]
-    if wrong.any():
+    if not same_ints(ends, pos[rows.index]):
+        wrong = ends != pos[rows.index]
         if rows.recheck is not None:
             rows.recheck()  # a bad state or position is named first, as check_rows names it
         off = np.flatnonzero(wrong)
