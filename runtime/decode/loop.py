@@ -198,6 +198,7 @@ class DecodeSession:
         self._owed: dict[int, tuple[list[int], int, int]] = {}
         self._next_rows: dict[int, int] = {}  # sequence index -> the row of its next hidden in _rows
         self._rows = self._verifier.pair_hidden.flatten(0, 1) if self.device_loop else None
+        self._pair_rows = self._rows  # the verifier's pair rows as one [S (K + 2), ...] view, made once
         self._saved_hidden: torch.Tensor | None = None  # next_hidden's rows, while another session holds the buffers
         # The device loop's target roll-backs (state, accepted length), done right after the next
         # propose's launch: the GPU runs while the host gives the rejected rows' blocks back.
@@ -386,7 +387,7 @@ class DecodeSession:
         t2 = time.perf_counter()
         accepted = verdict[:, ACCEPTED]
         self.proposer.after_verify_device(handle, accepted, any(verdict[:, DROPPED].tolist()))
-        self._rows, rows_a_sequence = verifier.pair_hidden.flatten(0, 1), k + 2  # pair rows 0 .. K + 1
+        self._rows, rows_a_sequence = self._pair_rows, k + 2  # pair rows 0 .. K + 1
         for i, (seq, row) in enumerate(zip(live, verdict.tolist())):  # Python ints: no numpy item reads
             a = row[ACCEPTED]
             g = row[TOKENS : TOKENS + a + 1]  # d_1..d_a (== g_0..g_{a-1}), bonus g_a

@@ -9,6 +9,7 @@ the first bad item.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 
@@ -185,6 +186,7 @@ def hidden_rows_ok(rows: HiddenRows, shape: tuple[int, ...], device: torch.devic
     return tensor.stride()[1:] == row_strides(shape)
 
 
+@functools.lru_cache(maxsize=16)
 def row_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The strides of a contiguous row of ``shape`` (a buffer's rows must have them)."""
     strides, step = [], 1
