@@ -145,7 +145,15 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(checkpoint):
-    return {case: _unsharded(checkpoint, *case) for case in CASES}
+    """One rank's results, on one intra-op thread as every rank runs (rank_processes.py): a CPU GEMM's
+    reduction order follows its thread count, and the confidences are compared to 1e-5. (Until
+    2026-12-05 this held only when another test module had set one thread at its import.)"""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {case: _unsharded(checkpoint, *case) for case in CASES}
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_two_ranks_draft_what_one_drafts(tmp_path, checkpoint, reference):
