@@ -318,9 +318,10 @@ def _propose_merged(prop, keys, tokens, pos, hiddens, k: int, states, owed: Catc
             write_in_prefill_runs(prop, which[:early], at[:early], owed_kv[:early], owed.tokens[:early], first)
         _, staging, executor, _, copy_in, _ = prop._plan(n + owed.num_rows - early, 1, False)
         # Held until the launch: a captured chain gathers the rows from its buffer's addresses when it runs.
-        step_hidden = joined(hiddens, rows_of(owed.hidden, slice(early, None)), prop._hidden_shape)
-        staging.stage(prop.rows.tables, np.concatenate([keys, which[early:]]), np.concatenate([pos, at[early:]]),
-                      np.concatenate([kv, owed_kv[early:]]), np.concatenate([tokens, owed.tokens[early:]]),
+        step_hidden = joined(hiddens, rows_of(owed.hidden, slice(early, None)) if early else owed.hidden,
+                             prop._hidden_shape)
+        staging.stage(prop.rows.tables, np.concatenate((keys, which[early:])), np.concatenate((pos, at[early:])),
+                      np.concatenate((kv, owed_kv[early:])), np.concatenate((tokens, owed.tokens[early:])),
                       step_hidden, prop._vocab_limit(), None, copy_in=copy_in)
         if prop.options.poison_arena:
             executor.poison()

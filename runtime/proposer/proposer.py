@@ -57,6 +57,7 @@ from draftgraph.runtime.execution.eager import EagerExecutor, concrete_device
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
 from draftgraph.runtime.model.config import V4Config
 from draftgraph.runtime.native import batch_kernel
+from draftgraph.runtime.proposer import device_propose
 from draftgraph.runtime.proposer.binding import DraftBinding, prepare_weights, weight_formats
 from draftgraph.runtime.proposer.catchup import check_rows, place_rows, write_in_prefill_runs
 from draftgraph.runtime.proposer.checks import (
@@ -281,22 +282,16 @@ class DeepseekV4MtpProposer:
         ``catchup=(tokens, hiddens, first_pos)``: the rows each sequence owes before its propose
         (``catchup_batch``'s arguments less the states), written in the chain's first step.
         """
-        from draftgraph.runtime.proposer.device_propose import propose_device
-
-        return propose_device(self, last_tokens, target_hiddens, positions, num_drafts, states, catchup,
+        return device_propose.propose_device(self, last_tokens, target_hiddens, positions, num_drafts, states, catchup,
                               assume_finite)
 
     def after_verify_device(self, handle, num_accepted, dropped: bool | None = None) -> None:
         """Commit a ``propose_device`` and roll it back to ``num_accepted`` (proposer/device_propose.py)."""
-        from draftgraph.runtime.proposer.device_propose import after_verify_device
-
-        after_verify_device(self, handle, num_accepted, dropped)
+        device_propose.after_verify_device(self, handle, num_accepted, dropped)
 
     def warm_up(self, num_drafts: int, chain_buckets, prefill_buckets, first_step_buckets=()) -> None:
         """Build, and on CUDA capture, the chains and drafter-prefill graphs of these buckets (device_propose.py)."""
-        from draftgraph.runtime.proposer.device_propose import warm_up
-
-        warm_up(self, num_drafts, chain_buckets, prefill_buckets, first_step_buckets)
+        device_propose.warm_up(self, num_drafts, chain_buckets, prefill_buckets, first_step_buckets)
 
     def _size_batch_buffers(self) -> None:
         """The kernel's per-row outputs, one row per sequence of the largest bucket."""
