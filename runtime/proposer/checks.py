@@ -179,7 +179,7 @@ def hidden_rows_ok(rows: HiddenRows, shape: tuple[int, ...], device: torch.devic
     if type(index) is not np.ndarray or index.dtype != np.int64 or index.shape != (n,) or not is_on(tensor, device):
         return False
     if n:
-        values = index.tolist() if n <= 256 else None  # a short list's builtin min / max: no numpy reductions
+        values = index.tolist() if n <= _SMALL else None  # a short list's builtin min / max: no numpy reductions
         low, high = (min(values), max(values)) if values is not None else (int(index.min()), int(index.max()))
         if not 0 <= low <= high < tensor.shape[0]:
             return False
