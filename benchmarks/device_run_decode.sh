@@ -15,7 +15,7 @@
 #    its bench_decode, captured only, at K=3, on the same machine: the before of a host-path change.
 # Each step's output is OUT/<step>.txt; the last lines of each are printed.
 set -uo pipefail
-out=${1:?usage: device_run_decode.sh OUT [BASE_DIR]}
+out=$(mkdir -p "${1:?usage: device_run_decode.sh OUT [BASE_DIR]}" && cd "$1" && pwd)  # absolute: step 5 runs in BASE_DIR
 base=${2:-}
 source "$(dirname "$0")/device_steps.sh" "$out"
 step pytest_decode 150 python3 -m pytest -q -m cuda -p no:cacheprovider -p no:warnings \
