@@ -201,7 +201,7 @@ def test_the_loops_rows_take_the_usual_path_and_equal_the_checked_one(target, mo
 
 
 @pytest.mark.parametrize("bad", ["freed state", "past the budget", "short of the propose", "index out of range",
-                                 "numpy first positions"])
+                                 "tokens not a list", "numpy first positions"])
 def test_the_usual_path_names_the_error_the_checks_name(target, bad):
     """What the batch kernel refuses on the usual path (a freed state, rows past a budget) and what it
     leaves to the checks (rows short of the propose, a bad index) raise the typed error check_rows
@@ -220,6 +220,8 @@ def test_the_usual_path_names_the_error_the_checks_name(target, bad):
         first = [first[0], first[1] - 1]
     elif bad == "index out of range":
         rows = HiddenRows(rows.tensor, rows.index + 1)
+    elif bad == "tokens not a list":
+        tokens = 5
     elif bad == "numpy first positions":
         first = [np.int64(p) for p in first]
     live = [s for s in states if not s.is_freed]

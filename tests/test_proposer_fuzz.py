@@ -16,6 +16,7 @@ import threading
 
 import numpy as np
 import torch
+from draftgraph.runtime.cache.hidden_rows import HiddenRows
 from draftgraph.runtime.cache.paged_cache import FREE
 from draftgraph.runtime.errors import DraftGraphError
 from proposer_fixtures import TINY, hidden, make_proposer
@@ -59,9 +60,10 @@ def fuzz(prop, foreign, seed: int, counts: dict) -> None:
         elif op == "device" and not state.awaiting_verify:
             # a device propose writing n catch-up rows in its first step, finished at once
             n, k, at = rng.randrange(0, 3), rng.randrange(1, 4), state.seq_len
+            rows = hidden(TINY, gen, n=n)  # as a list of tensors, or as a decode loop passes them: rows by index
+            rows = [rows] if rng.random() < 0.5 else HiddenRows(rows, np.arange(n, dtype=np.int64))
             handle = prop.propose_device([rng.randrange(V)], hidden(TINY, gen, n=1), [at + n], k, [state],
-                                         catchup=([[rng.randrange(V) for _ in range(n)]], [hidden(TINY, gen, n=n)],
-                                                  [at]))
+                                         catchup=([[rng.randrange(V) for _ in range(n)]], rows, [at]))
             prop.after_verify_device(handle, [rng.randrange(0, k + 1)], dropped=False)
         elif op == "take":
             taken = prop.take_drafter_kv(state)
@@ -107,6 +109,18 @@ def fuzz(prop, foreign, seed: int, counts: dict) -> None:
             if not state.table.is_empty and prop.install_drafter_kv(state, [0, 1], 20, 19) is not False:
                 raise Bad("install into a table holding blocks answered True")
             return
+        elif op == "device":  # a catch-up as a decode loop passes it, one thing wrong (design note "checks the
+            n, at = 2, state.seq_len  # kernel makes": the kernel's refusals and the checks it leaves)
+            rows = HiddenRows(hidden(TINY, gen, n=n), np.arange(n, dtype=np.int64))
+            tokens, first, target = [[1, 2]], [at], rng.choice([freed, foreign, state, state, state])
+            wrong = rng.choice(["first", "token", "index"]) if target is state else "state"
+            if wrong == "first":
+                first = [rng.choice([at - 1, -1, TINY.max_position_embeddings])]
+            elif wrong == "token":
+                tokens = [[1, rng.choice([-1, V])]]
+            elif wrong == "index":
+                rows = HiddenRows(rows.tensor, np.array([0, n], dtype=np.int64))
+            prop.propose_device([1], hidden(TINY, gen, n=1), [at + n], 2, [target], catchup=(tokens, rows, first))
         elif op == "double":
             doomed = prop.alloc_state()
             prop.free_state(doomed)
@@ -117,7 +131,7 @@ def fuzz(prop, foreign, seed: int, counts: dict) -> None:
         state = rng.choice(states)
         if rng.random() < 0.45:
             op = rng.choice(["token", "position", "k", "count", "state", "twice", "nan", "listed", "mask",
-                             "reverify", "install", "double"])
+                             "reverify", "install", "double", "device"])
             before = snapshot()
             try:
                 bad(op, state)

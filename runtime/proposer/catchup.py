@@ -165,9 +165,10 @@ def usual_rows(prop, tokens, hiddens, first_pos, keys: np.ndarray) -> CatchupRow
     kernel's place does not check (design note "checks the kernel makes"); None for anything else.
     ``keys``: the states' keys as the propose made them (checked by place_rows' kernel call)."""
     n = len(keys)
-    if type(hiddens) is not HiddenRows or type(first_pos) is not list or len(first_pos) != n:
+    if type(hiddens) is not HiddenRows or type(first_pos) is not list or type(tokens) is not list \
+            or len(first_pos) != n or len(tokens) != n:
         return None
-    regular = _regular_rows(prop, tokens, None) if len(tokens) == n else None
+    regular = _regular_rows(prop, tokens, None)
     if regular is None or not set(map(type, first_pos)) <= PLAIN_INT_TYPES:
         return None
     counts, flat, _ = regular
