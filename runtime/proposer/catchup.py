@@ -174,11 +174,10 @@ def usual_rows(prop, tokens, hiddens, first_pos, keys: np.ndarray) -> CatchupRow
     counts, flat, _ = regular
     if not n or min(counts) < 1 or not hidden_rows_ok(hiddens, prop._hidden_shape, prop.device, len(flat)):
         return None
-    starts = np.array(first_pos, dtype=np.int64) if max(map(abs, first_pos)) < 1 << 62 else None
-    if starts is None:
+    if max(map(abs, first_pos)) >= 1 << 62:  # past int64 (the checks name it)
         return None
-    return CatchupRows(np.arange(n, dtype=np.int64), keys, keys & batch_kernel.ROW_MASK, starts,
-                       np.array(counts, dtype=np.int64), flat, hiddens)
+    return CatchupRows(np.arange(n, dtype=np.int64), keys, keys & batch_kernel.ROW_MASK,
+                       np.array(first_pos, dtype=np.int64), np.array(counts, dtype=np.int64), flat, hiddens)
 
 
 def _regular_rows(prop, tokens, hiddens) -> tuple[list[int], np.ndarray, list[torch.Tensor]] | None:
@@ -201,12 +200,12 @@ def _regular_rows(prop, tokens, hiddens) -> tuple[list[int], np.ndarray, list[to
     return counts, np.array(flat, dtype=np.int64), hiddens
 
 
-def place_rows(prop, rows: CatchupRows, recheck=None) -> PlacedCatchup:
+def place_rows(prop, rows: CatchupRows) -> PlacedCatchup:
     """Map the rows' blocks and move each state past its rows (all or nothing; CacheError when short).
 
-    ``recheck``: called when the kernel refuses the rows for anything but the pool (rows from
-    :func:`usual_rows`, whose key, position and budget checks are the kernel's): it raises the
-    typed error of the first bad item; nothing was mapped.
+    ``rows.recheck`` (rows from :func:`usual_rows`, whose key, position and budget checks are the
+    kernel's) runs when the kernel refuses the rows for anything but the pool: it raises the typed
+    error of the first bad item; nothing was mapped.
 
     A state's kv_start stays where its rows continue its valid rows (kv_start <= first <= seq_len),
     and moves to the first row where they jump ahead or back, as a propose's does: one call of
@@ -228,8 +227,8 @@ def place_rows(prop, rows: CatchupRows, recheck=None) -> PlacedCatchup:
                                   f"{cache.num_free_blocks} free of {cache.num_blocks}",
                                   "free finished sequences, call trim_window, or size the pool larger"))
     if status != batch_kernel.OK:
-        if recheck is not None:
-            recheck()
+        if rows.recheck is not None:
+            rows.recheck()
         raise AssertionError(f"the batch kernel refused (status {status}, row {needed}) checked catch-up rows")
     mapped = mapped_out[: 2 * count].reshape(count, 2).copy()
     for row in set(mapped[:, 0].tolist()):

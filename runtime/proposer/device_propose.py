@@ -305,7 +305,7 @@ def _propose_merged(prop, keys, tokens, pos, hiddens, k: int, states, owed: Catc
     if early and not assume_finite and not bool(torch.isfinite(as_tensor(first)).all()):
         raise NonFiniteError(describe("catch-up hiddens", "finite values", "a NaN or an infinity",
                                       "the call is refused: no state or cache row changed"))
-    placed = place_rows(prop, owed, owed.recheck)  # the states now end right before their propose's row
+    placed = place_rows(prop, owed)  # the states now end right before their propose's row
     kv = np.zeros(n, dtype=np.int64)
     try:
         mapped = prop._place(keys, tokens, pos, k, states, kv)
