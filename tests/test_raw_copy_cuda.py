@@ -132,3 +132,45 @@ def test_host_buffer_rewritten_between_replays_is_read_fresh():
     for token, position in [(5, 40), (17, 41), (3, 90)]:
         got = captured.propose(token, hidden, position, 2, states[id(captured)])
         assert got == eager.propose(token, hidden, position, 2, states[id(eager)])
+
+
+@pytest.mark.parametrize("copy_in", [True, False], ids=["copy before the replay", "copy in the graph"])
+def test_a_stage_waits_for_the_last_copy_not_for_the_graph_after_it(copy_in):
+    """The next stage rewrites the host buffer once the last copy has read it, while the graph
+    that copy feeds still runs (a decode loop stages its verify while its propose runs)."""
+    from draftgraph.runtime.cache.staging import ChainStaging
+    from draftgraph.runtime.ir.tensor_spec import TensorSpec
+    from staging_fixtures import stage_rows
+
+    st = ChainStaging(2, TensorSpec(("B", 8), torch.bfloat16), 4, 2, torch.device("cuda"), window=16)
+    prologue = st.in_graph_copy(masked=False)
+    assert prologue is not None
+    token = st.views["token"]
+    seen = torch.zeros(2, dtype=torch.int64, device="cuda")
+    hidden = torch.zeros(2, 8, dtype=torch.bfloat16, device="cuda")
+    rows = [(3, 0, [0]), (4, 0, [1])]
+
+    def body():
+        if not copy_in:
+            prologue()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s: the graph still runs when the host stages again
+        seen.copy_(token)
+
+    stage_rows(st, rows, [7, 8], hidden, 100, copy_in=copy_in)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture, as CapturedExecutor does
+        body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    seen.zero_()
+    stage_rows(st, rows, [7, 8], hidden, 100, copy_in=copy_in)
+    graph.replay()
+    done = torch.cuda.Event()
+    done.record()
+    stage_rows(st, rows, [70, 80], hidden, 100, copy_in=copy_in)  # waits for the copy only
+    assert not done.query(), "the stage waited for the whole graph"
+    torch.cuda.synchronize()
+    assert seen.tolist() == [7, 8], "the graph read the host buffer after the next stage rewrote it"

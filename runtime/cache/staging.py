@@ -105,7 +105,12 @@ class ChainStaging:
         self._host_head, self._device_head = self.host_buf[: self._mask_at], self.device_buf[: self._mask_at]
         # The pinned host buffer is copied asynchronously: it must not be rewritten before the last
         # copy (or replay, which copies it itself) has read it. A propose's read-back synchronizes.
+        # The wait is on an event recorded right after that copy, not on the device: a stage
+        # that follows another graph's launch (the verify's after the propose's, a decode loop's
+        # continuation after its first step) queues its work behind that graph, not after it.
+        # An in-graph copy records it from inside the graph (an event node: ``external``).
         self._is_copy_pending = False
+        self._copied = torch.cuda.Event(external=True) if on_cuda else None
         kernels = _triton_rows() if wants_gather else None
         readable = not on_cuda or raw_copy.is_device_addressable(self.host_buf)
         self._gather = kernels.stage_from_host if kernels is not None and readable else None
@@ -118,7 +123,7 @@ class ChainStaging:
         # must not go back to that cache while a copy may still be reading it.
         if getattr(self, "_is_copy_pending", False):
             try:
-                torch.cuda.synchronize(self.device)
+                self._copied.synchronize()
             except Exception:  # interpreter shutdown: the context is going away with the buffer
                 pass
 
@@ -162,7 +167,7 @@ class ChainStaging:
     def wait_for_copy(self) -> None:
         """Wait for the last staging copy (or replay) to have read the host buffer: before writing it."""
         if self._is_copy_pending:
-            torch.cuda.synchronize(self.device)
+            self._copied.synchronize()  # that copy only: the work queued after it may still run
             self._is_copy_pending = False
 
     def chain_inputs(self, mask_words: int | None) -> Mapping[str, torch.Tensor]:
@@ -215,12 +220,14 @@ class ChainStaging:
             return None
         dst, src = (self.device_buf, self.host_buf) if masked else (self._device_head, self._host_head)
         index, address_at, hiddens, gather = self._device_index, self._address_at, self.hidden_buf, self._gather
+        copied = self._copied
 
         def copy() -> None:
             if gather is not None:
                 gather(src, dst, address_at, hiddens)
             else:
                 raw_copy.copy_async(dst, src, index)
+            copied.record()  # captured: an event node, recorded at every replay once the copy is done
 
         return copy
 
@@ -299,9 +306,10 @@ class ChainStaging:
         src, dst = (self.host_buf, self.device_buf) if self._num_masked else (self._host_head, self._device_head)
         if self._device_index is None:
             dst.copy_(src)
-        elif raw_copy.is_enabled:
+            return
+        if raw_copy.is_enabled:
             raw_copy.copy_async(dst, src, self._device_index)
-            self._is_copy_pending = True
         else:
             dst.copy_(src, non_blocking=True)
-            self._is_copy_pending = True
+        self._copied.record(torch.cuda.current_stream(self._device_index))
+        self._is_copy_pending = True
