@@ -11,6 +11,7 @@ import math
 import random
 import threading
 
+import numpy as np
 import pytest
 import torch
 from draftgraph.runtime.cache.paged_cache import BlockTable, PagedLatentCache, TakenBlocks
@@ -300,3 +301,18 @@ def test_concurrent_ensure_and_free_keep_the_count_exact():
         t.join()
     assert not errors, errors
     assert cache.num_free_blocks == 64 and sorted(cache._free) == list(range(64))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("length", [0, 1, 7, 4096, 4097])
+def test_none_mapped_reads_every_entry(dtype, length):
+    """The bytes compare behind truncate's and is_empty's quick answer, against numpy's, for
+    every entry mapped in turn (int64 rows and rows past the compare's 4096 take numpy's)."""
+    from draftgraph.runtime.cache.paged_cache import _none_mapped
+
+    row = np.full(length, -1, dtype=dtype)
+    assert _none_mapped(row)
+    for j in {0, length // 2, length - 1} if length else ():
+        row[j] = 0
+        assert not _none_mapped(row) and not _none_mapped(row[j:]) and _none_mapped(row[j + 1 :])
+        row[j] = -1

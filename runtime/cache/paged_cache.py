@@ -44,6 +44,18 @@ __all__ = ["BlockTable", "PagedLatentCache", "TakenBlocks"]
 FREE, OWNED, LOOSE = 0, 1, 2
 _STATE_NAMES = {FREE: "free", OWNED: "owned by a table", LOOSE: "taken (owned by no table)"}
 _cache_ids = itertools.count(1)
+_UNMAPPED = b"\xff" * (4 * 4096)  # int32 -1 entries as bytes: a table row of up to 4096 entries
+
+
+def _none_mapped(entries: np.ndarray) -> bool:
+    """Whether every entry of an int32 table row is -1.
+
+    One bytes compare (about 0.3 us) in place of numpy's ``(row >= 0).any()`` (about 2 us): a
+    decode loop rolls back every sequence every step, and most roll-backs give nothing back.
+    """
+    if entries.dtype == np.int32 and entries.nbytes <= len(_UNMAPPED):
+        return entries.tobytes() == _UNMAPPED[: entries.nbytes]
+    return not bool((entries >= 0).any())
 
 
 class BlockTable:
@@ -99,7 +111,7 @@ class BlockTable:
 
     @property
     def is_empty(self) -> bool:
-        return not bool((self.blocks[self.num_trimmed :] >= 0).any())
+        return _none_mapped(self.blocks[self.num_trimmed :])
 
     def __repr__(self) -> str:
         return f"BlockTable({self.entries()}, block_size={self.block_size})"
@@ -305,7 +317,7 @@ class PagedLatentCache:
         if length < 0:
             raise InputError(describe("truncate length", ">= 0", length))
         first = -(-length // self.block_size)
-        if not (table.blocks[first:] >= 0).any():  # the usual roll-back: within the last block, nothing to give
+        if _none_mapped(table.blocks[first:]):  # the usual roll-back: within the last block, nothing to give
             return []
         with self._lock:
             self._check_table(table)
