@@ -272,6 +272,13 @@ class PagedLatentCache:
                                           "free finished sequences, call trim_window, or size the pool larger"))
             return [self._allocate(table, m) for table, m in zip(tables, missing)]
 
+    def table_rows(self, tables: Sequence[BlockTable]) -> np.ndarray:
+        """The rows of tables an ensure of this cache fitted, as one int32 [S, max_blocks_per_seq] array.
+
+        One concatenate: ``np.stack``'s per-array work costs 12 us at S = 16, in every verify.
+        """
+        return np.concatenate([table.blocks for table in tables]).reshape(len(tables), self.max_blocks_per_seq)
+
     def unmap(self, table: BlockTable, block_ids: Sequence[int]) -> None:
         """Give back blocks an ensure just mapped into ``table`` (the undo of that ensure)."""
         with self._lock:

@@ -114,7 +114,7 @@ class DeviceVerifier:
         try:
             target.cache.ensure_batch([state.table for state in states], lengths,
                                       [length + width - 1 for length in lengths])  # all or nothing
-            tables = np.stack([state.table.blocks for state in states])  # [S, max_blocks]
+            tables = target.cache.table_rows([state.table for state in states])  # [S, max_blocks]
             which = np.repeat(np.arange(n, dtype=np.int64), width)
             pos = (np.asarray(lengths, dtype=np.int64)[:, None] + np.arange(width)).reshape(-1)
             tokens = np.zeros((n, width), dtype=np.int64)

@@ -279,7 +279,7 @@ class TargetModel:
         self.cache.ensure_batch([states[i].table for i in segments], [f for f, _ in segments.values()],
                                 [last for _, last in segments.values()])  # all or nothing
         staging = self._staging_for(bucket)
-        tables = np.stack([state.table.blocks for state in states])  # [S, max_blocks]: every table is fit now
+        tables = self.cache.table_rows([state.table for state in states])  # [S, max_blocks]: every table is fit now
         which, pos, tokens = (np.array(column, dtype=np.int64) for column in zip(*rows))
         staged = staging.stage(tables, which, pos, np.zeros_like(pos), tokens, [], 1)
         inputs = {name: staged[name] for name in self.graph.inputs}
