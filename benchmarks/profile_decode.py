@@ -14,7 +14,10 @@ nothing up) with the torch profiler's CUDA activity and reads the device's own t
 - per CUDA graph launched (told apart by its kernel count): launches a step, the median span on
   the device (first kernel's start to last kernel's end) and the median of its kernels' own time
   (span minus that: the gaps between the graph's nodes);
-- ``outside``: device operations a step that no graph launched (eager copies and kernels).
+- ``outside``: device operations a step that no graph launched (eager copies and kernels);
+- ``waits``: the host's waits on the device a step, by runtime call (every synchronize, and the
+  copies that blocked), with the median time each: a step of the device loop should wait once
+  (its verdict's read-back), a greedy token once (its token's).
 
 Needs CUDA. The decode is bench_decode.py's (its prompts, buckets and loader). The arithmetic on
 the timeline (:func:`summarise`) takes plain records and is tested on the CPU.
@@ -61,7 +64,8 @@ def union_ns(intervals) -> int:
 
 
 def summarise(records: list[Record]) -> dict:
-    """busy ns, host gaps (ns), device ops outside graphs, and per kernel count [(span, kernels ns)] per launch."""
+    """busy ns, host gaps (ns), device ops outside graphs, per kernel count [(span, kernels ns)] per launch,
+    and per waiting runtime call its durations (ns)."""
     device = [r for r in records if r.on_device]
     host = sorted((r for r in records if not r.on_device), key=lambda r: r.start)
     launches = {r.correlation for r in host if r.name == GRAPH_LAUNCH}
@@ -73,8 +77,10 @@ def summarise(records: list[Record]) -> dict:
     for kernels in by_launch.values():
         span = max(r.end for r in kernels) - min(r.start for r in kernels)
         graphs[len(kernels)].append((span, union_ns((r.start, r.end) for r in kernels)))
-    gaps, waited = [], None
+    gaps, waited, waits = [], None, defaultdict(list)
     for r in host:
+        if "Synchronize" in r.name or ("Memcpy" in r.name and r.end - r.start > BLOCKED_NS):
+            waits[r.name].append(r.end - r.start)
         if r.name == GRAPH_LAUNCH:
             if waited is not None:
                 gaps.append(r.start - waited)
@@ -82,7 +88,8 @@ def summarise(records: list[Record]) -> dict:
         elif ("Synchronize" in r.name or "Memcpy" in r.name) and r.end - r.start > BLOCKED_NS:
             waited = r.end
     return {"busy_ns": union_ns((r.start, r.end) for r in device), "gaps": gaps,
-            "outside": sum(1 for r in device if r.correlation not in launches), "graphs": dict(graphs)}
+            "outside": sum(1 for r in device if r.correlation not in launches), "graphs": dict(graphs),
+            "waits": dict(waits)}
 
 
 def timeline(decode) -> dict:
@@ -109,6 +116,10 @@ def report(name: str, line: dict) -> list[str]:
              f"  wall {line['wall_ns'] * us:>7.1f} us  busy {line['busy_ns'] * us:>7.1f}"
              f"  idle {(line['wall_ns'] - line['busy_ns']) * us:>7.1f}  host gap {gap:>6.1f}"
              f"  outside {line['outside'] / steps:>4.1f}"]
+    if line["waits"]:
+        lines.append("    waits a step: " + ", ".join(
+            f"{name} {len(times) / steps:.2f} ({statistics.median(times) / 1e3:.1f} us)"
+            for name, times in sorted(line["waits"].items(), key=lambda kv: -len(kv[1]))))
     for count, spans in sorted(line["graphs"].items(), key=lambda kv: -len(kv[1])):
         lines.append(f"    graph of {count:>3} kernels: {len(spans) / steps:>5.2f} a step, span "
                      f"{statistics.median(s for s, _ in spans) / 1e3:>7.1f} us, kernels "

@@ -28,3 +28,17 @@ def test_a_step_of_two_graphs_an_eager_copy_and_a_wait():
     assert out["outside"] == 1
     assert out["graphs"] == {3: [(30_000, 27_000)], 2: [(29_000, 29_000)], 1: [(10_000, 10_000)]}
     assert out["gaps"] == [40_000]  # the sync's end to the next launch; the short copy call is no wait
+    assert out["waits"] == {"cudaStreamSynchronize": [88_000]}
+
+
+def test_every_synchronize_is_a_wait_and_a_copy_only_when_it_blocked():
+    """A device-wide synchronize on an idle GPU returns in a few us: still a wait a step (the call
+    the decode loop's staging made twice a step before ce27075); a copy call counts once it blocked."""
+    host = [Record(False, "cudaDeviceSynchronize", 0, 0, 3_000), Record(False, "cudaMemcpyAsync", 1, 4_000, 6_000),
+            Record(False, GRAPH_LAUNCH, 2, 7_000, 9_000), Record(False, "cudaDeviceSynchronize", 0, 10_000, 50_000),
+            Record(False, "cudaMemcpyAsync", 3, 51_000, 80_000),
+            Record(False, "cudaEventSynchronize", 0, 81_000, 82_000)]
+    out = pd.summarise(host)
+    assert out["waits"] == {"cudaDeviceSynchronize": [3_000, 40_000], "cudaMemcpyAsync": [29_000],
+                            "cudaEventSynchronize": [1_000]}
+    assert out["gaps"] == []  # no launch after a blocking call
