@@ -227,7 +227,7 @@ class ChainStaging:
                 gather(src, dst, address_at, hiddens)
             else:
                 raw_copy.copy_async(dst, src, index)
-            copied.record()  # captured: an event node, recorded at every replay once the copy is done
+            copied.record(torch.cuda.current_stream(index))  # captured: an event node, recorded at every replay
 
         return copy
 
