@@ -327,6 +327,8 @@ MOE_WIDE = (K["gemv"].GemvConfig(8, 256, 4, 2, use_dot=False), K["gemv"].GemvCon
 def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
     """Slot-major (FMA or dot), expert-major (dot, or tensor cores: moe_mxfp4_mma), repeated experts,
     the clamp active, poisoned out."""
+    if device == "cpu" and batch == 8:  # 20 s of CI: 12 rows' first chunk is a full 8 columns too
+        pytest.skip("the interpreter runs the full 8-column chunk in the 12-row case; the GPU runs both")
     if not variant.startswith("mma"):
         monkeypatch.setattr(MX, "MMA_MAX_BATCH", 0)
     else:

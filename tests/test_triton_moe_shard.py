@@ -95,6 +95,14 @@ def fused_partials(fmt: str, world: int, batch: int, steered: bool = False) -> t
     return tuple(run(FUSED_SHARD, *rank_case(inputs, attrs, r, world)) for r in range(world))
 
 
+@functools.cache
+def fused_whole(fmt: str, batch: int) -> torch.Tensor:
+    """The fused moe of the whole case, unrounded: one per case for every world size (20 s under the
+    interpreter at batch 4)."""
+    inputs, attrs = whole_case(fmt, batch)
+    return run(FUSED_MOE, inputs, attrs, out_dtype=torch.float32, op="moe")
+
+
 @contextlib.contextmanager
 def counted_reads(ranges: dict):
     """Bytes the interpreter loads (unmasked lanes only) inside each named [start, end) address range."""
@@ -165,8 +173,7 @@ def test_rows_whose_experts_are_all_on_one_rank(fmt):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 def test_the_ranks_fused_partials_sum_to_the_fused_moe(fmt, world, batch):
-    inputs, attrs = whole_case(fmt, batch)
-    whole = run(FUSED_MOE, inputs, attrs, out_dtype=torch.float32, op="moe")  # the fused moe, unrounded
+    whole = fused_whole(fmt, batch)
     total = torch.stack(fused_partials(fmt, world, batch)).sum(0)
     torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-6 * float(whole.abs().max()))
 
