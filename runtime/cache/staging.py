@@ -106,9 +106,10 @@ class ChainStaging:
         # The pinned host buffer is copied asynchronously: it must not be rewritten before the last
         # copy (or replay, which copies it itself) has read it. A propose's read-back synchronizes.
         # The wait is on an event recorded right after that copy, not on the device: a stage
-        # that follows another graph's launch (the verify's after the propose's, a decode loop's
-        # continuation after its first step) queues its work behind that graph, not after it.
-        # An in-graph copy records it from inside the graph (an event node: ``external``).
+        # that follows another graph's launch (a decode loop's continuation, staged right after
+        # its first step's launch) queues its work behind that graph instead of waiting it out.
+        # An in-graph copy records it from inside the graph (an event node: ``external``; a
+        # plain event recorded in a capture is a fork/join edge, not a node the host can wait on).
         self._is_copy_pending = False
         self._copied = torch.cuda.Event(external=True) if on_cuda else None
         kernels = _triton_rows() if wants_gather else None
