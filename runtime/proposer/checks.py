@@ -51,6 +51,8 @@ def any_set(a: np.ndarray) -> bool:
 
 def check_count(value: object, what: str, low: int, high: int) -> int:
     """An int in [low, high] (``as_int``'s rules)."""
+    if type(value) is int and low <= value <= high:  # the usual call (K every propose): no message built
+        return value
     expected = f"an int in [{low}, {high}]"
     count = as_int(value, what, expected)
     if not low <= count <= high:

@@ -121,8 +121,7 @@ def propose_device(prop, last_tokens, target_hiddens, positions, num_drafts, sta
     if not 1 <= n <= prop.propose_batch_max():
         raise InputError(describe("batch size", f"1..{prop.propose_batch_max()} (propose_batch_max)", n))
     with prop._lock:
-        k = num_drafts if type(num_drafts) is int and 1 <= num_drafts <= prop.options.max_num_drafts else \
-            check_count(num_drafts, "num_drafts", 1, prop.options.max_num_drafts)
+        k = check_count(num_drafts, "num_drafts", 1, prop.options.max_num_drafts)
         if is_gated(prop.options.draft_conf_tau, k):
             raise InputError(describe("propose_device chain", "an ungated chain (draft_conf_tau 0 or K = 1)",
                                       f"draft_conf_tau {prop.options.draft_conf_tau}, K = {k}",

@@ -307,8 +307,7 @@ class DeepseekV4MtpProposer:
         """The one path of every propose (design note "one path"); the caller holds the lock."""
         entered = time.perf_counter()
         seqs, n, kernel = self.rows, len(states), self._kernel
-        k = num_drafts if type(num_drafts) is int and 1 <= num_drafts <= self.options.max_num_drafts else \
-            check_count(num_drafts, "num_drafts", 1, self.options.max_num_drafts)
+        k = check_count(num_drafts, "num_drafts", 1, self.options.max_num_drafts)
         keys, tokens, pos = self._batch_arrays(states, tokens, positions, n)
         try:
             hiddens = check_hiddens(hiddens, self._hidden_shape, self.device, n)
