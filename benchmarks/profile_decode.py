@@ -79,13 +79,14 @@ def summarise(records: list[Record]) -> dict:
         graphs[len(kernels)].append((span, union_ns((r.start, r.end) for r in kernels)))
     gaps, waited, waits = [], None, defaultdict(list)
     for r in host:
-        if "Synchronize" in r.name or ("Memcpy" in r.name and r.end - r.start > BLOCKED_NS):
+        syncs, blocked = "Synchronize" in r.name, r.end - r.start > BLOCKED_NS
+        if syncs or ("Memcpy" in r.name and blocked):
             waits[r.name].append(r.end - r.start)
         if r.name == GRAPH_LAUNCH:
             if waited is not None:
                 gaps.append(r.start - waited)
             waited = None
-        elif ("Synchronize" in r.name or "Memcpy" in r.name) and r.end - r.start > BLOCKED_NS:
+        elif blocked and (syncs or "Memcpy" in r.name):
             waited = r.end
     return {"busy_ns": union_ns((r.start, r.end) for r in device), "gaps": gaps,
             "outside": sum(1 for r in device if r.correlation not in launches), "graphs": dict(graphs),
