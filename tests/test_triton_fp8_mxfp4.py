@@ -354,6 +354,49 @@ def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_expert_row_table_gives_each_chunk_of_8_rows_a_slot_of_its_own(device):
+    """moe_mxfp4_mma's table ("expert-row table") against a Python model: each expert's rows, in
+    row order, cut into chunks of 8 (the mma's n), each chunk held by the first pair of its first
+    row with the rows' act rows and summed weights; every other slot holds a count of 0. An expert
+    19 rows chose (one of them twice, in a later column) takes three slots; a NO_EXPERT id heads nothing."""
+    from draftgraph.ops.triton import moe_mxfp4_mma as M
+
+    b, top_k, chunk = 24, 4, MX.MMA_ROWS
+    g = gen(77)
+    idx = torch.randint(0, 40, (b, top_k), generator=g, dtype=torch.int32)
+    idx[idx == 5] = 6
+    idx[:19, 1] = 5
+    idx[3, 3] = 5  # row 3 chose expert 5 twice: one row of its chunk, the weights summed
+    idx[7, 2] = -1  # NO_EXPERT (a sharded rank's expert held elsewhere)
+    wts = torch.rand(b, top_k, generator=g)
+    count = torch.full((b * top_k,), -7, dtype=torch.int32)
+    rows, dest = (torch.full((b * top_k, chunk), -7, dtype=torch.int32) for _ in range(2))
+    wt = torch.full((b * top_k, chunk), float("nan"))
+    idx, wts, count, rows, dest, wt = (t.to(device) for t in (idx, wts, count, rows, dest, wt))
+    M.launch_rows((b * top_k,), idx, wts, count, rows, dest, wt, b, TOPK=top_k, TOPK_PAD=top_k, BLOCK_R=32,
+                  num_warps=1, PDL=False)  # fmt: skip
+    ids, weights = idx.cpu().tolist(), wts.cpu()
+    want = {}
+    for e in {i for r in ids for i in r} - {-1}:
+        chose = [r for r in range(b) if e in ids[r]]
+        for c in range(0, len(chose), chunk):
+            part = chose[c : c + chunk]
+            want[part[0] * top_k + ids[part[0]].index(e)] = [
+                (r, r * top_k + ids[r].index(e), float(sum(weights[r, k] for k in range(top_k) if ids[r][k] == e)))
+                for r in part
+            ]
+    assert len([s for s, held in want.items() if ids[s // top_k][s % top_k] == 5]) == 3
+    count, rows, dest, wt = count.cpu(), rows.cpu(), dest.cpu(), wt.cpu()
+    for s in range(b * top_k):
+        held = want.get(s, [])
+        n = len(held)
+        assert int(count[s]) == n, f"slot {s}: {int(count[s])} rows, want {n}"
+        assert rows[s, :n].tolist() == [r for r, _, _ in held]
+        assert dest[s, :n].tolist() == [d for _, d, _ in held]
+        assert torch.allclose(wt[s, :n], torch.tensor([w for _, _, w in held]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("batch,grouped", [(1, False), (3, True)])
 def test_moe_mxfp4_fp16_x_takes_the_dot_tiles(device, small_experts, batch, grouped):
     """The word kernels (batch 1, the mma ones) read x as bf16 pairs; fp16 x once went there too and

@@ -94,6 +94,7 @@ W2_CONFIG = GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=3, use_d
 # the chain at B=8 1.229 -> 0.822 ms, at B=32 (23 experts, ~8 rows each) 1.580 on the dot tiles
 # below -> 1.101 (bench_draft_native_*_h100.txt of that session).
 MMA_MAX_BATCH = 64
+MMA_ROWS = 8  # rows a pass of those kernels (the mma's n): the expert-row table's chunk
 W13_CONFIG_MMA = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, use_dot=False)
 W2_CONFIG_MMA = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, use_dot=False)
 # The dot tiles: fp16 x, slot-major B > 1 (grouped=False), or B > MMA_MAX_BATCH.
@@ -732,10 +733,10 @@ def moe_mxfp4_parts(batch: int, top_k: int, inter: int, d: int, dtype: torch.dty
     """Scratch of one call, as :func:`_common.carve` parts: act rows (routed slots, then the
     shared expert per row, if any) and, expert-major, fp32 w2 partials per slot and the
     tensor-core kernels' expert-row table (moe_mxfp4_mma, "expert-row table": a count per routed
-    slot, then its rows, act rows and weights, next_pow2(batch) a slot)."""
+    slot, then its chunk's rows, act rows and weights, MMA_ROWS a slot)."""
     slots = batch * top_k + (batch if shared else 0)
     routed = batch * top_k if grouped else 0
-    table = (routed, next_pow2(batch))
+    table = (routed, MMA_ROWS)
     return [((slots, inter), dtype), ((slots if grouped else 0, d), torch.float32), ((routed,), torch.int32),
             (table, torch.int32), (table, torch.int32), (table, torch.float32)]  # fmt: skip
 
@@ -860,8 +861,7 @@ def moe_mxfp4_launches(
         # 16 rows a warp; K tiles of whole 128-column chunks (4 scale blocks, one a lane)
         bk13 = min(c13.block_k, max(128, next_pow2(d)))
         bk2 = min(c2.block_k, max(128, next_pow2(inter)))
-        common = dict(TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_R=next_pow2(b), BLOCK_B=block_b, NATIVE=native,
-                      INTERP=interp)
+        common = dict(TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_B=block_b, NATIVE=native, INTERP=interp)
 
         def rows():
             M.launch_rows((b * top_k,), idx, wts, *table, b, TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_R=next_pow2(b),

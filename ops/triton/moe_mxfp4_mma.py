@@ -24,13 +24,24 @@ rows and columns are read from the expert-row table (``_table_columns``), not fo
 over a tensor of another layout.
 
 Note "expert-row table": a launch before w13 (``_expert_rows_kernel``, one program a routed slot)
-writes, for the slot that owns an expert (its first pair in the routing), the rows that chose it
-in row order: each row's index, its act row (the first k that chose the expert) and its summed
-routing weight, and their count (0 for a slot that owns nothing). Every w13 / w2 program reads its
-slot's count, and a pass three words a lane. Before (e901c32), each program found its rows by
-scalar loads of the whole routing, B x top_k of them a pass, in all (N / BLOCK_N) x B x top_k
-programs of both kernels: at B=32, 192 loads and selects a lane a pass against a w2 pass of 16
-K tiles, and w2 (half the bytes of w13) took longer than w13 in the chain's profile.
+splits each expert's rows into chunks of MMA_ROWS (8, the mma's n), in row order, and gives each
+chunk to a slot of its own: the first pair of the chunk's first row (a row picks an expert at most
+once as a slot; a repeat pair of the same row heads nothing). That slot's row of the table holds the
+chunk's rows: each row's index, its act row (the first k that chose the expert) and its summed
+routing weight, and their count (0 for a slot that heads no chunk). Every w13 / w2 program reads
+its slot's count, and for its one pass three words a lane. Before (e901c32), each program found
+its rows by scalar loads of the whole routing, B x top_k of them a pass, in all (N / BLOCK_N) x B x
+top_k programs of both kernels: at B=32, 192 loads and selects a lane a pass against a w2 pass of
+16 K tiles, and w2 (half the bytes of w13) took longer than w13 in the chain's profile. Until
+this change the table gave all of an expert's rows to its first slot, whose program ran one pass
+per 8 rows, one after the other, while the slots of the expert's other pairs had nothing to do:
+an expert 20 rows chose took three passes' time in one program at the end of the launch.
+
+Note "shared expert first": the grid's second axis runs from the last slot to the first, so the
+shared expert's programs (its last slot) are dispatched first. Each runs all of K for 64 rows on
+the dot tiles (w13: two FP8 matrices of 4096 columns, 64 dependent K tiles), the longest chain of
+loads in the launch; dispatched last (until this change), they ran after the routed programs had
+drained, in a tail the routed work could not hide.
 
 The shared expert (FP8, every row) takes the dot tiles (``_shared_w13_dot``, ``_shared_w2_dot``).
 Scratch, partials and the reduce are ``moe_mxfp4``'s expert-major ones. Under the interpreter,
@@ -45,13 +56,15 @@ import triton.language as tl
 from draftgraph.ops.triton._common import clamped_swiglu, pdl_wait
 from draftgraph.ops.triton.fp8_linear import ue8m0_to_f32
 from draftgraph.ops.triton.lanes import bf16_hi, bf16_lo, lane_pick, lane_store, ld_b32, ld_u8, ld_v4, quad_sum
-from draftgraph.ops.triton.moe_grouped import _owned_rows
 from draftgraph.ops.triton.moe_mxfp4 import (
+    MMA_ROWS,
     _expert_tiles,
     _word_block,
     e2m1_word_pairs,
     ue8m0_bf16_bits,
 )
+
+MMA_N = tl.constexpr(MMA_ROWS)  # a pass's rows (the mma's n), the rows of a table chunk
 
 
 def _decode_lines(word: str, scale: str, outs: tuple[str, ...]) -> str:
@@ -193,15 +206,39 @@ def _mma_pass(a_row, wa_ptr, sa_ptr, wb_ptr, sb_ptr, base_g, base_g8, K, g, t, W
 
 
 @triton.jit
+def _chunk_rows(idx_ptr, wts_ptr, slot, B, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Routed slot ``slot``'s chunk (see "expert-row table"): (serves [BLOCK_R]: the rows of the chunk
+    the slot heads, none if it heads none; each row's place in the chunk, its summed routing weight
+    and its act row)."""
+    e = tl.load(idx_ptr + slot).to(tl.int64)
+    rows = tl.arange(0, BLOCK_R)
+    ks = tl.arange(0, TOPK_PAD)
+    flat = rows[:, None] * TOPK + ks[None, :]
+    in_range = (rows < B)[:, None] & (ks < TOPK)[None, :]
+    ids = tl.load(idx_ptr + flat, mask=in_range, other=-1).to(tl.int64)
+    hit = in_range & (ids == e)
+    chose = tl.sum(hit.to(tl.int32), 1) > 0
+    dest = rows * TOPK + tl.min(tl.where(hit, ks[None, :], TOPK_PAD), 1)  # the row's first pair with e
+    rank = tl.cumsum(chose.to(tl.int32), 0) - 1  # among the rows that chose e, in row order
+    mine = rows == slot // TOPK
+    my_rank = tl.sum(tl.where(mine, rank, 0), 0)
+    # A negative id (NO_EXPERT) heads nothing; nor does a repeat pair of a row (not its first).
+    heads = (tl.sum(tl.where(mine, dest, 0), 0) == slot) & (my_rank % MMA_N == 0) & (e >= 0)
+    place = rank - my_rank
+    serves = chose & (place >= 0) & (place < MMA_N) & ((rows * 0 + heads.to(tl.int32)) != 0)  # a [BLOCK_R] mask
+    weight = tl.sum(tl.load(wts_ptr + flat, mask=hit, other=0.0), 1)
+    return serves, place, weight, dest
+
+
+@triton.jit
 def _expert_rows_kernel(idx_ptr, wts_ptr, count_ptr, rows_ptr, dest_ptr, wt_ptr, B, TOPK: tl.constexpr,
                         TOPK_PAD: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Routed slot s's row of the expert-row table (see "expert-row table"): count[s], and from
-    s * BLOCK_R on, the rows that chose the slot's expert in row order, their act rows and weights."""
+    s * MMA_ROWS on, the rows of the chunk it heads in row order, their act rows and weights."""
     pdl_wait(PDL)
     slot = tl.program_id(0)
-    _, _, _, serves, weight, dest = _owned_rows(idx_ptr, wts_ptr, slot, B, TOPK, TOPK_PAD, BLOCK_R)
-    rank = tl.cumsum(serves.to(tl.int32), 0) - 1  # each served row's place: rows in row order
-    at = slot * BLOCK_R + rank
+    serves, place, weight, dest = _chunk_rows(idx_ptr, wts_ptr, slot, B, TOPK, TOPK_PAD, BLOCK_R)
+    at = slot * MMA_N + place
     tl.store(rows_ptr + at, tl.arange(0, BLOCK_R), mask=serves)
     tl.store(dest_ptr + at, dest.to(tl.int32), mask=serves)
     tl.store(wt_ptr + at, weight, mask=serves)
@@ -209,19 +246,19 @@ def _expert_rows_kernel(idx_ptr, wts_ptr, count_ptr, rows_ptr, dest_ptr, wt_ptr,
 
 
 @triton.jit
-def _table_columns(rows_ptr, dest_ptr, wt_ptr, slot, c0, n, g, t, BLOCK_R: tl.constexpr, INTERP: tl.constexpr):
-    """The lane's columns of the chunk of the slot's rows from the c0-th (n rows in all): batch
-    column g (B's): its x row and its act row; columns 2t and 2t + 1 (C's): the act / part row, the
-    routing weight, whether live. A batch column with no row reads the chunk's first (a real row:
-    C's column n depends on B's column n alone, and a dead column is never stored)."""
-    base = slot * BLOCK_R
-    jb = base + tl.where(c0 + g < n, c0 + g, c0)
-    j0 = c0 + 2 * t
+def _table_columns(rows_ptr, dest_ptr, wt_ptr, slot, n, g, t, INTERP: tl.constexpr):
+    """The lane's columns of the slot's chunk (n rows): batch column g (B's): its x row and its act
+    row; columns 2t and 2t + 1 (C's): the act / part row, the routing weight, whether live. A batch
+    column with no row reads the chunk's first (a real row: C's column n depends on B's column n
+    alone, and a dead column is never stored)."""
+    base = slot * MMA_N
+    jb = base + tl.where(g < n, g, 0)
+    j0 = 2 * t
     j1 = j0 + 1
     live0 = j0 < n
     live1 = j1 < n
-    at0 = base + tl.where(live0, j0, c0)
-    at1 = base + tl.where(live1, j1, c0)
+    at0 = base + tl.where(live0, j0, 0)
+    at1 = base + tl.where(live1, j1, 0)
     row_b = ld_b32(rows_ptr + jb, INTERP)
     dest_b = ld_b32(dest_ptr + jb, INTERP)
     dest0 = ld_b32(dest_ptr + at0, INTERP)
@@ -234,8 +271,8 @@ def _table_columns(rows_ptr, dest_ptr, wt_ptr, slot, c0, n, g, t, BLOCK_R: tl.co
 @triton.jit
 def _slot_lanes(idx_ptr, count_ptr, pid_n, slot, N, BLOCK_N: tl.constexpr):
     """A routed slot's program: (t, g, the lane's rows g and g + 8 (clamped into N) and whether each is
-    real, the expert, the rows it serves (the table's count: 0 unless the slot owns it), the two rows'
-    indices in the stacked [E * N, K] matrix)."""
+    real, the expert, the rows it serves (the table's count: 0 unless the slot heads a chunk), the two
+    rows' indices in the stacked [E * N, K] matrix)."""
     tid = tl.arange(0, 2 * BLOCK_N)  # 32 lanes a warp, 16 rows a warp
     g = tid % 32 // 4
     t = tid % 4
@@ -289,12 +326,12 @@ def _w13_mma_kernel(
     sw3_ptr, ss3_ptr, act_ptr,
     B, D, INTER, stride_xb, stride_ssn, limit,
     TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, EVEN: tl.constexpr,
     NATIVE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
     pid_n = tl.program_id(0)
-    slot = tl.program_id(1)
+    slot = tl.num_programs(1) - 1 - tl.program_id(1)  # the shared expert's programs first ("shared expert first")
     routed = B * TOPK
     if slot >= routed:
         _shared_w13_dot(x_ptr, sw1_ptr, ss1_ptr, sw3_ptr, ss3_ptr, act_ptr, pid_n, B, D, INTER, routed, stride_xb,
@@ -303,10 +340,9 @@ def _w13_mma_kernel(
         W: tl.constexpr = BLOCK_N // 16
         t, g, row_g, row_g8, real_g, real_g8, e, n_served, base_g, base_g8 = _slot_lanes(
             idx_ptr, count_ptr, pid_n, slot, INTER, BLOCK_N)
-        # 8 rows (the mma's n) at a time; a later chunk reads the expert's words again (from L2).
-        for r0 in range(0, n_served, 8):
+        if n_served > 0:  # one pass: a chunk is at most 8 rows, the mma's n ("expert-row table")
             row_b, _, dest0, wt0, live0, dest1, wt1, live1 = _table_columns(
-                trows_ptr, tdest_ptr, twt_ptr, slot, r0, n_served, g, t, BLOCK_R, INTERP)
+                trows_ptr, tdest_ptr, twt_ptr, slot, n_served, g, t, INTERP)
             a_row = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + row_b.to(tl.int64) * (stride_xb // 2)
             c0, c1, c2, c3, d0, d1, d2, d3 = _mma_pass(a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, base_g, base_g8, D, g, t,
                                                        W, BLOCK_K, True, EVEN, INTERP)  # fmt: skip
@@ -323,12 +359,12 @@ def _w2_mma_kernel(
     act_ptr, idx_ptr, count_ptr, trows_ptr, tdest_ptr, twt_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, part_ptr,
     B, D, INTER, stride_ssn,
     TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, EVEN: tl.constexpr,
     NATIVE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
     pid_n = tl.program_id(0)
-    slot = tl.program_id(1)
+    slot = tl.num_programs(1) - 1 - tl.program_id(1)  # the shared expert's programs first ("shared expert first")
     routed = B * TOPK
     if slot >= routed:
         _shared_w2_dot(act_ptr, sw2_ptr, ss2_ptr, part_ptr, pid_n, B, D, INTER, routed, stride_ssn, BLOCK_N, BLOCK_B,
@@ -337,9 +373,9 @@ def _w2_mma_kernel(
         W: tl.constexpr = BLOCK_N // 16
         t, g, row_g, row_g8, real_g, real_g8, e, n_served, base_g, base_g8 = _slot_lanes(
             idx_ptr, count_ptr, pid_n, slot, D, BLOCK_N)
-        for r0 in range(0, n_served, 8):
-            _, dest_b, dest0, _, live0, dest1, _, live1 = _table_columns(trows_ptr, tdest_ptr, twt_ptr, slot, r0,
-                                                                         n_served, g, t, BLOCK_R, INTERP)  # fmt: skip
+        if n_served > 0:  # one pass: a chunk is at most 8 rows ("expert-row table")
+            _, dest_b, dest0, _, live0, dest1, _, live1 = _table_columns(trows_ptr, tdest_ptr, twt_ptr, slot, n_served,
+                                                                         g, t, INTERP)  # fmt: skip
             a_row = act_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + dest_b.to(tl.int64) * (INTER // 2)
             c0, c1, c2, c3, _, _, _, _ = _mma_pass(a_row, w2_ptr, s2_ptr, w2_ptr, s2_ptr, base_g, base_g8, INTER, g, t,
                                                    W, BLOCK_K, False, EVEN, INTERP)  # fmt: skip
