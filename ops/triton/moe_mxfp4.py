@@ -473,7 +473,9 @@ def _w13_kernel(
 ):
     pdl_wait(PDL)
     pid_n = tl.program_id(0)
-    slot = tl.program_id(1)
+    # The slots in reverse: the shared expert's programs (the last slot; twice a routed program's
+    # bytes at batch 1, FP8) are dispatched first, not left to run alone at the end of the launch.
+    slot = tl.num_programs(1) - 1 - tl.program_id(1)
     routed = B * TOPK
     rows = tl.arange(0, BLOCK_B)  # BLOCK_B = 1 without dot (batch 1: row 0 for every slot)
     if GROUPED:
