@@ -45,6 +45,7 @@ FREE, OWNED, LOOSE = 0, 1, 2
 _STATE_NAMES = {FREE: "free", OWNED: "owned by a table", LOOSE: "taken (owned by no table)"}
 _cache_ids = itertools.count(1)
 _UNMAPPED = b"\xff" * (4 * 4096)  # int32 -1 entries as bytes: a table row of up to 4096 entries
+_OWNED_RUN = bytes([OWNED]) * 4096  # int8 OWNED states as bytes: the held blocks of a table checked at once
 
 
 def _none_mapped(entries: np.ndarray) -> bool:
@@ -175,6 +176,7 @@ class PagedLatentCache:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(describe(what, "an int >= 1", value))
         self.head_dim, self.block_size, self.window, self.max_seq_len = head_dim, block_size, window, max_seq_len
+        self._width = max_blocks_for(max_seq_len, block_size)  # read on every check of a table
         self.cache_id = next(_cache_ids)
         self.kv = torch.zeros(num_blocks * block_size, head_dim, dtype=dtype, device=device)  # [P*16, d]
         self._lock = threading.Lock()
@@ -219,7 +221,7 @@ class PagedLatentCache:
     @property
     def max_blocks_per_seq(self) -> int:
         """Entries of a block table: ceil(max_seq_len / block_size) + 1."""
-        return max_blocks_for(self.max_seq_len, self.block_size)
+        return self._width
 
     def new_table(self) -> BlockTable:
         """An empty table of this cache's width."""
@@ -255,15 +257,24 @@ class PagedLatentCache:
         """``ensure`` for several distinct tables under one lock, all or nothing; the new ids per table."""
         if len({id(t) for t in tables}) != len(tables):
             raise InputError(describe("ensure_batch tables", "distinct tables", "the same table twice"))
+        top = self.max_seq_len
         for first_pos, last_pos in zip(first_positions, last_positions):
-            self._check_range(first_pos, last_pos)
+            if not 0 <= first_pos <= last_pos < top:
+                self._check_range(first_pos, last_pos)
+        bs, ours = self.block_size, (0, self.cache_id)
         with self._lock:
-            missing = [self._missing(table, first_pos, last_pos)
-                       for table, first_pos, last_pos in zip(tables, first_positions, last_positions)]
-            needed = sum(map(len, missing))
-            for table, entries in zip(tables, missing):  # a table's full checks where a block is mapped into
-                if entries or table.cache_id not in (0, self.cache_id):  # it; another cache's table: always
-                    self._check_table(table)
+            missing, needed = [], 0
+            for table, first_pos, last_pos in zip(tables, first_positions, last_positions):
+                blocks, j0, j1 = table.blocks, first_pos // bs, last_pos // bs
+                # The usual range (a verify's rows): inside one or two blocks the table holds.
+                if j1 - j0 < 2 and j1 < len(blocks) and blocks[j0] >= 0 and blocks[j1] >= 0 and table.cache_id in ours:
+                    missing.append(())
+                    continue
+                entries = self._missing(table, first_pos, last_pos)
+                if entries or table.cache_id not in ours:  # a table's full checks where a block is mapped into
+                    self._check_table(table)  # it; another cache's table: always
+                missing.append(entries)
+                needed += len(entries)
             if not needed:  # the usual call (a verify's rows inside blocks held): nothing changes hands
                 return [[] for _ in missing]
             if needed > self.free_top[0]:
@@ -302,8 +313,8 @@ class PagedLatentCache:
         if stop <= table.num_trimmed:  # design note "trimmed front": nothing new behind the window
             return []
         with self._lock:
-            self._check_table(table)
-            freed = self._release(table, range(table.num_trimmed, min(stop, len(table.blocks))))
+            held = self._check_table(table)
+            freed = self._release(table, range(table.num_trimmed, min(stop, len(table.blocks))), len(held))
             table.num_trimmed = stop
             return freed
 
@@ -327,8 +338,8 @@ class PagedLatentCache:
         if _none_mapped(table.blocks[first:]):  # the usual roll-back: within the last block, nothing to give
             return []
         with self._lock:
-            self._check_table(table)
-            return self._release(table, range(first, len(table.blocks)))
+            held = self._check_table(table)
+            return self._release(table, range(first, len(table.blocks)), len(held))
 
     def free(self, table: BlockTable) -> list[int]:
         """Return every block of ``table``; the table is left empty and reusable."""
@@ -392,14 +403,17 @@ class PagedLatentCache:
             table.blocks = np.full(self.max_blocks_per_seq, -1, dtype=np.int32)
 
     def _allocate(self, table: BlockTable, missing: list[int]) -> list[int]:
+        """Map a block from the top of the free stack at each of the (ascending) ``missing`` entries."""
         if not missing:
             return []
         self._fit(table)
-        new = [self._pop() for _ in missing]
+        top = int(self.free_top[0])
+        new = self.free_stack[top - len(missing) : top][::-1].tolist()  # popped one by one: the top first
+        self.free_top[0] = top - len(missing)
         table.blocks[missing] = new
-        for block in new:
-            self._state[block] = OWNED
-        table.num_trimmed = min(table.num_trimmed, min(missing))  # design note "trimmed front"
+        self._state[new] = OWNED
+        if missing[0] < table.trimmed[0]:  # design note "trimmed front"
+            table.trimmed[0] = missing[0]
         table.cache_id, table.block_size = self.cache_id, self.block_size
         return new
 
@@ -412,18 +426,21 @@ class PagedLatentCache:
         self.free_stack[self.free_top[0]] = block
         self.free_top[0] += 1
 
-    def _release(self, table: BlockTable, logical: range) -> list[int]:
-        """Free the blocks at the ``logical`` entries of a checked table."""
+    def _release(self, table: BlockTable, logical: range, held: int | None = None) -> list[int]:
+        """Free the blocks at the ``logical`` entries of a checked table (``held``: the blocks it
+        held, as the check counted them: the table is empty after iff all of them went)."""
         row = table.blocks[logical.start : logical.stop]
-        at = np.flatnonzero(row >= 0)
-        released = row[at].tolist()
-        row[at] = -1
-        for block in released:
-            self._state[block] = FREE
-            self._push(block)
-        if table.cache_id and table.is_empty:
+        at = row >= 0
+        released = row[at]
+        if len(released):
+            row[at] = -1
+            self._state[released] = FREE
+            top = int(self.free_top[0])  # pushed one by one in table order: the last on top
+            self.free_stack[top : top + len(released)] = released
+            self.free_top[0] = top + len(released)
+        if table.cache_id and (len(released) == held if held is not None else table.is_empty):
             table.cache_id = 0
-        return released
+        return released.tolist()
 
     def _missing(self, table: BlockTable, first_pos: int, last_pos: int) -> list[int]:
         bs, blocks = self.block_size, table.blocks
@@ -436,17 +453,25 @@ class PagedLatentCache:
 
     def _check_table(self, table: BlockTable) -> list[int]:
         """The table's held blocks, after checking it maps only blocks of this cache that it owns."""
-        if len(table.blocks) not in (0, self.max_blocks_per_seq):
-            raise CacheError(describe("block table width", f"{self.max_blocks_per_seq} entries",
+        if len(table.blocks) not in (0, self._width):
+            raise CacheError(describe("block table width", f"{self._width} entries",
                                       len(table.blocks), "make tables with cache.new_table()"))
-        held = table.held()
-        if not held:
-            return held
+        row = table.blocks[table.trimmed[0] :]
+        held = row[row >= 0]
+        if not len(held):
+            return []
         if table.cache_id != self.cache_id:
             raise CacheError(describe("block table", f"a table of cache {self.cache_id}",
                                       f"one mapping blocks of cache {table.cache_id}"))
-        bad = [b for b in held if b >= len(self._state) or self._state[b] != OWNED]
-        if bad:  # a table edited by hand, or a block freed behind its back
+        try:  # every held block OWNED: its states as bytes against a run of OWNED (one compare, ~0.3 us)
+            states = self._state[held]
+            owned = states.tobytes() == _OWNED_RUN[: len(held)] if len(held) <= len(_OWNED_RUN) \
+                else bool((states == OWNED).all())
+        except IndexError:  # an id past the pool
+            owned = False
+        held = held.tolist()
+        if not owned:  # a table edited by hand, or a block freed behind its back
+            bad = [b for b in held if b >= len(self._state) or self._state[b] != OWNED]
             raise CacheError(describe("block table entries", "blocks this table owns", f"{bad} in {table.entries()}"))
         return held
 
