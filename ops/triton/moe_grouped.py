@@ -31,18 +31,25 @@ REDUCE_BLOCK_D = 1024
 
 
 @triton.jit
+def expert_hits(idx_ptr, e, B, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_B: tl.constexpr):
+    """The routing's pairs that chose expert ``e``: (rows [BLOCK_B], ks [TOPK_PAD], the pairs' flat
+    slots [BLOCK_B, TOPK_PAD], hit [BLOCK_B, TOPK_PAD]: the pair is real and chose e)."""
+    rows = tl.arange(0, BLOCK_B)
+    ks = tl.arange(0, TOPK_PAD)
+    flat = rows[:, None] * TOPK + ks[None, :]
+    in_range = (rows < B)[:, None] & (ks < TOPK)[None, :]
+    ids = tl.load(idx_ptr + flat, mask=in_range, other=-1).to(tl.int64)
+    return rows, ks, flat, in_range & (ids == e)
+
+
+@triton.jit
 def _owned_rows(idx_ptr, wts_ptr, slot, B, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_B: tl.constexpr):
     """What ``slot`` computes: (expert, shared?, owner?, rows [BLOCK_B] it serves, their weights,
     their destination act / part rows)."""
     routed = B * TOPK
     shared = slot >= routed
     e = tl.load(idx_ptr + tl.minimum(slot, routed - 1)).to(tl.int64)
-    rows = tl.arange(0, BLOCK_B)
-    ks = tl.arange(0, TOPK_PAD)
-    flat = rows[:, None] * TOPK + ks[None, :]
-    in_range = (rows < B)[:, None] & (ks < TOPK)[None, :]
-    ids = tl.load(idx_ptr + flat, mask=in_range, other=-1).to(tl.int64)
-    hit = in_range & (ids == e)
+    rows, ks, flat, hit = expert_hits(idx_ptr, e, B, TOPK, TOPK_PAD, BLOCK_B)
     first_slot = tl.min(tl.min(tl.where(hit, flat, routed), 1), 0)
     owner = shared | ((first_slot == slot) & (e >= 0))  # a negative id (NO_EXPERT) owns nothing
     chose = tl.sum(hit.to(tl.int32), 1) > 0

@@ -56,6 +56,7 @@ import triton.language as tl
 from draftgraph.ops.triton._common import clamped_swiglu, pdl_wait
 from draftgraph.ops.triton.fp8_linear import ue8m0_to_f32
 from draftgraph.ops.triton.lanes import bf16_hi, bf16_lo, lane_pick, lane_store, ld_b32, ld_u8, ld_v4, quad_sum
+from draftgraph.ops.triton.moe_grouped import expert_hits
 from draftgraph.ops.triton.moe_mxfp4 import (
     MMA_ROWS,
     _expert_tiles,
@@ -211,12 +212,7 @@ def _chunk_rows(idx_ptr, wts_ptr, slot, B, TOPK: tl.constexpr, TOPK_PAD: tl.cons
     the slot heads, none if it heads none; each row's place in the chunk, its summed routing weight
     and its act row)."""
     e = tl.load(idx_ptr + slot).to(tl.int64)
-    rows = tl.arange(0, BLOCK_R)
-    ks = tl.arange(0, TOPK_PAD)
-    flat = rows[:, None] * TOPK + ks[None, :]
-    in_range = (rows < B)[:, None] & (ks < TOPK)[None, :]
-    ids = tl.load(idx_ptr + flat, mask=in_range, other=-1).to(tl.int64)
-    hit = in_range & (ids == e)
+    rows, ks, flat, hit = expert_hits(idx_ptr, e, B, TOPK, TOPK_PAD, BLOCK_R)
     chose = tl.sum(hit.to(tl.int32), 1) > 0
     dest = rows * TOPK + tl.min(tl.where(hit, ks[None, :], TOPK_PAD), 1)  # the row's first pair with e
     rank = tl.cumsum(chose.to(tl.int32), 0) - 1  # among the rows that chose e, in row order
