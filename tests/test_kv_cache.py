@@ -316,3 +316,35 @@ def test_none_mapped_reads_every_entry(dtype, length):
         row[j] = 0
         assert not _none_mapped(row) and not _none_mapped(row[j:]) and _none_mapped(row[j + 1 :])
         row[j] = -1
+
+
+EDITS = [("a free block in the trimmed front", "free")]  # the one call that gives that entry back
+EDITS += [(edit, call) for edit in ("a block mapped twice", "an id past the pool")
+          for call in ("free", "truncate", "trim_window")]
+
+
+@pytest.mark.parametrize("edit,call", EDITS)
+def test_a_table_edited_by_hand_is_refused_before_the_pool_changes(edit, call):
+    """free / truncate / trim_window give blocks back only after checking every block they give:
+    a block of this pool, OWNED, mapped once. free reads the whole row, the trimmed front too
+    (entries the checks before a roll-back skip as known -1)."""
+    cache = _cache(num_blocks=16, window=2 * BS)
+    table = cache.new_table()
+    cache.ensure(table, 0, 6 * BS - 1)  # blocks 0..5 of the table
+    cache.trim_window(table, 4 * BS)  # the window starts in block 2: entries 0, 1 given back, trimmed
+    assert table.num_trimmed == 2 and table.held() == table.blocks[2:6].tolist()
+    if edit == "a free block in the trimmed front":
+        table.blocks[0] = cache._free[-1]
+    elif edit == "a block mapped twice":
+        table.blocks[6] = table.blocks[5]
+    else:
+        table.blocks[6] = cache.num_blocks + 3
+    free, states, entries = cache._free, cache.block_states, table.blocks.copy()
+    with pytest.raises(CacheError, match="blocks this table owns, each mapped once"):
+        if call == "free":
+            cache.free(table)
+        elif call == "truncate":
+            cache.truncate(table, 5 * BS)  # gives back entries 5 and 6
+        else:
+            cache.trim_window(table, 10 * BS)  # the window past every block: entries 2..6
+    assert cache._free == free and cache.block_states == states and table.blocks.tolist() == entries.tolist()

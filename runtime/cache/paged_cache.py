@@ -428,6 +428,7 @@ class PagedLatentCache:
         at = row >= 0
         released = row[at]
         if len(released):
+            self._owned_by(table, released)  # entries before the checked part too (free's whole row)
             row[at] = -1
             self._state[released] = FREE
             top = int(self.free_top[0])  # pushed one by one in table order: the last on top
@@ -458,17 +459,25 @@ class PagedLatentCache:
         if table.cache_id != self.cache_id:
             raise CacheError(describe("block table", f"a table of cache {self.cache_id}",
                                       f"one mapping blocks of cache {table.cache_id}"))
-        try:  # every held block OWNED: its states as bytes against a run of OWNED (one compare)
-            states = self._state[held]
-            owned = states.tobytes() == _OWNED_RUN[: len(held)] if len(held) <= len(_OWNED_RUN) \
+        return self._owned_by(table, held)
+
+    def _owned_by(self, table: BlockTable, blocks: np.ndarray) -> list[int]:
+        """``blocks`` (ids >= 0 that ``table`` maps) as a list, after checking that each is a block of
+        this pool in the OWNED state, mapped once: else the CacheError of a table edited by hand or
+        a block freed behind its back (nothing changed)."""
+        try:  # the states as bytes against a run of OWNED: one compare
+            states = self._state[blocks]
+            owned = states.tobytes() == _OWNED_RUN[: len(blocks)] if len(blocks) <= len(_OWNED_RUN) \
                 else bool((states == OWNED).all())
         except IndexError:  # an id past the pool
             owned = False
-        held = held.tolist()
-        if not owned:  # a table edited by hand, or a block freed behind its back
-            bad = [b for b in held if b >= len(self._state) or self._state[b] != OWNED]
-            raise CacheError(describe("block table entries", "blocks this table owns", f"{bad} in {table.entries()}"))
-        return held
+        ids = blocks.tolist()
+        if owned and (len(ids) < 2 or len(set(ids)) == len(ids)):
+            return ids
+        bad = [b for b in ids if b >= len(self._state) or self._state[b] != OWNED]
+        bad = bad or sorted({b for b in ids if ids.count(b) > 1})
+        raise CacheError(describe("block table entries", "blocks this table owns, each mapped once",
+                                  f"{bad} in {table.entries()}"))
 
     def _check_states(self, ids: Sequence[int], want: int, what: str, serial: int | None = None) -> None:
         wrong = []
