@@ -10,7 +10,8 @@
 # 2. bench_decode at K=3, B=1 and 16: tokens/s, eager vs captured, speculative vs greedy, the time
 #    split by phase (the host gap a step: benchmarks/bench_loop_host.py on the CPU);
 # 3. profile_decode at K=3: the device's own timeline of the captured loops (busy, idle, each graph's
-#    span and kernels, the host gap from a wait to the next launch);
+#    span and kernels, the host gap from a wait to the next launch); then with --events (no
+#    profiler): the idle before each graph;
 # 4. KS (default "1 2"): bench_decode, captured only, at those K too (what K the loop should run);
 # 5. BASE_DIR (an older checkout, `git archive REV | tar -x -C .base` here, carried with the call):
 #    its bench_decode, captured only, at K=3, on the same machine: the before of a host-path change.
@@ -26,6 +27,8 @@ step bench_decode 150 python3 benchmarks/bench_decode.py --batches 1,16 --max-to
 tail -6 "$out/bench_decode.txt"
 step profile_decode 120 python3 benchmarks/profile_decode.py --batches 1,16 --max-tokens 128 -k 3
 tail -12 "$out/profile_decode.txt"
+step profile_events 90 python3 benchmarks/profile_decode.py --batches 1,16 --max-tokens 128 -k 3 --events
+grep -v "^#" "$out/profile_events.txt" | tail -16
 for k in ${KS-1 2}; do
     step "bench_decode_k$k" 90 python3 benchmarks/bench_decode.py --batches 1,16 --max-tokens 128 --repeat 3 \
         -k "$k" --executors captured

@@ -1,6 +1,6 @@
 """Where a decode step's time goes on the GPU: the device busy, the device idle, each graph's span (GPU).
 
-    python benchmarks/profile_decode.py [--batches 1,16] [--max-tokens 128] [-k 3] [--checkpoint DIR]
+    python benchmarks/profile_decode.py [--batches 1,16] [--max-tokens 128] [-k 3] [--checkpoint DIR] [--events]
 
 bench_decode.py times phases from the host; this profiles whole steady-state decodes (the tiny
 model, captured, after a run that built every executor; the profiled runs build nothing and warm
@@ -19,8 +19,13 @@ nothing up) with the torch profiler's CUDA activity and reads the device's own t
   copies that blocked), with the median time each: a step of the device loop should wait once
   (its verdict's read-back), a greedy token once (its token's).
 
+``--events``: no profiler (whose per-call cost slows the host it measures); a CUDA event before
+and after every graph launch instead, and per graph: launches a step, the median time the GPU sat
+idle before it (its 'before' event minus the previous graph's 'after': host work it waited for,
+with any eager device work between them) and the median span between its two events.
+
 Needs CUDA. The decode is bench_decode.py's (its prompts, buckets and loader). The arithmetic on
-the timeline (:func:`summarise`) takes plain records and is tested on the CPU.
+the timeline (:func:`summarise`, :func:`idle_before`) takes plain records and is tested on the CPU.
 """
 
 from __future__ import annotations
@@ -109,6 +114,61 @@ def timeline(decode) -> dict:
     return {**summarise(records), "wall_ns": wall, "result": result}
 
 
+def idle_before(spans: list[tuple[str, float, float]]) -> dict[str, tuple[int, float, float]]:
+    """Per graph, from its launches' (name, start, end) device times in launch order: (launches, the
+    median idle before it: its start minus the previous launch's end, 0 where it queued behind
+    that one, and its median span). A decode's first launch has no idle before it."""
+    idle: dict[str, list[float]] = defaultdict(list)
+    span: dict[str, list[float]] = defaultdict(list)
+    for i, (name, start, end) in enumerate(spans):
+        span[name].append(end - start)
+        if i:
+            idle[name].append(max(start - spans[i - 1][2], 0.0))
+    return {name: (len(span[name]), statistics.median(idle[name]) if idle[name] else float("nan"),
+                   statistics.median(span[name])) for name in span}
+
+
+def event_spans(decode, executors: dict[str, dict]) -> tuple[list[tuple[str, float, float]], object]:
+    """Run ``decode()`` with a CUDA event before and after every launch of these executors (groups of
+    name -> {key: executor}): the launches' (name, start us, end us) on the device, and the result."""
+    marks, saved = [], []
+    for group, table in executors.items():
+        for key, executor in table.items():
+            run = executor.run
+
+            def timed(inputs, check=True, run=run, name=f"{group} {key}"):
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before.record()
+                out = run(inputs, check)
+                after.record()
+                marks.append((name, before, after))
+                return out
+
+            saved.append((executor, vars(executor).get("run")))
+            executor.run = timed
+    try:
+        result = decode()
+        torch.cuda.synchronize()
+    finally:
+        for executor, own in saved:
+            if own is None:
+                del executor.run
+            else:
+                executor.run = own
+    if not marks:
+        return [], result
+    zero = marks[0][1]
+    return [(name, 1e3 * zero.elapsed_time(b), 1e3 * zero.elapsed_time(a)) for name, b, a in marks], result
+
+
+def report_events(name: str, spans, result) -> list[str]:
+    steps = max(result.stats.num_steps, 1)
+    lines = [f"{name:<7} steps {steps:>4}  tokens/s {result.stats.tokens_per_second:>9.1f} (CUDA events, no profiler)"]
+    for graph, (count, idle, span) in sorted(idle_before(spans).items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"    {graph:<48} {count / steps:>5.2f} a step  idle before {idle:>7.1f} us  span {span:>7.1f} us")
+    return lines
+
+
 def report(name: str, line: dict) -> list[str]:
     steps = max(line["result"].stats.num_steps, 1)
     us = 1e-3 / steps
@@ -128,7 +188,7 @@ def report(name: str, line: dict) -> list[str]:
     return lines
 
 
-def profile_batch(checkpoint, prompts, max_tokens: int, k: int) -> list[str]:
+def profile_batch(checkpoint, prompts, max_tokens: int, k: int, events: bool = False) -> list[str]:
     from draftgraph.runtime.decode.loop import greedy_decode, speculative_decode
 
     target, proposer, _ = bench.load(checkpoint, "cuda", "captured", len(prompts), k)
@@ -137,6 +197,11 @@ def profile_batch(checkpoint, prompts, max_tokens: int, k: int) -> list[str]:
                                                     warmup=warm)}
     for decode in runs.values():
         decode(True)  # every executor built and captured, kernels compiled
+    if events:
+        groups = {"proposer": proposer._executors, "target": target._executors,
+                  "verify": target.device_verifier(k)._executors}
+        return [line for name, decode in runs.items()
+                for line in report_events(name, *event_spans(lambda decode=decode: decode(False), groups))]
     return [line for name, decode in runs.items()
             for line in report(name, timeline(lambda decode=decode: decode(False)))]
 
@@ -147,6 +212,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("-k", "--num-drafts", type=int, default=3)
     ap.add_argument("--checkpoint", type=Path, default=None)
+    ap.add_argument("--events", action="store_true", help="CUDA events around each launch, no profiler")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_decode: needs CUDA (the device's own timeline)", file=sys.stderr)
@@ -160,7 +226,7 @@ def main(argv=None) -> int:
     for b in [int(x) for x in args.batches.split(",")]:
         prompts = [tok.encode(bench.PROMPTS[i % len(bench.PROMPTS)], add_bos=True) for i in range(b)]
         print(f"B={b}")
-        print("\n".join(profile_batch(args.checkpoint, prompts, args.max_tokens, args.num_drafts)))
+        print("\n".join(profile_batch(args.checkpoint, prompts, args.max_tokens, args.num_drafts, args.events)))
     print(f"# argv: {' '.join(sys.argv[1:] if argv is None else argv)}")
     return 0
 

@@ -42,3 +42,15 @@ def test_every_synchronize_is_a_wait_and_a_copy_only_when_it_blocked():
     assert out["waits"] == {"cudaDeviceSynchronize": [3_000, 40_000], "cudaMemcpyAsync": [29_000],
                             "cudaEventSynchronize": [1_000]}
     assert out["gaps"] == []  # no launch after a blocking call
+
+
+def test_idle_before_each_graph_from_event_spans():
+    """Launch order: first step (0-80 us), continuation queued behind it (starts at 80: no idle),
+    verify 30 us after the continuation's end; the next step's first graph 120 us after the verify."""
+    spans = [("first", 0.0, 80.0), ("continue", 80.0, 140.0), ("verify", 170.0, 270.0),
+             ("first", 390.0, 470.0), ("continue", 475.0, 535.0), ("verify", 535.0, 635.0)]
+    out = pd.idle_before(spans)
+    assert out["first"] == (2, 120.0, 80.0)  # the decode's first launch has no idle before it
+    assert out["continue"] == (2, 2.5, 60.0)  # median of 0 and 5
+    assert out["verify"] == (2, 15.0, 100.0)  # median of 30 and 0
+    assert pd.idle_before([]) == {}
