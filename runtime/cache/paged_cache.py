@@ -102,8 +102,12 @@ class BlockTable:
 
     def held(self) -> list[int]:
         """Physical ids this table maps, in logical order."""
-        row = self.blocks[self.num_trimmed :]
-        return row[row >= 0].tolist()
+        return self.held_ids().tolist()
+
+    def held_ids(self) -> np.ndarray:
+        """:meth:`held` as the row's int32 entries (no list made: the cache's checks read them)."""
+        row = self.blocks[self.trimmed[0] :]
+        return row[row >= 0]
 
     def entries(self) -> list[int]:
         """The logical map up to its last mapped entry (-1 where none): what a take carries."""
@@ -257,10 +261,8 @@ class PagedLatentCache:
         """``ensure`` for several distinct tables under one lock, all or nothing; the new ids per table."""
         if len({id(t) for t in tables}) != len(tables):
             raise InputError(describe("ensure_batch tables", "distinct tables", "the same table twice"))
-        top = self.max_seq_len
         for first_pos, last_pos in zip(first_positions, last_positions):
-            if not 0 <= first_pos <= last_pos < top:
-                self._check_range(first_pos, last_pos)
+            self._check_range(first_pos, last_pos)
         bs, ours = self.block_size, (0, self.cache_id)
         with self._lock:
             missing, needed = [], 0
@@ -313,8 +315,8 @@ class PagedLatentCache:
         if stop <= table.num_trimmed:  # design note "trimmed front": nothing new behind the window
             return []
         with self._lock:
-            held = self._check_table(table)
-            freed = self._release(table, range(table.num_trimmed, min(stop, len(table.blocks))), len(held))
+            self._check_table(table)
+            freed = self._release(table, range(table.num_trimmed, min(stop, len(table.blocks))))
             table.num_trimmed = stop
             return freed
 
@@ -338,8 +340,8 @@ class PagedLatentCache:
         if _none_mapped(table.blocks[first:]):  # the usual roll-back: within the last block, nothing to give
             return []
         with self._lock:
-            held = self._check_table(table)
-            return self._release(table, range(first, len(table.blocks)), len(held))
+            self._check_table(table)
+            return self._release(table, range(first, len(table.blocks)))
 
     def free(self, table: BlockTable) -> list[int]:
         """Return every block of ``table``; the table is left empty and reusable."""
@@ -421,9 +423,8 @@ class PagedLatentCache:
         self.free_stack[self.free_top[0]] = block
         self.free_top[0] += 1
 
-    def _release(self, table: BlockTable, logical: range, held: int | None = None) -> list[int]:
-        """Free the blocks at the ``logical`` entries of a checked table (``held``: the blocks it
-        held, as the check counted them: the table is empty after iff all of them went)."""
+    def _release(self, table: BlockTable, logical: range) -> list[int]:
+        """Free the blocks at the ``logical`` entries of a checked table."""
         row = table.blocks[logical.start : logical.stop]
         at = row >= 0
         released = row[at]
@@ -434,7 +435,7 @@ class PagedLatentCache:
             top = int(self.free_top[0])  # pushed one by one in table order: the last on top
             self.free_stack[top : top + len(released)] = released
             self.free_top[0] = top + len(released)
-        if table.cache_id and (len(released) == held if held is not None else table.is_empty):
+        if table.cache_id and table.is_empty:
             table.cache_id = 0
         return released.tolist()
 
@@ -452,8 +453,7 @@ class PagedLatentCache:
         if len(table.blocks) not in (0, self._width):
             raise CacheError(describe("block table width", f"{self._width} entries",
                                       len(table.blocks), "make tables with cache.new_table()"))
-        row = table.blocks[table.trimmed[0] :]
-        held = row[row >= 0]
+        held = table.held_ids()
         if not len(held):
             return []
         if table.cache_id != self.cache_id:
