@@ -103,6 +103,24 @@ class Clock:
 
 
 @contextlib.contextmanager
+def wrapped_runs(executors, wrap):
+    """Each executor's ``run`` replaced by ``wrap(run, executor)`` for the block; after it, the class's
+    again, or the run the instance had set (a stub) back."""
+    executors = list(executors)
+    own = [vars(executor).get("run") for executor in executors]
+    for executor in executors:
+        executor.run = wrap(executor.run, executor)
+    try:
+        yield
+    finally:
+        for executor, run in zip(executors, own):
+            if run is None:
+                del executor.run
+            else:
+                executor.run = run
+
+
+@contextlib.contextmanager
 def marking(target, proposer, num_drafts: int, clock: Clock):
     """Mark each verdict read-back ("read") and each launch of a proposer graph built so far ("launch")."""
     verifier = target.device_verifier(num_drafts)
@@ -113,11 +131,7 @@ def marking(target, proposer, num_drafts: int, clock: Clock):
         clock.mark("read")
         return out
 
-    executors = list(proposer._executors.values())
-    runs = [executor.run for executor in executors]
-    own = [vars(executor).get("run") for executor in executors]  # a run set on the instance (a stub) goes back
-
-    def launching(run):
+    def launching(run, executor):
         def marked(inputs, check=True):
             clock.mark("launch")
             return run(inputs, check)
@@ -125,17 +139,11 @@ def marking(target, proposer, num_drafts: int, clock: Clock):
         return marked
 
     verifier.read_verdict = read_and_mark
-    for executor, run in zip(executors, runs):
-        executor.run = launching(run)
     try:
-        yield clock
+        with wrapped_runs(proposer._executors.values(), launching):
+            yield clock
     finally:
         verifier.read_verdict = read_verdict
-        for executor, run in zip(executors, own):
-            if run is None:
-                del executor.run
-            else:
-                executor.run = run
 
 
 def best(runs):

@@ -131,30 +131,23 @@ def idle_before(spans: list[tuple[str, float, float]]) -> dict[str, tuple[int, f
 def event_spans(decode, executors: dict[str, dict]) -> tuple[list[tuple[str, float, float]], object]:
     """Run ``decode()`` with a CUDA event before and after every launch of these executors (groups of
     name -> {key: executor}): the launches' (name, start us, end us) on the device, and the result."""
-    marks, saved = [], []
-    for group, table in executors.items():
-        for key, executor in table.items():
-            run = executor.run
+    marks = []
+    names = {id(executor): f"{group} {key}" for group, table in executors.items() for key, executor in table.items()}
 
-            def timed(inputs, check=True, run=run, name=f"{group} {key}"):
-                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                before.record()
-                out = run(inputs, check)
-                after.record()
-                marks.append((name, before, after))
-                return out
+    def timing(run, executor):
+        def timed(inputs, check=True):
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record()
+            out = run(inputs, check)
+            after.record()
+            marks.append((names[id(executor)], before, after))
+            return out
 
-            saved.append((executor, vars(executor).get("run")))
-            executor.run = timed
-    try:
+        return timed
+
+    with bench.wrapped_runs([ex for table in executors.values() for ex in table.values()], timing):
         result = decode()
         torch.cuda.synchronize()
-    finally:
-        for executor, own in saved:
-            if own is None:
-                del executor.run
-            else:
-                executor.run = own
     if not marks:
         return [], result
     zero = marks[0][1]
