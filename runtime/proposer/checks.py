@@ -204,6 +204,8 @@ def _are_ready(hiddens: list, shape: tuple[int, ...], device: torch.device) -> b
     bf16, cuda, index = torch.bfloat16, device.type == "cuda", device.index
     if not cuda and device.type != "cpu":
         return False  # the item-by-item checks handle other devices
+    if cuda and _one_cuda_device():
+        index = None  # every CUDA tensor is on it: no get_device() a row (~2 us of a 32-row batch's checks)
     for hidden in hiddens:
         if type(hidden) is not torch.Tensor or hidden.dtype is not bf16 or hidden.shape != shape:
             return False
@@ -213,6 +215,12 @@ def _are_ready(hiddens: list, shape: tuple[int, ...], device: torch.device) -> b
         elif not hidden.is_cpu:
             return False
     return True
+
+
+@functools.cache
+def _one_cuda_device() -> bool:
+    """Whether this process sees one CUDA device (fixed once CUDA is up: CUDA_VISIBLE_DEVICES is read then)."""
+    return torch.cuda.device_count() == 1
 
 
 def _check_bf16_on(hidden: torch.Tensor, device: torch.device, what: str) -> None:
