@@ -322,6 +322,7 @@ MOE_WIDE = (K["gemv"].GemvConfig(8, 256, 4, 2, use_dot=False), K["gemv"].GemvCon
         (8, True, "mma_wide"),  # 8 rows: every batch column of the mma
         (5, True, "mma_wide"),  # 4 warps, 64 rows a program (ragged in I and D), 256-column K tiles
         (12, True, "mma_wide"),  # an expert 9 rows chose (forced below): two chunks of 8 columns
+        (5, True, "mma_whole"),  # w13's K in one part (the mma cases above: W13_SPLIT_MMA's 2, "split K")
     ],
 )
 def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
@@ -332,9 +333,11 @@ def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
     if not variant.startswith("mma"):
         monkeypatch.setattr(MX, "MMA_MAX_BATCH", 0)
     else:
-        tile = K["gemv"].GemvConfig(64, 256, 4, 1) if variant == "mma_wide" else K["gemv"].GemvConfig(16, 128, 1, 1)
+        wide = variant in ("mma_wide", "mma_whole")
+        tile = K["gemv"].GemvConfig(64, 256, 4, 1) if wide else K["gemv"].GemvConfig(16, 128, 1, 1)
         monkeypatch.setattr(MX, "W13_CONFIG_MMA", tile)
         monkeypatch.setattr(MX, "W2_CONFIG_MMA", tile)
+        monkeypatch.setattr(MX, "W13_SPLIT_MMA", 1 if variant == "mma_whole" else 2)
     if variant in ("dot", "wide"):
         configs = MOE_DOT if variant == "dot" else MOE_WIDE
         monkeypatch.setattr(MX, "W13_CONFIG", configs[0])
@@ -358,7 +361,8 @@ def test_expert_row_table_gives_each_chunk_of_8_rows_a_slot_of_its_own(device):
     """moe_mxfp4_mma's table ("expert-row table") against a Python model: each expert's rows, in
     row order, cut into chunks of 8 (the mma's n), each chunk held by the first pair of its first
     row with the rows' act rows and summed weights; every other slot holds a count of 0. An expert
-    19 rows chose (one of them twice, in a later column) takes three slots; a NO_EXPERT id heads nothing."""
+    19 rows chose (one of them twice, in a later column) takes three slots; a NO_EXPERT id heads nothing.
+    And w13's arrival counts, every slot's and the shared expert's, are zeroed ("split K")."""
     from draftgraph.ops.triton import moe_mxfp4_mma as M
 
     b, top_k, chunk = 24, 4, MX.MMA_ROWS
@@ -372,9 +376,12 @@ def test_expert_row_table_gives_each_chunk_of_8_rows_a_slot_of_its_own(device):
     count = torch.full((b * top_k,), -7, dtype=torch.int32)
     rows, dest = (torch.full((b * top_k, chunk), -7, dtype=torch.int32) for _ in range(2))
     wt = torch.full((b * top_k, chunk), float("nan"))
-    idx, wts, count, rows, dest, wt = (t.to(device) for t in (idx, wts, count, rows, dest, wt))
-    M.launch_rows((b * top_k,), idx, wts, count, rows, dest, wt, b, TOPK=top_k, TOPK_PAD=top_k, BLOCK_R=32,
-                  num_warps=1, PDL=False)  # fmt: skip
+    tiles = 3  # w13's row tiles a slot: their arrival counts ("split K"), the shared slot's last
+    arrivals = torch.full(((b * top_k + 1) * tiles,), -7, dtype=torch.int32)
+    idx, wts, count, rows, dest, wt, arrivals = (t.to(device) for t in (idx, wts, count, rows, dest, wt, arrivals))
+    M.launch_rows((b * top_k,), idx, wts, count, rows, dest, wt, arrivals, b, tiles, TOPK=top_k, TOPK_PAD=top_k,
+                  BLOCK_R=32, NPID_PAD=4, num_warps=1, PDL=False)  # fmt: skip
+    assert arrivals.cpu().tolist() == [0] * len(arrivals), "every tile's arrival count starts at 0"
     ids, weights = idx.cpu().tolist(), wts.cpu()
     want = {}
     for e in {i for r in ids for i in r} - {-1}:

@@ -57,6 +57,19 @@ def ld_b32(ptr, INTERP: tl.constexpr):
 
 
 @triton.jit
+def ld_b32_shared(ptr, INTERP: tl.constexpr):
+    """The fp32 word at each pointer, written by another program of the same launch and read after the
+    acquire that saw it done (a split's partials): at L2 (``.cg``, never a stale line of this SM's
+    L1), and not pure, so the compiler cannot move it before that acquire."""
+    if INTERP:
+        return tl.load(ptr)
+    else:
+        bits = tl.inline_asm_elementwise("ld.global.cg.b32 $0, [$1];", "=r,l", [ptr.to(tl.pointer_type(tl.int32),
+                                         bitcast=True)], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+        return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def bf16_lo(pair):
     """The low bf16 of int32 pairs, as fp32."""
     return (pair << 16).to(tl.float32, bitcast=True)

@@ -97,6 +97,8 @@ MMA_MAX_BATCH = 64
 MMA_ROWS = 8  # rows a pass of those kernels (the mma's n): the expert-row table's chunk
 W13_CONFIG_MMA = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, use_dot=False)
 W2_CONFIG_MMA = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, use_dot=False)
+# w13's K cut into this many parts, each a program of its own (moe_mxfp4_mma, "split K"); 1: none.
+W13_SPLIT_MMA = 2
 # The dot tiles: fp16 x, slot-major B > 1 (grouped=False), or B > MMA_MAX_BATCH.
 W13_CONFIG_BATCHED = GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
 W2_CONFIG_BATCHED = GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
@@ -739,8 +741,21 @@ def moe_mxfp4_parts(batch: int, top_k: int, inter: int, d: int, dtype: torch.dty
     slots = batch * top_k + (batch if shared else 0)
     routed = batch * top_k if grouped else 0
     table = (routed, MMA_ROWS)
+    split, tiles = mma_split(batch, inter, d, dtype, grouped)
     return [((slots, inter), dtype), ((slots if grouped else 0, d), torch.float32), ((routed,), torch.int32),
-            (table, torch.int32), (table, torch.int32), (table, torch.float32)]  # fmt: skip
+            (table, torch.int32), (table, torch.int32), (table, torch.float32),
+            ((split, 2, batch * top_k + batch, inter) if split > 1 else (0,), torch.float32),
+            (((routed + 1) * tiles if split > 1 else 0,), torch.int32)]  # fmt: skip
+
+
+def mma_split(batch: int, inter: int, d: int, dtype: torch.dtype, grouped: bool) -> tuple[int, int]:
+    """(the parts w13's K is cut into, w13's row tiles a slot) on the tensor cores (moe_mxfp4_mma,
+    "split K"): at most one part per 128 columns of D; (1, 0) where they do not run. The parts'
+    scratch: their fp32 partials of every act row (w1 x, then w3 x) and an arrival count a tile."""
+    split = min(W13_SPLIT_MMA, triton.cdiv(d, 128))
+    if not (grouped and dtype == torch.bfloat16 and batch <= MMA_MAX_BATCH) or split <= 1:
+        return 1, 0
+    return split, triton.cdiv(inter, W13_CONFIG_MMA.block_n)
 
 
 def moe_mxfp4_workspace(
@@ -797,7 +812,8 @@ def moe_mxfp4_launches(
             sw1b, sw3b, sw2b = shared[0], shared[4], shared[2]
     else:  # never read: the grid has no shared slot; any byte tensors of the kernel's types
         sw1b, ss1b, sw3b, ss3b, sw2b, ss2b = w1b, s1b, w3b, s3b, w2b, s2b
-    act, part, *table = carve(workspace, x.device, moe_mxfp4_parts(b, top_k, inter, d, x.dtype, grouped, has_shared))
+    act, part, *table, split_part, arrivals = carve(workspace, x.device,
+                                                   moe_mxfp4_parts(b, top_k, inter, d, x.dtype, grouped, has_shared))
     if (one_row or use_mma) and act.data_ptr() % 16:  # w2 reads its rows as x (inter % 32 == 0: every row aligned)
         _fail("workspace alignment", "16 bytes", f"address mod 16 {act.data_ptr() % 16}",
               "carve it at a 16-byte boundary, as the arena does")
@@ -860,21 +876,30 @@ def moe_mxfp4_launches(
         from draftgraph.ops.triton import moe_mxfp4_mma as M
 
         c13, c2 = W13_CONFIG_MMA, W2_CONFIG_MMA
-        # 16 rows a warp; K tiles of whole 128-column chunks (4 scale blocks, one a lane)
+        split, tiles = mma_split(b, inter, d, x.dtype, grouped)
+        # A part of w13's K: whole 128-column chunks (its FP8 scale blocks too), D split as evenly.
+        k_part = triton.cdiv(triton.cdiv(d, 128), split) * 128
+        # 16 rows a warp; K tiles of whole 128-column chunks (4 scale blocks, one a lane), a part a
+        # whole number of them (the last one may be ragged: D's end)
         bk13 = min(c13.block_k, max(128, next_pow2(d)))
+        while split > 1 and k_part % bk13:
+            bk13 //= 2
         bk2 = min(c2.block_k, max(128, next_pow2(inter)))
         common = dict(TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_B=block_b, NATIVE=native, INTERP=interp)
 
         def rows():
-            M.launch_rows((b * top_k,), idx, wts, *table, b, TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_R=next_pow2(b),
-                          num_warps=1, **pdl)  # fmt: skip
+            M.launch_rows((b * top_k,), idx, wts, *table, arrivals, b, tiles, TOPK=top_k, TOPK_PAD=topk_pad,
+                          BLOCK_R=next_pow2(b), NPID_PAD=next_pow2(tiles) if split > 1 else 0, num_warps=1,
+                          **pdl)  # fmt: skip
 
         def w13_mma():
             M.launch_w13(
-                (triton.cdiv(inter, c13.block_n), slots),
-                x, idx, *table, w1b, s1b, w3b, s3b, sw1b, ss1b, sw3b, ss3b, act, b, d, inter, x.stride(0), s13, limit,
-                BLOCK_N=c13.block_n, BLOCK_K=bk13, DOT_K=min(FP8_BLOCK, max(16, next_pow2(d))), EVEN=d % bk13 == 0,
-                **common, num_warps=c13.block_n // 16, num_stages=c13.num_stages, **pdl,
+                (triton.cdiv(inter, c13.block_n) * split, slots),
+                x, idx, *table, w1b, s1b, w3b, s3b, sw1b, ss1b, sw3b, ss3b, act, split_part, arrivals, b, d, inter,
+                x.stride(0), s13, limit, k_part,
+                BLOCK_N=c13.block_n, BLOCK_K=bk13, DOT_K=min(FP8_BLOCK, max(16, next_pow2(min(d, k_part)))),
+                SPLIT=split, EVEN=d % bk13 == 0, **common, num_warps=c13.block_n // 16, num_stages=c13.num_stages,
+                **pdl,
             )  # fmt: skip
 
         def w2_mma():

@@ -43,6 +43,18 @@ the dot tiles (w13: two FP8 matrices of 4096 columns, 64 dependent K tiles), the
 loads in the launch; dispatched last (until this change), they ran after the routed programs had
 drained, in a tail the routed work could not hide.
 
+Note "split K": w13's K is cut into SPLIT parts (``W13_SPLIT_MMA``), each a program of its own
+(axis 0: row tile x part). A w13 program reads two matrices over all of K, four times a w2
+program's bytes, so far fewer programs than w2 carry the same bytes: at B=8 with 23 experts
+about 760 of them, 1.2 waves of the ~660 an H100 holds at once, where the second, partial wave
+ran alone (w13 took 2.6x w2's time for 2x its bytes; the shared expert's 32 programs, each 512 KB,
+the longest). Split, each part stores its fp32 partials of w1 x and w3 x (act-row-major, a plane
+a part) and counts its arrival on the tile's counter (a barrier, then one acq_rel atomic: the
+others' stores are visible to whoever counts last); the last to arrive sums the parts' partials
+in part order (the same sums whichever comes last: deterministic) and stores the act rows as an
+unsplit program does. The counters are zeroed by the expert-row table's launch, which runs
+before w13 in the same op; the partials live in the op's scratch.
+
 The shared expert (FP8, every row) takes the dot tiles (``_shared_w13_dot``, ``_shared_w2_dot``).
 Scratch, partials and the reduce are ``moe_mxfp4``'s expert-major ones. Under the interpreter,
 which runs no PTX, the mma is computed by ``_mma_twin`` from the same per-lane fragments (the lane
@@ -55,7 +67,17 @@ import triton
 import triton.language as tl
 from draftgraph.ops.triton._common import clamped_swiglu, pdl_wait
 from draftgraph.ops.triton.fp8_linear import ue8m0_to_f32
-from draftgraph.ops.triton.lanes import bf16_hi, bf16_lo, lane_pick, lane_store, ld_b32, ld_u8, ld_v4, quad_sum
+from draftgraph.ops.triton.lanes import (
+    bf16_hi,
+    bf16_lo,
+    lane_pick,
+    lane_store,
+    ld_b32,
+    ld_b32_shared,
+    ld_u8,
+    ld_v4,
+    quad_sum,
+)
 from draftgraph.ops.triton.moe_grouped import expert_hits
 from draftgraph.ops.triton.moe_mxfp4 import (
     MMA_ROWS,
@@ -187,14 +209,15 @@ def _act_block(a_row, bt, live, EVEN: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _mma_pass(a_row, wa_ptr, sa_ptr, wb_ptr, sb_ptr, base_g, base_g8, K, g, t, W: tl.constexpr, BLOCK_K: tl.constexpr,
-              TWO: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
-    """One pass over K: C of matrix a (and, with TWO, of matrix b: w1 and w3 in one loop, each
-    activation block loaded once for both) for the lane's rows and batch column, from 0."""
+def _mma_pass(a_row, wa_ptr, sa_ptr, wb_ptr, sb_ptr, base_g, base_g8, K, k_lo, k_hi, g, t, W: tl.constexpr,
+              BLOCK_K: tl.constexpr, TWO: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """One pass over columns k_lo .. k_hi of K (k_lo a multiple of BLOCK_K, k_hi - k_lo too unless k_hi
+    is K): C of matrix a (and, with TWO, of matrix b: w1 and w3 in one loop, each activation block
+    loaded once for both) for the lane's rows and batch column, from 0."""
     zero = g * 0.0
     c0, c1, c2, c3 = zero, zero, zero, zero
     d0, d1, d2, d3 = zero, zero, zero, zero
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         for c in tl.static_range(BLOCK_K // 128):
             _, bt, live = _word_block(k0 + c * 128, t, 0, K, EVEN)  # this lane's block: t of 4
             x = _act_block(a_row, bt, live, EVEN, INTERP)
@@ -227,12 +250,19 @@ def _chunk_rows(idx_ptr, wts_ptr, slot, B, TOPK: tl.constexpr, TOPK_PAD: tl.cons
 
 
 @triton.jit
-def _expert_rows_kernel(idx_ptr, wts_ptr, count_ptr, rows_ptr, dest_ptr, wt_ptr, B, TOPK: tl.constexpr,
-                        TOPK_PAD: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def _expert_rows_kernel(idx_ptr, wts_ptr, count_ptr, rows_ptr, dest_ptr, wt_ptr, cnt_ptr, B, npid, TOPK: tl.constexpr,
+                        TOPK_PAD: tl.constexpr, BLOCK_R: tl.constexpr, NPID_PAD: tl.constexpr,
+                        PDL: tl.constexpr):  # fmt: skip
     """Routed slot s's row of the expert-row table (see "expert-row table"): count[s], and from
-    s * MMA_ROWS on, the rows of the chunk it heads in row order, their act rows and weights."""
+    s * MMA_ROWS on, the rows of the chunk it heads in row order, their act rows and weights; and
+    the arrival counts of w13's tiles of the slot ("split K"), 0 (slot 0: the shared expert's too)."""
     pdl_wait(PDL)
     slot = tl.program_id(0)
+    if NPID_PAD > 0:
+        tiles = tl.arange(0, NPID_PAD)
+        tl.store(cnt_ptr + slot * npid + tiles, tl.zeros_like(tiles), mask=tiles < npid)
+        if slot == 0:
+            tl.store(cnt_ptr + B * TOPK * npid + tiles, tl.zeros_like(tiles), mask=tiles < npid)
     serves, place, weight, dest = _chunk_rows(idx_ptr, wts_ptr, slot, B, TOPK, TOPK_PAD, BLOCK_R)
     at = slot * MMA_N + place
     tl.store(rows_ptr + at, tl.arange(0, BLOCK_R), mask=serves)
@@ -282,23 +312,49 @@ def _slot_lanes(idx_ptr, count_ptr, pid_n, slot, N, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _shared_w13_dot(x_ptr, sw1_ptr, ss1_ptr, sw3_ptr, ss3_ptr, act_ptr, pid_n, B, D, INTER, routed, stride_xb,
-                   stride_ssn, limit, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, DOT_K: tl.constexpr,
-                   NATIVE: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
-    """The shared expert's (FP8) act rows of every batch row, rows pid_n of its intermediate: the dot tiles."""
+def _arrive(counter, SPLIT: tl.constexpr):
+    """Whether this program is the last of its tile's SPLIT to finish its part ("split K"): every
+    thread's partials are stored before the count moves (the barrier, then a release), and the
+    last one's loads of the others' come after it saw them (acquire)."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    return ticket == SPLIT - 1
+
+
+@triton.jit
+def _shared_w13_dot(x_ptr, sw1_ptr, ss1_ptr, sw3_ptr, ss3_ptr, act_ptr, split_ptr, cnt_ptr, pid_n, part, npid, B, D,
+                   INTER, routed, stride_xb, stride_ssn, limit, k_lo, k_len, plane, BLOCK_N: tl.constexpr,
+                   BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, SPLIT: tl.constexpr, NATIVE: tl.constexpr,
+                   INTERP: tl.constexpr):  # fmt: skip
+    """The shared expert's (FP8) act rows of every batch row, rows pid_n of its intermediate: the dot
+    tiles, over columns k_lo .. k_lo + k_len (all of D unless split: "split K")."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < INTER
     n64 = offs_n.to(tl.int64)
     all_rows = tl.arange(0, BLOCK_B)
     every = all_rows < B
-    x_rows = x_ptr + all_rows.to(tl.int64)[:, None] * stride_xb
-    s_rows = (offs_n // 128) * stride_ssn
-    g = _expert_tiles(x_rows, every, sw1_ptr + n64 * D, ss1_ptr + s_rows, n_mask, D, D,
+    x_rows = x_ptr + all_rows.to(tl.int64)[:, None] * stride_xb + k_lo
+    s_rows = (offs_n // 128) * stride_ssn + k_lo // 128
+    g = _expert_tiles(x_rows, every, sw1_ptr + n64 * D + k_lo, ss1_ptr + s_rows, n_mask, k_len, k_len,
                       True, BLOCK_N, DOT_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
-    u = _expert_tiles(x_rows, every, sw3_ptr + n64 * D, ss3_ptr + s_rows, n_mask, D, D,
+    u = _expert_tiles(x_rows, every, sw3_ptr + n64 * D + k_lo, ss3_ptr + s_rows, n_mask, k_len, k_len,
                       True, BLOCK_N, DOT_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
-    ptrs = act_ptr + (routed + all_rows).to(tl.int64)[None, :] * INTER + offs_n[:, None]
-    tl.store(ptrs, clamped_swiglu(g, u, limit).to(act_ptr.dtype.element_ty), mask=n_mask[:, None] & every[None, :])
+    at = (routed + all_rows).to(tl.int64)[None, :] * INTER + offs_n[:, None]
+    mask = n_mask[:, None] & every[None, :]
+    if SPLIT == 1:
+        tl.store(act_ptr + at, clamped_swiglu(g, u, limit).to(act_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(split_ptr + part * plane + at, g, mask=mask)
+        tl.store(split_ptr + part * plane + plane // 2 + at, u, mask=mask)
+        if _arrive(cnt_ptr + routed * npid + pid_n, SPLIT):
+            g = tl.zeros_like(g)
+            u = tl.zeros_like(u)
+            for q in tl.static_range(SPLIT):  # in part order: the same sums whichever part came last
+                g += tl.load(split_ptr + q * plane + at, mask=mask, other=0.0, volatile=True)
+                u += tl.load(split_ptr + q * plane + plane // 2 + at, mask=mask, other=0.0,
+                             volatile=True)  # fmt: skip
+            tl.store(act_ptr + at, clamped_swiglu(g, u, limit).to(act_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -317,21 +373,68 @@ def _shared_w2_dot(act_ptr, sw2_ptr, ss2_ptr, part_ptr, pid_n, B, D, INTER, rout
 
 
 @triton.jit
+def _store_lanes(out_ptr, INTER, dest0, live0, dest1, live1, row_g, row_g8, real_g, real_g8, v0, v1, v2, v3,
+                 INTERP: tl.constexpr):  # fmt: skip
+    """The lane's four values of C (rows g, g + 8 x columns 2t, 2t + 1) into act-row-major fp32 rows."""
+    out0 = out_ptr + dest0.to(tl.int64) * INTER
+    out1 = out_ptr + dest1.to(tl.int64) * INTER
+    lane_store(out0 + row_g, v0, live0 & real_g, INTERP)
+    lane_store(out1 + row_g, v1, live1 & real_g, INTERP)
+    lane_store(out0 + row_g8, v2, live0 & real_g8, INTERP)
+    lane_store(out1 + row_g8, v3, live1 & real_g8, INTERP)
+
+
+@triton.jit
+def _store_act(act_ptr, INTER, dest0, wt0, live0, dest1, wt1, live1, row_g, row_g8, real_g, real_g8, c0, c1, c2, c3,
+               d0, d1, d2, d3, limit, INTERP: tl.constexpr):  # fmt: skip
+    """The lane's four act values: SwiGLU (clamped) of w1 x and w3 x, times the row's routing weight."""
+    _store_lanes(act_ptr, INTER, dest0, live0, dest1, live1, row_g, row_g8, real_g, real_g8,
+                 clamped_swiglu(c0, d0, limit) * wt0, clamped_swiglu(c1, d1, limit) * wt1,
+                 clamped_swiglu(c2, d2, limit) * wt0, clamped_swiglu(c3, d3, limit) * wt1, INTERP)  # fmt: skip
+
+
+@triton.jit
+def _split_sum(part_ptr, plane, INTER, dest0, dest1, row_g, row_g8, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+    """The lane's four w1 x and four w3 x summed over the SPLIT parts' partials, in part order."""
+    p0 = part_ptr + dest0.to(tl.int64) * INTER
+    p1 = part_ptr + dest1.to(tl.int64) * INTER
+    zero = row_g * 0.0
+    c0, c1, c2, c3 = zero, zero, zero, zero
+    d0, d1, d2, d3 = zero, zero, zero, zero
+    for q in tl.static_range(SPLIT):
+        c0 += ld_b32_shared(p0 + q * plane + row_g, INTERP)
+        c1 += ld_b32_shared(p1 + q * plane + row_g, INTERP)
+        c2 += ld_b32_shared(p0 + q * plane + row_g8, INTERP)
+        c3 += ld_b32_shared(p1 + q * plane + row_g8, INTERP)
+        d0 += ld_b32_shared(p0 + q * plane + plane // 2 + row_g, INTERP)
+        d1 += ld_b32_shared(p1 + q * plane + plane // 2 + row_g, INTERP)
+        d2 += ld_b32_shared(p0 + q * plane + plane // 2 + row_g8, INTERP)
+        d3 += ld_b32_shared(p1 + q * plane + plane // 2 + row_g8, INTERP)
+    return c0, c1, c2, c3, d0, d1, d2, d3
+
+
+@triton.jit
 def _w13_mma_kernel(
     x_ptr, idx_ptr, count_ptr, trows_ptr, tdest_ptr, twt_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, sw1_ptr, ss1_ptr,
-    sw3_ptr, ss3_ptr, act_ptr,
-    B, D, INTER, stride_xb, stride_ssn, limit,
+    sw3_ptr, ss3_ptr, act_ptr, split_ptr, cnt_ptr,
+    B, D, INTER, stride_xb, stride_ssn, limit, K_PART,
     TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
     NATIVE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
-    pid_n = tl.program_id(0)
+    pid_n = tl.program_id(0) // SPLIT
+    part = tl.program_id(0) % SPLIT  # the columns part * K_PART on ("split K"; all of D: SPLIT 1)
+    npid = tl.num_programs(0) // SPLIT
+    k_lo = part * K_PART
+    k_hi = tl.minimum(k_lo + K_PART, D)
     slot = tl.num_programs(1) - 1 - tl.program_id(1)  # the shared expert's programs first ("shared expert first")
     routed = B * TOPK
+    plane = 2 * (routed + B) * INTER  # a part's partials: w1 x, then w3 x, of every act row
     if slot >= routed:
-        _shared_w13_dot(x_ptr, sw1_ptr, ss1_ptr, sw3_ptr, ss3_ptr, act_ptr, pid_n, B, D, INTER, routed, stride_xb,
-                       stride_ssn, limit, BLOCK_N, BLOCK_B, DOT_K, NATIVE, INTERP)  # fmt: skip
+        _shared_w13_dot(x_ptr, sw1_ptr, ss1_ptr, sw3_ptr, ss3_ptr, act_ptr, split_ptr, cnt_ptr, pid_n, part, npid, B,
+                       D, INTER, routed, stride_xb, stride_ssn, limit, k_lo, k_hi - k_lo, plane, BLOCK_N, BLOCK_B,
+                       DOT_K, SPLIT, NATIVE, INTERP)  # fmt: skip
     else:
         W: tl.constexpr = BLOCK_N // 16
         t, g, row_g, row_g8, real_g, real_g8, e, n_served, base_g, base_g8 = _slot_lanes(
@@ -340,14 +443,22 @@ def _w13_mma_kernel(
             row_b, _, dest0, wt0, live0, dest1, wt1, live1 = _table_columns(
                 trows_ptr, tdest_ptr, twt_ptr, slot, n_served, g, t, INTERP)
             a_row = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + row_b.to(tl.int64) * (stride_xb // 2)
-            c0, c1, c2, c3, d0, d1, d2, d3 = _mma_pass(a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, base_g, base_g8, D, g, t,
-                                                       W, BLOCK_K, True, EVEN, INTERP)  # fmt: skip
-            out0 = act_ptr + dest0.to(tl.int64) * INTER
-            out1 = act_ptr + dest1.to(tl.int64) * INTER
-            lane_store(out0 + row_g, clamped_swiglu(c0, d0, limit) * wt0, live0 & real_g, INTERP)
-            lane_store(out1 + row_g, clamped_swiglu(c1, d1, limit) * wt1, live1 & real_g, INTERP)
-            lane_store(out0 + row_g8, clamped_swiglu(c2, d2, limit) * wt0, live0 & real_g8, INTERP)
-            lane_store(out1 + row_g8, clamped_swiglu(c3, d3, limit) * wt1, live1 & real_g8, INTERP)
+            c0, c1, c2, c3, d0, d1, d2, d3 = _mma_pass(a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, base_g, base_g8, D, k_lo,
+                                                       k_hi, g, t, W, BLOCK_K, True, EVEN, INTERP)  # fmt: skip
+            if SPLIT == 1:
+                _store_act(act_ptr, INTER, dest0, wt0, live0, dest1, wt1, live1, row_g, row_g8, real_g, real_g8,
+                           c0, c1, c2, c3, d0, d1, d2, d3, limit, INTERP)  # fmt: skip
+            else:  # this part's partials; the last part of the tile to finish sums them
+                mine = split_ptr + part * plane
+                _store_lanes(mine, INTER, dest0, live0, dest1, live1, row_g, row_g8, real_g, real_g8, c0, c1, c2, c3,
+                             INTERP)  # fmt: skip
+                _store_lanes(mine + plane // 2, INTER, dest0, live0, dest1, live1, row_g, row_g8, real_g, real_g8,
+                             d0, d1, d2, d3, INTERP)  # fmt: skip
+                if _arrive(cnt_ptr + slot * npid + pid_n, SPLIT):
+                    c0, c1, c2, c3, d0, d1, d2, d3 = _split_sum(split_ptr, plane, INTER, dest0, dest1, row_g, row_g8,
+                                                                SPLIT, INTERP)  # fmt: skip
+                    _store_act(act_ptr, INTER, dest0, wt0, live0, dest1, wt1, live1, row_g, row_g8, real_g, real_g8,
+                               c0, c1, c2, c3, d0, d1, d2, d3, limit, INTERP)  # fmt: skip
 
 
 @triton.jit
@@ -373,14 +484,10 @@ def _w2_mma_kernel(
             _, dest_b, dest0, _, live0, dest1, _, live1 = _table_columns(trows_ptr, tdest_ptr, twt_ptr, slot, n_served,
                                                                          g, t, INTERP)  # fmt: skip
             a_row = act_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + dest_b.to(tl.int64) * (INTER // 2)
-            c0, c1, c2, c3, _, _, _, _ = _mma_pass(a_row, w2_ptr, s2_ptr, w2_ptr, s2_ptr, base_g, base_g8, INTER, g, t,
-                                                   W, BLOCK_K, False, EVEN, INTERP)  # fmt: skip
-            out0 = part_ptr + dest0.to(tl.int64) * D
-            out1 = part_ptr + dest1.to(tl.int64) * D
-            lane_store(out0 + row_g, c0, live0 & real_g, INTERP)
-            lane_store(out1 + row_g, c1, live1 & real_g, INTERP)
-            lane_store(out0 + row_g8, c2, live0 & real_g8, INTERP)
-            lane_store(out1 + row_g8, c3, live1 & real_g8, INTERP)
+            c0, c1, c2, c3, _, _, _, _ = _mma_pass(a_row, w2_ptr, s2_ptr, w2_ptr, s2_ptr, base_g, base_g8, INTER, 0,
+                                                   INTER, g, t, W, BLOCK_K, False, EVEN, INTERP)  # fmt: skip
+            _store_lanes(part_ptr, D, dest0, live0, dest1, live1, row_g, row_g8, real_g, real_g8, c0, c1, c2, c3,
+                         INTERP)  # fmt: skip
 
 
 def launch_rows(grid, *args, **meta):
