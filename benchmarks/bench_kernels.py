@@ -789,7 +789,7 @@ def native_jobs() -> list:
         ("linear", 32, [(F, "LARGE_BATCH_CONFIG", dot + deep)]),
         # The tensor-core kernels (moe_mxfp4_mma) against the dot tiles (MMA_MAX_BATCH 0), then their tiles.
         ("moe", 4, [(MX, "MMA_MAX_BATCH", [0]), (MX, "W13_CONFIG_MMA", mma), (MX, "W2_CONFIG_MMA", mma),
-                    (MX, "W13_SPLIT_MMA", [1, 4])]),  # w13's K in parts (moe_mxfp4_mma, "split K"; default 2)
+                    (MX, "W13_SPLIT_MMA", [2, 4])]),  # w13's K in parts (moe_mxfp4_mma, "split K")
         # B=32 takes the mma kernels too, on the B=4 job's tiles: this case routes 32 rows to ~150
         # experts (one row each), the chain to ~23 (~8 rows each), so it would tune for another load.
     ]

@@ -322,7 +322,7 @@ MOE_WIDE = (K["gemv"].GemvConfig(8, 256, 4, 2, use_dot=False), K["gemv"].GemvCon
         (8, True, "mma_wide"),  # 8 rows: every batch column of the mma
         (5, True, "mma_wide"),  # 4 warps, 64 rows a program (ragged in I and D), 256-column K tiles
         (12, True, "mma_wide"),  # an expert 9 rows chose (forced below): two chunks of 8 columns
-        (5, True, "mma_whole"),  # w13's K in one part (the mma cases above: W13_SPLIT_MMA's 2, "split K")
+        (5, True, "mma_whole"),  # w13's K in one part (the mma cases above: in two, "split K")
     ],
 )
 def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):

@@ -97,8 +97,9 @@ MMA_MAX_BATCH = 64
 MMA_ROWS = 8  # rows a pass of those kernels (the mma's n): the expert-row table's chunk
 W13_CONFIG_MMA = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, use_dot=False)
 W2_CONFIG_MMA = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, use_dot=False)
-# w13's K cut into this many parts, each a program of its own (moe_mxfp4_mma, "split K"); 1: none.
-W13_SPLIT_MMA = 2
+# w13's K cut into this many parts, each a program of its own (moe_mxfp4_mma, "split K"); 1: none
+# (the default until a GPU run has timed the parts: the tests run 2 and 1).
+W13_SPLIT_MMA = 1
 # The dot tiles: fp16 x, slot-major B > 1 (grouped=False), or B > MMA_MAX_BATCH.
 W13_CONFIG_BATCHED = GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
 W2_CONFIG_BATCHED = GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
