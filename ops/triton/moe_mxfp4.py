@@ -97,9 +97,11 @@ MMA_MAX_BATCH = 64
 MMA_ROWS = 8  # rows a pass of those kernels (the mma's n): the expert-row table's chunk
 W13_CONFIG_MMA = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, use_dot=False)
 W2_CONFIG_MMA = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, use_dot=False)
-# w13's K cut into this many parts, each a program of its own (moe_mxfp4_mma, "split K"); 1: none
-# (the default until a GPU run has timed the parts: the tests run 2 and 1).
-W13_SPLIT_MMA = 1
+# w13's K cut into this many parts, each a program of its own (moe_mxfp4_mma, "split K"); 1: none.
+# On an H100 (benchmarks/h200/moe_split_022df2c_h100_log.txt), the MoE alone, parts 1 / 4 / 8:
+# B=8 302 / 283 / 289 us (random routing), 177 / 158 / 167 (23 experts); B=32 806 / 753 / 863,
+# 275 / 267 / 325. Two parts gave about half of four's gain.
+W13_SPLIT_MMA = 4
 # The dot tiles: fp16 x, slot-major B > 1 (grouped=False), or B > MMA_MAX_BATCH.
 W13_CONFIG_BATCHED = GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
 W2_CONFIG_BATCHED = GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
