@@ -740,7 +740,8 @@ def moe_mxfp4_parts(batch: int, top_k: int, inter: int, d: int, dtype: torch.dty
     """Scratch of one call, as :func:`_common.carve` parts: act rows (routed slots, then the
     shared expert per row, if any) and, expert-major, fp32 w2 partials per slot and the
     tensor-core kernels' expert-row table (moe_mxfp4_mma, "expert-row table": a count per routed
-    slot, then its chunk's rows, act rows and weights, MMA_ROWS a slot)."""
+    slot, then its chunk's rows, act rows and weights, MMA_ROWS a slot) and, with w13's K split
+    (:func:`mma_split`), each part's fp32 partials and an arrival count per w13 tile."""
     slots = batch * top_k + (batch if shared else 0)
     routed = batch * top_k if grouped else 0
     table = (routed, MMA_ROWS)
