@@ -751,6 +751,7 @@ def tune_all(flash, copy_bw, deadline, only: set[str] | None = None) -> Tuner:
                         t.knob(c, A, "DOT_WARPS", [4, 8])
                         t.knob(c, A, "DOT_BLOCK_H", [16, 32, 64])
                         t.knob(c, A, "DOT_STAGES", [2, 3, 1])
+                        t.knob(c, A, "ATTN_MIN_PROGRAMS", [64, 1, 32, 128])  # the window's split
                     else:
                         t.knob(c, A, "BLOCK_W", [8, 4, 16])
                         t.knob(c, A, "ATTN_WARPS", [4, 8])

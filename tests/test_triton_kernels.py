@@ -290,6 +290,25 @@ def test_swa_attention(device, positions, attn_impl):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("parts", [2, 4])
+def test_swa_attention_split_window(device, parts, monkeypatch):
+    """The dot core's window cut over programs ("split window"): 64 keys in steps of 16. At
+    position 5 only the last part has keys (the others hold the sink or nothing: a part with no
+    key must weigh 0, not NaN); the merge must take every part (one part alone fails the check)."""
+    A = K["attention"]
+    monkeypatch.setattr(A, "ATTN_IMPL", "dot")
+    monkeypatch.setattr(A, "DOT_BLOCK_W", 16)
+    monkeypatch.setattr(A, "ATTN_MIN_PROGRAMS", 3 * parts)  # batch 3, one head block: `parts` parts
+    assert A.window_parts(3, 4, 64) == parts
+    inputs, attrs = attention_case(gen(118), positions=[5, 63, 50], kv_start=[0, 0, 20], window=64)
+    split, _, _ = compare("swa_attention", *to_device((inputs, attrs), device))
+    monkeypatch.setattr(A, "ATTN_MIN_PROGRAMS", 1)
+    assert A.window_parts(3, 4, 64) == 1
+    whole, _, _ = compare("swa_attention", *to_device((inputs, attrs), device))
+    assert rel_err(split[0].float(), whole[0].float()) < 2e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_swa_attention_batch_one_fma_projections(device, monkeypatch):
     fma = GEMV(16, 128, 4, 3, False)
     for knob in ("PROJ_CONFIG", "Q_CONFIG", "WO_A_CONFIG", "WO_B_CONFIG"):

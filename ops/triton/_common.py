@@ -184,3 +184,15 @@ def clamped_swiglu(gate, up, limit):
     """silu(min(gate, limit)) * clamp(up, -limit, limit): the V4 expert activation (fp32)."""
     g = tl.minimum(gate, limit)
     return g / (1.0 + tl.exp(-g)) * tl.minimum(tl.maximum(up, -limit), limit)
+
+
+@triton.jit
+def last_to_arrive(counter, SPLIT: tl.constexpr):
+    """Whether this program is the last of the SPLIT programs sharing ``counter`` to finish its part
+    (split-K MoE, split-window attention): every thread's partials are stored before the count
+    moves (the barrier, then a release), and the last one's loads of the others' come after it saw
+    them (acquire). Read the others' partials with ``volatile=True`` (never a stale L1 line)."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    return ticket == SPLIT - 1

@@ -9,12 +9,25 @@
    pass over the window's keys gathered through the block table, the sink seeded as the
    running max with weight exp(0) = 1 so it joins the denominator only; inverse RoPE of
    the output's tail; bf16 o [B, H*d]. Two cores (``ATTN_IMPL``): "dot", grid
-   (B, H / DOT_BLOCK_H), s = q K^T and o = p K on the tensor cores with q and p in bf16,
-   each key tile read once for 16 heads, RoPE through a [.., 2] split of the rows (the
-   default: 17 us against ~27 us on an H200); "fma", grid (B, H), fp32 throughout,
-   latents held as even/odd halves so the RoPE pairs are elementwise.
+   (B, H / DOT_BLOCK_H, parts), s = q K^T and o = p K on the tensor cores with q and p in
+   bf16, each key tile read once for 16 heads, RoPE through a [.., 2] split of the rows (the
+   default: 17 us against ~27 us on an H200), the window split over programs at small batch
+   (note "split window"); "fma", grid (B, H), fp32 throughout, latents held as even/odd
+   halves so the RoPE pairs are elementwise.
 5. grouped GEMV z_g = wo_a[g] @ o_g (bf16, as the reference rounds z).
 6. GEMV out = wo_b @ z.
+
+Note "split window": at B=1 the dot core has H / 16 = 4 programs, each walking the 128 keys of
+the window in four dependent steps on one SM (16 us of an H100's step). Flash-decoding style,
+the window is cut into ``parts`` ranges of keys, a program each, until B x head blocks x parts
+reaches ``ATTN_MIN_PROGRAMS`` (B=1: 4 parts, B=8: 2, B >= 16: none). Each part keeps its own
+running max m, sum l and output acc (part 0 seeded with the sink, the others with m = -1e30:
+finite, so a part with no valid key gives weights exp(-inf - -1e30) = 0, not NaN) and stores
+them, fp32, in the op's scratch; the last of a head block's parts to finish (an arrival count,
+as the MoE's split K: ``last_to_arrive``) merges them in part order, o = sum_j e^(m_j - M) acc_j /
+sum_j e^(m_j - M) l_j, deterministic whichever part comes last. The counts are zeroed by the kv
+finish launch, which runs before (2 -> 4 above): nothing persists between launches, no launch
+is added.
 
 Native weights (issue 28.2): with all five linears FP8 QuantWeights the GEMVs are
 ``fp8_linear.fp8_gemv`` on the stored bytes and scales (the same launches and options), and
@@ -32,7 +45,17 @@ import torch
 import triton
 import triton.language as tl
 from draftgraph.ops.quantised import is_quantised
-from draftgraph.ops.triton._common import carve, interpreting, mma, next_pow2, pdl_args, pdl_wait, scratch_bytes, splat
+from draftgraph.ops.triton._common import (
+    carve,
+    interpreting,
+    last_to_arrive,
+    mma,
+    next_pow2,
+    pdl_args,
+    pdl_wait,
+    scratch_bytes,
+    splat,
+)
 from draftgraph.ops.triton.fp8_linear import project
 from draftgraph.ops.triton.gemv import GemvConfig, rms_norm_rows
 from draftgraph.runtime.model.quant import fp8_round_activations
@@ -47,6 +70,7 @@ DOT_BLOCK_H = 16
 DOT_BLOCK_W = 32  # keys per online-softmax step
 DOT_WARPS = 8
 DOT_STAGES = 2
+ATTN_MIN_PROGRAMS = 64  # the dot core's window is split until B x head blocks x parts reaches this ("split window")
 BLOCK_W = 8  # keys per step of the "fma" core
 ATTN_WARPS = 4
 FP8_MAX = 448.0
@@ -156,12 +180,18 @@ def _kv_finish_kernel(
     HALF: tl.constexpr,
     N_PAIR0: tl.constexpr,
     BS: tl.constexpr,
+    cnt_ptr,
+    n_cnt,
     FP8: tl.constexpr,
     FP8_PAIRS: tl.constexpr,
+    CNT_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
     b = tl.program_id(0)
+    if CNT_BLOCK > 0:  # the attend launch's arrival counts of this row ("split window")
+        c = tl.arange(0, CNT_BLOCK)
+        tl.store(cnt_ptr + b * n_cnt + c, tl.zeros([CNT_BLOCK], dtype=tl.int32), mask=c < n_cnt)
     p = tl.load(pos_ptr + b * stride_pb)
     slot, alive = _row_slot(table_ptr, b, p, stride_tb, max_blocks, num_slots, BS)
     pair = tl.arange(0, HALF)
@@ -278,6 +308,8 @@ def _swa_decode_dot_kernel(
     sink_ptr,
     inv_freq_ptr,
     o_ptr,
+    part_ptr,
+    cnt_ptr,
     stride_qb,
     stride_cs,
     stride_tb,
@@ -295,17 +327,23 @@ def _swa_decode_dot_kernel(
     WINDOW: tl.constexpr,
     BLOCK_W: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PARTS: tl.constexpr,
+    PART_KEYS: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """BLOCK_H heads of one row on the tensor cores: s = q K^T, o = p K; each key tile read once.
 
     q (head-normed, rotated, scaled by 1/sqrt(d)) and p enter the dots in bf16; the output's
-    inverse RoPE is applied once after the loop.
+    inverse RoPE is applied once after the loop. Program (b, head block, part) walks the keys
+    part * PART_KEYS .. + PART_KEYS of the window (all of it when PARTS is 1: "split window").
     """
     pdl_wait(PDL)
     b = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hb = tl.program_id(1)
+    part = tl.program_id(2)
+    h_local = tl.arange(0, BLOCK_H)
+    heads = hb * BLOCK_H + h_local
     h_mask = heads < H
     p = tl.load(pos_ptr + b * stride_pb)
     _, alive = _row_slot(table_ptr, b, p, stride_tb, max_blocks, num_slots, BS)
@@ -318,10 +356,12 @@ def _swa_decode_dot_kernel(
     q = _rotate_rows(q * (inv * sm_scale)[:, None], p, inv_freq_ptr, BLOCK_H, HEAD_DIM, N_PAIR0, 1.0)
     qb = q.to(cache_ptr.dtype.element_ty)
 
-    m_i = tl.load(sink_ptr + heads, mask=h_mask, other=0.0)  # the sink seeds the running max
-    l_i = m_i * 0.0 + 1.0
+    sink = tl.load(sink_ptr + heads, mask=h_mask, other=0.0)
+    first = splat(part == 0, sink)
+    m_i = tl.where(first, sink, -1e30)  # the sink seeds part 0's running max; -1e30: see "split window"
+    l_i = tl.where(first, 1.0, 0.0)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    for w0 in range(0, WINDOW, BLOCK_W):
+    for w0 in range(part * PART_KEYS, part * PART_KEYS + PART_KEYS, BLOCK_W):
         slot, valid = _window_keys(
             table_ptr, b, p, w0, lowest, alive, stride_tb, max_blocks, num_slots, BS, WINDOW, BLOCK_W
         )
@@ -335,19 +375,63 @@ def _swa_decode_dot_kernel(
         l_i = l_i * alpha + tl.sum(pw, 1)
         acc = acc * alpha[:, None] + mma(pw.to(k.dtype), k, INTERP)
         m_i = m_new
-    o = _rotate_rows(acc / l_i[:, None], p, inv_freq_ptr, BLOCK_H, HEAD_DIM, N_PAIR0, -1.0)
     o_rows = o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * HEAD_DIM + dims[None, :]
-    tl.store(o_rows, o.to(o_ptr.dtype.element_ty), mask=h_mask[:, None])
+    if PARTS == 1:
+        o = _rotate_rows(acc / l_i[:, None], p, inv_freq_ptr, BLOCK_H, HEAD_DIM, N_PAIR0, -1.0)
+        tl.store(o_rows, o.to(o_ptr.dtype.element_ty), mask=h_mask[:, None])
+    else:
+        # This part's (acc, m, l), then the merge by the head block's last part to finish.
+        tile = b.to(tl.int64) * tl.num_programs(1) + hb
+        size = BLOCK_H * (HEAD_DIM + 2)
+        mine = part_ptr + (tile * PARTS + part) * size
+        tl.store(mine + h_local[:, None] * HEAD_DIM + dims[None, :], acc)
+        tl.store(mine + BLOCK_H * HEAD_DIM + h_local, m_i)
+        tl.store(mine + BLOCK_H * HEAD_DIM + BLOCK_H + h_local, l_i)
+        if last_to_arrive(cnt_ptr + tile, PARTS):
+            parts = part_ptr + tile * PARTS * size
+            m_all = tl.full([BLOCK_H], -1e30, tl.float32)
+            for j in tl.static_range(PARTS):
+                m_all = tl.maximum(m_all, tl.load(parts + j * size + BLOCK_H * HEAD_DIM + h_local, volatile=True))
+            acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for j in tl.static_range(PARTS):  # in part order: the same sums whichever part came last
+                w = tl.exp(tl.load(parts + j * size + BLOCK_H * HEAD_DIM + h_local, volatile=True) - m_all)
+                l_i += w * tl.load(parts + j * size + BLOCK_H * HEAD_DIM + BLOCK_H + h_local, volatile=True)
+                acc += w[:, None] * tl.load(parts + j * size + h_local[:, None] * HEAD_DIM + dims[None, :],
+                                            volatile=True)  # fmt: skip
+            o = _rotate_rows(acc / l_i[:, None], p, inv_freq_ptr, BLOCK_H, HEAD_DIM, N_PAIR0, -1.0)
+            tl.store(o_rows, o.to(o_ptr.dtype.element_ty), mask=h_mask[:, None])
+
+
+def window_parts(batch: int, heads: int, window: int) -> int:
+    """Parts of the window the dot core splits over programs at this batch ("split window"); 1: none."""
+    if ATTN_IMPL != "dot":
+        return 1
+    head_blocks = -(-heads // min(DOT_BLOCK_H, max(16, next_pow2(heads))))
+    steps = -(-window // _dot_block_w(window))
+    parts = 1
+    while steps % (2 * parts) == 0 and batch * head_blocks * parts < ATTN_MIN_PROGRAMS:
+        parts *= 2
+    return parts
+
+
+def _dot_block_w(window: int) -> int:
+    return min(DOT_BLOCK_W, max(16, next_pow2(window)))
 
 
 def _parts(b: int, attrs, q_lora: int, dtype: torch.dtype, quant: bool):
     h, d = int(attrs["num_heads"]), int(attrs["head_dim"])
     groups, o_lora = int(attrs["o_groups"]), int(attrs["o_lora_rank"])
+    parts = window_parts(b, h, int(attrs["window"]))
+    block_h = min(DOT_BLOCK_H, max(16, next_pow2(h)))
+    tiles = b * -(-h // block_h) if parts > 1 else 0
     return [
         ((b, q_lora + d), dtype if quant else torch.float32),  # raw qa | kv (bf16 out of fp8_gemv)
         ((b, h * d), torch.float32),  # raw q
         ((b, h * d), dtype),  # attention output o
         ((b, groups * o_lora), dtype),  # z
+        ((tiles * parts, block_h * (d + 2)), torch.float32),  # each part's (acc, m, l): "split window"
+        ((tiles,), torch.int32),  # their arrival counts, zeroed by kv finish
     ]
 
 
@@ -396,7 +480,8 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
     b, q_lora, n = x.shape[0], wq_a.shape[0], d - r
     quant = is_quantised(wq_a)  # then all five are FP8 (_usable)
     w8a8 = quant and attrs.get("activations") == "fp8"
-    raw, q, o, z = carve(workspace, x.device, _parts(b, attrs, q_lora, x.dtype, quant))
+    raw, q, o, z, split, arrivals = carve(workspace, x.device, _parts(b, attrs, q_lora, x.dtype, quant))
+    parts = window_parts(b, h, window)
     inv_freq = _inv_freq(r, theta, x.device)
     num_slots, max_blocks = cache.shape[0], table.shape[1]
     o_lora = wo_a.shape[0] // groups
@@ -426,8 +511,11 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
             HALF=d // 2,
             N_PAIR0=n // 2,
             BS=bs,
+            cnt_ptr=arrivals,
+            n_cnt=arrivals.numel() // b,
             FP8=bool(attrs.get("kv_fp8_round", False)),
             FP8_PAIRS=32,
+            CNT_BLOCK=next_pow2(arrivals.numel() // b) if parts > 1 else 0,
             num_warps=4,
             **pdl_args(x.device),
         )
@@ -458,9 +546,12 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
             kv_start.stride(0),
         )
         if ATTN_IMPL == "dot":
-            block_h = min(DOT_BLOCK_H, max(16, next_pow2(h)))
-            _swa_decode_dot_kernel[(b, triton.cdiv(h, block_h))](
-                *common,
+            block_h, block_w = min(DOT_BLOCK_H, max(16, next_pow2(h))), _dot_block_w(window)
+            _swa_decode_dot_kernel[(b, triton.cdiv(h, block_h), parts)](
+                *common[:8],
+                split,
+                arrivals,
+                *common[8:],
                 h,
                 max_blocks,
                 num_slots,
@@ -470,8 +561,10 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
                 N_PAIR0=n // 2,
                 BS=bs,
                 WINDOW=window,
-                BLOCK_W=min(DOT_BLOCK_W, max(16, next_pow2(window))),
+                BLOCK_W=block_w,
                 BLOCK_H=block_h,
+                PARTS=parts,
+                PART_KEYS=triton.cdiv(window, block_w) // parts * block_w,
                 INTERP=interpreting(),
                 num_warps=DOT_WARPS,
                 num_stages=DOT_STAGES,

@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from draftgraph.ops.triton._common import clamped_swiglu, pdl_wait
+from draftgraph.ops.triton._common import clamped_swiglu, last_to_arrive, pdl_wait
 from draftgraph.ops.triton.fp8_linear import ue8m0_to_f32
 from draftgraph.ops.triton.lanes import (
     bf16_hi,
@@ -314,17 +314,6 @@ def _slot_lanes(idx_ptr, count_ptr, pid_n, slot, N, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _arrive(counter, SPLIT: tl.constexpr):
-    """Whether this program is the last of its tile's SPLIT to finish its part ("split K"): every
-    thread's partials are stored before the count moves (the barrier, then a release), and the
-    last one's loads of the others' come after it saw them (acquire)."""
-    tl.debug_barrier()
-    ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    tl.debug_barrier()
-    return ticket == SPLIT - 1
-
-
-@triton.jit
 def _shared_w13_dot(x_ptr, sw1_ptr, ss1_ptr, sw3_ptr, ss3_ptr, act_ptr, split_ptr, cnt_ptr, pid_n, part, npid, B, D,
                    INTER, routed, stride_xb, stride_ssn, limit, k_lo, k_len, plane, BLOCK_N: tl.constexpr,
                    BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, SPLIT: tl.constexpr, NATIVE: tl.constexpr,
@@ -349,7 +338,7 @@ def _shared_w13_dot(x_ptr, sw1_ptr, ss1_ptr, sw3_ptr, ss3_ptr, act_ptr, split_pt
     else:
         tl.store(split_ptr + part * plane + at, g, mask=mask)
         tl.store(split_ptr + part * plane + plane // 2 + at, u, mask=mask)
-        if _arrive(cnt_ptr + routed * npid + pid_n, SPLIT):
+        if last_to_arrive(cnt_ptr + routed * npid + pid_n, SPLIT):
             g = tl.zeros_like(g)
             u = tl.zeros_like(u)
             for q in tl.static_range(SPLIT):  # in part order: the same sums whichever part came last
@@ -456,7 +445,7 @@ def _w13_mma_kernel(
                              INTERP)  # fmt: skip
                 _store_lanes(mine + plane // 2, INTER, dest0, live0, dest1, live1, row_g, row_g8, real_g, real_g8,
                              d0, d1, d2, d3, INTERP)  # fmt: skip
-                if _arrive(cnt_ptr + slot * npid + pid_n, SPLIT):
+                if last_to_arrive(cnt_ptr + slot * npid + pid_n, SPLIT):
                     c0, c1, c2, c3, d0, d1, d2, d3 = _split_sum(split_ptr, plane, INTER, dest0, dest1, row_g, row_g8,
                                                                 SPLIT, INTERP)  # fmt: skip
                     _store_act(act_ptr, INTER, dest0, wt0, live0, dest1, wt1, live1, row_g, row_g8, real_g, real_g8,
