@@ -1,10 +1,12 @@
 """swa_attention decode: six launches, each weight byte read once.
 
-1. GEMV x @ [wq_a; wkv]^T -> raw [B, q_lora + d] fp32 (one launch for both matrices).
-2. kv finish, grid (B,): kv_norm, optional FP8 rounding of the non-rotary head, RoPE on
-   the tail, and the cache write at the row's slot; a padded row (block-table -1 at its
-   position) writes nothing. It runs before (3): every row writes before any row reads.
-3. GEMV q = q_norm(qa) @ wq_b^T with q_norm fused as the GEMV's prologue, fp32 out.
+1. GEMV x @ [wq_a; wkv]^T -> raw [B, q_lora + d] fp32 (one launch for both matrices), or
+   its partials over ``PROJ_SPLIT`` parts of K (note "split proj").
+2. kv finish, grid (B,): the partials' sum, q_norm of qa (note "q norm here"), kv_norm,
+   optional FP8 rounding of the non-rotary head, RoPE on the tail, and the cache write at
+   the row's slot; a padded row (block-table -1 at its position) writes nothing. It runs
+   before (3): every row writes before any row reads.
+3. GEMV q = qn @ wq_b^T, fp32 out.
 4. attention: the per-head weightless RMS norm and RoPE of q, then one online-softmax
    pass over the window's keys gathered through the block table, the sink seeded as the
    running max with weight exp(0) = 1 so it joins the denominator only; inverse RoPE of
@@ -28,6 +30,16 @@ as the MoE's split K: ``last_to_arrive``) merges them in part order, o = sum_j e
 sum_j e^(m_j - M) l_j, deterministic whichever part comes last. The counts are zeroed by the kv
 finish launch, which runs before (2 -> 4 above): nothing persists between launches, no launch
 is added.
+
+Note "split proj": [wq_a; wkv] is 1536 rows, 48 programs of the 32-row dot tiles at B > 1 (192
+of the batch-1 tiles): too few to keep an H100's memory busy (22.7 us at B=8 for 6.3 MB of FP8).
+Each part of K is a program of its own writing fp32 partials; kv finish, a program a row that
+reads the row anyway, sums them in part order and rounds as raw is stored. No launch added.
+
+Note "q norm here": kv finish holds the row's qa, so it writes q_norm(qa) (bf16, rounded as the
+norm's output is) for the wq_b GEMV, which before recomputed the norm as a prologue in each of
+its 1024 programs, a pass over qa before its first weight tile (32.5 us at B=8 on an H100 for
+33.5 MB).
 
 Native weights (issue 28.2): with all five linears FP8 QuantWeights the GEMVs are
 ``fp8_linear.fp8_gemv`` on the stored bytes and scales (the same launches and options), and
@@ -57,7 +69,7 @@ from draftgraph.ops.triton._common import (
     splat,
 )
 from draftgraph.ops.triton.fp8_linear import project
-from draftgraph.ops.triton.gemv import GemvConfig, rms_norm_rows
+from draftgraph.ops.triton.gemv import GemvConfig
 from draftgraph.runtime.model.quant import fp8_round_activations
 
 # Tuned on an H200 at V4-Flash shapes, batch 1 (docs/KERNELS.md); batch > 1 uses gemv.BATCHED.
@@ -70,6 +82,7 @@ DOT_BLOCK_H = 16
 DOT_BLOCK_W = 32  # keys per online-softmax step
 DOT_WARPS = 8
 DOT_STAGES = 2
+PROJ_SPLIT = 4  # K parts of the wq_a + wkv GEMV, summed by kv finish ("split proj"); 1: none
 ATTN_MIN_PROGRAMS = 64  # the dot core's window is split until B x head blocks x parts reaches this ("split window")
 BLOCK_W = 8  # keys per step of the "fma" core
 ATTN_WARPS = 4
@@ -162,28 +175,48 @@ def _pow2_ceil_log2(y):
 
 
 @triton.jit
+def _raw_values(raw_ptr, part_ptr, at, mask, plane, SPLIT: tl.constexpr):
+    """fp32 values of raw at offsets ``at``: loaded, or under a split projection ("split proj") its
+    partials summed in part order and rounded as raw would have been stored."""
+    if SPLIT == 1:
+        return tl.load(raw_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    else:
+        v = tl.load(part_ptr + at, mask=mask, other=0.0)
+        for j in tl.static_range(1, SPLIT):
+            v += tl.load(part_ptr + j * plane + at, mask=mask, other=0.0)
+        return v.to(raw_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def _kv_finish_kernel(
     raw_ptr,
+    proj_part_ptr,
     norm_ptr,
+    q_norm_ptr,
+    qn_ptr,
     cache_ptr,
     table_ptr,
     pos_ptr,
     inv_freq_ptr,
-    stride_rb,
+    cnt_ptr,
+    row_len,
+    q_lora,
+    stride_qn,
     stride_cs,
     stride_tb,
     stride_pb,
     max_blocks,
     num_slots,
+    n_cnt,
     eps,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
     N_PAIR0: tl.constexpr,
     BS: tl.constexpr,
-    cnt_ptr,
-    n_cnt,
     FP8: tl.constexpr,
     FP8_PAIRS: tl.constexpr,
+    QA_BLOCK: tl.constexpr,
+    SPLIT: tl.constexpr,
     CNT_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -192,19 +225,29 @@ def _kv_finish_kernel(
     if CNT_BLOCK > 0:  # the attend launch's arrival counts of this row ("split window")
         c = tl.arange(0, CNT_BLOCK)
         tl.store(cnt_ptr + b * n_cnt + c, tl.zeros([CNT_BLOCK], dtype=tl.int32), mask=c < n_cnt)
+    row0 = b.to(tl.int64) * row_len
+    plane = tl.num_programs(0).to(tl.int64) * row_len
+    # q_norm(qa) for the wq_b GEMV ("q norm here"), rounded as the norm's bf16 output is.
+    qo = tl.arange(0, QA_BLOCK)
+    qm = qo < q_lora
+    qa = _raw_values(raw_ptr, proj_part_ptr, row0 + qo, qm, plane, SPLIT)
+    q_inv = 1.0 / tl.sqrt(tl.sum(qa * qa, 0) / q_lora + eps)
+    qn = qa * q_inv * tl.load(q_norm_ptr + qo, mask=qm, other=0.0).to(tl.float32)
+    tl.store(qn_ptr + b.to(tl.int64) * stride_qn + qo, qn.to(qn_ptr.dtype.element_ty), mask=qm)
+
     p = tl.load(pos_ptr + b * stride_pb)
     slot, alive = _row_slot(table_ptr, b, p, stride_tb, max_blocks, num_slots, BS)
     pair = tl.arange(0, HALF)
-    ev = tl.load(raw_ptr + b * stride_rb + 2 * pair).to(tl.float32)  # raw: fp32, or bf16 (FP8 weights)
-    od = tl.load(raw_ptr + b * stride_rb + 2 * pair + 1).to(tl.float32)
+    every = pair < HALF
+    kv0 = row0 + q_lora
+    ev = _raw_values(raw_ptr, proj_part_ptr, kv0 + 2 * pair, every, plane, SPLIT)  # raw: fp32, or bf16 (FP8)
+    od = _raw_values(raw_ptr, proj_part_ptr, kv0 + 2 * pair + 1, every, plane, SPLIT)
     inv = 1.0 / tl.sqrt((tl.sum(ev * ev, 0) + tl.sum(od * od, 0)) / HEAD_DIM + eps)
     ev = ev * inv * tl.load(norm_ptr + 2 * pair).to(tl.float32)
     od = od * inv * tl.load(norm_ptr + 2 * pair + 1).to(tl.float32)
     if FP8:
         # Blocks of 64 values = FP8_PAIRS pairs over the non-rotary head (pairs < N_PAIR0).
-        amag = tl.where(
-            pair < N_PAIR0, tl.maximum(tl.abs(ev), tl.abs(od)), 0.0
-        )  # zero-padded as the reference
+        amag = tl.where(pair < N_PAIR0, tl.maximum(tl.abs(ev), tl.abs(od)), 0.0)  # zero-padded as the reference
         blk_max = tl.max(tl.reshape(amag, [HALF // FP8_PAIRS, FP8_PAIRS]), 1)  # [HALF / FP8_PAIRS]
         blk_max = tl.reshape(tl.broadcast_to(blk_max[:, None], [HALF // FP8_PAIRS, FP8_PAIRS]), [HALF])
         scale = _pow2_ceil_log2(tl.maximum(blk_max, 1e-4) / 448.0)
@@ -415,18 +458,29 @@ def window_parts(batch: int, heads: int, window: int) -> int:
     return parts
 
 
+def proj_split_for(k: int) -> int:
+    """K parts of the wq_a + wkv GEMV ("split proj"): PROJ_SPLIT, halved until K splits into 16-column tiles."""
+    split = max(int(PROJ_SPLIT), 1)
+    while split > 1 and k % (split * 16):
+        split //= 2
+    return split
+
+
 def _dot_block_w(window: int) -> int:
     return min(DOT_BLOCK_W, max(16, next_pow2(window)))
 
 
-def _parts(b: int, attrs, q_lora: int, dtype: torch.dtype, quant: bool):
+def _parts(b: int, attrs, q_lora: int, x_dim: int, dtype: torch.dtype, quant: bool):
     h, d = int(attrs["num_heads"]), int(attrs["head_dim"])
     groups, o_lora = int(attrs["o_groups"]), int(attrs["o_lora_rank"])
     parts = window_parts(b, h, int(attrs["window"]))
     block_h = min(DOT_BLOCK_H, max(16, next_pow2(h)))
     tiles = b * -(-h // block_h) if parts > 1 else 0
+    split = proj_split_for(int(x_dim))
     return [
         ((b, q_lora + d), dtype if quant else torch.float32),  # raw qa | kv (bf16 out of fp8_gemv)
+        ((split if split > 1 else 0, b, q_lora + d), torch.float32),  # its partials ("split proj")
+        ((b, q_lora), dtype),  # q_norm(qa), the wq_b GEMV's input
         ((b, h * d), torch.float32),  # raw q
         ((b, h * d), dtype),  # attention output o
         ((b, groups * o_lora), dtype),  # z
@@ -437,7 +491,8 @@ def _parts(b: int, attrs, q_lora: int, dtype: torch.dtype, quant: bool):
 
 def attention_workspace(specs, attrs, batch: int) -> int:
     """Scratch bytes of swa_attention at a concrete batch."""
-    return scratch_bytes(_parts(batch, attrs, specs[1].shape[0], specs[0].dtype, specs[1].is_quantised))
+    x, wq_a = specs[0], specs[1]
+    return scratch_bytes(_parts(batch, attrs, wq_a.shape[0], x.shape[1], x.dtype, wq_a.is_quantised))
 
 
 def _usable(inputs, attrs) -> bool:
@@ -480,8 +535,9 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
     b, q_lora, n = x.shape[0], wq_a.shape[0], d - r
     quant = is_quantised(wq_a)  # then all five are FP8 (_usable)
     w8a8 = quant and attrs.get("activations") == "fp8"
-    raw, q, o, z, split, arrivals = carve(workspace, x.device, _parts(b, attrs, q_lora, x.dtype, quant))
-    parts = window_parts(b, h, window)
+    raw, proj_parts, qn, q, o, z, split, arrivals = carve(workspace, x.device, _parts(b, attrs, q_lora, x.shape[1],
+                                                                                     x.dtype, quant))  # fmt: skip
+    parts, proj_split = window_parts(b, h, window), max(proj_parts.shape[0], 1)
     inv_freq = _inv_freq(r, theta, x.device)
     num_slots, max_blocks = cache.shape[0], table.shape[1]
     o_lora = wo_a.shape[0] // groups
@@ -489,44 +545,49 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
     def w8a8_in(t: torch.Tensor) -> torch.Tensor:
         return fp8_round_activations(t) if w8a8 else t
 
-    def proj_():  # raw = x @ [wq_a; wkv]^T
-        project(w8a8_in(x), wq_a, raw, w2=wkv, config=PROJ_CONFIG)
+    def proj_():  # raw = x @ [wq_a; wkv]^T, or its K split's partials ("split proj")
+        if proj_split > 1:
+            project(w8a8_in(x), wq_a, proj_parts, w2=wkv, config=PROJ_CONFIG, split_k=proj_split)
+        else:
+            project(w8a8_in(x), wq_a, raw, w2=wkv, config=PROJ_CONFIG)
 
     def kv_finish():
         _kv_finish_kernel[(b,)](
-            raw[:, q_lora:],
+            raw,
+            proj_parts,
             kv_norm,
+            q_norm,
+            qn,
             cache,
             table,
             positions,
             inv_freq,
+            arrivals,
             raw.stride(0),
+            q_lora,
+            qn.stride(0),
             cache.stride(0),
             table.stride(0),
             positions.stride(0),
             max_blocks,
             num_slots,
+            arrivals.numel() // b,
             eps,
             HEAD_DIM=d,
             HALF=d // 2,
             N_PAIR0=n // 2,
             BS=bs,
-            cnt_ptr=arrivals,
-            n_cnt=arrivals.numel() // b,
             FP8=bool(attrs.get("kv_fp8_round", False)),
             FP8_PAIRS=32,
+            QA_BLOCK=next_pow2(q_lora),
+            SPLIT=proj_split,
             CNT_BLOCK=next_pow2(arrivals.numel() // b) if parts > 1 else 0,
             num_warps=4,
             **pdl_args(x.device),
         )
 
-    def q_proj():  # q = q_norm(raw[:, :q_lora]) @ wq_b^T
-        if w8a8:  # the normed qa is rounded before the GEMV: the norm is a launch of its own
-            qa = torch.empty(b, q_lora, dtype=x.dtype, device=x.device)
-            rms_norm_rows(raw[:, :q_lora], q_norm, eps, qa)
-            project(fp8_round_activations(qa), wq_b, q, config=Q_CONFIG)
-        else:
-            project(raw[:, :q_lora], wq_b, q, norm_w=q_norm, eps=eps, config=Q_CONFIG)
+    def q_proj():  # q = qn @ wq_b^T, qn = q_norm(qa) from kv finish; W8A8 rounds qn first
+        project(w8a8_in(qn), wq_b, q, config=Q_CONFIG)
 
     def attend():
         common = (

@@ -386,6 +386,8 @@ def fp8_gemv(
         cfg = GemvConfig(block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, use_dot=False)
     if cfg.use_dot:
         block_k = min(block_k, FP8_BLOCK)
+    while split_k > 1 and block_k > 16 and k % (split_k * block_k):
+        block_k //= 2  # each part of K a whole number of tiles
     sub_k = min(block_k, FP8_BLOCK)
     if split_k > 1 and (k % (split_k * block_k) or accumulate or out.dtype != torch.float32):
         raise InputError(
@@ -429,12 +431,14 @@ def project(
     eps: float = 0.0,
     group_rows: int = 0,
     accumulate: bool = False,
+    split_k: int = 1,
 ) -> None:
     """out (+)= x @ [W; W2]^T with W a bf16 tensor (``gemv.gemv``) or an FP8 QuantWeight (:func:`fp8_gemv`).
 
     The fused ops' one GEMV call on either kind of weight: ``config`` is the bf16 GEMV's; the
     FP8 one passes its ``data`` and ``scale`` with this module's configs (:func:`config_for`).
-    ``w2`` must be of ``w``'s kind; ``accumulate`` needs FP8 (the bf16 GEMV overwrites).
+    ``w2`` must be of ``w``'s kind; ``accumulate`` needs FP8 (the bf16 GEMV overwrites). With
+    ``split_k`` > 1, out is [split_k, B, N] fp32 partials (both GEMVs).
     """
     if not isinstance(w, QuantWeight):
         if isinstance(w2, QuantWeight) or accumulate:
@@ -445,7 +449,7 @@ def project(
                     f"w2 {type(w2).__name__}, accumulate={accumulate}",
                 )
             )
-        gemv(x, w, out, w2=w2, norm_w=norm_w, eps=eps, group_rows=group_rows, config=config)
+        gemv(x, w, out, w2=w2, norm_w=norm_w, eps=eps, group_rows=group_rows, split_k=split_k, config=config)
         return
     for m in (w, w2):
         if m is not None and (not isinstance(m, QuantWeight) or m.fmt != "fp8"):
@@ -465,6 +469,7 @@ def project(
         eps=eps,
         group_rows=group_rows,
         accumulate=accumulate,
+        split_k=split_k,
         config=config_for(x.shape[0]),
     )
 

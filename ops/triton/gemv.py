@@ -201,6 +201,8 @@ def gemv(
                 f"gemv: row blocks of 16 must tile {n_a} rows / groups of {group_rows} at batch {b}"
             )
         cfg = GemvConfig(block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, use_dot=False)
+    while split_k > 1 and block_k > 16 and k % (split_k * block_k):
+        block_k //= 2  # each part of K a whole number of tiles
     if k % (split_k * block_k) and split_k > 1:
         raise ValueError(f"gemv: K {k} must split into {split_k} x {block_k}")
     k_per = k // split_k if split_k > 1 else triton.cdiv(k, block_k) * block_k
