@@ -204,6 +204,49 @@ def test_fp8_gemv_norm_split_accumulate_strided(device):
     assert torch.isnan(wide[0]).all() and torch.isnan(wide[1:, :100]).all() and torch.isnan(wide[1:, 244:]).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("split", [2, 4])
+def test_fp8_gemv_split_k_reduced(device, split):
+    """K in ``split`` programs a tile, summed by the tile's last part to finish ("split K, reduced"):
+    plain, two weights, grouped, accumulating; every count ends at ``split``."""
+    g = gen(1104)
+    qa, sa, wa = fp8_weight(g, 96, 512, device)
+    qb, sb, wb = fp8_weight(g, 32, 512, device)
+    x = act(g, 3, 512).to(device)
+    xd = x.cpu().double()
+
+    def reduced(xx, q, s_, out, **kw):
+        n = out.shape[1] if out.dim() == 2 else out.shape[-1]
+        tiles = FP8.split_tiles(xx.shape[0], n, q.shape[0], q.shape[1], DOT, kw.get("w2") is not None,
+                                kw.get("group_rows", 0), split)  # fmt: skip
+        partials = poisoned((split * xx.shape[0] * n,), torch.float32, device)
+        arrivals = torch.zeros(tiles, dtype=torch.int32, device=device)
+        FP8.fp8_gemv(xx, q, s_, out, split_k=split, config=DOT, split_reduce=(partials, arrivals), **kw)
+        assert arrivals.tolist() == [split] * tiles  # every part of every tile arrived once
+
+    out = poisoned((3, 96), BF16, device)
+    reduced(x, qa, sa, out)
+    check(out.cpu(), xd @ wa.T, "fp8_gemv split reduced")
+    whole = poisoned((3, 96), BF16, device)
+    FP8.fp8_gemv(x, qa, sa, whole, config=DOT)
+    assert rel_err(out.cpu(), whole.cpu()) < 1e-2
+
+    out = poisoned((3, 128), torch.float32, device)
+    reduced(x, qa, sa, out, w2=qb, w2_scale=sb)
+    check(out.cpu(), xd @ torch.cat([wa, wb]).T, "fp8_gemv split reduced two weights")
+
+    qg, sg, wg = fp8_weight(g, 2 * 64, 256, device)  # 2 groups of 64 rows, 256 columns each
+    ref = torch.cat([xd[:, i * 256 : (i + 1) * 256] @ wg[i * 64 : (i + 1) * 64].T for i in range(2)], 1)
+    out = poisoned((3, 128), BF16, device)
+    reduced(x, qg, sg, out, group_rows=64)
+    check(out.cpu(), ref, "fp8_gemv split reduced grouped")
+
+    residual = act(g, 3, 96).to(device)
+    out = residual.clone()
+    reduced(x, qa, sa, out, accumulate=True)
+    check(out.cpu(), residual.cpu().double() + xd @ wa.T, "fp8_gemv split reduced accumulate")
+
+
 def test_fp8_gemv_rejects_bad_inputs():
     g = gen(1103)
     q, s, _ = fp8_weight(g, 128, 128, "cpu")

@@ -128,7 +128,8 @@ def uses(monkeypatch, module, name) -> list:
     real = getattr(module, name)
 
     def spy(*args, **kwargs):
-        calls.append(name)
+        calls.append(name if not kwargs.get("split_k", 1) > 1 else f"{name} split {kwargs['split_k']}"
+                     + (" reduced" if kwargs.get("split_reduce") is not None else ""))  # fmt: skip
         return real(*args, **kwargs)
 
     monkeypatch.setattr(module, name, spy)
@@ -171,6 +172,10 @@ def test_fused_on_native_weights_matches_the_torch_op_and_the_bf16_kernels(name,
         assert mx_calls == ["moe_mxfp4_launches"], mx_calls
     else:
         assert fp8_calls and not mx_calls, (fp8_calls, mx_calls)
+    if name == "swa_attention":  # wq_a + wkv split ("split proj"); wo_a and wo_b at B > 1 ("split wo")
+        A = K["attention"]
+        wo = [f"fp8_gemv split {A.WO_SPLIT} reduced"] * 2 if batch > 1 else ["fp8_gemv"] * 2
+        assert fp8_calls == [f"fp8_gemv split {A.PROJ_SPLIT}", "fp8_gemv", *wo], fp8_calls
     # Bf16 activations: the same products as the bf16 kernels on the dequantised weights (exact
     # dequantisation), summed in another order (K tiles of 128). The attention rounds raw qa and kv
     # to bf16 as the reference does (fp8_gemv reads bf16), where its bf16 kernels keep them fp32.

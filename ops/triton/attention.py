@@ -41,6 +41,11 @@ norm's output is) for the wq_b GEMV, which before recomputed the norm as a prolo
 its 1024 programs, a pass over qa before its first weight tile (32.5 us at B=8 on an H100 for
 33.5 MB).
 
+Note "split wo": at B > 1 the FP8 wo_a and wo_b GEMVs take the dot tiles, 256 and 128 programs of
+32 rows, each walking all of K (4096 and 8192 columns): wo_b about one program an SM. Each is cut
+into ``WO_SPLIT`` parts of K, reduced by the tile's last part (``fp8_gemv``'s "split K, reduced");
+their arrival counts sit beside attend's and kv finish zeroes them all (a share a program).
+
 Native weights (issue 28.2): with all five linears FP8 QuantWeights the GEMVs are
 ``fp8_linear.fp8_gemv`` on the stored bytes and scales (the same launches and options), and
 raw is bf16, as the reference rounds qa and kv (fp8_gemv reads bf16 activations). W8A8
@@ -68,7 +73,8 @@ from draftgraph.ops.triton._common import (
     scratch_bytes,
     splat,
 )
-from draftgraph.ops.triton.fp8_linear import project
+from draftgraph.ops.triton.fp8_linear import config_for as fp8_config_for
+from draftgraph.ops.triton.fp8_linear import project, split_tiles
 from draftgraph.ops.triton.gemv import GemvConfig
 from draftgraph.runtime.model.quant import fp8_round_activations
 
@@ -82,6 +88,7 @@ DOT_BLOCK_H = 16
 DOT_BLOCK_W = 32  # keys per online-softmax step
 DOT_WARPS = 8
 DOT_STAGES = 2
+WO_SPLIT = 4  # K parts of the FP8 wo_a and wo_b GEMVs at B > 1, summed by their last part ("split wo"); 1: none
 PROJ_SPLIT = 4  # K parts of the wq_a + wkv GEMV, summed by kv finish ("split proj"); 1: none
 ATTN_MIN_PROGRAMS = 64  # the dot core's window is split until B x head blocks x parts reaches this ("split window")
 BLOCK_W = 8  # keys per step of the "fma" core
@@ -222,9 +229,9 @@ def _kv_finish_kernel(
 ):
     pdl_wait(PDL)
     b = tl.program_id(0)
-    if CNT_BLOCK > 0:  # the attend launch's arrival counts of this row ("split window")
-        c = tl.arange(0, CNT_BLOCK)
-        tl.store(cnt_ptr + b * n_cnt + c, tl.zeros([CNT_BLOCK], dtype=tl.int32), mask=c < n_cnt)
+    if CNT_BLOCK > 0:  # this program's share of the op's arrival counts ("split window", "split wo")
+        c = b * CNT_BLOCK + tl.arange(0, CNT_BLOCK)
+        tl.store(cnt_ptr + c, tl.zeros([CNT_BLOCK], dtype=tl.int32), mask=c < n_cnt)
     row0 = b.to(tl.int64) * row_len
     plane = tl.num_programs(0).to(tl.int64) * row_len
     # q_norm(qa) for the wq_b GEMV ("q norm here"), rounded as the norm's bf16 output is.
@@ -477,6 +484,8 @@ def _parts(b: int, attrs, q_lora: int, x_dim: int, dtype: torch.dtype, quant: bo
     block_h = min(DOT_BLOCK_H, max(16, next_pow2(h)))
     tiles = b * -(-h // block_h) if parts > 1 else 0
     split = proj_split_for(int(x_dim))
+    wo_split, wo_tiles = _wo_split(b, h * d, groups, o_lora, int(x_dim), quant)
+    wo_rows = max(groups * o_lora, int(x_dim)) if wo_split > 1 else 0
     return [
         ((b, q_lora + d), dtype if quant else torch.float32),  # raw qa | kv (bf16 out of fp8_gemv)
         ((split if split > 1 else 0, b, q_lora + d), torch.float32),  # its partials ("split proj")
@@ -485,8 +494,19 @@ def _parts(b: int, attrs, q_lora: int, x_dim: int, dtype: torch.dtype, quant: bo
         ((b, h * d), dtype),  # attention output o
         ((b, groups * o_lora), dtype),  # z
         ((tiles * parts, block_h * (d + 2)), torch.float32),  # each part's (acc, m, l): "split window"
-        ((tiles,), torch.int32),  # their arrival counts, zeroed by kv finish
+        ((wo_split * b * wo_rows,), torch.float32),  # wo_a's, then wo_b's K partials ("split wo")
+        ((tiles + sum(wo_tiles),), torch.int32),  # the arrival counts of both splits, zeroed by kv finish
     ]
+
+
+def _wo_split(b: int, hd: int, groups: int, o_lora: int, dim: int, quant: bool) -> tuple[int, tuple[int, int]]:
+    """(K parts, (wo_a's tiles, wo_b's tiles)) of wo_a and wo_b at this batch ("split wo"); 1 part: none."""
+    split = max(int(WO_SPLIT), 1) if quant and b > 1 else 1
+    if split == 1:
+        return 1, (0, 0)
+    cfg = fp8_config_for(b)
+    return split, (split_tiles(b, groups * o_lora, groups * o_lora, hd // groups, cfg, False, o_lora, split),
+                   split_tiles(b, dim, dim, groups * o_lora, cfg, False, 0, split))  # fmt: skip
 
 
 def attention_workspace(specs, attrs, batch: int) -> int:
@@ -535,9 +555,12 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
     b, q_lora, n = x.shape[0], wq_a.shape[0], d - r
     quant = is_quantised(wq_a)  # then all five are FP8 (_usable)
     w8a8 = quant and attrs.get("activations") == "fp8"
-    raw, proj_parts, qn, q, o, z, split, arrivals = carve(workspace, x.device, _parts(b, attrs, q_lora, x.shape[1],
-                                                                                     x.dtype, quant))  # fmt: skip
+    scratch = _parts(b, attrs, q_lora, x.shape[1], x.dtype, quant)
+    raw, proj_parts, qn, q, o, z, split, wo_parts, arrivals = carve(workspace, x.device, scratch)
     parts, proj_split = window_parts(b, h, window), max(proj_parts.shape[0], 1)
+    wo_split, (tiles_a, tiles_b) = _wo_split(b, h * d, groups, int(attrs["o_lora_rank"]), x.shape[1], quant)
+    attend_tiles = arrivals.numel() - tiles_a - tiles_b
+    cnt_share = triton.cdiv(arrivals.numel(), b)
     inv_freq = _inv_freq(r, theta, x.device)
     num_slots, max_blocks = cache.shape[0], table.shape[1]
     o_lora = wo_a.shape[0] // groups
@@ -571,7 +594,7 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
             positions.stride(0),
             max_blocks,
             num_slots,
-            arrivals.numel() // b,
+            arrivals.numel(),
             eps,
             HEAD_DIM=d,
             HALF=d // 2,
@@ -581,7 +604,7 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
             FP8_PAIRS=32,
             QA_BLOCK=next_pow2(q_lora),
             SPLIT=proj_split,
-            CNT_BLOCK=next_pow2(arrivals.numel() // b) if parts > 1 else 0,
+            CNT_BLOCK=next_pow2(cnt_share) if arrivals.numel() else 0,
             num_warps=4,
             **pdl_args(x.device),
         )
@@ -650,10 +673,15 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
 
     def wo_a_():  # z_g = wo_a[g] @ o_g; W8A8 rounds o per group, as the reference's [G, B, H/G*d] view
         o_in = w8a8_in(o.view(b, groups, -1)).view(b, -1)
-        project(o_in, wo_a, z, group_rows=o_lora, config=WO_A_CONFIG)
+        project(o_in, wo_a, z, group_rows=o_lora, config=WO_A_CONFIG, **wo_reduce(attend_tiles, tiles_a))
 
     def wo_b_():
-        project(w8a8_in(z), wo_b, outputs[0], config=WO_B_CONFIG)
+        project(w8a8_in(z), wo_b, outputs[0], config=WO_B_CONFIG, **wo_reduce(attend_tiles + tiles_a, tiles_b))
+
+    def wo_reduce(first: int, tiles: int) -> dict:
+        if wo_split == 1:
+            return {}
+        return {"split_k": wo_split, "split_reduce": (wo_parts, arrivals[first : first + tiles])}
 
     return [
         ("proj", proj_),

@@ -24,6 +24,14 @@ byte shifted into an fp32 exponent, so 2^(byte-127) exactly with no exp2). On a 
 native e4m3 conversion (sm89+, ``native_fp8``) the codes are loaded as fp8 and converted by
 the hardware instead; the CPU tests run the integer decode, the CUDA tests both.
 
+Note "split K, reduced": a GEMV of few output tiles (1536 rows are 48 programs of the 32-row dot
+tiles; a 4096-row one 128, about one an SM) keeps too few bytes in flight to fill the memory
+system. ``split_reduce`` cuts K into ``split_k`` programs a tile; each stores its fp32 partials,
+counts its arrival (``last_to_arrive``), and the last of the tile to finish sums the parts in part
+order (deterministic whichever comes last) and stores the output. The caller gives the partials'
+scratch and the counts, zeroed by an earlier launch of the same op (kv finish in swa_attention):
+no launch is added and nothing persists between launches.
+
 Variants and options as ``gemv.gemv``: dot (any batch, activations padded to 16 rows) or FMA
 (batch 1), ``PRO_NORM``, ``GROUPED`` (wo_a), ``TWO_W`` (wq_a + wkv: the second matrix has its
 own scale grid), ``SPLIT_K``, plus ``ACCUMULATE`` (out += x @ W^T: a residual, or the sum of
@@ -35,7 +43,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from draftgraph.ops.triton._common import batch_block, interpreting, mma, next_pow2, pdl_args, pdl_wait
+from draftgraph.ops.triton._common import (
+    batch_block,
+    interpreting,
+    last_to_arrive,
+    mma,
+    next_pow2,
+    pdl_args,
+    pdl_wait,
+)
 from draftgraph.ops.triton.gemv import GemvConfig, gemv
 from draftgraph.runtime.errors import InputError, describe
 from draftgraph.runtime.model.quant import FP8_BLOCK, QuantWeight, fp8_scale_shape
@@ -200,6 +216,9 @@ def _fp8_gemv_kernel(
     NATIVE: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
+    part_ptr=None,
+    cnt_ptr=None,
+    REDUCE: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -270,11 +289,25 @@ def _fp8_gemv_kernel(
             acc3 = _accumulate3(acc3, v, s, x_row, nw_ptr, inv, k0 + cols, K, PRO_NORM)
         total = tl.sum(tl.sum(acc3, 2), 1)[:, None]
 
-    ptrs = out_ptr + pid_k * stride_os + rows.to(tl.int64)[None, :] * stride_ob + offs_n[:, None]
     mask = n_mask[:, None] & row_mask[None, :]
-    if ACCUMULATE:
-        total += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+    if REDUCE > 1:
+        # "split K, reduced": this part's partials, then the sum by the tile's last part to finish.
+        at = rows.to(tl.int64)[None, :] * N + offs_n[:, None]
+        plane = B.to(tl.int64) * N
+        tl.store(part_ptr + pid_k * plane + at, total, mask=mask)
+        if last_to_arrive(cnt_ptr + pid_n * tl.num_programs(1) + pid_b, REDUCE):
+            total = tl.zeros_like(total)
+            for j in tl.static_range(REDUCE):  # in part order: the same sums whichever part came last
+                total += tl.load(part_ptr + j * plane + at, mask=mask, other=0.0, volatile=True)
+            ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_ob + offs_n[:, None]
+            if ACCUMULATE:
+                total += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        ptrs = out_ptr + pid_k * stride_os + rows.to(tl.int64)[None, :] * stride_ob + offs_n[:, None]
+        if ACCUMULATE:
+            total += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ---- host side ------------------------------------------------------------------------------
@@ -315,6 +348,48 @@ def _scale_bytes(s: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
     return s.view(torch.uint8)
 
 
+def _geometry(b: int, n: int, n_a: int, k: int, config: GemvConfig, two_w: bool, group_rows: int, split_k: int):
+    """(config, block_n, block_k, block_b) of one launch: the config's tile fitted to the shapes."""
+    cfg = config
+    if not cfg.use_dot and b != 1:
+        cfg = DEFAULT  # the FMA variant holds one activation row
+    block_n = min(cfg.block_n, max(16 if cfg.use_dot else 1, next_pow2(n)))
+    if cfg.block_k & (cfg.block_k - 1) or cfg.block_k < 16:
+        raise InputError(describe("fp8_gemv config block_k", "a power of two >= 16", cfg.block_k))
+    # A dot tile lies in one scale block; an FMA tile may span several (see "wide tiles").
+    block_k = min(cfg.block_k, max(16, next_pow2(k)))
+    while block_n > 1 and ((two_w and n_a % block_n) or (group_rows and group_rows % block_n)):
+        block_n //= 2  # a row block must not straddle the two matrices or two groups
+    if cfg.use_dot and block_n < 16:
+        if b != 1:
+            raise InputError(
+                describe("fp8_gemv row blocks", f"16 rows tiling {n_a} rows / groups of {group_rows}", f"batch {b}")
+            )
+        cfg = GemvConfig(block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, use_dot=False)
+    if cfg.use_dot:
+        block_k = min(block_k, FP8_BLOCK)
+    while split_k > 1 and block_k > 16 and k % (split_k * block_k):
+        block_k //= 2  # each part of K a whole number of tiles
+    return cfg, block_n, block_k, batch_block(b) if cfg.use_dot else 1
+
+
+def split_tiles(b: int, n: int, n_a: int, k: int, config: GemvConfig, two_w: bool = False, group_rows: int = 0,
+                split_k: int = 2) -> int:  # fmt: skip
+    """Output tiles of a launch at these shapes: the arrival counts a reduced split K needs."""
+    _, block_n, _, block_b = _geometry(b, n, n_a, k, config, two_w, group_rows, split_k)
+    return triton.cdiv(n, block_n) * triton.cdiv(b, block_b)
+
+
+def _check_split_reduce(split_reduce, split_k: int, b: int, n: int, tiles: int) -> None:
+    partials, arrivals = split_reduce
+    if partials.dtype != torch.float32 or partials.numel() < split_k * b * n or not partials.is_contiguous():
+        raise InputError(describe("fp8_gemv split_reduce partials", f"contiguous fp32, {split_k * b * n} elements",
+                                  f"{partials.dtype} {list(partials.shape)}"))  # fmt: skip
+    if arrivals.dtype != torch.int32 or arrivals.numel() < tiles:
+        raise InputError(describe("fp8_gemv split_reduce arrivals", f"int32, {tiles} counts (zeroed)",
+                                  f"{arrivals.dtype} {list(arrivals.shape)}"))  # fmt: skip
+
+
 def fp8_gemv(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -330,13 +405,18 @@ def fp8_gemv(
     accumulate: bool = False,
     config: GemvConfig = DEFAULT,
     native_fp8: bool | None = None,
+    split_reduce: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """out[B, N] (+)= x[B, K] @ dequant([W; W2])^T, W FP8 e4m3 with 128 x 128 UE8M0 block scales.
 
     Mirrors ``gemv.gemv`` (same options, same strided ``x`` / ``out`` with unit last stride);
     the weights come with their scales. ``accumulate`` adds into ``out`` (fp32 add, one
-    rounding). With ``split_k`` > 1, out is [split_k, B, N] fp32 partials. ``native_fp8``:
-    None picks the hardware conversion where it exists (:func:`native_fp8_supported`).
+    rounding). With ``split_k`` > 1, out is [split_k, B, N] fp32 partials, unless
+    ``split_reduce`` = (partials, arrivals) is given: then each part writes its fp32 partials to
+    ``partials`` ([split_k * B * N] at least) and the last part of each tile to finish sums them
+    into ``out`` (note "split K, reduced"); ``arrivals`` (int32, one per tile: :func:`split_tiles`)
+    must be zero at the launch and is left at split_k. ``native_fp8``: None picks the hardware
+    conversion where it exists (:func:`native_fp8_supported`).
 
     Example
     -------
@@ -368,44 +448,31 @@ def fp8_gemv(
     n = n_a + (w2.shape[0] if w2 is not None else 0)
     native = native_fp8_supported(x.device) if native_fp8 is None else bool(native_fp8)
     native = native and w.dtype == torch.float8_e4m3fn and (w2 is None or w2.dtype == torch.float8_e4m3fn)
-    cfg = config
-    if not cfg.use_dot and b != 1:
-        cfg = DEFAULT  # the FMA variant holds one activation row
-    block_n = min(cfg.block_n, max(16 if cfg.use_dot else 1, next_pow2(n)))
-    if cfg.block_k & (cfg.block_k - 1) or cfg.block_k < 16:
-        raise InputError(describe("fp8_gemv config block_k", "a power of two >= 16", cfg.block_k))
-    # A dot tile lies in one scale block; an FMA tile may span several (see "wide tiles").
-    block_k = min(cfg.block_k, max(16, next_pow2(k)))
-    while block_n > 1 and ((w2 is not None and n_a % block_n) or (group_rows and group_rows % block_n)):
-        block_n //= 2  # a row block must not straddle the two matrices or two groups
-    if cfg.use_dot and block_n < 16:
-        if b != 1:
-            raise InputError(
-                describe("fp8_gemv row blocks", f"16 rows tiling {n_a} rows / groups of {group_rows}", f"batch {b}")
-            )
-        cfg = GemvConfig(block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, use_dot=False)
-    if cfg.use_dot:
-        block_k = min(block_k, FP8_BLOCK)
-    while split_k > 1 and block_k > 16 and k % (split_k * block_k):
-        block_k //= 2  # each part of K a whole number of tiles
+    cfg, block_n, block_k, block_b = _geometry(b, n, n_a, k, config, w2 is not None, group_rows, split_k)
     sub_k = min(block_k, FP8_BLOCK)
-    if split_k > 1 and (k % (split_k * block_k) or accumulate or out.dtype != torch.float32):
+    reduced = split_k > 1 and split_reduce is not None
+    if split_k > 1 and k % (split_k * block_k):
+        raise InputError(describe("fp8_gemv split_k", f"K {k} in {split_k} parts of {block_k}-column tiles", k))
+    if reduced:
+        tiles = triton.cdiv(n, block_n) * triton.cdiv(b, block_b)
+        _check_split_reduce(split_reduce, split_k, b, n, tiles)
+    elif split_k > 1 and (accumulate or out.dtype != torch.float32):
         raise InputError(
             describe(
                 "fp8_gemv split_k",
-                f"K {k} in {split_k} x {block_k} tiles, fp32 partials, no accumulate",
+                "fp32 partials and no accumulate (or split_reduce)",
                 f"out {out.dtype}, accumulate={accumulate}",
             )
         )
     k_per = k // split_k if split_k > 1 else triton.cdiv(k, block_k) * block_k
-    block_b = batch_block(b) if cfg.use_dot else 1
     grid = (triton.cdiv(n, block_n), triton.cdiv(b, block_b), split_k)
     wk = w if native else w.view(torch.uint8)
     w2k = (w2 if native else w2.view(torch.uint8)) if w2 is not None else wk
     s2k = s2 if w2 is not None else s
     nw = norm_w if norm_w is not None else x
-    stride_os = out.stride(0) if split_k > 1 else 0
-    out2 = out[0] if split_k > 1 else out
+    stride_os = out.stride(0) if split_k > 1 and not reduced else 0
+    out2 = out[0] if split_k > 1 and not reduced else out
+    extra = dict(part_ptr=split_reduce[0], cnt_ptr=split_reduce[1], REDUCE=split_k) if reduced else {}
     _fp8_gemv_kernel[grid](
         x, wk, s, w2k, s2k, nw, out2,
         b, n, n_a, k,
@@ -416,7 +483,7 @@ def fp8_gemv(
         GROUPED=bool(group_rows), TWO_W=w2 is not None, PRO_NORM=norm_w is not None, ACCUMULATE=accumulate,
         USE_DOT=cfg.use_dot, NATIVE=native, INTERP=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_args(x.device),
+        **extra, **pdl_args(x.device),
     )  # fmt: skip
 
 
@@ -432,21 +499,23 @@ def project(
     group_rows: int = 0,
     accumulate: bool = False,
     split_k: int = 1,
+    split_reduce: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """out (+)= x @ [W; W2]^T with W a bf16 tensor (``gemv.gemv``) or an FP8 QuantWeight (:func:`fp8_gemv`).
 
     The fused ops' one GEMV call on either kind of weight: ``config`` is the bf16 GEMV's; the
     FP8 one passes its ``data`` and ``scale`` with this module's configs (:func:`config_for`).
     ``w2`` must be of ``w``'s kind; ``accumulate`` needs FP8 (the bf16 GEMV overwrites). With
-    ``split_k`` > 1, out is [split_k, B, N] fp32 partials (both GEMVs).
+    ``split_k`` > 1, out is [split_k, B, N] fp32 partials (both GEMVs), or with ``split_reduce``
+    (FP8 only) the summed output (:func:`fp8_gemv`, note "split K, reduced").
     """
     if not isinstance(w, QuantWeight):
-        if isinstance(w2, QuantWeight) or accumulate:
+        if isinstance(w2, QuantWeight) or accumulate or split_reduce is not None:
             raise InputError(
                 describe(
                     "project on a bf16 weight",
-                    "a bf16 w2 and no accumulate",
-                    f"w2 {type(w2).__name__}, accumulate={accumulate}",
+                    "a bf16 w2, no accumulate, no split_reduce",
+                    f"w2 {type(w2).__name__}, accumulate={accumulate}, split_reduce={split_reduce is not None}",
                 )
             )
         gemv(x, w, out, w2=w2, norm_w=norm_w, eps=eps, group_rows=group_rows, split_k=split_k, config=config)
@@ -471,6 +540,7 @@ def project(
         accumulate=accumulate,
         split_k=split_k,
         config=config_for(x.shape[0]),
+        split_reduce=split_reduce,
     )
 
 
