@@ -247,6 +247,30 @@ def test_fp8_gemv_split_k_reduced(device, split):
     check(out.cpu(), residual.cpu().double() + xd @ wa.T, "fp8_gemv split reduced accumulate")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows,div", [(8, 4), (3, 1), (1, 1)])  # streams (C = 4), collapsed, one row (FMA)
+def test_fp8_gemv_two_ks(device, rows, div):
+    """out[r] = x[r] @ W^T + x2[r // div] @ W2^T in one launch ("two Ks"), split over both Ks."""
+    g = gen(1105)
+    qa, sa, wa = fp8_weight(g, 96, 256, device)
+    qb, sb, wb = fp8_weight(g, 96, 256, device)
+    x, x2 = act(g, rows, 256).to(device), act(g, -(-rows // div), 256).to(device)
+    ref = x.cpu().double() @ wa.T + x2.cpu().double()[torch.arange(rows) // div] @ wb.T
+    for split in (2, 4):
+        config = FP8.config_for(rows)
+        tiles = FP8.split_tiles(rows, 96, 96, 512, config, split_k=split)
+        partials = poisoned((split * rows * 96,), torch.float32, device)
+        arrivals = torch.zeros(tiles, dtype=torch.int32, device=device)
+        out = poisoned((rows, 96), BF16, device)
+        FP8.fp8_gemv(x, qa, sa, out, w2=qb, w2_scale=sb, x2=x2, x2_row_div=div, split_k=split, config=config,
+                     split_reduce=(partials, arrivals))  # fmt: skip
+        check(out.cpu(), ref, f"fp8_gemv two Ks, split {split}")
+        assert arrivals.tolist() == [split] * tiles
+    with pytest.raises(InputError, match="two Ks"):  # an odd split would put a part across both matrices
+        FP8.fp8_gemv(x, qa, sa, out, w2=qb, w2_scale=sb, x2=x2, x2_row_div=div, split_k=3,
+                     split_reduce=(partials, arrivals))  # fmt: skip
+
+
 def test_fp8_gemv_rejects_bad_inputs():
     g = gen(1103)
     q, s, _ = fp8_weight(g, 128, 128, "cpu")

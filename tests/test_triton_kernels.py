@@ -19,7 +19,7 @@ import torch
 from triton_modules import HAS_CUDA, INTERPRET, load_kernel_modules
 
 K = load_kernel_modules(
-    ["_common", "gemv", "fp8_linear", "head", "moe_grouped", "moe_mxfp4", "moe", "mhc", "attention", "gate"]
+    ["_common", "gemv", "fp8_linear", "combiner", "head", "moe_grouped", "moe_mxfp4", "moe", "mhc", "attention", "gate"]
 )
 
 from draftgraph.graphs.v4_block import CacheGeometry, attention_attrs  # noqa: E402
@@ -51,7 +51,7 @@ FUSED = {
     "swa_attention": K["attention"].swa_attention_impl,
     "linear": K["gemv"].linear_impl,
     "rms_norm": K["gemv"].rms_norm_impl,
-    "combiner": K["gemv"].combiner_impl,
+    "combiner": K["combiner"].combiner_impl,
     "draft_gate": K["gate"].draft_gate_impl,
     "cut_drafts": K["gate"].cut_drafts_impl,
 }
@@ -507,7 +507,7 @@ def test_fused_chain_at_batch_3_never_falls_back_to_a_torch_op(monkeypatch):
              "moe": K["moe"].moe_impl, "moe_hash": K["moe"].moe_hash_impl, "hc_pre": K["mhc"].hc_pre_impl,
              "hc_head": K["mhc"].hc_head_impl, "hc_post": K["mhc"].hc_post_impl,
              "swa_attention": K["attention"].swa_attention_impl, "linear": K["gemv"].linear_impl,
-             "rms_norm": K["gemv"].rms_norm_impl, "combiner": K["gemv"].combiner_impl}
+             "rms_norm": K["gemv"].rms_norm_impl, "combiner": K["combiner"].combiner_impl}
     fallbacks = []
     for module, name in [(draftgraph.ops.moe, "_moe_impl"), (draftgraph.ops.moe, "_moe_hash_impl"),
                          (draftgraph.ops.mhc, "_hc_pre_impl"), (draftgraph.ops.mhc, "_hc_head_impl"),

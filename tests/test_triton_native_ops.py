@@ -20,7 +20,7 @@ import torch
 # Before anything imports triton: without CUDA it sets the interpreter up (tests/triton_modules.py).
 from triton_modules import counting_carves, load_kernel_modules
 
-K = load_kernel_modules(["_common", "gemv", "moe_grouped", "fp8_linear", "moe_mxfp4", "moe", "attention"])
+K = load_kernel_modules(["_common", "gemv", "moe_grouped", "fp8_linear", "combiner", "moe_mxfp4", "moe", "attention"])
 
 from draftgraph.runtime.execution.kernel_choice import block_scaled_gap, select_impl  # noqa: E402
 from draftgraph.runtime.ir.op_registry import get_op, register_fused  # noqa: E402
@@ -31,7 +31,7 @@ from v4_op_cases import attention_case, combiner_case, gen, moe_case, moe_hash_c
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FUSED = {
     "linear": K["gemv"].linear_impl,
-    "combiner": K["gemv"].combiner_impl,
+    "combiner": K["combiner"].combiner_impl,
     "swa_attention": K["attention"].swa_attention_impl,
     "moe": K["moe"].moe_impl,
     "moe_hash": K["moe"].moe_hash_impl,
@@ -172,6 +172,8 @@ def test_fused_on_native_weights_matches_the_torch_op_and_the_bf16_kernels(name,
         assert mx_calls == ["moe_mxfp4_launches"], mx_calls
     else:
         assert fp8_calls and not mx_calls, (fp8_calls, mx_calls)
+    if name == "combiner":  # both halves in one GEMV over both Ks ("two launches")
+        assert fp8_calls == [f"fp8_gemv split {K['combiner'].COMBINER_SPLIT} reduced"], fp8_calls
     if name == "swa_attention":  # wq_a + wkv split ("split proj"); wo_a and wo_b at B > 1 ("split wo")
         A = K["attention"]
         wo = [f"fp8_gemv split {A.WO_SPLIT} reduced"] * 2 if batch > 1 else ["fp8_gemv"] * 2

@@ -17,8 +17,8 @@ moe_shard                                    batch > 1: draftgraph.ops.triton.mo
                                              moe_shard: this rank's experts, the others' pairs skipped)
 hc_pre, hc_head, hc_post  draftgraph.ops.triton.mhc    (split mix + Sinkhorn finish; post)
 swa_attention             draftgraph.ops.triton.attention
-linear, rms_norm,         draftgraph.ops.triton.gemv   (combiner: a norm and a GEMV per half + the sum)
-combiner
+linear, rms_norm          draftgraph.ops.triton.gemv
+combiner                  draftgraph.ops.triton.combiner (FP8: both norms, one GEMV over both Ks)
 draft_gate, cut_drafts    draftgraph.ops.triton.gate   (one program each: a few dozen ints)
 drop_nonfinite,           draftgraph.ops.triton.nonfinite (one program each: the batch's
 mark_dropped                                 hiddens checked in one wide tile; the drafts marked)
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 
 def _impls() -> dict:
-    from draftgraph.ops.triton import attention, gate, gemv, head, mhc, moe, nonfinite
+    from draftgraph.ops.triton import attention, combiner, gate, gemv, head, mhc, moe, nonfinite
 
     return {
         "draft_gate": gate.draft_gate_impl,
@@ -57,7 +57,7 @@ def _impls() -> dict:
         "hc_post": mhc.hc_post_impl,
         "swa_attention": attention.swa_attention_impl,
         "linear": gemv.linear_impl,
-        "combiner": gemv.combiner_impl,
+        "combiner": combiner.combiner_impl,
         "rms_norm": gemv.rms_norm_impl,
     }
 
@@ -91,9 +91,10 @@ def register_all(ops: list[str] | None = None) -> list[str]:
 
 def workspace_rules() -> dict:
     """op name -> ``rule(specs, attrs, batch) -> bytes`` of the scratch each fused impl uses."""
-    from draftgraph.ops.triton import attention, head, mhc, moe
+    from draftgraph.ops.triton import attention, combiner, head, mhc, moe
 
     return {
+        "combiner": combiner.combiner_workspace,
         "lm_head": head.lm_head_workspace,
         "draft_argmax": head.draft_argmax_workspace,
         "moe": moe.moe_workspace,

@@ -32,6 +32,11 @@ order (deterministic whichever comes last) and stores the output. The caller giv
 scratch and the counts, zeroed by an earlier launch of the same op (kv finish in swa_attention):
 no launch is added and nothing persists between launches.
 
+Note "two Ks": the combiner's out = h_proj(h) + e_proj(e), e's row broadcast over the C streams
+of its batch row, as one launch: W2 (e_proj) continues W's K with its own activation rows (x2,
+row r // x2_row_div). The parts of the split lie each in one matrix (split_k even), so a program
+only picks its matrix, scales and rows at the start; the last part sums both (fp32, one rounding).
+
 Variants and options as ``gemv.gemv``: dot (any batch, activations padded to 16 rows) or FMA
 (batch 1), ``PRO_NORM``, ``GROUPED`` (wo_a), ``TWO_W`` (wq_a + wkv: the second matrix has its
 own scale grid), ``SPLIT_K``, plus ``ACCUMULATE`` (out += x @ W^T: a residual, or the sum of
@@ -219,6 +224,10 @@ def _fp8_gemv_kernel(
     part_ptr=None,
     cnt_ptr=None,
     REDUCE: tl.constexpr = 0,
+    x2_ptr=None,
+    stride_x2b=0,
+    x2_div=1,
+    CAT_K: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -244,7 +253,15 @@ def _fp8_gemv_kernel(
     if GROUPED:
         x_col0 = (n0 // group_rows) * K
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xb + x_col0
+    x_row = x_ptr + pid_b.to(tl.int64) * stride_xb + x_col0  # the FMA variant's one row
     k_begin = pid_k * K_PER_SPLIT
+    if CAT_K:
+        if k_begin >= K:  # a part of W2's K: its own scale grid and activation rows ("two Ks")
+            k_begin -= K
+            w_base = w2_ptr + offs_n.to(tl.int64) * stride_w2n
+            s_rows = s2_ptr + (offs_n // 128) * stride_s2n
+            x_rows = x2_ptr + (rows // x2_div).to(tl.int64)[:, None] * stride_x2b
+            x_row = x2_ptr + (pid_b // x2_div).to(tl.int64) * stride_x2b
 
     if USE_DOT:
         offs_k = tl.arange(0, BLOCK_K)
@@ -271,7 +288,6 @@ def _fp8_gemv_kernel(
         total = acc
     else:
         # Batch 1, wide tiles [BLOCK_N, NBK, SUB_K] (see "wide tiles"): one activation row.
-        x_row = x_ptr + pid_b.to(tl.int64) * stride_xb + x_col0
         cols = tl.arange(0, NBK)[:, None] * SUB_K + tl.arange(0, SUB_K)[None, :]
         v_first, s_first = fp8_tile3(w_base, s_rows, k_begin, n_mask, K, NBK, SUB_K, EVEN_W, NATIVE)
         pdl_wait(PDL)
@@ -390,6 +406,25 @@ def _check_split_reduce(split_reduce, split_k: int, b: int, n: int, tiles: int) 
                                   f"{arrivals.dtype} {list(arrivals.shape)}"))  # fmt: skip
 
 
+def _check_two_ks(x, x2, div, w, w2, split_k, split_reduce, group_rows, norm_w) -> None:
+    """The "two Ks" form's own rules (fp8_gemv's x2)."""
+    b = x.shape[0]
+    shapes = w2 is not None and tuple(w2.shape) == tuple(w.shape) and int(div) >= 1
+    rows = x2.dim() == 2 and x2.dtype == x.dtype and x2.stride(1) == 1 and x2.shape[1] == w.shape[1]
+    rows = rows and x2.shape[0] * int(div) >= b
+    split = split_k >= 2 and split_k % 2 == 0 and split_reduce is not None
+    if not (shapes and rows and split and not group_rows and norm_w is None):
+        raise InputError(
+            describe(
+                "fp8_gemv x2 (two Ks)",
+                "W2 of W's shape, x2 [ceil(B / x2_row_div), K] of x's dtype with unit last stride, an even "
+                "split_k with split_reduce, no group_rows or norm_w",
+                f"w2 {None if w2 is None else list(w2.shape)}, x2 {x2.dtype} {list(x2.shape)}, x2_row_div {div}, "
+                f"split_k {split_k}, split_reduce {split_reduce is not None}",
+            )
+        )
+
+
 def fp8_gemv(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -406,6 +441,8 @@ def fp8_gemv(
     config: GemvConfig = DEFAULT,
     native_fp8: bool | None = None,
     split_reduce: tuple[torch.Tensor, torch.Tensor] | None = None,
+    x2: torch.Tensor | None = None,
+    x2_row_div: int = 1,
 ) -> None:
     """out[B, N] (+)= x[B, K] @ dequant([W; W2])^T, W FP8 e4m3 with 128 x 128 UE8M0 block scales.
 
@@ -417,6 +454,10 @@ def fp8_gemv(
     into ``out`` (note "split K, reduced"); ``arrivals`` (int32, one per tile: :func:`split_tiles`)
     must be zero at the launch and is left at split_k. ``native_fp8``: None picks the hardware
     conversion where it exists (:func:`native_fp8_supported`).
+
+    With ``x2`` (note "two Ks"), W2 [N, K] is a second matrix along K, not more rows:
+    out[r] = x[r] @ W^T + x2[r // x2_row_div] @ W2^T, each half of the split's parts on one of
+    them (``split_k`` even, ``split_reduce`` given).
 
     Example
     -------
@@ -445,14 +486,20 @@ def fp8_gemv(
         s2 = _scale_bytes(w2_scale, w2, "w2_scale")
         if w2.shape[1] != k:
             raise InputError(describe("fp8_gemv w2 columns", k, w2.shape[1]))
-    n = n_a + (w2.shape[0] if w2 is not None else 0)
+    cat_k = x2 is not None
+    n = n_a + (w2.shape[0] if w2 is not None and not cat_k else 0)
+    if cat_k:
+        _check_two_ks(x, x2, x2_row_div, w, w2, split_k, split_reduce, group_rows, norm_w)
     native = native_fp8_supported(x.device) if native_fp8 is None else bool(native_fp8)
     native = native and w.dtype == torch.float8_e4m3fn and (w2 is None or w2.dtype == torch.float8_e4m3fn)
-    cfg, block_n, block_k, block_b = _geometry(b, n, n_a, k, config, w2 is not None, group_rows, split_k)
+    k_all = 2 * k if cat_k else k  # "two Ks": the parts run over W's K, then W2's
+    cfg, block_n, block_k, block_b = _geometry(b, n, n_a, k_all, config, w2 is not None and not cat_k, group_rows,
+                                               split_k)  # fmt: skip
     sub_k = min(block_k, FP8_BLOCK)
     reduced = split_k > 1 and split_reduce is not None
-    if split_k > 1 and k % (split_k * block_k):
-        raise InputError(describe("fp8_gemv split_k", f"K {k} in {split_k} parts of {block_k}-column tiles", k))
+    if split_k > 1 and k_all % (split_k * block_k):
+        raise InputError(describe("fp8_gemv split_k", f"K {k_all} in {split_k} parts of {block_k}-column tiles",
+                                  k_all))  # fmt: skip
     if reduced:
         tiles = triton.cdiv(n, block_n) * triton.cdiv(b, block_b)
         _check_split_reduce(split_reduce, split_k, b, n, tiles)
@@ -464,7 +511,7 @@ def fp8_gemv(
                 f"out {out.dtype}, accumulate={accumulate}",
             )
         )
-    k_per = k // split_k if split_k > 1 else triton.cdiv(k, block_k) * block_k
+    k_per = k_all // split_k if split_k > 1 else triton.cdiv(k, block_k) * block_k
     grid = (triton.cdiv(n, block_n), triton.cdiv(b, block_b), split_k)
     wk = w if native else w.view(torch.uint8)
     w2k = (w2 if native else w2.view(torch.uint8)) if w2 is not None else wk
@@ -473,6 +520,8 @@ def fp8_gemv(
     stride_os = out.stride(0) if split_k > 1 and not reduced else 0
     out2 = out[0] if split_k > 1 and not reduced else out
     extra = dict(part_ptr=split_reduce[0], cnt_ptr=split_reduce[1], REDUCE=split_k) if reduced else {}
+    if cat_k:
+        extra.update(x2_ptr=x2, stride_x2b=x2.stride(0), x2_div=int(x2_row_div), CAT_K=True)
     _fp8_gemv_kernel[grid](
         x, wk, s, w2k, s2k, nw, out2,
         b, n, n_a, k,
@@ -480,7 +529,8 @@ def fp8_gemv(
         max(group_rows, 1), float(eps),
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_B=block_b, NBK=block_k // sub_k, SUB_K=sub_k, K_PER_SPLIT=k_per,
         EVEN_W=(n % block_n == 0) and (k % block_k == 0),
-        GROUPED=bool(group_rows), TWO_W=w2 is not None, PRO_NORM=norm_w is not None, ACCUMULATE=accumulate,
+        GROUPED=bool(group_rows), TWO_W=w2 is not None and not cat_k, PRO_NORM=norm_w is not None,
+        ACCUMULATE=accumulate,
         USE_DOT=cfg.use_dot, NATIVE=native, INTERP=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **extra, **pdl_args(x.device),

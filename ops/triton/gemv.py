@@ -328,75 +328,8 @@ def rms_norm_impl(inputs, outputs, attrs, workspace):
     rms_norm_rows(x2, w, float(attrs["eps"]), o2)
 
 
-def combiner_impl(inputs, outputs, attrs, workspace):
-    """The combiner as the fused path ran its five nodes: a row norm and a GEMV per half, then the sum.
-
-    Not the normed GEMV (``norm_w``): its prologue re-reads the row in each of the 512 programs,
-    and it measured 29 us slower at B=1 on an H200 (0.513 against 0.484 ms a step). FP8
-    e_proj / h_proj (native weights) go through ``fp8_gemv``, see :func:`_combine_fp8`.
-    """
-    from draftgraph.ops.combiner import _combiner_impl
-
-    e, h, e_norm, h_norm, e_proj, h_proj = inputs
-    (out,) = outputs
-    h2 = _rows_view(h)
-    if (e.dtype not in _HALF or e.dim() != 2 or h2 is None or e.stride(-1) != 1 or e.shape[-1] > 16384
-            or any(w.dtype != e.dtype or not w.is_contiguous() for w in (e_norm, h_norm))
-            or not all(_readable(w, e.dtype) for w in (e_proj, h_proj))):
-        return _combiner_impl(inputs, outputs, attrs, workspace)
-    eps = float(attrs["eps"])
-    if is_quantised(e_proj) or is_quantised(h_proj):
-        return _combine_fp8(e, h, h2, e_norm, h_norm, e_proj, h_proj, out, eps, attrs)
-    parts = []
-    for x, norm_w, proj_w in ((e, e_norm, e_proj), (h2, h_norm, h_proj)):
-        normed = torch.empty_like(x)
-        rms_norm_rows(x, norm_w, eps, normed)
-        parts.append(torch.empty_like(x))
-        gemv(normed, proj_w, parts[-1], config=LINEAR_CONFIG)
-    e_part, h_part = parts
-    torch.add(h_part.view(h.shape), e_part.unsqueeze(1) if h.dim() == 3 else e_part, out=out)
-
-
-def _combine_fp8(e, h, h2, e_norm, h_norm, e_proj, h_proj, out, eps, attrs) -> None:
-    """The combiner with FP8 projections (either or both; the other bf16): norm, W8A8 rounding, GEMV.
-
-    Collapsed (h [B, D]) with an FP8 e_proj, the e half accumulates onto the h half in ``out``
-    (fp32 add, one rounding: no e_part buffer, no add launch); in streams mode e_proj(enorm(e))
-    is one [B, D] part added to every stream, as the torch op does.
-    """
-    project = _fp8().project
-    normed = [torch.empty_like(x) for x in (e, h2)]
-    for x, norm_w, dst in ((e, e_norm, normed[0]), (h2, h_norm, normed[1])):
-        rms_norm_rows(x, norm_w, eps, dst)
-    e_in, h_in = act_in(normed[0], e_proj, attrs), act_in(normed[1], h_proj, attrs)
-    out2 = _rows_view(out)
-    if h.dim() == 2 and is_quantised(e_proj) and out2 is not None:
-        project(h_in, h_proj, out2, config=LINEAR_CONFIG)
-        project(e_in, e_proj, out2, config=LINEAR_CONFIG, accumulate=True)
-        return
-    e_part, h_part = torch.empty_like(e), torch.empty_like(h2)
-    project(e_in, e_proj, e_part, config=LINEAR_CONFIG)
-    project(h_in, h_proj, h_part, config=LINEAR_CONFIG)
-    torch.add(h_part.view(h.shape), e_part.unsqueeze(1) if h.dim() == 3 else e_part, out=out)
-
-
-def _combiner_block_scaled(specs) -> str | None:
-    quants = {s.quant for s in specs[4:6]} - {None}
-    return None if quants <= {"fp8"} else f"no {sorted(quants)} GEMV kernel for e_proj / h_proj (FP8 only)"
-
-
-combiner_impl.unsupported_block_scaled = _combiner_block_scaled
-
-
 def _dense(w) -> bool:
     return w.data.is_contiguous() and w.scale.is_contiguous()
-
-
-def _readable(w, dtype: torch.dtype) -> bool:
-    """A projection the GEMVs read: a dense FP8 QuantWeight, or a contiguous weight of the activations' dtype."""
-    if is_quantised(w):
-        return w.fmt == "fp8" and _dense(w)
-    return w.dtype == dtype and w.is_contiguous()
 
 
 def _fp8():

@@ -1,0 +1,171 @@
+"""The combiner: out = h_proj(hnorm(h)) + e_proj(enorm(e)), e's row broadcast over h's C streams.
+
+bf16 weights, five launches (as the fused path ran the op's five nodes): a row norm and a GEMV
+per half, then the sum. Not the normed GEMV (``norm_w``): its prologue re-reads the row in each of
+the 512 programs, and it measured 29 us slower at B=1 on an H200 (0.513 against 0.484 ms a step).
+
+Note "two launches": with FP8 e_proj and h_proj (native weights),
+1. norms, grid (B + R,): program r < B norms e's row r, the others h's R rows (B x C streams, or
+   B collapsed), into scratch; the same programs zero the GEMV's arrival counts.
+2. ``fp8_gemv``'s "two Ks": out[r] = hn[r] @ h_proj^T + en[r // C] @ e_proj^T in one launch, K
+   cut into ``COMBINER_SPLIT`` parts a tile (half of them on each matrix), summed in part order by
+   the tile's last part to finish: fp32, one rounding.
+The five launches this replaces (two norms, a GEMV a half, torch's add) took 42 us of an H100's
+B=1 step alone for 33.6 MB (11 us of bandwidth), the e_proj GEMV on 1 row and h_proj's on the 4
+stream rows each too few programs to fill the memory system. With one FP8 projection and one
+bf16 the norms, a GEMV a half and the sum remain.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from draftgraph.ops.quantised import act_in, is_quantised
+from draftgraph.ops.triton._common import carve, next_pow2, pdl_args, pdl_wait, scratch_bytes
+from draftgraph.ops.triton.gemv import _HALF, LINEAR_CONFIG, _dense, _fp8, _rows_view, gemv, rms_norm_rows
+
+COMBINER_SPLIT = 4  # parts of the two Ks of the FP8 combiner's GEMV ("two launches"); even
+
+
+@triton.jit
+def _two_norms_kernel(
+    e_ptr,
+    h_ptr,
+    ew_ptr,
+    hw_ptr,
+    en_ptr,
+    hn_ptr,
+    cnt_ptr,
+    B,
+    D,
+    n_cnt,
+    stride_e,
+    stride_h,
+    stride_en,
+    stride_hn,
+    eps,
+    BLOCK_D: tl.constexpr,
+    CNT_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_wait(PDL)
+    r = tl.program_id(0)
+    if CNT_BLOCK > 0:  # this program's share of the GEMV's arrival counts
+        c = r * CNT_BLOCK + tl.arange(0, CNT_BLOCK)
+        tl.store(cnt_ptr + c, tl.zeros([CNT_BLOCK], dtype=tl.int32), mask=c < n_cnt)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    if r < B:
+        src = e_ptr + r.to(tl.int64) * stride_e
+        w_ptr = ew_ptr
+        dst = en_ptr + r.to(tl.int64) * stride_en
+    else:
+        src = h_ptr + (r - B).to(tl.int64) * stride_h
+        w_ptr = hw_ptr
+        dst = hn_ptr + (r - B).to(tl.int64) * stride_hn
+    x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
+    tl.store(dst + offs, (x * inv * w).to(dst.dtype.element_ty), mask=mask)  # as the bf16 norm rounds
+
+
+def _fp8_parts(b: int, rows: int, d: int, n: int, dtype: torch.dtype):
+    """Scratch of the two-launch FP8 path: en, hn, the split's partials, the arrival counts."""
+    fp8 = _fp8()
+    tiles = fp8.split_tiles(rows, n, n, 2 * d, fp8.config_for(rows), split_k=COMBINER_SPLIT)
+    return [((b, d), dtype), ((rows, d), dtype), ((COMBINER_SPLIT * rows * n,), torch.float32), ((tiles,), torch.int32)]
+
+
+def combiner_workspace(specs, attrs, batch: int) -> int:
+    """Scratch bytes of the fused combiner at a concrete batch (the FP8 path's; the others allocate)."""
+    e, h, e_proj, h_proj = specs[0], specs[1], specs[4], specs[5]
+    if e_proj.quant != "fp8" or h_proj.quant != "fp8":
+        return 0
+    rows = batch * (h.shape[1] if len(h.shape) == 3 else 1)
+    return scratch_bytes(_fp8_parts(batch, rows, e.shape[-1], h_proj.shape[0], e.dtype))
+
+
+def combiner_impl(inputs, outputs, attrs, workspace):
+    """The fused combiner (see the module docstring); the torch op where the kernels do not apply."""
+    from draftgraph.ops.combiner import _combiner_impl
+
+    e, h, e_norm, h_norm, e_proj, h_proj = inputs
+    (out,) = outputs
+    h2 = _rows_view(h)
+    if (e.dtype not in _HALF or e.dim() != 2 or h2 is None or e.stride(-1) != 1 or e.shape[-1] > 16384
+            or any(w.dtype != e.dtype or not w.is_contiguous() for w in (e_norm, h_norm))
+            or not all(_readable(w, e.dtype) for w in (e_proj, h_proj))):  # fmt: skip
+        return _combiner_impl(inputs, outputs, attrs, workspace)
+    eps = float(attrs["eps"])
+    out2 = _rows_view(out)
+    if is_quantised(e_proj) and is_quantised(h_proj) and out2 is not None and COMBINER_SPLIT % 2 == 0:
+        return _combine_two_launches(e, h2, e_norm, h_norm, e_proj, h_proj, out2, eps, attrs, workspace)
+    if is_quantised(e_proj) or is_quantised(h_proj):
+        return _combine_fp8(e, h, h2, e_norm, h_norm, e_proj, h_proj, out, eps, attrs)
+    parts = []
+    for x, norm_w, proj_w in ((e, e_norm, e_proj), (h2, h_norm, h_proj)):
+        normed = torch.empty_like(x)
+        rms_norm_rows(x, norm_w, eps, normed)
+        parts.append(torch.empty_like(x))
+        gemv(normed, proj_w, parts[-1], config=LINEAR_CONFIG)
+    e_part, h_part = parts
+    torch.add(h_part.view(h.shape), e_part.unsqueeze(1) if h.dim() == 3 else e_part, out=out)
+
+
+def _combine_two_launches(e, h2, e_norm, h_norm, e_proj, h_proj, out2, eps, attrs, workspace) -> None:
+    """FP8 e_proj and h_proj: the norms, then one GEMV over both Ks (note "two launches")."""
+    b, d = e.shape
+    rows, n = h2.shape[0], h_proj.logical_shape[0]
+    en, hn, partials, arrivals = carve(workspace, e.device, _fp8_parts(b, rows, d, n, e.dtype))
+    share = triton.cdiv(arrivals.numel(), b + rows)
+    _two_norms_kernel[(b + rows,)](
+        e, h2, e_norm, h_norm, en, hn, arrivals,
+        b, d, arrivals.numel(), e.stride(0), h2.stride(0), en.stride(0), hn.stride(0), eps,
+        BLOCK_D=next_pow2(d), CNT_BLOCK=next_pow2(share), num_warps=4 if d <= 4096 else 8,
+        **pdl_args(e.device),
+    )  # fmt: skip
+    fp8 = _fp8()
+    fp8.fp8_gemv(
+        act_in(hn, h_proj, attrs), h_proj.data, h_proj.scale, out2,
+        w2=e_proj.data, w2_scale=e_proj.scale, x2=act_in(en, e_proj, attrs), x2_row_div=rows // b,
+        split_k=COMBINER_SPLIT, split_reduce=(partials, arrivals), config=fp8.config_for(rows),
+    )  # fmt: skip
+
+
+def _combine_fp8(e, h, h2, e_norm, h_norm, e_proj, h_proj, out, eps, attrs) -> None:
+    """One FP8 projection and one bf16 (or an output that is no rows view): norm, W8A8 rounding, GEMV.
+
+    Collapsed (h [B, D]) with an FP8 e_proj, the e half accumulates onto the h half in ``out``
+    (fp32 add, one rounding: no e_part buffer, no add launch); in streams mode e_proj(enorm(e))
+    is one [B, D] part added to every stream, as the torch op does.
+    """
+    project = _fp8().project
+    normed = [torch.empty_like(x) for x in (e, h2)]
+    for x, norm_w, dst in ((e, e_norm, normed[0]), (h2, h_norm, normed[1])):
+        rms_norm_rows(x, norm_w, eps, dst)
+    e_in, h_in = act_in(normed[0], e_proj, attrs), act_in(normed[1], h_proj, attrs)
+    out2 = _rows_view(out)
+    if h.dim() == 2 and is_quantised(e_proj) and out2 is not None:
+        project(h_in, h_proj, out2, config=LINEAR_CONFIG)
+        project(e_in, e_proj, out2, config=LINEAR_CONFIG, accumulate=True)
+        return
+    e_part, h_part = torch.empty_like(e), torch.empty_like(h2)
+    project(e_in, e_proj, e_part, config=LINEAR_CONFIG)
+    project(h_in, h_proj, h_part, config=LINEAR_CONFIG)
+    torch.add(h_part.view(h.shape), e_part.unsqueeze(1) if h.dim() == 3 else e_part, out=out)
+
+
+def _combiner_block_scaled(specs) -> str | None:
+    quants = {s.quant for s in specs[4:6]} - {None}
+    return None if quants <= {"fp8"} else f"no {sorted(quants)} GEMV kernel for e_proj / h_proj (FP8 only)"
+
+
+combiner_impl.unsupported_block_scaled = _combiner_block_scaled
+
+
+def _readable(w, dtype: torch.dtype) -> bool:
+    """A projection the GEMVs read: a dense FP8 QuantWeight, or a contiguous weight of the activations' dtype."""
+    if is_quantised(w):
+        return w.fmt == "fp8" and _dense(w)
+    return w.dtype == dtype and w.is_contiguous()
