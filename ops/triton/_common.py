@@ -191,8 +191,14 @@ def last_to_arrive(counter, SPLIT: tl.constexpr):
     """Whether this program is the last of the SPLIT programs sharing ``counter`` to finish its part
     (split-K MoE, split-window attention): every thread's partials are stored before the count
     moves (the barrier, then a release), and the last one's loads of the others' come after it saw
-    them (acquire). Read the others' partials with ``volatile=True`` (never a stale L1 line)."""
+    them (acquire). Read the others' partials with ``volatile=True`` (never a stale L1 line). The
+    count is back at 0 after the launch."""
     tl.debug_barrier()
     ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     tl.debug_barrier()
-    return ticket == SPLIT - 1
+    last = ticket == SPLIT - 1
+    # Every part has counted: the last one resets the count for a launch that repeats without the
+    # op's zeroing launch before it (a phase timed alone). The zeroing stays: the count lives in
+    # scratch that other ops overwrite between launches.
+    tl.atomic_xchg(counter, 0, mask=last, sem="relaxed", scope="gpu")
+    return last

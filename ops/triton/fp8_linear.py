@@ -29,8 +29,9 @@ tiles; a 4096-row one 128, about one an SM) keeps too few bytes in flight to fil
 system. ``split_reduce`` cuts K into ``split_k`` programs a tile; each stores its fp32 partials,
 counts its arrival (``last_to_arrive``), and the last of the tile to finish sums the parts in part
 order (deterministic whichever comes last) and stores the output. The caller gives the partials'
-scratch and the counts, zeroed by an earlier launch of the same op (kv finish in swa_attention):
-no launch is added and nothing persists between launches.
+scratch and the counts, zeroed by an earlier launch of the same op (kv finish in swa_attention;
+other ops overwrite scratch between launches), and the last part resets its tile's count: no
+launch is added and a launch repeated alone stays correct.
 
 Note "two Ks": the combiner's out = h_proj(h) + e_proj(e), e's row broadcast over the C streams
 of its batch row, as one launch: W2 (e_proj) continues W's K with its own activation rows (x2,
@@ -452,7 +453,7 @@ def fp8_gemv(
     ``split_reduce`` = (partials, arrivals) is given: then each part writes its fp32 partials to
     ``partials`` ([split_k * B * N] at least) and the last part of each tile to finish sums them
     into ``out`` (note "split K, reduced"); ``arrivals`` (int32, one per tile: :func:`split_tiles`)
-    must be zero at the launch and is left at split_k. ``native_fp8``: None picks the hardware
+    must be zero at the launch and is zero again after it. ``native_fp8``: None picks the hardware
     conversion where it exists (:func:`native_fp8_supported`).
 
     With ``x2`` (note "two Ks"), W2 [N, K] is a second matrix along K, not more rows:
