@@ -239,11 +239,15 @@ def _quantised():
     return draftgraph.ops.quantised  # act_in, which the fused linear and combiner call
 
 
-def test_combiner_streams_mode_on_native_weights(monkeypatch):
+@pytest.mark.parametrize("max_rows", [16, 4])  # 8 stream rows: one GEMV over both Ks, or past the limit a GEMV a half
+def test_combiner_streams_mode_on_native_weights(monkeypatch, max_rows):
+    monkeypatch.setattr(K["combiner"], "COMBINER_MAX_ROWS", max_rows)
     inputs, attrs = combiner_case(gen(340), batch=2, streams=True)
     fallbacks = no_torch_fallback(monkeypatch)
+    fp8_calls = uses(monkeypatch, K["fp8_linear"], "fp8_gemv")
     three_ways("combiner", to_device(native("combiner", inputs)), attrs)
     assert fallbacks == []
+    assert len(fp8_calls) == (1 if max_rows == 16 else 2), fp8_calls
 
 
 def test_combiner_with_one_fp8_projection():
@@ -397,8 +401,10 @@ def test_native_chain_runs_the_fused_impls_and_drafts_as_the_torch_ops(tmp_path,
     mx_calls = uses(monkeypatch, K["moe_mxfp4"], "moe_mxfp4_launches")
     got, hidden, chosen = propose(True)
     assert fallbacks == []
-    # Per draft step: the combiner's two FP8 GEMVs, the attention's four, one MXFP4 MoE.
-    assert (len(fp8_calls), len(mx_calls)) == (2 * 6, 2), (len(fp8_calls), len(mx_calls))
+    # Per draft step: the combiner's one FP8 GEMV over both Ks (B x 4 stream rows, at most
+    # COMBINER_MAX_ROWS), the attention's four, one MXFP4 MoE.
+    assert batch * 4 <= K["combiner"].COMBINER_MAX_ROWS
+    assert (len(fp8_calls), len(mx_calls)) == (2 * 5, 2), (len(fp8_calls), len(mx_calls))
     assert {"combiner", "swa_attention"} <= set(chosen) and {"moe", "moe_hash"} & set(chosen), chosen
     assert rel_err(hidden, want_hidden) < 2e-2
     assert got == want, (got, want)

@@ -12,8 +12,9 @@ Note "two launches": with FP8 e_proj and h_proj (native weights),
    the tile's last part to finish: fp32, one rounding.
 The five launches this replaces (two norms, a GEMV a half, torch's add) took 42 us of an H100's
 B=1 step alone for 33.6 MB (11 us of bandwidth), the e_proj GEMV on 1 row and h_proj's on the 4
-stream rows each too few programs to fill the memory system. With one FP8 projection and one
-bf16 the norms, a GEMV a half and the sum remain.
+stream rows each too few programs to fill the memory system. Up to ``COMBINER_MAX_ROWS`` h rows:
+the partials are 4 bytes a row and column a part, 8 MB at B=32's 128 stream rows. Past it, and
+with one FP8 projection and one bf16, the norms, a GEMV a half and the sum remain.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from draftgraph.ops.triton._common import carve, next_pow2, pdl_args, pdl_wait, 
 from draftgraph.ops.triton.gemv import _HALF, LINEAR_CONFIG, _dense, _fp8, _rows_view, gemv, rms_norm_rows
 
 COMBINER_SPLIT = 4  # parts of the two Ks of the FP8 combiner's GEMV ("two launches"); even
+# Up to this many h rows (B x C streams): past it the split's fp32 partials cost more than the
+# launches saved (H100, the chain: B=1's 4 rows 0.546 -> 0.534 ms, B=8's 32 0.672 -> 0.675, B=32's
+# 128 0.914 -> 0.953; benchmarks/h200/README.md, "thirteenth session").
+COMBINER_MAX_ROWS = 16
 
 
 @triton.jit
@@ -80,9 +85,9 @@ def _fp8_parts(b: int, rows: int, d: int, n: int, dtype: torch.dtype):
 def combiner_workspace(specs, attrs, batch: int) -> int:
     """Scratch bytes of the fused combiner at a concrete batch (the FP8 path's; the others allocate)."""
     e, h, e_proj, h_proj = specs[0], specs[1], specs[4], specs[5]
-    if e_proj.quant != "fp8" or h_proj.quant != "fp8":
-        return 0
     rows = batch * (h.shape[1] if len(h.shape) == 3 else 1)
+    if e_proj.quant != "fp8" or h_proj.quant != "fp8" or rows > COMBINER_MAX_ROWS:
+        return 0
     return scratch_bytes(_fp8_parts(batch, rows, e.shape[-1], h_proj.shape[0], e.dtype))
 
 
@@ -99,7 +104,8 @@ def combiner_impl(inputs, outputs, attrs, workspace):
         return _combiner_impl(inputs, outputs, attrs, workspace)
     eps = float(attrs["eps"])
     out2 = _rows_view(out)
-    if is_quantised(e_proj) and is_quantised(h_proj) and out2 is not None and COMBINER_SPLIT % 2 == 0:
+    two = is_quantised(e_proj) and is_quantised(h_proj) and out2 is not None and COMBINER_SPLIT % 2 == 0
+    if two and h2.shape[0] <= COMBINER_MAX_ROWS:
         return _combine_two_launches(e, h2, e_norm, h_norm, e_proj, h_proj, out2, eps, attrs, workspace)
     if is_quantised(e_proj) or is_quantised(h_proj):
         return _combine_fp8(e, h, h2, e_norm, h_norm, e_proj, h_proj, out, eps, attrs)

@@ -224,6 +224,7 @@ def _fp8_gemv_kernel(
     PDL: tl.constexpr,
     part_ptr=None,
     cnt_ptr=None,
+    part_plane=0,
     REDUCE: tl.constexpr = 0,
     x2_ptr=None,
     stride_x2b=0,
@@ -310,7 +311,7 @@ def _fp8_gemv_kernel(
     if REDUCE > 1:
         # "split K, reduced": this part's partials, then the sum by the tile's last part to finish.
         at = rows.to(tl.int64)[None, :] * N + offs_n[:, None]
-        plane = B.to(tl.int64) * N
+        plane = part_plane  # B * N from the host: at B == 1 the compiler holds B as a constant int
         tl.store(part_ptr + pid_k * plane + at, total, mask=mask)
         if last_to_arrive(cnt_ptr + pid_n * tl.num_programs(1) + pid_b, REDUCE):
             total = tl.zeros_like(total)
@@ -520,7 +521,7 @@ def fp8_gemv(
     nw = norm_w if norm_w is not None else x
     stride_os = out.stride(0) if split_k > 1 and not reduced else 0
     out2 = out[0] if split_k > 1 and not reduced else out
-    extra = dict(part_ptr=split_reduce[0], cnt_ptr=split_reduce[1], REDUCE=split_k) if reduced else {}
+    extra = dict(part_ptr=split_reduce[0], cnt_ptr=split_reduce[1], part_plane=b * n, REDUCE=split_k) if reduced else {}
     if cat_k:
         extra.update(x2_ptr=x2, stride_x2b=x2.stride(0), x2_div=int(x2_row_div), CAT_K=True)
     _fp8_gemv_kernel[grid](
