@@ -287,6 +287,29 @@ def test_moe_workspace_rule_covers_the_mxfp4_scratch(batch, w8a8, monkeypatch):
     assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("name,batch", [("swa_attention", 1), ("swa_attention", 3), ("combiner", 1), ("combiner", 3)])
+def test_split_launches_count_on_poisoned_scratch(name, batch, monkeypatch):
+    """The attention's and the combiner's split launches on a workspace of exactly their rule's bytes,
+    poisoned (0xFF: NaN floats, counts of -1): every carve fits, the op zeroes its own arrival counts
+    before they are used, and the result is the one on fresh scratch, bit for bit."""
+    if name == "swa_attention":
+        monkeypatch.setattr(K["attention"], "ATTN_IMPL", "dot")
+        monkeypatch.setattr(K["attention"], "DOT_BLOCK_W", 16)  # the small window in parts ("split window")
+    case = CASES[name](gen(360 + batch), batch=batch, **({"window": 64} if name == "swa_attention" else {}))
+    inputs, attrs = to_device(native(name, case[0])), case[1]
+    rule = {"swa_attention": K["attention"].attention_workspace, "combiner": K["combiner"].combiner_workspace}[name]
+    nbytes = rule([TensorSpec.of(t) for t in inputs], attrs, batch)
+    want, _ = run(name, FUSED[name], inputs, attrs)
+    carved = counting_carves(K, monkeypatch, modules=("attention", "combiner"))
+    for _ in range(2):  # twice on the same scratch: the counts are zeroed (and reset) each call
+        ws = torch.full((nbytes,), 0xFF, dtype=torch.uint8, device=DEVICE)
+        written = [t.clone() if i in MUTATED.get(name, ()) else t for i, t in enumerate(inputs)]
+        out = torch.full_like(want, float("nan"))
+        FUSED[name](written, [out], attrs, ws)
+        assert torch.equal(out, want), name
+    assert carved == [nbytes, nbytes], (carved, nbytes)  # the rule is tight
+
+
 # ---- selection --------------------------------------------------------------------------------
 
 
