@@ -285,6 +285,22 @@ def test_fp8_gemv_rejects_bad_inputs():
         FP8.fp8_gemv(x, q.float(), s, out)
     with pytest.raises(InputError, match="x"):
         FP8.fp8_gemv(x.float(), q, s, out)
+    # A reduced split's scratch: fp32 partials of split x B x N, int32 counts of every tile.
+    partials, counts = torch.zeros(2 * 128), torch.zeros(8, dtype=torch.int32)
+    with pytest.raises(InputError, match="split_reduce partials"):
+        FP8.fp8_gemv(x, q, s, out, split_k=2, split_reduce=(partials.half(), counts))
+    with pytest.raises(InputError, match="split_reduce partials"):
+        FP8.fp8_gemv(x, q, s, out, split_k=2, split_reduce=(partials[:100], counts))
+    with pytest.raises(InputError, match="split_reduce arrivals"):
+        FP8.fp8_gemv(x, q, s, out, split_k=2, split_reduce=(partials, counts[:0]))
+    with pytest.raises(InputError, match="split_k"):  # K 128 in 3 parts: no whole tiles
+        FP8.fp8_gemv(x, q, s, out, split_k=3, split_reduce=(torch.zeros(3 * 128), counts))
+    with pytest.raises(InputError, match="fp32 partials"):  # an unreduced split writes fp32 [split, B, N]
+        FP8.fp8_gemv(x, q, s, out, split_k=2)
+    with pytest.raises(InputError, match="split_reduce"):  # the bf16 GEMV has no reduced split
+        FP8.project(x, torch.zeros(128, 128, dtype=BF16), out, config=FP8.DEFAULT, split_k=2,
+                    split_reduce=(partials, counts))  # fmt: skip
+    assert torch.equal(counts, torch.zeros_like(counts))  # no launch: nothing counted
 
 
 # ---- moe_mxfp4 --------------------------------------------------------------------------------

@@ -402,10 +402,12 @@ def _check_split_reduce(split_reduce, split_k: int, b: int, n: int, tiles: int) 
     partials, arrivals = split_reduce
     if partials.dtype != torch.float32 or partials.numel() < split_k * b * n or not partials.is_contiguous():
         raise InputError(describe("fp8_gemv split_reduce partials", f"contiguous fp32, {split_k * b * n} elements",
-                                  f"{partials.dtype} {list(partials.shape)}"))  # fmt: skip
+                                  f"{partials.dtype} {list(partials.shape)}",
+                                  "split_k x B x N fp32 partials, carved from the op's scratch"))  # fmt: skip
     if arrivals.dtype != torch.int32 or arrivals.numel() < tiles:
         raise InputError(describe("fp8_gemv split_reduce arrivals", f"int32, {tiles} counts (zeroed)",
-                                  f"{arrivals.dtype} {list(arrivals.shape)}"))  # fmt: skip
+                                  f"{arrivals.dtype} {list(arrivals.shape)}",
+                                  "one count a tile: fp8_linear.split_tiles gives how many"))  # fmt: skip
 
 
 def _check_two_ks(x, x2, div, w, w2, split_k, split_reduce, group_rows, norm_w) -> None:
@@ -501,7 +503,7 @@ def fp8_gemv(
     reduced = split_k > 1 and split_reduce is not None
     if split_k > 1 and k_all % (split_k * block_k):
         raise InputError(describe("fp8_gemv split_k", f"K {k_all} in {split_k} parts of {block_k}-column tiles",
-                                  k_all))  # fmt: skip
+                                  k_all, "a split_k dividing K / 16"))  # fmt: skip
     if reduced:
         tiles = triton.cdiv(n, block_n) * triton.cdiv(b, block_b)
         _check_split_reduce(split_reduce, split_k, b, n, tiles)
