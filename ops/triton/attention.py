@@ -550,20 +550,20 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
     x, wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, sink, cache, positions, kv_start, table = inputs
     h, d, r = int(attrs["num_heads"]), int(attrs["head_dim"]), int(attrs["rope_dim"])
     groups = int(attrs["o_groups"])
+    o_lora = wo_a.shape[0] // groups
     eps, theta = float(attrs["eps"]), float(attrs["rope_theta"])
     bs, window = int(attrs.get("block_size", 16)), int(attrs["window"])
     b, q_lora, n = x.shape[0], wq_a.shape[0], d - r
     quant = is_quantised(wq_a)  # then all five are FP8 (_usable)
     w8a8 = quant and attrs.get("activations") == "fp8"
     scratch = _parts(b, attrs, q_lora, x.shape[1], x.dtype, quant)
-    raw, proj_parts, qn, q, o, z, split, wo_parts, arrivals = carve(workspace, x.device, scratch)
+    raw, proj_parts, qn, q, o, z, window_partials, wo_parts, arrivals = carve(workspace, x.device, scratch)
     parts, proj_split = window_parts(b, h, window), max(proj_parts.shape[0], 1)
-    wo_split, (tiles_a, tiles_b) = _wo_split(b, h * d, groups, int(attrs["o_lora_rank"]), x.shape[1], quant)
+    wo_split, (tiles_a, tiles_b) = _wo_split(b, h * d, groups, o_lora, x.shape[1], quant)
     attend_tiles = arrivals.numel() - tiles_a - tiles_b
     cnt_share = triton.cdiv(arrivals.numel(), b)
     inv_freq = _inv_freq(r, theta, x.device)
     num_slots, max_blocks = cache.shape[0], table.shape[1]
-    o_lora = wo_a.shape[0] // groups
 
     def w8a8_in(t: torch.Tensor) -> torch.Tensor:
         return fp8_round_activations(t) if w8a8 else t
@@ -633,7 +633,7 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
             block_h, block_w = min(DOT_BLOCK_H, max(16, next_pow2(h))), _dot_block_w(window)
             _swa_decode_dot_kernel[(b, triton.cdiv(h, block_h), parts)](
                 *common[:8],
-                split,
+                window_partials,
                 arrivals,
                 *common[8:],
                 h,
