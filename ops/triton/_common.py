@@ -187,6 +187,14 @@ def clamped_swiglu(gate, up, limit):
 
 
 @triton.jit
+def zero_share(counts, n, program, SHARE: tl.constexpr):
+    """Zero program ``program``'s share (SHARE consecutive entries) of ``n`` arrival counts: the
+    launch before a split one, a program each share, so the counts start at 0 (``last_to_arrive``)."""
+    c = program * SHARE + tl.arange(0, SHARE)
+    tl.store(counts + c, tl.zeros([SHARE], dtype=tl.int32), mask=c < n)
+
+
+@triton.jit
 def last_to_arrive(counter, SPLIT: tl.constexpr):
     """Whether this program is the last of the SPLIT programs sharing ``counter`` to finish its part
     (split-K MoE, split-window attention): every thread's partials are stored before the count

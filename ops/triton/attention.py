@@ -72,6 +72,7 @@ from draftgraph.ops.triton._common import (
     pdl_wait,
     scratch_bytes,
     splat,
+    zero_share,
 )
 from draftgraph.ops.triton.fp8_linear import config_for as fp8_config_for
 from draftgraph.ops.triton.fp8_linear import project, split_tiles
@@ -230,8 +231,7 @@ def _kv_finish_kernel(
     pdl_wait(PDL)
     b = tl.program_id(0)
     if CNT_BLOCK > 0:  # this program's share of the op's arrival counts ("split window", "split wo")
-        c = b * CNT_BLOCK + tl.arange(0, CNT_BLOCK)
-        tl.store(cnt_ptr + c, tl.zeros([CNT_BLOCK], dtype=tl.int32), mask=c < n_cnt)
+        zero_share(cnt_ptr, n_cnt, b, CNT_BLOCK)
     row0 = b.to(tl.int64) * row_len
     plane = tl.num_programs(0).to(tl.int64) * row_len
     # q_norm(qa) for the wq_b GEMV ("q norm here"), rounded as the norm's bf16 output is.

@@ -23,10 +23,10 @@ import torch
 import triton
 import triton.language as tl
 from draftgraph.ops.quantised import act_in, is_quantised
-from draftgraph.ops.triton._common import carve, next_pow2, pdl_args, pdl_wait, scratch_bytes
-from draftgraph.ops.triton.gemv import _HALF, LINEAR_CONFIG, _dense, _fp8, _rows_view, gemv, rms_norm_rows
+from draftgraph.ops.triton._common import carve, next_pow2, pdl_args, pdl_wait, scratch_bytes, zero_share
+from draftgraph.ops.triton.gemv import _HALF, LINEAR_CONFIG, _dense, _fp8, _rows_view, gemv, norm_row, rms_norm_rows
 
-COMBINER_SPLIT = 4  # parts of the two Ks of the FP8 combiner's GEMV ("two launches"); even
+COMBINER_SPLIT = 4  # parts of the two Ks of the FP8 combiner's GEMV ("two launches"); even (odd: five launches)
 # Up to this many h rows (B x C streams): past it the split's fp32 partials cost more than the
 # launches saved (H100, the chain: B=1's 4 rows 0.546 -> 0.534 ms, B=8's 32 0.672 -> 0.675, B=32's
 # 128 0.914 -> 0.953; benchmarks/h200/README.md, "thirteenth session").
@@ -57,10 +57,7 @@ def _two_norms_kernel(
     pdl_wait(PDL)
     r = tl.program_id(0)
     if CNT_BLOCK > 0:  # this program's share of the GEMV's arrival counts
-        c = r * CNT_BLOCK + tl.arange(0, CNT_BLOCK)
-        tl.store(cnt_ptr + c, tl.zeros([CNT_BLOCK], dtype=tl.int32), mask=c < n_cnt)
-    offs = tl.arange(0, BLOCK_D)
-    mask = offs < D
+        zero_share(cnt_ptr, n_cnt, r, CNT_BLOCK)
     if r < B:
         src = e_ptr + r.to(tl.int64) * stride_e
         w_ptr = ew_ptr
@@ -69,10 +66,7 @@ def _two_norms_kernel(
         src = h_ptr + (r - B).to(tl.int64) * stride_h
         w_ptr = hw_ptr
         dst = hn_ptr + (r - B).to(tl.int64) * stride_hn
-    x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
-    tl.store(dst + offs, (x * inv * w).to(dst.dtype.element_ty), mask=mask)  # as the bf16 norm rounds
+    norm_row(src, w_ptr, dst, D, eps, BLOCK_D)
 
 
 def _fp8_parts(b: int, rows: int, d: int, n: int, dtype: torch.dtype):

@@ -252,13 +252,19 @@ def gemv(
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    pdl_wait(PDL)
+    norm_row(x_ptr + row * stride_x, w_ptr, out_ptr + row * stride_o, D, eps, BLOCK_D)
+
+
+@triton.jit
+def norm_row(src, w_ptr, dst, D, eps, BLOCK_D: tl.constexpr):
+    """dst[:D] = w * src / rms(src), fp32 math, rounded to dst's dtype as the bf16 norm's output is."""
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
-    pdl_wait(PDL)
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
-    tl.store(out_ptr + row * stride_o + offs, (x * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + offs, (x * inv * w).to(dst.dtype.element_ty), mask=mask)
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
