@@ -443,6 +443,64 @@ def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
     check(out.cpu(), ref, f"moe_mxfp4 B={batch} grouped={grouped} {variant}")
 
 
+def _bumped(scale: torch.Tensor, byte: int) -> torch.Tensor:
+    """``scale`` with its first byte set to ``byte`` (a larger block scale where the test wants one)."""
+    bumped = scale.view(torch.uint8).clone()
+    bumped.view(-1)[0] = byte
+    return bumped.view(scale.dtype)
+
+
+def test_rebias_fits_reads_every_scale_byte():
+    """moe_mxfp4.rebias_fits: the one-multiply decode (moe_mxfp4_mma, "rebiased scale") only where
+    every byte is at most 128 (2^(byte - 1) a bf16); a QuantWeight keeps its largest byte."""
+    from draftgraph.runtime.model.quant import QuantWeight, quantize_weight
+
+    s = torch.full((2, 4, 3), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    assert MX.rebias_fits(s) and MX.rebias_fits(_bumped(s, 128))
+    assert not MX.rebias_fits(s, _bumped(s, 129)) and not MX.rebias_fits(_bumped(s, 255))
+    w = quantize_weight(torch.randn(2, 8, 64), "mxfp4")
+    assert w.max_scale_byte == int(w.scale.view(torch.uint8).max()) <= 128
+    big = QuantWeight(w.data, _bumped(w.scale, 140), "mxfp4")
+    assert big.max_scale_byte == 140 and "max_scale_byte" in vars(big)  # read once, kept
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("batch", [5, 12])
+def test_moe_mxfp4_rebiased_decode_is_bit_exact(small_experts, batch, monkeypatch):
+    """The tensor cores' one-multiply decode gives the two-multiply one's out bit for bit (a power
+    of two times an exact code, one rounding either way), at a block scale of 2 (byte 128, its
+    limit) too; a byte of 129 is refused it and the two multiplies stay right."""
+    tile = K["gemv"].GemvConfig(64, 256, 4, 1)
+    monkeypatch.setattr(MX, "W13_CONFIG_MMA", tile)
+    monkeypatch.setattr(MX, "W2_CONFIG_MMA", tile)
+    ex = _experts_on(small_experts, "cuda")
+    g = gen(2300 + batch)
+    x = act(g, batch, D_SMALL).cuda()
+    idx, wts = routing(g, batch, K_SMALL, E_SMALL, "cuda")
+    idx[:, 0] = 0  # every row reads expert 0, whose first block is bumped below
+    w1, s1, w2, s2, w3, s3 = ex.routed()
+    for byte in (None, 128, 129):
+        scales = (s1, s2, s3) if byte is None else (_bumped(s1, byte), _bumped(s2, byte), s3)
+        fits = MX.rebias_fits(scales[0], scales[2]), MX.rebias_fits(scales[1])
+        assert fits == ((byte != 129),) * 2
+        outs = []
+        for rebias in ((False, False), fits):
+            out = poisoned((batch, D_SMALL), BF16, "cuda")
+            MX.moe_mxfp4(x, idx, wts, w1, scales[0], w2, scales[1], w3, scales[2], out, swiglu_limit=LIMIT,
+                         shared=ex.shared, grouped=True, rebias=rebias)  # fmt: skip
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), f"byte {byte}: the decodes differ"
+        bumped = Experts.__new__(Experts)
+        bumped.__dict__.update(ex.__dict__)
+        if byte is not None:  # the float64 reference of the bumped blocks: row 0 of expert 0
+            for name, q, s in (("w1_64", w1, scales[0]), ("w2_64", w2, scales[1])):
+                rows = getattr(ex, name).clone()
+                rows[0, 0] = dequantize_mxfp4(q[0, :1].cpu(), s[0, :1].cpu(), torch.float64)[0]
+                setattr(bumped, name, rows)
+        check(outs[1].cpu(), moe_reference(x, idx, wts, bumped, LIMIT)[0], f"rebiased B={batch} byte {byte}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_expert_row_table_gives_each_chunk_of_8_rows_a_slot_of_its_own(device):
     """moe_mxfp4_mma's table ("expert-row table") against a Python model: each expert's rows, in

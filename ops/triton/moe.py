@@ -490,6 +490,7 @@ def _mxfp4_launches(x, xq, idx, wts, weights, out, rest, attrs) -> list[tuple[st
     launches = moe_mxfp4.moe_mxfp4_launches(
         x if xq is None else xq, idx, wts, w1.data, w1.scale, w2.data, w2.scale, w3.data, w3.scale, out,
         swiglu_limit=float(attrs["swiglu_limit"]), shared=shared, workspace=rest,
+        rebias=(_rebias_fits(w1, w3), _rebias_fits(w2)),
     )  # fmt: skip
     if xq is None:
         return launches
@@ -505,6 +506,16 @@ def _mxfp4_launches(x, xq, idx, wts, weights, out, rest, attrs) -> list[tuple[st
 
     at = [name for name, _ in launches].index("w13") + 1  # the act rows are w13's: rounded before w2 reads them
     return [("round_x", round_x), *launches[:at], ("round_act", round_act), *launches[at:]]
+
+
+def _rebias_fits(*weights) -> bool:
+    """``moe_mxfp4.rebias_fits`` of bound weights from their kept ``max_scale_byte`` (read once, at
+    the first plan: the warm-up run before a capture); a capture that finds one unread takes the
+    two-multiply decode, right for every scale, rather than read the device while capturing."""
+    if any(w.data.is_cuda for w in weights) and torch.cuda.is_current_stream_capturing():
+        if any("max_scale_byte" not in vars(w) for w in weights):
+            return False
+    return all(w.max_scale_byte <= moe_mxfp4.REBIAS_MAX_SCALE_BYTE for w in weights)
 
 
 def _w2_block_k(inter: int, cfg: GemvConfig) -> int:

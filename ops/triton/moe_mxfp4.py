@@ -95,6 +95,9 @@ W2_CONFIG = GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=3, use_d
 # below -> 1.101 (bench_draft_native_*_h100.txt of that session).
 MMA_MAX_BATCH = 64
 MMA_ROWS = 8  # rows a pass of those kernels (the mma's n): the expert-row table's chunk
+# The largest UE8M0 byte whose scale times 2^126 is a bf16 (2^(byte - 1) <= 2^127): the condition of
+# the tensor-core kernels' one-multiply decode (moe_mxfp4_mma, note "rebiased scale").
+REBIAS_MAX_SCALE_BYTE = 128
 W13_CONFIG_MMA = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, use_dot=False)
 W2_CONFIG_MMA = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, use_dot=False)
 # w13's K cut into this many parts, each a program of its own (moe_mxfp4_mma, "split K"); 1: none.
@@ -762,6 +765,15 @@ def mma_split(batch: int, inter: int, d: int, dtype: torch.dtype, grouped: bool)
     return split, triton.cdiv(inter, W13_CONFIG_MMA.block_n)
 
 
+def rebias_fits(*scales) -> bool:
+    """Whether every UE8M0 byte of ``scales`` is at most 128: the tensor-core kernels' one-multiply
+    decode (moe_mxfp4_mma, note "rebiased scale"). A device read each; False, without reading, while
+    the current stream captures a graph (the two-multiply decode is right for every scale)."""
+    if any(s.is_cuda for s in scales) and torch.cuda.is_current_stream_capturing():
+        return False
+    return all(int(s.view(torch.uint8).max()) <= REBIAS_MAX_SCALE_BYTE for s in scales if s.numel())
+
+
 def moe_mxfp4_workspace(
     batch: int, top_k: int, inter: int, d: int, dtype: torch.dtype, grouped: bool, shared: bool = True
 ) -> int:
@@ -786,6 +798,7 @@ def moe_mxfp4_launches(
     workspace: torch.Tensor | None = None,
     grouped: bool | None = None,
     native_fp8: bool | None = None,
+    rebias: tuple[bool, bool] | None = None,
 ) -> list[tuple[str, callable]]:
     """The launches of :func:`moe_mxfp4` as (name, thunk), for an op's ``plan`` (checks and scratch done here)."""
     (w1b, s1b, w3b, s3b, w2b, s2b), shared_b = _check(x, idx, wts, w1, w1_scale, w2, w2_scale, w3, w3_scale, out,
@@ -890,6 +903,7 @@ def moe_mxfp4_launches(
             bk13 //= 2
         bk2 = min(c2.block_k, max(128, next_pow2(inter)))
         common = dict(TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_B=block_b, NATIVE=native, INTERP=interp)
+        rebias13, rebias2 = rebias if rebias is not None else (rebias_fits(w1_scale, w3_scale), rebias_fits(w2_scale))
 
         def rows():
             M.launch_rows((b * top_k,), idx, wts, *table, arrivals, b, tiles, TOPK=top_k, TOPK_PAD=topk_pad,
@@ -902,7 +916,8 @@ def moe_mxfp4_launches(
                 x, idx, *table, w1b, s1b, w3b, s3b, sw1b, ss1b, sw3b, ss3b, act, split_part, arrivals, b, d, inter,
                 x.stride(0), s13, limit, k_part,
                 BLOCK_N=c13.block_n, BLOCK_K=bk13, DOT_K=min(FP8_BLOCK, max(16, next_pow2(min(d, k_part)))),
-                SPLIT=split, EVEN=d % bk13 == 0, **common, num_warps=c13.block_n // 16, num_stages=c13.num_stages,
+                SPLIT=split, EVEN=d % bk13 == 0, REBIASED=bool(rebias13), **common, num_warps=c13.block_n // 16,
+                num_stages=c13.num_stages,
                 **pdl,
             )  # fmt: skip
 
@@ -911,7 +926,8 @@ def moe_mxfp4_launches(
                 (triton.cdiv(d, c2.block_n), slots),
                 act, idx, *table, w2b, s2b, sw2b, ss2b, part, b, d, inter, s2,
                 BLOCK_N=c2.block_n, BLOCK_K=bk2, DOT_K=min(FP8_BLOCK, max(16, next_pow2(inter))),
-                EVEN=inter % bk2 == 0, **common, num_warps=c2.block_n // 16, num_stages=c2.num_stages, **pdl,
+                EVEN=inter % bk2 == 0, REBIASED=bool(rebias2), **common, num_warps=c2.block_n // 16,
+                num_stages=c2.num_stages, **pdl,
             )  # fmt: skip
 
         return [("rows", rows), ("w13", w13_mma), ("w2", w2_mma), ("reduce", reduce)]
@@ -941,6 +957,7 @@ def moe_mxfp4(
     workspace: torch.Tensor | None = None,
     grouped: bool | None = None,
     native_fp8: bool | None = None,
+    rebias: tuple[bool, bool] | None = None,
 ) -> None:
     """out[B, D] (+)= sum_k w2[e_bk] (wts[b, k] * swiglu(w1[e_bk] x_b, w3[e_bk] x_b)) (+ the shared expert).
 
@@ -957,6 +974,9 @@ def moe_mxfp4(
     accumulate : add into out instead of overwriting it.
     workspace : uint8 scratch of :func:`moe_mxfp4_workspace` bytes (allocated when None or short).
     grouped : expert-major (each chosen expert read once for all its rows); default from B >= 2.
+    rebias : (w1 and w3, w2): whether each one's scale bytes are all at most 128, for the tensor-core
+        kernels' one-multiply decode (moe_mxfp4_mma, note "rebiased scale"); None: asked of the
+        scales here (:func:`rebias_fits`, a device read a call: an op passes what its weights keep).
 
     Example
     -------
@@ -965,7 +985,7 @@ def moe_mxfp4(
     for _, launch in moe_mxfp4_launches(
         x, idx, wts, w1, w1_scale, w2, w2_scale, w3, w3_scale, out,
         swiglu_limit=swiglu_limit, shared=shared, accumulate=accumulate, workspace=workspace, grouped=grouped,
-        native_fp8=native_fp8,
+        native_fp8=native_fp8, rebias=rebias,
     ):  # fmt: skip
         launch()
 

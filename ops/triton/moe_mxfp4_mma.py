@@ -57,6 +57,15 @@ before w13 in the same op; the partials live in the op's scratch. Four parts (th
 w13 at B=8 from 208 to 186 us (random routing) and 120 to 98 (23 experts) on an H100; eight
 lost at B=32 (docs/KERNELS.md, "Eighth device runs").
 
+Note "rebiased scale": a code's bits placed as a bf16 (``_decode_lines``) are its value times
+2^-126, so the decode multiplies each pair by 2^126 and then by the block scale 2^(byte - 127): two
+bf16x2 multiplies of the ~4.75 instructions a pair. Where every scale byte of the matrix is at most
+``REBIAS_MAX_SCALE_BYTE`` (128: a block scale up to 2, as quantised weights have: e2m1 reaches 6), one
+multiply by 2^(byte - 1) does both, with the same result bit for bit (a power of two times the
+exact code; the product is the one rounding either way). The launch asks ``rebias_fits`` of the
+weights' scales once (moe_mxfp4: a device read, cached on the bound weight) and passes REBIASED; a
+matrix with a larger scale keeps the two multiplies. Under the interpreter both read as the twin.
+
 The shared expert (FP8, every row) takes the dot tiles (``_shared_w13_dot``, ``_shared_w2_dot``).
 Scratch, partials and the reduce are ``moe_mxfp4``'s expert-major ones. Under the interpreter,
 which runs no PTX, the mma is computed by ``_mma_twin`` from the same per-lane fragments (the lane
@@ -92,38 +101,47 @@ from draftgraph.ops.triton.moe_mxfp4 import (
 MMA_N = tl.constexpr(MMA_ROWS)  # a pass's rows (the mma's n), the rows of a table chunk
 
 
-def _decode_lines(word: str, scale: str, outs: tuple[str, ...]) -> str:
-    """PTX: the 4 bf16x2 pairs of ``word`` (moe_mxfp4's E2M1_WORD_PTX steps) times ``scale``."""
+def _decode_lines(word: str, scale: str, outs: tuple[str, ...], rebiased: bool) -> str:
+    """PTX: the 4 bf16x2 pairs of ``word`` (moe_mxfp4's E2M1_WORD_PTX steps) times ``scale``; with
+    ``rebiased`` the scale holds the 2^126 too (note "rebiased scale"): one multiply a pair."""
     lines = [f"and.b32 lo, {word}, 0x0F0F0F0F;", f"shr.u32 hi, {word}, 4;", "and.b32 hi, hi, 0x0F0F0F0F;"]
     for j, out in enumerate(outs):
-        lines += [
-            f"prmt.b32 t, lo, hi, 0x8{4 + j}8{j};",
-            "mul.lo.u32 t, t, 0x1040;",
-            "and.b32 t, t, 0x81C081C0;",
-            "fma.rn.bf16x2 t, t, r, z;",  # times 2^126: the codes' values, exactly
-            f"fma.rn.bf16x2 {out}, t, {scale}, z;",  # times the block scale (a power of two: exact)
-        ]
+        lines += [f"prmt.b32 t, lo, hi, 0x8{4 + j}8{j};", "mul.lo.u32 t, t, 0x1040;", "and.b32 t, t, 0x81C081C0;"]
+        if not rebiased:
+            lines.append("fma.rn.bf16x2 t, t, r, z;")  # times 2^126: the codes' values, exactly
+        lines.append(f"fma.rn.bf16x2 {out}, t, {scale}, z;")  # times the block scale (a power of two: exact)
     return "\n".join(lines)
 
 
-# $4 / $5: a word of row g / g + 8; $6 / $7: their block scales as bf16x2; $8..$11: the activation's
-# pairs 0..3 of the same 8 columns; $12..$15: C in; $0..$3: C out (see "lanes and fragments").
-MMA_WORD_PTX = tl.constexpr(
-    "{\n.reg .b32 lo, hi, t, r, z, a0, a1, a2, a3, b0, b1, b2, b3;\n"
-    "mov.b32 r, 0x7E807E80;\nmov.b32 z, 0x80008000;\n"
-    + _decode_lines("$4", "$6", ("a0", "a1", "a2", "a3"))
-    + "\n"
-    + _decode_lines("$5", "$7", ("b0", "b1", "b2", "b3"))
-    + "\nmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {a0, b0, a1, b1}, {$8, $9}, "
-    "{$12, $13, $14, $15};\n"
-    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {a2, b2, a3, b3}, {$10, $11}, "
-    "{$0, $1, $2, $3};\n}"
-)
+def _mma_word_ptx(rebiased: bool) -> str:
+    """$4 / $5: a word of row g / g + 8; $6 / $7: their block scales as bf16x2 (times 2^126 when
+    ``rebiased``); $8..$11: the activation's pairs 0..3 of the same 8 columns; $12..$15: C in;
+    $0..$3: C out (see "lanes and fragments")."""
+    return (
+        "{\n.reg .b32 lo, hi, t, r, z, a0, a1, a2, a3, b0, b1, b2, b3;\n"
+        "mov.b32 r, 0x7E807E80;\nmov.b32 z, 0x80008000;\n"
+        + _decode_lines("$4", "$6", ("a0", "a1", "a2", "a3"), rebiased)
+        + "\n"
+        + _decode_lines("$5", "$7", ("b0", "b1", "b2", "b3"), rebiased)
+        + "\nmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {a0, b0, a1, b1}, {$8, $9}, "
+        "{$12, $13, $14, $15};\n"
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {a2, b2, a3, b3}, {$10, $11}, "
+        "{$0, $1, $2, $3};\n}"
+    )
+
+
+MMA_WORD_PTX = tl.constexpr(_mma_word_ptx(False))
+MMA_WORD_REBIASED_PTX = tl.constexpr(_mma_word_ptx(True))
 
 @triton.jit
-def _scale_pair(s):
-    """UE8M0 bytes (int32) -> 2^(byte - 127) as bf16 in both halves (moe_mxfp4._scale_bf16's bits)."""
-    bits = ue8m0_bf16_bits(s)
+def _scale_pair(s, REBIASED: tl.constexpr):
+    """UE8M0 bytes (int32) -> 2^(byte - 127) as bf16 in both halves (moe_mxfp4._scale_bf16's bits);
+    REBIASED: 2^(byte - 1), the scale times 2^126 (bytes up to REBIAS_MAX_SCALE_BYTE; 255 stays NaN)."""
+    if REBIASED:
+        b = s.to(tl.int32)
+        bits = tl.where(b == 255, 0x7FC0, (b + 126) << 7)
+    else:
+        bits = ue8m0_bf16_bits(s)
     return bits | bits << 16
 
 
@@ -152,19 +170,26 @@ def _mma_twin(c0, c1, c2, c3, wa, wb, sa, sb, x0, x1, x2, x3, t, W: tl.constexpr
 
 
 @triton.jit
-def _mma_word(c0, c1, c2, c3, wa, wb, sa, sb, x0, x1, x2, x3, t, W: tl.constexpr, INTERP: tl.constexpr):
+def _mma_word(c0, c1, c2, c3, wa, wb, sa, sb, x0, x1, x2, x3, t, W: tl.constexpr, REBIASED: tl.constexpr,
+              INTERP: tl.constexpr):  # fmt: skip
     """C += one word of rows g and g + 8 (UE8M0 bytes sa / sb) times the activation pairs x0..x3."""
-    if INTERP:
+    if INTERP:  # the values by arithmetic: the same with either decode
         return _mma_twin(c0, c1, c2, c3, wa, wb, sa, sb, x0, x1, x2, x3, t, W)
+    elif REBIASED:
+        return tl.inline_asm_elementwise(MMA_WORD_REBIASED_PTX, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,f,f,f,f",
+                                         [wa, wb, _scale_pair(sa, True), _scale_pair(sb, True), x0, x1, x2, x3,
+                                          c0, c1, c2, c3],
+                                         dtype=(tl.float32,) * 4, is_pure=True, pack=1)  # fmt: skip
     else:
         return tl.inline_asm_elementwise(MMA_WORD_PTX, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,f,f,f,f",
-                                         [wa, wb, _scale_pair(sa), _scale_pair(sb), x0, x1, x2, x3, c0, c1, c2, c3],
+                                         [wa, wb, _scale_pair(sa, False), _scale_pair(sb, False), x0, x1, x2, x3,
+                                          c0, c1, c2, c3],
                                          dtype=(tl.float32,) * 4, is_pure=True, pack=1)  # fmt: skip
 
 
 @triton.jit
 def _mma_block(c0, c1, c2, c3, w_g, w_g8, s_g, s_g8, bt, live, x, t, W: tl.constexpr, EVEN: tl.constexpr,
-               INTERP: tl.constexpr):  # fmt: skip
+               REBIASED: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
     """C += a lane's block ``bt`` of its two rows (word pointers w_g / w_g8, scale pointers s_g / s_g8)
     times the activation words x (16: the block's 32 columns, from ``_act_block``, 0 where the block
     is not real). ``live``: the block is real; a clamped one's scale reads as byte 0 (finite: its
@@ -176,21 +201,21 @@ def _mma_block(c0, c1, c2, c3, w_g, w_g8, s_g, s_g8, bt, live, x, t, W: tl.const
     if not EVEN:
         sa = tl.where(live, sa, 0)
         sb = tl.where(live, sb, 0)
-    c0, c1, c2, c3 = _mma_word(c0, c1, c2, c3, a0, b0, sa, sb, x[0], x[1], x[2], x[3], t, W, INTERP)
-    c0, c1, c2, c3 = _mma_word(c0, c1, c2, c3, a1, b1, sa, sb, x[4], x[5], x[6], x[7], t, W, INTERP)
-    c0, c1, c2, c3 = _mma_word(c0, c1, c2, c3, a2, b2, sa, sb, x[8], x[9], x[10], x[11], t, W, INTERP)
-    c0, c1, c2, c3 = _mma_word(c0, c1, c2, c3, a3, b3, sa, sb, x[12], x[13], x[14], x[15], t, W, INTERP)
+    c0, c1, c2, c3 = _mma_word(c0, c1, c2, c3, a0, b0, sa, sb, x[0], x[1], x[2], x[3], t, W, REBIASED, INTERP)
+    c0, c1, c2, c3 = _mma_word(c0, c1, c2, c3, a1, b1, sa, sb, x[4], x[5], x[6], x[7], t, W, REBIASED, INTERP)
+    c0, c1, c2, c3 = _mma_word(c0, c1, c2, c3, a2, b2, sa, sb, x[8], x[9], x[10], x[11], t, W, REBIASED, INTERP)
+    c0, c1, c2, c3 = _mma_word(c0, c1, c2, c3, a3, b3, sa, sb, x[12], x[13], x[14], x[15], t, W, REBIASED, INTERP)
     return c0, c1, c2, c3
 
 
 @triton.jit
 def _mma_rows(c0, c1, c2, c3, w_ptr, s_ptr, base_g, base_g8, K, bt, live, x, t, W: tl.constexpr, EVEN: tl.constexpr,
-              INTERP: tl.constexpr):  # fmt: skip
+              REBIASED: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
     """``_mma_block`` on rows base_g and base_g8 (row indices into the stacked [E * N, K] matrix) of
     the MXFP4 bytes at w_ptr, scales at s_ptr."""
     words = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     return _mma_block(c0, c1, c2, c3, words + base_g * (K // 8), words + base_g8 * (K // 8), s_ptr + base_g * (K // 32),
-                      s_ptr + base_g8 * (K // 32), bt, live, x, t, W, EVEN, INTERP)  # fmt: skip
+                      s_ptr + base_g8 * (K // 32), bt, live, x, t, W, EVEN, REBIASED, INTERP)  # fmt: skip
 
 
 @triton.jit
@@ -212,7 +237,8 @@ def _act_block(a_row, bt, live, EVEN: tl.constexpr, INTERP: tl.constexpr):
 
 @triton.jit
 def _mma_pass(a_row, wa_ptr, sa_ptr, wb_ptr, sb_ptr, base_g, base_g8, K, k_lo, k_hi, g, t, W: tl.constexpr,
-              BLOCK_K: tl.constexpr, TWO: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+              BLOCK_K: tl.constexpr, TWO: tl.constexpr, EVEN: tl.constexpr, REBIASED: tl.constexpr,
+              INTERP: tl.constexpr):  # fmt: skip
     """One pass over columns k_lo .. k_hi of K (k_lo a multiple of BLOCK_K, k_hi - k_lo too unless k_hi
     is K): C of matrix a (and, with TWO, of matrix b: w1 and w3 in one loop, each activation block
     loaded once for both) for the lane's rows and batch column, from 0."""
@@ -224,10 +250,10 @@ def _mma_pass(a_row, wa_ptr, sa_ptr, wb_ptr, sb_ptr, base_g, base_g8, K, k_lo, k
             _, bt, live = _word_block(k0 + c * 128, t, 0, K, EVEN)  # this lane's block: t of 4
             x = _act_block(a_row, bt, live, EVEN, INTERP)
             c0, c1, c2, c3 = _mma_rows(c0, c1, c2, c3, wa_ptr, sa_ptr, base_g, base_g8, K, bt, live, x, t, W, EVEN,
-                                       INTERP)  # fmt: skip
+                                       REBIASED, INTERP)  # fmt: skip
             if TWO:
                 d0, d1, d2, d3 = _mma_rows(d0, d1, d2, d3, wb_ptr, sb_ptr, base_g, base_g8, K, bt, live, x, t, W, EVEN,
-                                           INTERP)  # fmt: skip
+                                           REBIASED, INTERP)  # fmt: skip
     return c0, c1, c2, c3, d0, d1, d2, d3
 
 
@@ -411,7 +437,7 @@ def _w13_mma_kernel(
     B, D, INTER, stride_xb, stride_ssn, limit, K_PART,
     TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
-    NATIVE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
+    REBIASED: tl.constexpr, NATIVE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
     pid_n = tl.program_id(0) // SPLIT
@@ -435,7 +461,8 @@ def _w13_mma_kernel(
                 trows_ptr, tdest_ptr, twt_ptr, slot, n_served, g, t, INTERP)
             a_row = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + row_b.to(tl.int64) * (stride_xb // 2)
             c0, c1, c2, c3, d0, d1, d2, d3 = _mma_pass(a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, base_g, base_g8, D, k_lo,
-                                                       k_hi, g, t, W, BLOCK_K, True, EVEN, INTERP)  # fmt: skip
+                                                       k_hi, g, t, W, BLOCK_K, True, EVEN, REBIASED,
+                                                       INTERP)  # fmt: skip
             if SPLIT == 1:
                 _store_act(act_ptr, INTER, dest0, wt0, live0, dest1, wt1, live1, row_g, row_g8, real_g, real_g8,
                            c0, c1, c2, c3, d0, d1, d2, d3, limit, INTERP)  # fmt: skip
@@ -458,7 +485,7 @@ def _w2_mma_kernel(
     B, D, INTER, stride_ssn,
     TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, EVEN: tl.constexpr,
-    NATIVE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
+    REBIASED: tl.constexpr, NATIVE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
     pid_n = tl.program_id(0)
@@ -476,7 +503,7 @@ def _w2_mma_kernel(
                                                                          g, t, INTERP)  # fmt: skip
             a_row = act_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + dest_b.to(tl.int64) * (INTER // 2)
             c0, c1, c2, c3, _, _, _, _ = _mma_pass(a_row, w2_ptr, s2_ptr, w2_ptr, s2_ptr, base_g, base_g8, INTER, 0,
-                                                   INTER, g, t, W, BLOCK_K, False, EVEN, INTERP)  # fmt: skip
+                                                   INTER, g, t, W, BLOCK_K, False, EVEN, REBIASED, INTERP)  # fmt: skip
             _store_lanes(part_ptr, D, dest0, live0, dest1, live1, row_g, row_g8, real_g, real_g8, c0, c1, c2, c3,
                          INTERP)  # fmt: skip
 

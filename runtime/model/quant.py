@@ -11,6 +11,7 @@ Everything here is pure, vectorised torch and runs on any device.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -273,6 +274,13 @@ class QuantWeight:
 
     def to(self, device) -> QuantWeight:
         return QuantWeight(self.data.to(device), self.scale.to(device), self.fmt)
+
+    @functools.cached_property
+    def max_scale_byte(self) -> int:
+        """The largest UE8M0 byte of the scale (one device read, then kept: a bound weight does
+        not change). The fused MXFP4 MoE asks it once, before its first launch, to pick its decode
+        (ops/triton/moe_mxfp4_mma.py, note "rebiased scale")."""
+        return int(self.scale.view(torch.uint8).max()) if self.scale.numel() else 0
 
     def __getitem__(self, index) -> QuantWeight:
         """One expert of a stack (``w[e]``): views of data and scale."""
