@@ -94,10 +94,7 @@ W2_CONFIG = GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=3, use_d
 # the chain at B=8 1.229 -> 0.822 ms, at B=32 (23 experts, ~8 rows each) 1.580 on the dot tiles
 # below -> 1.101 (bench_draft_native_*_h100.txt of that session).
 MMA_MAX_BATCH = 64
-MMA_ROWS = 16  # the expert-row table's width: the most rows a slot's chunk holds (moe_mxfp4_mma)
-# From this batch on a chunk is 16 rows, two mma column tiles on each decoded word (moe_mxfp4_mma,
-# "16 columns"); below it 8, one mma's n.
-MMA_COLS16_MIN_BATCH = 16
+MMA_ROWS = 8  # rows a pass of those kernels (the mma's n): the expert-row table's chunk
 # The largest UE8M0 byte whose scale times 2^126 is a bf16 (2^(byte - 1) <= 2^127): the condition of
 # the tensor-core kernels' one-multiply decode (moe_mxfp4_mma, note "rebiased scale").
 REBIAS_MAX_SCALE_BYTE = 128
@@ -907,12 +904,11 @@ def moe_mxfp4_launches(
         bk2 = min(c2.block_k, max(128, next_pow2(inter)))
         common = dict(TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_B=block_b, NATIVE=native, INTERP=interp)
         rebias13, rebias2 = rebias if rebias is not None else (rebias_fits(w1_scale, w3_scale), rebias_fits(w2_scale))
-        cols = 16 if b >= MMA_COLS16_MIN_BATCH else 8
 
         def rows():
             M.launch_rows((b * top_k,), idx, wts, *table, arrivals, b, tiles, TOPK=top_k, TOPK_PAD=topk_pad,
-                          BLOCK_R=next_pow2(b), NPID_PAD=next_pow2(tiles) if split > 1 else 0, COLS=cols,
-                          num_warps=1, **pdl)  # fmt: skip
+                          BLOCK_R=next_pow2(b), NPID_PAD=next_pow2(tiles) if split > 1 else 0, num_warps=1,
+                          **pdl)  # fmt: skip
 
         def w13_mma():
             M.launch_w13(
@@ -920,8 +916,9 @@ def moe_mxfp4_launches(
                 x, idx, *table, w1b, s1b, w3b, s3b, sw1b, ss1b, sw3b, ss3b, act, split_part, arrivals, b, d, inter,
                 x.stride(0), s13, limit, k_part,
                 BLOCK_N=c13.block_n, BLOCK_K=bk13, DOT_K=min(FP8_BLOCK, max(16, next_pow2(min(d, k_part)))),
-                SPLIT=split, EVEN=d % bk13 == 0, COLS=cols, REBIASED=bool(rebias13), **common,
-                num_warps=c13.block_n // 16, num_stages=c13.num_stages, **pdl,
+                SPLIT=split, EVEN=d % bk13 == 0, REBIASED=bool(rebias13), **common, num_warps=c13.block_n // 16,
+                num_stages=c13.num_stages,
+                **pdl,
             )  # fmt: skip
 
         def w2_mma():
@@ -929,7 +926,7 @@ def moe_mxfp4_launches(
                 (triton.cdiv(d, c2.block_n), slots),
                 act, idx, *table, w2b, s2b, sw2b, ss2b, part, b, d, inter, s2,
                 BLOCK_N=c2.block_n, BLOCK_K=bk2, DOT_K=min(FP8_BLOCK, max(16, next_pow2(inter))),
-                EVEN=inter % bk2 == 0, COLS=cols, REBIASED=bool(rebias2), **common, num_warps=c2.block_n // 16,
+                EVEN=inter % bk2 == 0, REBIASED=bool(rebias2), **common, num_warps=c2.block_n // 16,
                 num_stages=c2.num_stages, **pdl,
             )  # fmt: skip
 

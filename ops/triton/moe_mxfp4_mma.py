@@ -6,8 +6,7 @@ cores (``moe_mxfp4_rows``, 45f7cd2 to 04300e5: 366.6 us for the MoE at B=4 on an
 into ``tl.dot``. Here each lane decodes its own words straight into the A fragments
 of ``mma.sync.m16n8k16`` (bf16, fp32 accumulate) and loads the activation of its own batch column
 straight into the B fragment: no shared memory, no barrier, and one decode serves 8 rows that
-chose the expert (the mma's n), or 16 (two mmas: "16 columns"; more rows: another chunk, the
-words read again).
+chose the expert (the mma's n; more rows: another pass, the words read again from L2).
 
 Note "lanes and fragments": a warp holds 16 weight rows. Lane (g, t) (g = lane / 4, t = lane % 4)
 reads rows g and g + 8 of its warp's 16, block t of each 4 consecutive 32-column scale blocks (16
@@ -25,7 +24,7 @@ rows and columns are read from the expert-row table (``_table_columns``), not fo
 over a tensor of another layout.
 
 Note "expert-row table": a launch before w13 (``_expert_rows_kernel``, one program a routed slot)
-splits each expert's rows into chunks of COLS (8 or 16, "16 columns"), in row order, and gives each
+splits each expert's rows into chunks of MMA_ROWS (8, the mma's n), in row order, and gives each
 chunk to a slot of its own: the first pair of the chunk's first row (a row picks an expert at most
 once as a slot; a repeat pair of the same row heads nothing). That slot's row of the table holds the
 chunk's rows: each row's index, its act row (the first k that chose the expert) and its summed
@@ -37,14 +36,6 @@ top_k programs of both kernels: at B=32, 192 loads and selects a lane a pass aga
 this change the table gave all of an expert's rows to its first slot, whose program ran one pass
 per 8 rows, one after the other, while the slots of the expert's other pairs had nothing to do:
 an expert 20 rows chose took three passes' time in one program at the end of the launch.
-
-Note "16 columns": from ``MMA_COLS16_MIN_BATCH`` rows on (moe_mxfp4), a chunk is 16 rows and a
-lane loads the activations of batch columns g and g + 8: each decoded word is A of two mmas more,
-one a column tile (C and E, 8 accumulators a matrix a lane). The chain at B=32 routes 192 pairs to
-~23 experts, ~8.3 rows each: in chunks of 8 most experts took two slots, each reading and decoding
-all of the expert's words (the second program's reads rarely find them in L2: the first ran at
-another time). The H100 profile at 28c7c00 puts w13 at 176 us for 23 experts where B=8's 18
-experts, a chunk each, took 89. A table row holds MMA_ROWS (16) entries either way.
 
 Note "shared expert first": the grid's second axis runs from the last slot to the first, so the
 shared expert's programs (its last slot) are dispatched first. Each runs all of K for 64 rows on
@@ -107,7 +98,7 @@ from draftgraph.ops.triton.moe_mxfp4 import (
     ue8m0_bf16_bits,
 )
 
-TABLE_W = tl.constexpr(MMA_ROWS)  # a slot's row of the expert-row table: room for a chunk of 16 rows
+MMA_N = tl.constexpr(MMA_ROWS)  # a pass's rows (the mma's n), the rows of a table chunk
 
 
 def _decode_lines(word: str, scale: str, outs: tuple[str, ...], rebiased: bool) -> str:
@@ -122,31 +113,25 @@ def _decode_lines(word: str, scale: str, outs: tuple[str, ...], rebiased: bool) 
     return "\n".join(lines)
 
 
-def _mma_word_ptx(rebiased: bool, cols: int) -> str:
-    """Operands, ``tiles`` = cols / 8 column tiles of C (see "lanes and fragments", "16 columns"):
-    $0.. : C out, 4 a tile; then a word of row g, of row g + 8, their block scales as bf16x2 (times
-    2^126 when ``rebiased``); the activation's pairs 0..3 of the same 8 columns, 4 a tile (batch
-    column g, then g + 8); C in, 4 a tile. One decode, two mmas a tile."""
-    tiles = cols // 8
-    word = 4 * tiles
-    act, c_in = word + 4, word + 4 + 4 * tiles
-    lines = ["{", ".reg .b32 lo, hi, t, r, z, a0, a1, a2, a3, b0, b1, b2, b3;", "mov.b32 r, 0x7E807E80;",
-             "mov.b32 z, 0x80008000;", _decode_lines(f"${word}", f"${word + 2}", ("a0", "a1", "a2", "a3"), rebiased),
-             _decode_lines(f"${word + 1}", f"${word + 3}", ("b0", "b1", "b2", "b3"), rebiased)]
-    mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
-    for tile in range(tiles):
-        c = ", ".join(f"${4 * tile + i}" for i in range(4))
-        x = act + 4 * tile
-        given = ", ".join(f"${c_in + 4 * tile + i}" for i in range(4))
-        lines.append(f"{mma} {{{c}}}, {{a0, b0, a1, b1}}, {{${x}, ${x + 1}}}, {{{given}}};")
-        lines.append(f"{mma} {{{c}}}, {{a2, b2, a3, b3}}, {{${x + 2}, ${x + 3}}}, {{{c}}};")
-    return "\n".join(lines + ["}"])
+def _mma_word_ptx(rebiased: bool) -> str:
+    """$4 / $5: a word of row g / g + 8; $6 / $7: their block scales as bf16x2 (times 2^126 when
+    ``rebiased``); $8..$11: the activation's pairs 0..3 of the same 8 columns; $12..$15: C in;
+    $0..$3: C out (see "lanes and fragments")."""
+    return (
+        "{\n.reg .b32 lo, hi, t, r, z, a0, a1, a2, a3, b0, b1, b2, b3;\n"
+        "mov.b32 r, 0x7E807E80;\nmov.b32 z, 0x80008000;\n"
+        + _decode_lines("$4", "$6", ("a0", "a1", "a2", "a3"), rebiased)
+        + "\n"
+        + _decode_lines("$5", "$7", ("b0", "b1", "b2", "b3"), rebiased)
+        + "\nmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {a0, b0, a1, b1}, {$8, $9}, "
+        "{$12, $13, $14, $15};\n"
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {a2, b2, a3, b3}, {$10, $11}, "
+        "{$0, $1, $2, $3};\n}"
+    )
 
 
-MMA_WORD_PTX = tl.constexpr(_mma_word_ptx(False, 8))
-MMA_WORD_REBIASED_PTX = tl.constexpr(_mma_word_ptx(True, 8))
-MMA_WORD16_PTX = tl.constexpr(_mma_word_ptx(False, 16))
-MMA_WORD16_REBIASED_PTX = tl.constexpr(_mma_word_ptx(True, 16))
+MMA_WORD_PTX = tl.constexpr(_mma_word_ptx(False))
+MMA_WORD_REBIASED_PTX = tl.constexpr(_mma_word_ptx(True))
 
 @triton.jit
 def _scale_pair(s, REBIASED: tl.constexpr):
@@ -185,45 +170,30 @@ def _mma_twin(c0, c1, c2, c3, wa, wb, sa, sb, x0, x1, x2, x3, t, W: tl.constexpr
 
 
 @triton.jit
-def _mma_word(c0, c1, c2, c3, e0, e1, e2, e3, wa, wb, sa, sb, x0, x1, x2, x3, y0, y1, y2, y3, t, W: tl.constexpr,
-              COLS: tl.constexpr, REBIASED: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
-    """C += one word of rows g and g + 8 (UE8M0 bytes sa / sb) times the activation pairs x0..x3
-    (batch column g); COLS 16: E += the same decoded word times y0..y3 (batch column g + 8)."""
+def _mma_word(c0, c1, c2, c3, wa, wb, sa, sb, x0, x1, x2, x3, t, W: tl.constexpr, REBIASED: tl.constexpr,
+              INTERP: tl.constexpr):  # fmt: skip
+    """C += one word of rows g and g + 8 (UE8M0 bytes sa / sb) times the activation pairs x0..x3."""
     if INTERP:  # the values by arithmetic: the same with either decode
-        c0, c1, c2, c3 = _mma_twin(c0, c1, c2, c3, wa, wb, sa, sb, x0, x1, x2, x3, t, W)
-        if COLS == 16:
-            e0, e1, e2, e3 = _mma_twin(e0, e1, e2, e3, wa, wb, sa, sb, y0, y1, y2, y3, t, W)
-    elif COLS == 16:
-        pa, pb = _scale_pair(sa, REBIASED), _scale_pair(sb, REBIASED)
-        args = [wa, wb, pa, pb, x0, x1, x2, x3, y0, y1, y2, y3, c0, c1, c2, c3, e0, e1, e2, e3]
-        if REBIASED:
-            c0, c1, c2, c3, e0, e1, e2, e3 = tl.inline_asm_elementwise(
-                MMA_WORD16_REBIASED_PTX, "=f,=f,=f,=f,=f,=f,=f,=f,r,r,r,r,r,r,r,r,r,r,r,r,f,f,f,f,f,f,f,f", args,
-                dtype=(tl.float32,) * 8, is_pure=True, pack=1)  # fmt: skip
-        else:
-            c0, c1, c2, c3, e0, e1, e2, e3 = tl.inline_asm_elementwise(
-                MMA_WORD16_PTX, "=f,=f,=f,=f,=f,=f,=f,=f,r,r,r,r,r,r,r,r,r,r,r,r,f,f,f,f,f,f,f,f", args,
-                dtype=(tl.float32,) * 8, is_pure=True, pack=1)  # fmt: skip
+        return _mma_twin(c0, c1, c2, c3, wa, wb, sa, sb, x0, x1, x2, x3, t, W)
+    elif REBIASED:
+        return tl.inline_asm_elementwise(MMA_WORD_REBIASED_PTX, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,f,f,f,f",
+                                         [wa, wb, _scale_pair(sa, True), _scale_pair(sb, True), x0, x1, x2, x3,
+                                          c0, c1, c2, c3],
+                                         dtype=(tl.float32,) * 4, is_pure=True, pack=1)  # fmt: skip
     else:
-        args = [wa, wb, _scale_pair(sa, REBIASED), _scale_pair(sb, REBIASED), x0, x1, x2, x3, c0, c1, c2, c3]
-        if REBIASED:
-            c0, c1, c2, c3 = tl.inline_asm_elementwise(MMA_WORD_REBIASED_PTX, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,f,f,f,f",
-                                                       args, dtype=(tl.float32,) * 4, is_pure=True,
-                                                       pack=1)  # fmt: skip
-        else:
-            c0, c1, c2, c3 = tl.inline_asm_elementwise(MMA_WORD_PTX, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,f,f,f,f", args,
-                                                       dtype=(tl.float32,) * 4, is_pure=True, pack=1)  # fmt: skip
-    return c0, c1, c2, c3, e0, e1, e2, e3
+        return tl.inline_asm_elementwise(MMA_WORD_PTX, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,f,f,f,f",
+                                         [wa, wb, _scale_pair(sa, False), _scale_pair(sb, False), x0, x1, x2, x3,
+                                          c0, c1, c2, c3],
+                                         dtype=(tl.float32,) * 4, is_pure=True, pack=1)  # fmt: skip
 
 
 @triton.jit
-def _mma_block(c0, c1, c2, c3, e0, e1, e2, e3, w_g, w_g8, s_g, s_g8, bt, live, x, y, t, W: tl.constexpr,
-               EVEN: tl.constexpr, COLS: tl.constexpr, REBIASED: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
-    """C (and with COLS 16, E) += a lane's block ``bt`` of its two rows (word pointers w_g / w_g8,
-    scale pointers s_g / s_g8) times the activation words x (y: of batch column g + 8) (16: the
-    block's 32 columns, from ``_act_block``, 0 where the block is not real). ``live``: the block is
-    real; a clamped one's scale reads as byte 0 (finite: its products with the zero activation are
-    0, even where the real byte is 255, NaN)."""
+def _mma_block(c0, c1, c2, c3, w_g, w_g8, s_g, s_g8, bt, live, x, t, W: tl.constexpr, EVEN: tl.constexpr,
+               REBIASED: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """C += a lane's block ``bt`` of its two rows (word pointers w_g / w_g8, scale pointers s_g / s_g8)
+    times the activation words x (16: the block's 32 columns, from ``_act_block``, 0 where the block
+    is not real). ``live``: the block is real; a clamped one's scale reads as byte 0 (finite: its
+    products with the zero activation are 0, even where the real byte is 255, NaN)."""
     a0, a1, a2, a3 = ld_v4(w_g + bt * 4, INTERP)
     b0, b1, b2, b3 = ld_v4(w_g8 + bt * 4, INTERP)
     sa = ld_u8(s_g + bt, INTERP)
@@ -231,28 +201,21 @@ def _mma_block(c0, c1, c2, c3, e0, e1, e2, e3, w_g, w_g8, s_g, s_g8, bt, live, x
     if not EVEN:
         sa = tl.where(live, sa, 0)
         sb = tl.where(live, sb, 0)
-    c0, c1, c2, c3, e0, e1, e2, e3 = _mma_word(c0, c1, c2, c3, e0, e1, e2, e3, a0, b0, sa, sb, x[0], x[1], x[2], x[3],
-                                               y[0], y[1], y[2], y[3], t, W, COLS, REBIASED, INTERP)  # fmt: skip
-    c0, c1, c2, c3, e0, e1, e2, e3 = _mma_word(c0, c1, c2, c3, e0, e1, e2, e3, a1, b1, sa, sb, x[4], x[5], x[6], x[7],
-                                               y[4], y[5], y[6], y[7], t, W, COLS, REBIASED, INTERP)  # fmt: skip
-    c0, c1, c2, c3, e0, e1, e2, e3 = _mma_word(c0, c1, c2, c3, e0, e1, e2, e3, a2, b2, sa, sb, x[8], x[9], x[10],
-                                               x[11], y[8], y[9], y[10], y[11], t, W, COLS, REBIASED,
-                                               INTERP)  # fmt: skip
-    c0, c1, c2, c3, e0, e1, e2, e3 = _mma_word(c0, c1, c2, c3, e0, e1, e2, e3, a3, b3, sa, sb, x[12], x[13], x[14],
-                                               x[15], y[12], y[13], y[14], y[15], t, W, COLS, REBIASED,
-                                               INTERP)  # fmt: skip
-    return c0, c1, c2, c3, e0, e1, e2, e3
+    c0, c1, c2, c3 = _mma_word(c0, c1, c2, c3, a0, b0, sa, sb, x[0], x[1], x[2], x[3], t, W, REBIASED, INTERP)
+    c0, c1, c2, c3 = _mma_word(c0, c1, c2, c3, a1, b1, sa, sb, x[4], x[5], x[6], x[7], t, W, REBIASED, INTERP)
+    c0, c1, c2, c3 = _mma_word(c0, c1, c2, c3, a2, b2, sa, sb, x[8], x[9], x[10], x[11], t, W, REBIASED, INTERP)
+    c0, c1, c2, c3 = _mma_word(c0, c1, c2, c3, a3, b3, sa, sb, x[12], x[13], x[14], x[15], t, W, REBIASED, INTERP)
+    return c0, c1, c2, c3
 
 
 @triton.jit
-def _mma_rows(c0, c1, c2, c3, e0, e1, e2, e3, w_ptr, s_ptr, base_g, base_g8, K, bt, live, x, y, t, W: tl.constexpr,
-              EVEN: tl.constexpr, COLS: tl.constexpr, REBIASED: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+def _mma_rows(c0, c1, c2, c3, w_ptr, s_ptr, base_g, base_g8, K, bt, live, x, t, W: tl.constexpr, EVEN: tl.constexpr,
+              REBIASED: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
     """``_mma_block`` on rows base_g and base_g8 (row indices into the stacked [E * N, K] matrix) of
     the MXFP4 bytes at w_ptr, scales at s_ptr."""
     words = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    return _mma_block(c0, c1, c2, c3, e0, e1, e2, e3, words + base_g * (K // 8), words + base_g8 * (K // 8),
-                      s_ptr + base_g * (K // 32), s_ptr + base_g8 * (K // 32), bt, live, x, y, t, W, EVEN, COLS,
-                      REBIASED, INTERP)  # fmt: skip
+    return _mma_block(c0, c1, c2, c3, words + base_g * (K // 8), words + base_g8 * (K // 8), s_ptr + base_g * (K // 32),
+                      s_ptr + base_g8 * (K // 32), bt, live, x, t, W, EVEN, REBIASED, INTERP)  # fmt: skip
 
 
 @triton.jit
@@ -273,39 +236,32 @@ def _act_block(a_row, bt, live, EVEN: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _mma_pass(a_row, a_row2, wa_ptr, sa_ptr, wb_ptr, sb_ptr, base_g, base_g8, K, k_lo, k_hi, g, t, W: tl.constexpr,
-              BLOCK_K: tl.constexpr, TWO: tl.constexpr, EVEN: tl.constexpr, COLS: tl.constexpr,
-              REBIASED: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+def _mma_pass(a_row, wa_ptr, sa_ptr, wb_ptr, sb_ptr, base_g, base_g8, K, k_lo, k_hi, g, t, W: tl.constexpr,
+              BLOCK_K: tl.constexpr, TWO: tl.constexpr, EVEN: tl.constexpr, REBIASED: tl.constexpr,
+              INTERP: tl.constexpr):  # fmt: skip
     """One pass over columns k_lo .. k_hi of K (k_lo a multiple of BLOCK_K, k_hi - k_lo too unless k_hi
-    is K), from 0: C of matrix a (and, with TWO, D of matrix b: w1 and w3 in one loop, each activation
-    block loaded once for both) for the lane's rows and batch column g (activation row ``a_row``);
-    with COLS 16 also E (and F) for batch column g + 8 (``a_row2``), on the same decoded words."""
+    is K): C of matrix a (and, with TWO, of matrix b: w1 and w3 in one loop, each activation block
+    loaded once for both) for the lane's rows and batch column, from 0."""
     zero = g * 0.0
     c0, c1, c2, c3 = zero, zero, zero, zero
     d0, d1, d2, d3 = zero, zero, zero, zero
-    e0, e1, e2, e3 = zero, zero, zero, zero
-    f0, f1, f2, f3 = zero, zero, zero, zero
     for k0 in range(k_lo, k_hi, BLOCK_K):
         for c in tl.static_range(BLOCK_K // 128):
             _, bt, live = _word_block(k0 + c * 128, t, 0, K, EVEN)  # this lane's block: t of 4
             x = _act_block(a_row, bt, live, EVEN, INTERP)
-            y = _act_block(a_row2, bt, live, EVEN, INTERP) if COLS == 16 else x
-            c0, c1, c2, c3, e0, e1, e2, e3 = _mma_rows(c0, c1, c2, c3, e0, e1, e2, e3, wa_ptr, sa_ptr, base_g,
-                                                       base_g8, K, bt, live, x, y, t, W, EVEN, COLS, REBIASED,
-                                                       INTERP)  # fmt: skip
+            c0, c1, c2, c3 = _mma_rows(c0, c1, c2, c3, wa_ptr, sa_ptr, base_g, base_g8, K, bt, live, x, t, W, EVEN,
+                                       REBIASED, INTERP)  # fmt: skip
             if TWO:
-                d0, d1, d2, d3, f0, f1, f2, f3 = _mma_rows(d0, d1, d2, d3, f0, f1, f2, f3, wb_ptr, sb_ptr, base_g,
-                                                           base_g8, K, bt, live, x, y, t, W, EVEN, COLS, REBIASED,
-                                                           INTERP)  # fmt: skip
-    return c0, c1, c2, c3, d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3
+                d0, d1, d2, d3 = _mma_rows(d0, d1, d2, d3, wb_ptr, sb_ptr, base_g, base_g8, K, bt, live, x, t, W, EVEN,
+                                           REBIASED, INTERP)  # fmt: skip
+    return c0, c1, c2, c3, d0, d1, d2, d3
 
 
 @triton.jit
-def _chunk_rows(idx_ptr, wts_ptr, slot, B, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-                COLS: tl.constexpr):  # fmt: skip
-    """Routed slot ``slot``'s chunk of at most COLS rows (see "expert-row table"): (serves [BLOCK_R]:
-    the rows of the chunk the slot heads, none if it heads none; each row's place in the chunk, its
-    summed routing weight and its act row)."""
+def _chunk_rows(idx_ptr, wts_ptr, slot, B, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Routed slot ``slot``'s chunk (see "expert-row table"): (serves [BLOCK_R]: the rows of the chunk
+    the slot heads, none if it heads none; each row's place in the chunk, its summed routing weight
+    and its act row)."""
     e = tl.load(idx_ptr + slot).to(tl.int64)
     rows, ks, flat, hit = expert_hits(idx_ptr, e, B, TOPK, TOPK_PAD, BLOCK_R)
     chose = tl.sum(hit.to(tl.int32), 1) > 0
@@ -314,19 +270,19 @@ def _chunk_rows(idx_ptr, wts_ptr, slot, B, TOPK: tl.constexpr, TOPK_PAD: tl.cons
     mine = rows == slot // TOPK
     my_rank = tl.sum(tl.where(mine, rank, 0), 0)
     # A negative id (NO_EXPERT) heads nothing; nor does a repeat pair of a row (not its first).
-    heads = (tl.sum(tl.where(mine, dest, 0), 0) == slot) & (my_rank % COLS == 0) & (e >= 0)
+    heads = (tl.sum(tl.where(mine, dest, 0), 0) == slot) & (my_rank % MMA_N == 0) & (e >= 0)
     place = rank - my_rank
-    serves = chose & (place >= 0) & (place < COLS) & ((rows * 0 + heads.to(tl.int32)) != 0)  # a [BLOCK_R] mask
+    serves = chose & (place >= 0) & (place < MMA_N) & ((rows * 0 + heads.to(tl.int32)) != 0)  # a [BLOCK_R] mask
     weight = tl.sum(tl.load(wts_ptr + flat, mask=hit, other=0.0), 1)
     return serves, place, weight, dest
 
 
 @triton.jit
 def _expert_rows_kernel(idx_ptr, wts_ptr, count_ptr, rows_ptr, dest_ptr, wt_ptr, cnt_ptr, B, npid, TOPK: tl.constexpr,
-                        TOPK_PAD: tl.constexpr, BLOCK_R: tl.constexpr, NPID_PAD: tl.constexpr, COLS: tl.constexpr,
+                        TOPK_PAD: tl.constexpr, BLOCK_R: tl.constexpr, NPID_PAD: tl.constexpr,
                         PDL: tl.constexpr):  # fmt: skip
     """Routed slot s's row of the expert-row table (see "expert-row table"): count[s], and from
-    s * TABLE_W on, the rows of the chunk (at most COLS) it heads in row order, their act rows and weights; and
+    s * MMA_ROWS on, the rows of the chunk it heads in row order, their act rows and weights; and
     the arrival counts of w13's tiles of the slot ("split K"), 0 (slot 0: the shared expert's too)."""
     pdl_wait(PDL)
     slot = tl.program_id(0)
@@ -335,8 +291,8 @@ def _expert_rows_kernel(idx_ptr, wts_ptr, count_ptr, rows_ptr, dest_ptr, wt_ptr,
         tl.store(cnt_ptr + slot * npid + tiles, tl.zeros_like(tiles), mask=tiles < npid)
         if slot == 0:
             tl.store(cnt_ptr + B * TOPK * npid + tiles, tl.zeros_like(tiles), mask=tiles < npid)
-    serves, place, weight, dest = _chunk_rows(idx_ptr, wts_ptr, slot, B, TOPK, TOPK_PAD, BLOCK_R, COLS)
-    at = slot * TABLE_W + place
+    serves, place, weight, dest = _chunk_rows(idx_ptr, wts_ptr, slot, B, TOPK, TOPK_PAD, BLOCK_R)
+    at = slot * MMA_N + place
     tl.store(rows_ptr + at, tl.arange(0, BLOCK_R), mask=serves)
     tl.store(dest_ptr + at, dest.to(tl.int32), mask=serves)
     tl.store(wt_ptr + at, weight, mask=serves)
@@ -344,38 +300,26 @@ def _expert_rows_kernel(idx_ptr, wts_ptr, count_ptr, rows_ptr, dest_ptr, wt_ptr,
 
 
 @triton.jit
-def _c_columns(dest_ptr, wt_ptr, base, n, j0, INTERP: tl.constexpr):
-    """C's columns j0 and j0 + 1 of a chunk (n rows) at ``base``: each one's act / part row, routing
-    weight and whether it is live (a dead one reads the chunk's first: a real address, never stored)."""
+def _table_columns(rows_ptr, dest_ptr, wt_ptr, slot, n, g, t, INTERP: tl.constexpr):
+    """The lane's columns of the slot's chunk (n rows): batch column g (B's): its x row and its act
+    row; columns 2t and 2t + 1 (C's): the act / part row, the routing weight, whether live. A batch
+    column with no row reads the chunk's first (a real row: C's column n depends on B's column n
+    alone, and a dead column is never stored)."""
+    base = slot * MMA_N
+    jb = base + tl.where(g < n, g, 0)
+    j0 = 2 * t
     j1 = j0 + 1
     live0 = j0 < n
     live1 = j1 < n
     at0 = base + tl.where(live0, j0, 0)
     at1 = base + tl.where(live1, j1, 0)
-    return (ld_b32(dest_ptr + at0, INTERP), ld_b32(wt_ptr + at0, INTERP), live0, ld_b32(dest_ptr + at1, INTERP),
-            ld_b32(wt_ptr + at1, INTERP), live1)  # fmt: skip
-
-
-@triton.jit
-def _table_columns(rows_ptr, dest_ptr, wt_ptr, slot, n, g, t, COLS: tl.constexpr, INTERP: tl.constexpr):
-    """The lane's columns of the slot's chunk (n rows): batch column g (B's; with COLS 16 also g + 8):
-    its x row and its act row; columns 2t and 2t + 1 (C's; with COLS 16 also 8 + 2t, 9 + 2t): the act
-    / part row, the routing weight, whether live. A batch column with no row reads the chunk's first
-    (a real row: C's column n depends on B's column n alone, and a dead column is never stored)."""
-    base = slot * TABLE_W
-    jb = base + tl.where(g < n, g, 0)
     row_b = ld_b32(rows_ptr + jb, INTERP)
     dest_b = ld_b32(dest_ptr + jb, INTERP)
-    dest0, wt0, live0, dest1, wt1, live1 = _c_columns(dest_ptr, wt_ptr, base, n, 2 * t, INTERP)
-    if COLS == 16:
-        jb2 = base + tl.where(g + 8 < n, g + 8, 0)
-        row_b2 = ld_b32(rows_ptr + jb2, INTERP)
-        dest_b2 = ld_b32(dest_ptr + jb2, INTERP)
-        dest2, wt2, live2, dest3, wt3, live3 = _c_columns(dest_ptr, wt_ptr, base, n, 8 + 2 * t, INTERP)
-    else:  # no second tile: never read
-        row_b2, dest_b2, dest2, wt2, live2, dest3, wt3, live3 = row_b, dest_b, dest0, wt0, live0, dest1, wt1, live1
-    return (row_b, dest_b, dest0, wt0, live0, dest1, wt1, live1,
-            row_b2, dest_b2, dest2, wt2, live2, dest3, wt3, live3)  # fmt: skip
+    dest0 = ld_b32(dest_ptr + at0, INTERP)
+    dest1 = ld_b32(dest_ptr + at1, INTERP)
+    wt0 = ld_b32(wt_ptr + at0, INTERP)
+    wt1 = ld_b32(wt_ptr + at1, INTERP)
+    return row_b, dest_b, dest0, wt0, live0, dest1, wt1, live1
 
 
 @triton.jit
@@ -492,7 +436,7 @@ def _w13_mma_kernel(
     sw3_ptr, ss3_ptr, act_ptr, split_ptr, cnt_ptr,
     B, D, INTER, stride_xb, stride_ssn, limit, K_PART,
     TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, COLS: tl.constexpr,
+    BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
     REBIASED: tl.constexpr, NATIVE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
@@ -512,43 +456,27 @@ def _w13_mma_kernel(
         W: tl.constexpr = BLOCK_N // 16
         t, g, row_g, row_g8, real_g, real_g8, e, n_served, base_g, base_g8 = _slot_lanes(
             idx_ptr, count_ptr, pid_n, slot, INTER, BLOCK_N)
-        if n_served > 0:  # one pass: a chunk is at most COLS rows ("expert-row table", "16 columns")
-            (row_b, _, dest0, wt0, live0, dest1, wt1, live1,
-             row_b2, _, dest2, wt2, live2, dest3, wt3, live3) = _table_columns(
-                trows_ptr, tdest_ptr, twt_ptr, slot, n_served, g, t, COLS, INTERP)  # fmt: skip
-            x_words = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-            a_row = x_words + row_b.to(tl.int64) * (stride_xb // 2)
-            a_row2 = x_words + row_b2.to(tl.int64) * (stride_xb // 2)
-            c0, c1, c2, c3, d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3 = _mma_pass(
-                a_row, a_row2, w1_ptr, s1_ptr, w3_ptr, s3_ptr, base_g, base_g8, D, k_lo, k_hi, g, t, W, BLOCK_K, True,
-                EVEN, COLS, REBIASED, INTERP)  # fmt: skip
+        if n_served > 0:  # one pass: a chunk is at most 8 rows, the mma's n ("expert-row table")
+            row_b, _, dest0, wt0, live0, dest1, wt1, live1 = _table_columns(
+                trows_ptr, tdest_ptr, twt_ptr, slot, n_served, g, t, INTERP)
+            a_row = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + row_b.to(tl.int64) * (stride_xb // 2)
+            c0, c1, c2, c3, d0, d1, d2, d3 = _mma_pass(a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, base_g, base_g8, D, k_lo,
+                                                       k_hi, g, t, W, BLOCK_K, True, EVEN, REBIASED,
+                                                       INTERP)  # fmt: skip
             if SPLIT == 1:
                 _store_act(act_ptr, INTER, dest0, wt0, live0, dest1, wt1, live1, row_g, row_g8, real_g, real_g8,
                            c0, c1, c2, c3, d0, d1, d2, d3, limit, INTERP)  # fmt: skip
-                if COLS == 16:
-                    _store_act(act_ptr, INTER, dest2, wt2, live2, dest3, wt3, live3, row_g, row_g8, real_g, real_g8,
-                               e0, e1, e2, e3, f0, f1, f2, f3, limit, INTERP)  # fmt: skip
             else:  # this part's partials; the last part of the tile to finish sums them
                 mine = split_ptr + part * plane
                 _store_lanes(mine, INTER, dest0, live0, dest1, live1, row_g, row_g8, real_g, real_g8, c0, c1, c2, c3,
                              INTERP)  # fmt: skip
                 _store_lanes(mine + plane // 2, INTER, dest0, live0, dest1, live1, row_g, row_g8, real_g, real_g8,
                              d0, d1, d2, d3, INTERP)  # fmt: skip
-                if COLS == 16:
-                    _store_lanes(mine, INTER, dest2, live2, dest3, live3, row_g, row_g8, real_g, real_g8, e0, e1, e2,
-                                 e3, INTERP)  # fmt: skip
-                    _store_lanes(mine + plane // 2, INTER, dest2, live2, dest3, live3, row_g, row_g8, real_g,
-                                 real_g8, f0, f1, f2, f3, INTERP)  # fmt: skip
                 if last_to_arrive(cnt_ptr + slot * npid + pid_n, SPLIT):
                     c0, c1, c2, c3, d0, d1, d2, d3 = _split_sum(split_ptr, plane, INTER, dest0, dest1, row_g, row_g8,
                                                                 SPLIT, INTERP)  # fmt: skip
                     _store_act(act_ptr, INTER, dest0, wt0, live0, dest1, wt1, live1, row_g, row_g8, real_g, real_g8,
                                c0, c1, c2, c3, d0, d1, d2, d3, limit, INTERP)  # fmt: skip
-                    if COLS == 16:
-                        e0, e1, e2, e3, f0, f1, f2, f3 = _split_sum(split_ptr, plane, INTER, dest2, dest3, row_g,
-                                                                    row_g8, SPLIT, INTERP)  # fmt: skip
-                        _store_act(act_ptr, INTER, dest2, wt2, live2, dest3, wt3, live3, row_g, row_g8, real_g,
-                                   real_g8, e0, e1, e2, e3, f0, f1, f2, f3, limit, INTERP)  # fmt: skip
 
 
 @triton.jit
@@ -556,7 +484,7 @@ def _w2_mma_kernel(
     act_ptr, idx_ptr, count_ptr, trows_ptr, tdest_ptr, twt_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, part_ptr,
     B, D, INTER, stride_ssn,
     TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, EVEN: tl.constexpr, COLS: tl.constexpr,
+    BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, EVEN: tl.constexpr,
     REBIASED: tl.constexpr, NATIVE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
@@ -570,21 +498,14 @@ def _w2_mma_kernel(
         W: tl.constexpr = BLOCK_N // 16
         t, g, row_g, row_g8, real_g, real_g8, e, n_served, base_g, base_g8 = _slot_lanes(
             idx_ptr, count_ptr, pid_n, slot, D, BLOCK_N)
-        if n_served > 0:  # one pass: a chunk is at most COLS rows ("expert-row table", "16 columns")
-            (_, dest_b, dest0, _, live0, dest1, _, live1,
-             _, dest_b2, dest2, _, live2, dest3, _, live3) = _table_columns(
-                trows_ptr, tdest_ptr, twt_ptr, slot, n_served, g, t, COLS, INTERP)  # fmt: skip
-            act_words = act_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-            a_row = act_words + dest_b.to(tl.int64) * (INTER // 2)
-            a_row2 = act_words + dest_b2.to(tl.int64) * (INTER // 2)
-            c0, c1, c2, c3, _, _, _, _, e0, e1, e2, e3, _, _, _, _ = _mma_pass(
-                a_row, a_row2, w2_ptr, s2_ptr, w2_ptr, s2_ptr, base_g, base_g8, INTER, 0, INTER, g, t, W, BLOCK_K,
-                False, EVEN, COLS, REBIASED, INTERP)  # fmt: skip
+        if n_served > 0:  # one pass: a chunk is at most 8 rows ("expert-row table")
+            _, dest_b, dest0, _, live0, dest1, _, live1 = _table_columns(trows_ptr, tdest_ptr, twt_ptr, slot, n_served,
+                                                                         g, t, INTERP)  # fmt: skip
+            a_row = act_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + dest_b.to(tl.int64) * (INTER // 2)
+            c0, c1, c2, c3, _, _, _, _ = _mma_pass(a_row, w2_ptr, s2_ptr, w2_ptr, s2_ptr, base_g, base_g8, INTER, 0,
+                                                   INTER, g, t, W, BLOCK_K, False, EVEN, REBIASED, INTERP)  # fmt: skip
             _store_lanes(part_ptr, D, dest0, live0, dest1, live1, row_g, row_g8, real_g, real_g8, c0, c1, c2, c3,
                          INTERP)  # fmt: skip
-            if COLS == 16:
-                _store_lanes(part_ptr, D, dest2, live2, dest3, live3, row_g, row_g8, real_g, real_g8, e0, e1, e2, e3,
-                             INTERP)  # fmt: skip
 
 
 def launch_rows(grid, *args, **meta):
