@@ -49,35 +49,6 @@ def test_drop_nonfinite_kernel(device, b, d):
             assert drop(positions, bent).tolist() == [DROPPED] * b, (row, stream, col, bad)
 
 
-class _Refused:
-    """A kernel that must not be launched (``kernel[grid]`` fails the test)."""
-
-    def __init__(self, why: str):
-        self.why = why
-
-    def __getitem__(self, grid):
-        pytest.fail(self.why)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype,shape,words", [(torch.bfloat16, (3, 4, 20), True), (torch.bfloat16, (1, 3, 21), False),
-                                               (torch.float32, (3, 4, 20), False)])  # fmt: skip
-def test_drop_nonfinite_kernel_takes_words_for_bf16(device, dtype, shape, words, monkeypatch):
-    """bf16 hiddens of an even count go through the words kernel ("bf16 words"); an odd count and
-    other dtypes through the element one. Both find a NaN or an infinity in either half of a word."""
-    other = "_drop_nonfinite_kernel" if words else "_drop_nonfinite_words_kernel"
-    monkeypatch.setattr(NF, other, _Refused(f"{other} ran for {dtype} {list(shape)}"))
-    b = shape[0]
-    positions = (torch.arange(b, dtype=torch.int64) + 4).to(device)
-    h = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(dtype).to(device)
-    assert torch.equal(drop(positions, h), positions)
-    for at in ((0, 0, 0), (b - 1, shape[1] - 1, shape[2] - 1), (b - 1, 1, 1)):
-        for bad in (float("nan"), float("-inf")):
-            bent = h.clone()
-            bent[at] = bad
-            assert drop(positions, bent).tolist() == [DROPPED] * b, (at, bad)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_drop_nonfinite_kernel_reads_positions_by_stride(device, monkeypatch):
     """Positions as the chain passes them at B > 1: a column of a [B, F] metadata block (a strided

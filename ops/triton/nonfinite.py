@@ -19,24 +19,16 @@ first step of the chain); two tiles' loads issued together each loop step took t
 4d5dc37, removed): what bounds it is one SM, so larger batches want a grid and a last-program
 merge. An element is bad where ``|x| <= FLT_MAX`` is false: NaN compares false, inf exceeds it;
 no arithmetic a compiler could fold away.
-
-Note "bf16 words": the chain's hiddens are bf16, and the one SM's time went to the instructions
-(a conversion, an abs, a compare and a select an element: ~9 us of issue at B = 32 before the
-loads). Read as int32 words of two bf16, a half is NaN or inf exactly where its exponent bits are
-all set: ``(w & 0x7F807F80) + 0x00800080`` carries into that half's top bit then and only then
-(0x7F80 + 0x80 = 0x8000; any other exponent stays below it, and the low half's carry stops at bit
-15). OR-ed over the tile and tested once at the end: three integer ops a word, 0.75 an element.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from draftgraph.ops.nonfinite import DROPPED, NONFINITE, _drop_impl, _mark_impl
 from draftgraph.ops.triton._common import next_pow2, pdl_args, pdl_wait
 
-DROP_BLOCK = 16384  # elements a loop step (the bf16 words kernel: half as many words)
+DROP_BLOCK = 16384
 DROP_WARPS = 16
 DROPPED_POS: tl.constexpr = tl.constexpr(DROPPED)
 NONFINITE_ID: tl.constexpr = tl.constexpr(NONFINITE)
@@ -59,24 +51,6 @@ def _drop_nonfinite_kernel(positions, hidden, out, B, N, stride_p, stride_o, BLO
     tl.store(out + rows * stride_o, tl.where(dropped, DROPPED_POS, p), mask=inside)
 
 
-@triton.jit
-def _drop_nonfinite_words_kernel(positions, words, out, B, W, stride_p, stride_o, BLOCK: tl.constexpr,
-                                 BLOCK_B: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """drop_nonfinite on bf16 hiddens read as W int32 words (see "bf16 words")."""
-    pdl_wait(PDL)
-    seen = tl.zeros([BLOCK], dtype=tl.int32)
-    for start in range(0, W, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        w = tl.load(words + offs, mask=offs < W, other=0)
-        seen = seen | ((w & 0x7F807F80) + 0x00800080)
-    # Bits 15 and 31 of any word: a half with every exponent bit set.
-    dropped = tl.max(((seen >> 15) & 0x10001 != 0).to(tl.int32), axis=0) != 0
-    rows = tl.arange(0, BLOCK_B)
-    inside = rows < B
-    p = tl.load(positions + rows * stride_p, mask=inside, other=0)
-    tl.store(out + rows * stride_o, tl.where(dropped, DROPPED_POS, p), mask=inside)
-
-
 def drop_nonfinite_impl(inputs, outputs, attrs, workspace):
     positions, hidden = inputs
     (out,) = outputs
@@ -87,13 +61,6 @@ def drop_nonfinite_impl(inputs, outputs, attrs, workspace):
         return
     b = positions.shape[0]
     n = hidden.numel()
-    if hidden.dtype == torch.bfloat16 and n % 2 == 0 and hidden.data_ptr() % 4 == 0:  # "bf16 words"
-        words = hidden.view(-1).view(torch.int32)
-        block = min(DROP_BLOCK // 2, max(128, next_pow2(n // 2)))
-        _drop_nonfinite_words_kernel[(1,)](positions, words, out, b, n // 2, positions.stride(0), out.stride(0),
-                                           BLOCK=block, BLOCK_B=max(16, next_pow2(b)), num_warps=DROP_WARPS,
-                                           **pdl_args(hidden.device))  # fmt: skip
-        return
     block = min(DROP_BLOCK, max(256, next_pow2(n)))
     _drop_nonfinite_kernel[(1,)](positions, hidden, out, b, n, positions.stride(0), out.stride(0), BLOCK=block,
                                  BLOCK_B=max(16, next_pow2(b)), num_warps=DROP_WARPS,
