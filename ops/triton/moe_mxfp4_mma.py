@@ -62,9 +62,11 @@ Note "rebiased scale": a code's bits placed as a bf16 (``_decode_lines``) are it
 bf16x2 multiplies of the ~4.75 instructions a pair. Where every scale byte of the matrix is at most
 ``REBIAS_MAX_SCALE_BYTE`` (128: a block scale up to 2, as quantised weights have: e2m1 reaches 6), one
 multiply by 2^(byte - 1) does both, with the same result bit for bit (a power of two times the
-exact code; the product is the one rounding either way). The launch asks ``rebias_fits`` of the
-weights' scales once (moe_mxfp4: a device read, cached on the bound weight) and passes REBIASED; a
-matrix with a larger scale keeps the two multiplies. Under the interpreter both read as the twin.
+exact code; the product is the one rounding either way). The fused op asks its bound weights
+(``QuantWeight.max_scale_byte``: one device read, kept on the weight; a direct ``moe_mxfp4`` call
+reads the scales, ``rebias_fits``) and passes REBIASED; a matrix with a larger scale keeps the two
+multiplies, as does a capture that finds a weight not yet read. Under the interpreter both are the
+twin. Measured: the MoE is not bound by its decode (B=32 -6 us; docs/KERNELS.md, "Tenth device runs").
 
 The shared expert (FP8, every row) takes the dot tiles (``_shared_w13_dot``, ``_shared_w2_dot``).
 Scratch, partials and the reduce are ``moe_mxfp4``'s expert-major ones. Under the interpreter,
@@ -132,6 +134,7 @@ def _mma_word_ptx(rebiased: bool) -> str:
 
 MMA_WORD_PTX = tl.constexpr(_mma_word_ptx(False))
 MMA_WORD_REBIASED_PTX = tl.constexpr(_mma_word_ptx(True))
+
 
 @triton.jit
 def _scale_pair(s, REBIASED: tl.constexpr):
