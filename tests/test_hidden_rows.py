@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from draftgraph.runtime.cache.hidden_rows import AddressedHiddens, HiddenRows
+from draftgraph.runtime.cache.hidden_rows import HiddenRows
 from draftgraph.runtime.errors import InputError
 from draftgraph.runtime.proposer.checks import check_hiddens
 from proposer_fixtures import TINY, hidden
@@ -152,16 +152,3 @@ def test_captured_rows_of_a_buffer_equal_the_tensor_form():
             prop.after_verify_batch([3, 3, 3], st)
         positions = [p + 3 for p in positions]
     assert torch.equal(props[0].cache.kv, props[1].cache.kv)
-
-
-def test_a_checked_list_carries_each_hiddens_address():
-    """check_hiddens reads each plain hidden's address in the loop that checks it (AddressedHiddens,
-    which the staging gathers from); a strided one sends the list the item-by-item way (a plain
-    list: the staging copies that row contiguous first)."""
-    hs = [torch.randn(4, 8).bfloat16() for _ in range(3)]
-    got = check_hiddens(hs, (4, 8), CPU, 3)
-    assert type(got) is AddressedHiddens and list(got) == hs
-    assert got.addresses == [h.data_ptr() for h in hs]
-    strided = [hs[0], torch.randn(8, 4).bfloat16().t(), hs[2]]
-    got = check_hiddens(strided, (4, 8), CPU, 3)
-    assert type(got) is list and all(a is b for a, b in zip(got, strided))

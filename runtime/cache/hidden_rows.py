@@ -49,17 +49,6 @@ class HiddenRows:
         return self.tensor.index_select(0, self.index_on_device())
 
 
-class AddressedHiddens(list):
-    """A checked list of a batch's hiddens (each a contiguous bf16 tensor of the row's shape on the
-    device) with each one's address, read in the loop that checked them (``proposer/checks.py``):
-    a captured chain's staging gathers the rows from ``addresses`` without reading each tensor
-    again (a 32-row batch: ~0.2 us a row on the lent hosts). Anything taking a list takes it."""
-
-    def __init__(self, hiddens: list[torch.Tensor], addresses: list[int]) -> None:
-        super().__init__(hiddens)
-        self.addresses = addresses
-
-
 def as_tensor(hiddens: torch.Tensor | HiddenRows) -> torch.Tensor:
     """A block of hiddens as one tensor: rows of a buffer gathered, a tensor as it is."""
     return hiddens.gather() if isinstance(hiddens, HiddenRows) else hiddens

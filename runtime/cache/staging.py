@@ -16,7 +16,7 @@ from types import MappingProxyType
 
 import numpy as np
 import torch
-from draftgraph.runtime.cache.hidden_rows import AddressedHiddens, HiddenRows
+from draftgraph.runtime.cache.hidden_rows import HiddenRows
 from draftgraph.runtime.cache.metadata import MetadataView, row_bytes_for, window_columns
 from draftgraph.runtime.execution import raw_copy
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
@@ -266,9 +266,6 @@ class ChainStaging:
             addresses = self.addresses[:n]
             np.multiply(self._arange[:n], step, out=addresses)
             addresses += hiddens.data_ptr()
-        elif type(hiddens) is AddressedHiddens:  # the addresses read by the checks' loop
-            n = len(hiddens)
-            self.addresses[:n] = hiddens.addresses
         else:
             n = len(hiddens)
             pointers = [hidden.data_ptr() if hidden.is_contiguous() else self._contiguous_pointer(hidden)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from draftgraph.runtime.cache.hidden_rows import AddressedHiddens, HiddenRows
+from draftgraph.runtime.cache.hidden_rows import HiddenRows
 from draftgraph.runtime.errors import InputError, describe
 from draftgraph.runtime.proposer.sequences import SequenceRows
 from draftgraph.runtime.proposer.state import MtpProposerState
@@ -121,10 +121,8 @@ def check_hiddens(hiddens: Sequence | torch.Tensor | HiddenRows, shape: tuple[in
         return check_hidden_batch(hiddens, shape, device, n)
     if isinstance(hiddens, HiddenRows):
         return hiddens if hidden_rows_ok(hiddens, shape, device, n) else check_hidden_rows(hiddens, shape, device, n)
-    if type(hiddens) is list and len(hiddens) == n:
-        addresses = _ready_addresses(hiddens, shape, device)
-        if addresses is not None:
-            return AddressedHiddens(hiddens, addresses)
+    if type(hiddens) is list and len(hiddens) == n and _are_ready(hiddens, shape, device):
+        return hiddens
     if isinstance(hiddens, (str, bytes)) or not hasattr(hiddens, "__len__"):
         raise InputError(describe("target_hiddens", f"a tensor [{n}, {', '.join(map(str, shape))}] or {n} tensors",
                                   type(hiddens).__name__))
@@ -200,29 +198,23 @@ def row_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _ready_addresses(hiddens: list, shape: tuple[int, ...], device: torch.device) -> list[int] | None:
-    """Each hidden's address where every one is a plain contiguous bf16 tensor of exactly ``shape``
-    on ``device`` (the usual batch), checked and read in one loop of attribute reads (a serving
-    batch's 32 rows: a few microseconds); None where one is not (the item checks say why, and the
-    staging copies a strided one)."""
+def _are_ready(hiddens: list, shape: tuple[int, ...], device: torch.device) -> bool:
+    """Whether every hidden is a plain bf16 tensor of exactly ``shape`` on ``device``: the usual
+    batch, in one loop of attribute reads (a serving batch's 32 rows: a few microseconds)."""
     bf16, cuda, index = torch.bfloat16, device.type == "cuda", device.index
     if not cuda and device.type != "cpu":
-        return None  # the item checks handle other devices
+        return False  # the item-by-item checks handle other devices
     if cuda and _one_cuda_device():
         index = None  # every CUDA tensor is on it: no get_device() a row (~2 us of a 32-row batch's checks)
-    addresses = []
     for hidden in hiddens:
         if type(hidden) is not torch.Tensor or hidden.dtype is not bf16 or hidden.shape != shape:
-            return None
+            return False
         if cuda:
             if not hidden.is_cuda or (index is not None and hidden.get_device() != index):
-                return None
+                return False
         elif not hidden.is_cpu:
-            return None
-        if not hidden.is_contiguous():
-            return None
-        addresses.append(hidden.data_ptr())
-    return addresses
+            return False
+    return True
 
 
 @functools.cache
