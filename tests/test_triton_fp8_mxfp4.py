@@ -617,6 +617,10 @@ def test_moe_mxfp4_rejects_bad_inputs(small_experts):
         bad = list(ex.shared)
         bad[3] = bad[1]
         MX.moe_mxfp4(x, idx, wts, *ex.routed(), out, swiglu_limit=LIMIT, shared=tuple(bad))
+    # rebias: the decode each matrix takes (moe_mxfp4_mma, "rebiased scale"), a pair of bools or None.
+    for bad in (True, (True,), (1, 0), [True, True], (True, None)):
+        with pytest.raises(InputError, match="rebias.*None or \\(bool, bool\\)"):
+            MX.moe_mxfp4(x, idx, wts, *ex.routed(), out, swiglu_limit=LIMIT, rebias=bad)
     # The word kernels read x and the codes as int32, batch 1 16 bytes at a time: a start off those
     # boundaries is refused before any launch (4-byte aligned x is not enough at batch 1).
     for offset in (1, 4):

@@ -803,6 +803,9 @@ def moe_mxfp4_launches(
     """The launches of :func:`moe_mxfp4` as (name, thunk), for an op's ``plan`` (checks and scratch done here)."""
     (w1b, s1b, w3b, s3b, w2b, s2b), shared_b = _check(x, idx, wts, w1, w1_scale, w2, w2_scale, w3, w3_scale, out,
                                                       shared)  # fmt: skip
+    if rebias is not None and not (type(rebias) is tuple and len(rebias) == 2 and all(type(r) is bool for r in rebias)):
+        _fail("rebias", "None or (bool, bool): w1 and w3's scales, then w2's", repr(rebias),
+              "rebias_fits(scale, ...) answers each; True is a promise that every byte is at most 128")
     b, d = x.shape
     top_k = idx.shape[1]
     inter = w1.shape[1]
@@ -916,7 +919,7 @@ def moe_mxfp4_launches(
                 x, idx, *table, w1b, s1b, w3b, s3b, sw1b, ss1b, sw3b, ss3b, act, split_part, arrivals, b, d, inter,
                 x.stride(0), s13, limit, k_part,
                 BLOCK_N=c13.block_n, BLOCK_K=bk13, DOT_K=min(FP8_BLOCK, max(16, next_pow2(min(d, k_part)))),
-                SPLIT=split, EVEN=d % bk13 == 0, REBIASED=bool(rebias13), **common, num_warps=c13.block_n // 16,
+                SPLIT=split, EVEN=d % bk13 == 0, REBIASED=rebias13, **common, num_warps=c13.block_n // 16,
                 num_stages=c13.num_stages,
                 **pdl,
             )  # fmt: skip
@@ -926,7 +929,7 @@ def moe_mxfp4_launches(
                 (triton.cdiv(d, c2.block_n), slots),
                 act, idx, *table, w2b, s2b, sw2b, ss2b, part, b, d, inter, s2,
                 BLOCK_N=c2.block_n, BLOCK_K=bk2, DOT_K=min(FP8_BLOCK, max(16, next_pow2(inter))),
-                EVEN=inter % bk2 == 0, REBIASED=bool(rebias2), **common, num_warps=c2.block_n // 16,
+                EVEN=inter % bk2 == 0, REBIASED=rebias2, **common, num_warps=c2.block_n // 16,
                 num_stages=c2.num_stages, **pdl,
             )  # fmt: skip
 
