@@ -410,7 +410,6 @@ MOE_WIDE = (K["gemv"].GemvConfig(8, 256, 4, 2, use_dot=False), K["gemv"].GemvCon
         (5, True, "mma_wide"),  # 4 warps, 64 rows a program (ragged in I and D), 256-column K tiles
         (12, True, "mma_wide"),  # an expert 9 rows chose (forced below): two chunks of 8 columns
         (5, True, "mma_whole"),  # w13's K in one part (the mma cases above: in two, "split K")
-        (12, True, "mma_looped"),  # one program a row tile takes every chunk in turn ("chunk programs")
     ],
 )
 def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
@@ -421,9 +420,7 @@ def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
     if not variant.startswith("mma"):
         monkeypatch.setattr(MX, "MMA_MAX_BATCH", 0)
     else:
-        wide = variant in ("mma_wide", "mma_whole", "mma_looped")
-        if variant == "mma_looped":
-            monkeypatch.setattr(MX, "MMA_SPARE_PROGRAMS", -MX.MMA_MAX_BATCH * 8)
+        wide = variant in ("mma_wide", "mma_whole")
         tile = K["gemv"].GemvConfig(64, 256, 4, 1) if wide else K["gemv"].GemvConfig(16, 128, 1, 1)
         monkeypatch.setattr(MX, "W13_CONFIG_MMA", tile)
         monkeypatch.setattr(MX, "W2_CONFIG_MMA", tile)

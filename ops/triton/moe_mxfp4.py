@@ -100,10 +100,6 @@ MMA_ROWS = 8  # rows a pass of those kernels (the mma's n): the expert-row table
 REBIAS_MAX_SCALE_BYTE = 128
 W13_CONFIG_MMA = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, use_dot=False)
 W2_CONFIG_MMA = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, use_dot=False)
-# The tensor-core grids' programs a row tile gets for the routed chunks (moe_mxfp4_mma, note "chunk
-# programs"): one per MMA_ROWS pairs, plus this many for experts whose rows do not fill a chunk;
-# more chunks than programs: a program takes every so-many-th chunk in turn.
-MMA_SPARE_PROGRAMS = 16
 # w13's K cut into this many parts, each a program of its own (moe_mxfp4_mma, "split K"); 1: none.
 # On an H100 (benchmarks/h200/moe_split_022df2c_h100_log.txt), the MoE alone, parts 1 / 4 / 8:
 # B=8 302 / 283 / 289 us (random routing), 177 / 158 / 167 (23 experts); B=32 806 / 753 / 863,
@@ -769,12 +765,6 @@ def mma_split(batch: int, inter: int, d: int, dtype: torch.dtype, grouped: bool)
     return split, triton.cdiv(inter, W13_CONFIG_MMA.block_n)
 
 
-def mma_chunk_programs(routed: int) -> int:
-    """The programs each row tile of the tensor-core w13 / w2 grids runs for ``routed`` routed pairs'
-    chunks (moe_mxfp4_mma, note "chunk programs"); at least 1, at most one a pair."""
-    return max(1, min(routed, triton.cdiv(routed, MMA_ROWS) + MMA_SPARE_PROGRAMS))
-
-
 def rebias_fits(*scales) -> bool:
     """Whether every UE8M0 byte of ``scales`` is at most 128: the tensor-core kernels' one-multiply
     decode (moe_mxfp4_mma, note "rebiased scale"). A device read each; False, without reading, while
@@ -915,9 +905,7 @@ def moe_mxfp4_launches(
         while split > 1 and k_part % bk13:
             bk13 //= 2
         bk2 = min(c2.block_k, max(128, next_pow2(inter)))
-        common = dict(TOPK=top_k, TOPK_PAD=topk_pad, SLOTS_PAD=next_pow2(b * top_k), SHARED=int(has_shared),
-                      BLOCK_B=block_b, NATIVE=native, INTERP=interp)
-        chunk_rows = mma_chunk_programs(b * top_k) + int(has_shared)  # the shared expert's row first
+        common = dict(TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_B=block_b, NATIVE=native, INTERP=interp)
         rebias13, rebias2 = rebias if rebias is not None else (rebias_fits(w1_scale, w3_scale), rebias_fits(w2_scale))
 
         def rows():
@@ -927,7 +915,7 @@ def moe_mxfp4_launches(
 
         def w13_mma():
             M.launch_w13(
-                (triton.cdiv(inter, c13.block_n) * split, chunk_rows),
+                (triton.cdiv(inter, c13.block_n) * split, slots),
                 x, idx, *table, w1b, s1b, w3b, s3b, sw1b, ss1b, sw3b, ss3b, act, split_part, arrivals, b, d, inter,
                 x.stride(0), s13, limit, k_part,
                 BLOCK_N=c13.block_n, BLOCK_K=bk13, DOT_K=min(FP8_BLOCK, max(16, next_pow2(min(d, k_part)))),
@@ -938,7 +926,7 @@ def moe_mxfp4_launches(
 
         def w2_mma():
             M.launch_w2(
-                (triton.cdiv(d, c2.block_n), chunk_rows),
+                (triton.cdiv(d, c2.block_n), slots),
                 act, idx, *table, w2b, s2b, sw2b, ss2b, part, b, d, inter, s2,
                 BLOCK_N=c2.block_n, BLOCK_K=bk2, DOT_K=min(FP8_BLOCK, max(16, next_pow2(inter))),
                 EVEN=inter % bk2 == 0, REBIASED=rebias2, **common, num_warps=c2.block_n // 16,

@@ -37,16 +37,8 @@ this change the table gave all of an expert's rows to its first slot, whose prog
 per 8 rows, one after the other, while the slots of the expert's other pairs had nothing to do:
 an expert 20 rows chose took three passes' time in one program at the end of the launch.
 
-Note "chunk programs": the w13 and w2 grids' second axis is the shared expert, then
-``mma_chunk_programs`` programs for the routed chunks (one per 8 routed pairs plus 16), not one
-program per routed slot. Each program reads the table's counts (one load of B x top_k words) and
-ranks the slots that head a chunk; program j takes chunks j, j + G, ... (G the programs a row
-tile has). Before (to 33a67bf) a slot that headed no chunk still launched a program a row tile,
-which read its count and exited: at B=32 (36 chunks of 192 slots) about 20,000 of w13's 24,700
-programs and 10,000 of w2's 12,400, each taking a place on an SM for a load's latency.
-
-Note "shared expert first": the shared expert's programs are the first row of the grid's second
-axis, so they are dispatched first. Each runs all of K for 64 rows on
+Note "shared expert first": the grid's second axis runs from the last slot to the first, so the
+shared expert's programs (its last slot) are dispatched first. Each runs all of K for 64 rows on
 the dot tiles (w13: two FP8 matrices of 4096 columns, 64 dependent K tiles), the longest chain of
 loads in the launch; dispatched last (until this change), they ran after the routed programs had
 drained, in a tail the routed work could not hide.
@@ -334,22 +326,6 @@ def _table_columns(rows_ptr, dest_ptr, wt_ptr, slot, n, g, t, INTERP: tl.constex
 
 
 @triton.jit
-def _chunk_heads(count_ptr, routed, SLOTS_PAD: tl.constexpr):
-    """The routed slots as a compact chunk list (note "chunk programs"): (each slot's rank among the
-    slots that head a chunk, -1 for the others; the number of chunks)."""
-    slots = tl.arange(0, SLOTS_PAD)
-    heads = tl.load(count_ptr + slots, mask=slots < routed, other=0) > 0
-    rank = tl.where(heads, tl.cumsum(heads.to(tl.int32), 0) - 1, -1)
-    return rank, tl.sum(heads.to(tl.int32), 0)
-
-
-@triton.jit
-def _chunk_slot(rank, j, SLOTS_PAD: tl.constexpr):
-    """The slot that heads chunk ``j`` (a rank from :func:`_chunk_heads`)."""
-    return tl.sum(tl.where(rank == j, tl.arange(0, SLOTS_PAD), 0), 0)
-
-
-@triton.jit
 def _slot_lanes(idx_ptr, count_ptr, pid_n, slot, N, BLOCK_N: tl.constexpr):
     """A routed slot's program: (t, g, the lane's rows g and g + 8 (clamped into N) and whether each is
     real, the expert, the rows it serves (the table's count: 0 unless the slot heads a chunk), the two
@@ -462,8 +438,8 @@ def _w13_mma_kernel(
     x_ptr, idx_ptr, count_ptr, trows_ptr, tdest_ptr, twt_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, sw1_ptr, ss1_ptr,
     sw3_ptr, ss3_ptr, act_ptr, split_ptr, cnt_ptr,
     B, D, INTER, stride_xb, stride_ssn, limit, K_PART,
-    TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, SLOTS_PAD: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
+    TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
     REBIASED: tl.constexpr, NATIVE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
@@ -472,20 +448,18 @@ def _w13_mma_kernel(
     npid = tl.num_programs(0) // SPLIT
     k_lo = part * K_PART
     k_hi = tl.minimum(k_lo + K_PART, D)
+    slot = tl.num_programs(1) - 1 - tl.program_id(1)  # the shared expert's programs first ("shared expert first")
     routed = B * TOPK
     plane = 2 * (routed + B) * INTER  # a part's partials: w1 x, then w3 x, of every act row
-    if SHARED and tl.program_id(1) == 0:  # the shared expert's programs first ("shared expert first")
+    if slot >= routed:
         _shared_w13_dot(x_ptr, sw1_ptr, ss1_ptr, sw3_ptr, ss3_ptr, act_ptr, split_ptr, cnt_ptr, pid_n, part, npid, B,
                        D, INTER, routed, stride_xb, stride_ssn, limit, k_lo, k_hi - k_lo, plane, BLOCK_N, BLOCK_B,
                        DOT_K, SPLIT, NATIVE, INTERP)  # fmt: skip
     else:
         W: tl.constexpr = BLOCK_N // 16
-        rank, chunks = _chunk_heads(count_ptr, routed, SLOTS_PAD)
-        for j in range(tl.program_id(1) - SHARED, chunks, tl.num_programs(1) - SHARED):  # note "chunk programs"
-            slot = _chunk_slot(rank, j, SLOTS_PAD)
-            t, g, row_g, row_g8, real_g, real_g8, e, n_served, base_g, base_g8 = _slot_lanes(
-                idx_ptr, count_ptr, pid_n, slot, INTER, BLOCK_N)
-            # one pass: a chunk is at most 8 rows, the mma's n ("expert-row table")
+        t, g, row_g, row_g8, real_g, real_g8, e, n_served, base_g, base_g8 = _slot_lanes(
+            idx_ptr, count_ptr, pid_n, slot, INTER, BLOCK_N)
+        if n_served > 0:  # one pass: a chunk is at most 8 rows, the mma's n ("expert-row table")
             row_b, _, dest0, wt0, live0, dest1, wt1, live1 = _table_columns(
                 trows_ptr, tdest_ptr, twt_ptr, slot, n_served, g, t, INTERP)
             a_row = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + row_b.to(tl.int64) * (stride_xb // 2)
@@ -512,24 +486,22 @@ def _w13_mma_kernel(
 def _w2_mma_kernel(
     act_ptr, idx_ptr, count_ptr, trows_ptr, tdest_ptr, twt_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, part_ptr,
     B, D, INTER, stride_ssn,
-    TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, SLOTS_PAD: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, EVEN: tl.constexpr,
+    TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, EVEN: tl.constexpr,
     REBIASED: tl.constexpr, NATIVE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
     pid_n = tl.program_id(0)
+    slot = tl.num_programs(1) - 1 - tl.program_id(1)  # the shared expert's programs first ("shared expert first")
     routed = B * TOPK
-    if SHARED and tl.program_id(1) == 0:  # the shared expert's programs first ("shared expert first")
+    if slot >= routed:
         _shared_w2_dot(act_ptr, sw2_ptr, ss2_ptr, part_ptr, pid_n, B, D, INTER, routed, stride_ssn, BLOCK_N, BLOCK_B,
                       DOT_K, NATIVE, INTERP)  # fmt: skip
     else:
         W: tl.constexpr = BLOCK_N // 16
-        rank, chunks = _chunk_heads(count_ptr, routed, SLOTS_PAD)
-        for j in range(tl.program_id(1) - SHARED, chunks, tl.num_programs(1) - SHARED):  # note "chunk programs"
-            slot = _chunk_slot(rank, j, SLOTS_PAD)
-            t, g, row_g, row_g8, real_g, real_g8, e, n_served, base_g, base_g8 = _slot_lanes(
-                idx_ptr, count_ptr, pid_n, slot, D, BLOCK_N)
-            # one pass: a chunk is at most 8 rows ("expert-row table")
+        t, g, row_g, row_g8, real_g, real_g8, e, n_served, base_g, base_g8 = _slot_lanes(
+            idx_ptr, count_ptr, pid_n, slot, D, BLOCK_N)
+        if n_served > 0:  # one pass: a chunk is at most 8 rows ("expert-row table")
             _, dest_b, dest0, _, live0, dest1, _, live1 = _table_columns(trows_ptr, tdest_ptr, twt_ptr, slot, n_served,
                                                                          g, t, INTERP)  # fmt: skip
             a_row = act_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + dest_b.to(tl.int64) * (INTER // 2)
