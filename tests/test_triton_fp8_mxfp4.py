@@ -462,6 +462,21 @@ def _dequantized(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return flat.view(*q.shape[:-1], -1)
 
 
+def test_w13_parts_follow_the_batch(monkeypatch):
+    """w13's K in W13_SPLIT_MMA parts up to W13_SPLIT_LARGE_BATCH rows, W13_SPLIT_MMA_LARGE past it;
+    never more parts than 128-column chunks of D, and none where the tensor-core kernels do not run."""
+    monkeypatch.setattr(MX, "W13_SPLIT_MMA", 4)
+    monkeypatch.setattr(MX, "W13_SPLIT_MMA_LARGE", 2)
+    monkeypatch.setattr(MX, "W13_SPLIT_LARGE_BATCH", 32)
+    tiles = 2048 // MX.W13_CONFIG_MMA.block_n
+    assert MX.mma_split(32, 2048, 4096, BF16, True) == (4, tiles)
+    assert MX.mma_split(33, 2048, 4096, BF16, True) == (2, tiles)
+    assert MX.mma_split(64, 2048, 4096, BF16, True) == (2, tiles)
+    assert MX.mma_split(8, 2048, 256, BF16, True) == (2, tiles)  # D of two 128-column chunks
+    assert MX.mma_split(8, 2048, 4096, BF16, False) == (1, 0)  # slot-major: no tensor-core kernels
+    assert MX.mma_split(MX.MMA_MAX_BATCH + 1, 2048, 4096, BF16, True) == (1, 0)
+
+
 def test_rebias_fits_reads_every_scale_byte():
     """moe_mxfp4.rebias_fits: the one-multiply decode (moe_mxfp4_mma, "rebiased scale") only where
     every byte is at most 128 (2^(byte - 1) a bf16); a QuantWeight keeps its largest byte."""

@@ -105,6 +105,12 @@ W2_CONFIG_MMA = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, u
 # B=8 302 / 283 / 289 us (random routing), 177 / 158 / 167 (23 experts); B=32 806 / 753 / 863,
 # 275 / 267 / 325. Two parts gave about half of four's gain.
 W13_SPLIT_MMA = 4
+# Past W13_SPLIT_LARGE_BATCH rows, two parts: the routed chunks alone keep the GPU busy, and the
+# parts' partials and their sum cost more than the parallelism gives. The chain on an H100
+# (benchmarks/h200/gemv_tiles_split_f1de8aa_h100_log.txt), replay ms with 4 / 2 parts: B=8 0.675 /
+# 0.687, B=16 0.773 / 0.776, B=32 0.914 / 0.920, B=64 1.416 / 1.370.
+W13_SPLIT_MMA_LARGE = 2
+W13_SPLIT_LARGE_BATCH = 32
 # The dot tiles: fp16 x, slot-major B > 1 (grouped=False), or B > MMA_MAX_BATCH.
 W13_CONFIG_BATCHED = GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
 W2_CONFIG_BATCHED = GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
@@ -759,7 +765,8 @@ def mma_split(batch: int, inter: int, d: int, dtype: torch.dtype, grouped: bool)
     """(the parts w13's K is cut into, w13's row tiles a slot) on the tensor cores (moe_mxfp4_mma,
     "split K"): at most one part per 128 columns of D; (1, 0) where they do not run. The parts'
     scratch: their fp32 partials of every act row (w1 x, then w3 x) and an arrival count a tile."""
-    split = min(W13_SPLIT_MMA, triton.cdiv(d, 128))
+    parts = W13_SPLIT_MMA if batch <= W13_SPLIT_LARGE_BATCH else W13_SPLIT_MMA_LARGE
+    split = min(parts, triton.cdiv(d, 128))
     if not (grouped and dtype == torch.bfloat16 and batch <= MMA_MAX_BATCH) or split <= 1:
         return 1, 0
     return split, triton.cdiv(inter, W13_CONFIG_MMA.block_n)
