@@ -149,6 +149,12 @@ def hc_pre_case(cfg, b):
     ], hc_attrs(cfg)
 
 
+def hc_pre_norm_case(cfg, b):
+    """hc_pre with the norm that reads its y (the fold_norm_into_hc_pre pass's op)."""
+    inputs, attrs = hc_pre_case(cfg, b)
+    return [*inputs, norm_w(cfg.hidden_size)], {**attrs, "norm_eps": cfg.rms_norm_eps}
+
+
 def hc_head_case(cfg, b):
     c, d = cfg.hc_mult, cfg.hidden_size
     scale = (0.5 + torch.rand(1, device=DEV)).float()
@@ -219,6 +225,7 @@ CASES = {
     "moe_hash": moe_hash_case,
     "swa_attention": attention_case,
     "hc_pre": hc_pre_case,
+    "hc_pre_norm": hc_pre_norm_case,
     "hc_head": hc_head_case,
     "hc_post": hc_post_case,
     "linear": linear_case,
@@ -267,7 +274,7 @@ def bytes_moved(name, inputs, attrs, cfg) -> int:
         weights = sum(nb(t) for t in inputs[1:9])
         keys = b * attrs["window"] * attrs["head_dim"] * 2
         return weights + keys + 2 * nb(inputs[0])
-    if name in ("hc_pre", "hc_head"):
+    if name in ("hc_pre", "hc_pre_norm", "hc_head"):
         return nb(inputs[1]) + nb(inputs[0]) + b * inputs[0].shape[2] * 2
     if name == "hc_post":
         return nb(inputs[0]) + 2 * nb(inputs[1])

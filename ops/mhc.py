@@ -239,6 +239,43 @@ HC_PRE = register(
 )
 
 
+
+# ---- hc_pre_norm (the fold_norm_into_hc_pre pass's op) -------------------------------------
+
+
+def _hc_pre_norm_infer(specs, attrs):
+    expect_count(specs, 5, "hc_pre_norm")
+    require_attrs(attrs, ("norm_eps",), "hc_pre_norm")
+    y, post, comb = _hc_pre_infer(specs[:4], attrs)
+    d, w = y.shape[1], specs[4]
+    ok = w.shape == (d,) and w.dtype in (y.dtype, F32)
+    expect(ok, "hc_pre_norm norm weight", f"[{d}] of X's dtype or f32", w.short())
+    return [y, post, comb]
+
+
+def _hc_pre_norm_impl(inputs, outputs, attrs, workspace):
+    from draftgraph.ops.basic import rms_norm_into
+
+    _hc_pre_impl(inputs[:4], outputs, attrs, workspace)
+    # Compiled (kernels="compiled"), two graphs as the unfolded ops were: compiled as one, a draft
+    # of the small model moved (tests/test_kernels_option.py; inductor fuses y into the norm).
+    torch._dynamo.graph_break()
+    rms_norm_into(outputs[0], inputs[4], attrs["norm_eps"], outputs[0])
+
+
+HC_PRE_NORM = register(
+    OpDef(
+        name="hc_pre_norm",
+        family="mhc",
+        infer=_hc_pre_norm_infer,
+        impl=_hc_pre_norm_impl,
+        output_names=("y", "post", "comb"),
+        deferred=(2,),  # comb, as hc_pre's
+        doc="(X, fn, base, scale, w) -> rms_norm(hc_pre's y, w, norm_eps), post, comb: hc_pre and the norm that "
+            "reads its y, folded (runtime/passes/fold_norm_into_hc_pre.py).",
+    )
+)
+
 # ---- hc_post -----------------------------------------------------------------
 
 

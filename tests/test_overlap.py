@@ -82,9 +82,10 @@ def test_side_stream_is_inline_without_an_executor():
 def test_each_hc_pre_forks_and_joins_right_before_its_hc_post():
     _, _, _, log, executor = propose_logged(2, overlap=True)
     steps = [entry for entry in log if not entry.startswith(("fork", "event", "wait"))]
-    assert sum(s.startswith("hc_pre ") for s in steps) == 4  # attn and ffn, two drafts
+    pre_ops = ("hc_pre ", "hc_pre_norm ")  # hc_pre_norm: hc_pre with its norm folded (fold_norm_into_hc_pre)
+    assert sum(s.startswith(pre_ops) for s in steps) == 4  # attn and ffn, two drafts
     for i, entry in enumerate(log):
-        if not entry.startswith("hc_pre "):
+        if not entry.startswith(pre_ops):
             continue
         assert log[i + 1 : i + 3] == ["fork", log[i + 2]] and log[i + 2].startswith("event")
         event = log[i + 2].split()[1]

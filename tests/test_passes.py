@@ -17,6 +17,7 @@ from draftgraph.runtime.ir.serialize import from_json, to_json
 from draftgraph.runtime.ir.validate import validate
 from draftgraph.runtime.passes import DEFAULT_PASSES, parse_passes, run_passes
 from draftgraph.runtime.passes.fold_hc_expand import fold_hc_expand
+from draftgraph.runtime.passes.fold_norm_into_hc_pre import fold_norm_into_hc_pre
 from draftgraph.runtime.passes.inline_subgraphs import inline_subgraphs
 from draftgraph.runtime.passes.reuse_dying_inputs import reuse_dying_inputs
 from draftgraph.runtime.passes.view_single_stacks import view_single_stacks
@@ -53,6 +54,36 @@ def test_fold_hc_expand_folds_the_streams_embedding_only():
     collapsed, _ = inline_subgraphs(chain(num_drafts=3, mode="collapsed"))
     same, summary = fold_hc_expand(collapsed)
     assert ops_of(same) == ops_of(collapsed) and summary == "no hc_expand feeds a combiner"
+
+
+def test_fold_norm_into_hc_pre_folds_each_norm_that_reads_an_hc_pre():
+    """Each body's two halves (attn_norm, ffn_norm): the norm's output now made by hc_pre_norm,
+    with the norm's weight as its fifth input and its eps as norm_eps; hc_head's y (read by the
+    head's own norm inside lm_head) and a y with a second reader are left alone."""
+    flat, _ = inline_subgraphs(chain(num_drafts=2))
+    folded, summary = fold_norm_into_hc_pre(flat)
+    assert summary == "4 rms_norm folded into the hc_pre before each"
+    assert ops_of(flat).count("rms_norm") == 4 and "rms_norm" not in ops_of(folded)
+    assert ops_of(folded).count("hc_pre_norm") == 4 and "hc_pre" not in ops_of(folded)
+    node = folded.nodes["d0.body.hc_pre_attn"]
+    norm = flat.nodes["d0.body.attn_norm"]
+    assert node.inputs == (*flat.nodes["d0.body.hc_pre_attn"].inputs, norm.inputs[1])
+    assert node.outputs[0] == norm.outputs[0] and folded.values[norm.outputs[0]].producer == node.name
+    assert node.attrs["norm_eps"] == norm.attrs["eps"]
+    assert flat.nodes["d0.body.hc_pre_attn"].outputs[0] not in folded.values
+    # y read by another node too (the attention, in place of the norm's output), or a graph output: left alone
+    y = flat.nodes["d0.body.hc_pre_attn"].outputs[0]
+    shared = flat.copy()
+    attn = shared.nodes["d0.body.attn"]
+    attn.inputs = (y, *attn.inputs[1:])
+    again, summary = fold_norm_into_hc_pre(shared)
+    assert summary == "3 rms_norm folded into the hc_pre before each"
+    assert again.nodes["d0.body.hc_pre_attn"].op == "hc_pre"
+    exposed = flat.copy()
+    exposed.outputs.append(y)
+    again, summary = fold_norm_into_hc_pre(exposed)
+    assert summary == "3 rms_norm folded into the hc_pre before each"
+    assert again.nodes["d0.body.hc_pre_attn"].op == "hc_pre"
 
 
 def test_view_single_stacks_turns_only_stacks_of_one_into_reshapes():

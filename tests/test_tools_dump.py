@@ -65,9 +65,11 @@ def test_the_default_dump_says_what_each_pass_did(capsys):
     lines = dump(capsys, "-k", "1").splitlines()
     passes = [line for line in lines if line.startswith("# pass ")]
     assert [p.split(":")[0] for p in passes] == ["# pass inline_subgraphs", "# pass fold_hc_expand",
-                                                 "# pass view_single_stacks", "# pass reuse_dying_inputs"]
+                                                 "# pass fold_norm_into_hc_pre", "# pass view_single_stacks",
+                                                 "# pass reuse_dying_inputs"]  # fmt: skip
     assert passes[1] == "# pass fold_hc_expand: 1 hc_expand folded into the combiner's broadcast"
-    assert not any("= hc_expand" in line for line in lines)
+    assert passes[2] == "# pass fold_norm_into_hc_pre: 2 rms_norm folded into the hc_pre before each"
+    assert not any("= hc_expand" in line or "= rms_norm" in line for line in lines)
     collapsed = dump(capsys, "-k", "1", "--mode", "collapsed")
     assert "# pass fold_hc_expand: no hc_expand feeds a combiner" in collapsed and "= hc_expand" in collapsed
 

@@ -34,6 +34,7 @@ from v4_op_cases import (  # noqa: E402
     hc_head_case,
     hc_post_case,
     hc_pre_case,
+    hc_pre_norm_case,
     lm_head_case,
     moe_case,
     moe_hash_case,
@@ -46,6 +47,7 @@ FUSED = {
     "moe": K["moe"].moe_impl,
     "moe_hash": K["moe"].moe_hash_impl,
     "hc_pre": K["mhc"].hc_pre_impl,
+    "hc_pre_norm": K["mhc"].hc_pre_norm_impl,
     "hc_head": K["mhc"].hc_head_impl,
     "hc_post": K["mhc"].hc_post_impl,
     "swa_attention": K["attention"].swa_attention_impl,
@@ -260,6 +262,23 @@ def test_hc_pre(device, hc_mult, mix_rows, monkeypatch):
     fused, _, _ = compare("hc_pre", *to_device(hc_pre_case(gen(107), hc_mult=hc_mult), device))
     comb = fused[2].double()
     assert (comb.sum(1) - 1).abs().max() < 1e-3  # columns normalised last
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("hc_mult", [4, 3])
+def test_hc_pre_norm_is_hc_pre_then_the_norm_bit_for_bit(device, hc_mult, monkeypatch):
+    """The finish that norms its row (mhc, note "norm in the finish") against the torch op, and
+    against hc_pre's kernels followed by the norm launch: the same bits; past NORM_MAX_D those two
+    launches run, with the same result."""
+    inputs, attrs = to_device(hc_pre_norm_case(gen(110), hc_mult=hc_mult), device)
+    fused, _, _ = compare("hc_pre_norm", inputs, attrs)
+    apart, _ = _run("hc_pre", FUSED["hc_pre"], inputs[:4], attrs)
+    normed = torch.full_like(apart[0], float("nan"))
+    FUSED["rms_norm"]([apart[0], inputs[4]], [normed], {"eps": attrs["norm_eps"]}, None)
+    assert all(torch.equal(a, b) for a, b in zip(fused, [normed, *apart[1:]]))
+    monkeypatch.setattr(K["mhc"], "NORM_MAX_D", 128)  # below the small config's 256: the two launches
+    two, _ = _run("hc_pre_norm", FUSED["hc_pre_norm"], inputs, attrs)
+    assert all(torch.equal(a, b) for a, b in zip(fused, two))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -505,12 +524,14 @@ def test_fused_chain_at_batch_3_never_falls_back_to_a_torch_op(monkeypatch):
     # the fused impls are the (interpreted or compiled) kernel modules' own
     fused = {"lm_head": K["head"].lm_head_impl, "draft_argmax": K["head"].draft_argmax_impl,
              "moe": K["moe"].moe_impl, "moe_hash": K["moe"].moe_hash_impl, "hc_pre": K["mhc"].hc_pre_impl,
-             "hc_head": K["mhc"].hc_head_impl, "hc_post": K["mhc"].hc_post_impl,
+             "hc_pre_norm": K["mhc"].hc_pre_norm_impl, "hc_head": K["mhc"].hc_head_impl,
+             "hc_post": K["mhc"].hc_post_impl,
              "swa_attention": K["attention"].swa_attention_impl, "linear": K["gemv"].linear_impl,
              "rms_norm": K["gemv"].rms_norm_impl, "combiner": K["combiner"].combiner_impl}
     fallbacks = []
     for module, name in [(draftgraph.ops.moe, "_moe_impl"), (draftgraph.ops.moe, "_moe_hash_impl"),
-                         (draftgraph.ops.mhc, "_hc_pre_impl"), (draftgraph.ops.mhc, "_hc_head_impl"),
+                         (draftgraph.ops.mhc, "_hc_pre_impl"), (draftgraph.ops.mhc, "_hc_pre_norm_impl"),
+                         (draftgraph.ops.mhc, "_hc_head_impl"),
                          (draftgraph.ops.mhc, "_hc_post_impl"), (draftgraph.ops.attention, "_attn_impl"),
                          (draftgraph.ops.lm_head, "_lm_head_impl"), (draftgraph.ops.sampling, "_draft_argmax_impl"),
                          (draftgraph.ops.basic, "_linear_impl"), (draftgraph.ops.basic, "_rms_norm_impl"),

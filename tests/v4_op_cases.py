@@ -87,6 +87,12 @@ def hc_pre_case(g, batch=BATCH, iters=None, hc_mult=None):
     return [X, fn, base, scale], hc_attrs(iters)
 
 
+def hc_pre_norm_case(g, batch=BATCH, iters=None, hc_mult=None):
+    """hc_pre's case, then the weight of the norm that reads its y (the fold_norm_into_hc_pre pass's op)."""
+    inputs, attrs = hc_pre_case(g, batch, iters, hc_mult)
+    return [*inputs, norm_weight(g, CFG.hidden_size)], {**attrs, "norm_eps": CFG.rms_norm_eps}
+
+
 def hc_post_case(g, batch=BATCH):
     c, d = CFG.hc_mult, CFG.hidden_size
     y, X = randn(g, batch, d), randn(g, batch, c, d)
@@ -214,6 +220,7 @@ CASES = {
     "combiner": combiner_case,
     "hc_expand": hc_expand_case,
     "hc_pre": hc_pre_case,
+    "hc_pre_norm": hc_pre_norm_case,
     "hc_post": hc_post_case,
     "hc_head": hc_head_case,
     "swa_attention": attention_case,

@@ -15,7 +15,8 @@ lm_head, draft_argmax     draftgraph.ops.triton.head   (norm + GEMV; two-stage a
 moe, moe_hash,            draftgraph.ops.triton.moe    (gate split-K, w1/w3 + SwiGLU, w2;
 moe_shard                                    batch > 1: draftgraph.ops.triton.moe_grouped;
                                              moe_shard: this rank's experts, the others' pairs skipped)
-hc_pre, hc_head, hc_post  draftgraph.ops.triton.mhc    (split mix + Sinkhorn finish; post)
+hc_pre, hc_pre_norm,      draftgraph.ops.triton.mhc    (split mix + Sinkhorn finish, hc_pre_norm's
+hc_head, hc_post                             normed in it; post)
 swa_attention             draftgraph.ops.triton.attention
 linear, rms_norm          draftgraph.ops.triton.gemv
 combiner                  draftgraph.ops.triton.combiner (FP8: both norms, one GEMV over both Ks)
@@ -53,6 +54,7 @@ def _impls() -> dict:
         "moe_hash": moe.moe_hash_impl,
         "moe_shard": moe.moe_shard_impl,
         "hc_pre": mhc.hc_pre_impl,
+        "hc_pre_norm": mhc.hc_pre_norm_impl,
         "hc_head": mhc.hc_head_impl,
         "hc_post": mhc.hc_post_impl,
         "swa_attention": attention.swa_attention_impl,
@@ -101,6 +103,7 @@ def workspace_rules() -> dict:
         "moe_hash": moe.moe_workspace,
         "moe_shard": moe.moe_shard_workspace,
         "hc_pre": mhc.hc_mix_workspace,
+        "hc_pre_norm": mhc.hc_mix_workspace,
         "hc_head": mhc.hc_mix_workspace,
         "swa_attention": attention.attention_workspace,
     }

@@ -11,6 +11,13 @@ hc_pre / hc_head, two launches each:
    Sinkhorn: for C = 4 on 16 scalars every thread holds, so its 2 x iters normalisations
    need no cross-thread reduction; other C in the [C, C] tensor form).
 
+Note "norm in the finish": hc_pre_norm (the fold_norm_into_hc_pre pass's op) runs the finish as
+one program a row with the whole row in one tile (``NORM_WARPS``), which stores y and then,
+after a barrier, norms the row in place with the norm launch's own arithmetic (``gemv.norm_row``:
+the same bits as hc_pre's finish followed by that launch). At B=1 the y of hc_pre was 8 programs
+of 512 columns; one program now reads the row's C x D (32 KB at V4-Flash) and the norm's
+launch is gone.
+
 hc_post is one elementwise launch: X'[k] = post_k y + sum_j comb[j, k] X[j]. Each program
 reads its D block of all C streams before writing it, so X' may alias X.
 """
@@ -21,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 from draftgraph.ops.triton._common import carve, next_pow2, pdl_args, pdl_wait, scratch_bytes
+from draftgraph.ops.triton.gemv import norm_row
 
 MIX_BLOCK_K = 256
 MIX_SPLIT_TARGET = 64  # programs of the mix kernel (column slices)
@@ -32,6 +40,10 @@ FINISH_BLOCK_D = 512
 # One warp: the 4x4 Sinkhorn's 40 reductions are then warp shuffles, not shared-memory
 # round trips with barriers (the 4-warp finish took ~6 us on an H200, mostly that loop).
 FINISH_WARPS = 1
+# hc_pre_norm's finish: a program a row, its whole y in one tile (note "norm in the finish"); up
+# to NORM_MAX_D columns (V4-Flash: 4096), past it hc_pre's finish and a norm launch.
+NORM_WARPS = 8
+NORM_MAX_D = 8192
 
 
 @triton.jit
@@ -147,12 +159,15 @@ def _hc_finish_kernel(
     eps,
     hc_eps,
     iters,
+    nw_ptr,
+    norm_eps,
     MP: tl.constexpr,
     S_PAD: tl.constexpr,
     C_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRE: tl.constexpr,
     C4: tl.constexpr,
+    NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
@@ -227,7 +242,11 @@ def _hc_finish_kernel(
         other=0.0,
     )
     y = tl.sum(w[:, None] * xs.to(tl.float32), 0)
-    tl.store(y_ptr + b.to(tl.int64) * stride_yb + offs_d, y.to(y_ptr.dtype.element_ty), mask=d_mask)
+    y_row = y_ptr + b.to(tl.int64) * stride_yb
+    tl.store(y_row + offs_d, y.to(y_ptr.dtype.element_ty), mask=d_mask)
+    if NORM:  # the whole row is this program's (note "norm in the finish"): y read back, normed in place
+        tl.debug_barrier()  # every thread's y stored before any thread reads the row
+        norm_row(y_row, nw_ptr, y_row, D, norm_eps, BLOCK_D)
 
 
 def _split(cd: int) -> tuple[int, int]:
@@ -257,7 +276,7 @@ def _usable(X, tensors) -> bool:
     )
 
 
-def _mix_and_finish(X, fn, base, scale, y, post, comb, attrs, workspace, pre: bool) -> None:
+def _mix_and_finish(X, fn, base, scale, y, post, comb, attrs, workspace, pre: bool, norm_w=None) -> None:
     b, c, d = X.shape
     m = fn.shape[0]
     mp = _mix_pad(m)
@@ -279,7 +298,8 @@ def _mix_and_finish(X, fn, base, scale, y, post, comb, attrs, workspace, pre: bo
         num_warps=4,
         **pdl_args(X.device),
     )
-    block_d = min(FINISH_BLOCK_D, next_pow2(d))
+    norm = norm_w is not None
+    block_d = next_pow2(d) if norm else min(FINISH_BLOCK_D, next_pow2(d))
     _hc_finish_kernel[(b, triton.cdiv(d, block_d))](
         X,
         part,
@@ -297,13 +317,16 @@ def _mix_and_finish(X, fn, base, scale, y, post, comb, attrs, workspace, pre: bo
         float(attrs["eps"]),
         float(attrs["hc_eps"]),
         int(attrs.get("iters", 1)),
+        norm_w if norm else y,
+        float(attrs["norm_eps"]) if norm else 0.0,
         MP=mp,
         S_PAD=next_pow2(split),
         C_PAD=next_pow2(c),
         BLOCK_D=block_d,
         PRE=pre,
         C4=c == 4,
-        num_warps=FINISH_WARPS,
+        NORM=norm,
+        num_warps=NORM_WARPS if norm else FINISH_WARPS,
         **pdl_args(X.device),
     )
 
@@ -316,6 +339,24 @@ def hc_pre_impl(inputs, outputs, attrs, workspace):
 
         return _hc_pre_impl(inputs, outputs, attrs, workspace)
     _mix_and_finish(X, fn, base, scale, y, post, comb, attrs, workspace, pre=True)
+
+
+def hc_pre_norm_impl(inputs, outputs, attrs, workspace):
+    """hc_pre with its norm in the finish (note "norm in the finish"); the torch op where the
+    kernels do not apply, and hc_pre's kernels then the norm's past NORM_MAX_D."""
+    X, fn, base, scale, norm_w = inputs
+    y, post, comb = outputs
+    if not _usable(X, (fn, base, scale, post, comb, norm_w)) or y.stride(1) != 1:
+        from draftgraph.ops.mhc import _hc_pre_norm_impl
+
+        return _hc_pre_norm_impl(inputs, outputs, attrs, workspace)
+    if X.shape[2] > NORM_MAX_D:
+        from draftgraph.ops.triton.gemv import rms_norm_rows
+
+        _mix_and_finish(X, fn, base, scale, y, post, comb, attrs, workspace, pre=True)
+        rms_norm_rows(y, norm_w, float(attrs["norm_eps"]), y)
+        return
+    _mix_and_finish(X, fn, base, scale, y, post, comb, attrs, workspace, pre=True, norm_w=norm_w)
 
 
 def hc_head_impl(inputs, outputs, attrs, workspace):

@@ -23,6 +23,7 @@ from draftgraph.runtime.errors import GraphError, describe
 from draftgraph.runtime.ir.graph import Graph
 from draftgraph.runtime.ir.validate import validate
 from draftgraph.runtime.passes.fold_hc_expand import fold_hc_expand
+from draftgraph.runtime.passes.fold_norm_into_hc_pre import fold_norm_into_hc_pre
 from draftgraph.runtime.passes.inline_subgraphs import inline_subgraphs
 from draftgraph.runtime.passes.reuse_dying_inputs import reuse_dying_inputs
 from draftgraph.runtime.passes.view_single_stacks import view_single_stacks
@@ -47,6 +48,7 @@ class Lowered:
 DEFAULT_PASSES: tuple[Pass, ...] = (
     Pass("inline_subgraphs", inline_subgraphs),
     Pass("fold_hc_expand", fold_hc_expand),
+    Pass("fold_norm_into_hc_pre", fold_norm_into_hc_pre),
     Pass("view_single_stacks", view_single_stacks),
     Pass("reuse_dying_inputs", reuse_dying_inputs),
 )
