@@ -222,3 +222,27 @@ def test_pdl_launches_equal_plain_launches_bit_for_bit():
                 prop.free_state(s)
         assert results[0][0] == results[1][0]
         assert torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("publish", [True, False])
+def test_the_captured_chain_writes_its_drafts_to_the_host_itself(publish, monkeypatch):
+    """ChainStaging.in_graph_read: a captured chain's last node writes its drafts to pinned memory
+    (copy_to_host) and read_rows reads them there, with no copy after the replay; the drafts and
+    the cache equal the eager proposer's, with the switch on and off (the copy after the replay)."""
+    from draftgraph.runtime.cache import staging as staging_module
+
+    monkeypatch.setattr(staging_module, "PUBLISH_READS", publish)
+    eager, captured = pair()
+    gen = torch.Generator().manual_seed(77)
+    states = {id(p): [p.alloc_state() for _ in range(3)] for p in (eager, captured)}
+    for round_index in range(3):
+        tokens = [int(x) for x in torch.randint(SMALL.vocab_size, (3,), generator=gen)]
+        hs = [hid(SMALL, gen, "streams") for _ in range(3)]
+        got = [p.propose_batch(tokens, hs, [20 + 3 * round_index] * 3, 2, states[id(p)]) for p in (eager, captured)]
+        assert got[0] == got[1]
+        assert torch.equal(eager.cache.kv, captured.cache.kv)
+        for p in (eager, captured):
+            p.after_verify_batch([2, 2, 2], states[id(p)])
+    st = captured._staging_for(captured._bucket(3))
+    assert [tuple(t.shape) for t, _ in st._published] == ([(captured._bucket(3), 2)] if publish else [])
+    assert bool(st._read_bufs) != publish  # the copy path's pinned buffers: only without the switch

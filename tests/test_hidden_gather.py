@@ -91,3 +91,20 @@ def test_a_staging_copy_run_still_copies_the_hiddens():
     h = torch.randn(C, D).bfloat16()
     stage_rows(st, rows(1), [1], [h], 100, copy_in=True)  # an executor without the in-graph copy
     assert torch.equal(st.hidden_buf[0], h)
+
+
+def test_the_read_kernel_writes_an_output_to_its_host_buffer():
+    """in_graph_read: what a captured chain's last node runs (copy_to_host), run eagerly: the output's
+    bytes in a host buffer of its shape, the same buffer again on the next run (int64 drafts, and an
+    odd shape of int32); an output it cannot copy word by word is left to read_rows' copy."""
+    st = staging()
+    read = st.in_graph_read()
+    for shape, dtype in (((4, 3), torch.int64), ((5, 1), torch.int32)):
+        for run in range(2):
+            drafts = torch.randint(-(2**31), 2**31 - 1, shape, generator=torch.Generator().manual_seed(run))
+            read({"drafts": drafts.to(dtype)})
+            host = st._publish_bufs[(drafts.shape, dtype)]
+            assert torch.equal(host, drafts.to(dtype)), (shape, run)
+    read({"probs": torch.ones(2)})  # not the output it reads
+    read({"drafts": torch.ones(3, dtype=torch.int16)})  # 6 bytes: not whole words
+    assert len(st._publish_bufs) == 2 and not st._published  # nothing captured here: read_rows copies

@@ -1,4 +1,5 @@
-"""stage_from_host: a captured chain's first kernel, the staging copy and the hidden gather.
+"""stage_from_host and copy_to_host: a captured chain's first kernel (the staging copy and the
+hidden gather) and its last (the drafts written to pinned host memory).
 
 Why the gather: a propose's target hiddens live wherever the target left them, a new address
 every time, so a captured graph cannot hold a memcpy node for them, and a copy queued by the
@@ -66,4 +67,32 @@ def stage_from_host(host: torch.Tensor, staged: torch.Tensor, address_at: int, o
                         copy_programs, WORDS=STAGE_WORDS, BLOCK=BLOCK)
 
 
-__all__ = ["stage_from_host"]
+@triton.jit
+def _copy_to_host_kernel(src, host, words, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    dst = host.to(tl.pointer_type(tl.int32), bitcast=True)
+    for start in range(0, words, BLOCK):
+        inside = start + offs < words
+        tl.store(dst + start + offs, tl.load(src + start + offs, mask=inside), mask=inside)
+
+
+COPY_WORDS = 1024  # int32 words a loop step of the one program: a chain's drafts are at most 64 x 8 int64
+
+
+def copy_to_host(src: torch.Tensor, host: torch.Tensor) -> None:
+    """``host[:] = src`` by one program's stores into pinned memory (mapped: the host pointer is the
+    device pointer, as ``stage_from_host`` reads it).
+
+    Why: the read-back of a chain's drafts was a copy queued after the replay, and a copy-engine
+    transfer starts microseconds after the kernel before it ends (the hand-off ``stage_from_host``
+    removed at the head of the graph). Captured as the chain's last node, this kernel leaves the
+    drafts in host memory when the replay ends: a propose waits for the stream and reads them.
+    ``src`` contiguous, device; ``host`` pinned (under the interpreter, any CPU tensor), the same
+    byte count, a multiple of 4.
+    """
+    words = src.nbytes // 4
+    _copy_to_host_kernel[(1,)](src.view(-1).view(torch.int32), host.data_ptr(), words, BLOCK=COPY_WORDS,
+                               num_warps=4)  # fmt: skip
+
+
+__all__ = ["copy_to_host", "stage_from_host"]

@@ -24,6 +24,8 @@ from draftgraph.runtime.ir.tensor_spec import TensorSpec
 ALIGN = 256
 # One [C, D] / [D] per row, one [n, ...] block, or rows of a buffer by index (cache/hidden_rows.py)
 Hiddens = Sequence[torch.Tensor] | torch.Tensor | HiddenRows
+# Whether a captured chain writes its drafts to the host itself (in_graph_read; a switch for benchmarks).
+PUBLISH_READS = True
 Masks = Sequence[torch.Tensor | np.ndarray | Sequence[int] | None] | None  # int32 words per row, or None
 
 
@@ -115,6 +117,11 @@ class ChainStaging:
         kernels = _triton_rows() if wants_gather else None
         readable = not on_cuda or raw_copy.is_device_addressable(self.host_buf)
         self._gather = kernels.stage_from_host if kernels is not None and readable else None
+        self._publish = kernels.copy_to_host if kernels is not None and readable else None
+        # (device output, its pinned host copy) for each output a captured graph writes to the host
+        # itself (in_graph_read): read_rows waits for the replay and reads them in place.
+        self._published: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._publish_bufs: dict[tuple, torch.Tensor] = {}  # pinned, per (shape, dtype); made by a warm-up run
         self._kept: list[torch.Tensor] = []  # contiguous copies of strided hiddens, alive until the next stage
         self._chain_inputs: dict[int | None, Mapping[str, torch.Tensor]] = {}
         self._read_bufs: dict[tuple, torch.Tensor] = {}  # pinned host copies of outputs, per (shape, dtype)
@@ -198,6 +205,11 @@ class ChainStaging:
         """
         if not tensor.is_cuda:
             return tensor[:n].numpy().copy()
+        for published, host in self._published:
+            if published is tensor:  # the graph's last node wrote it to ``host``: wait, read in place
+                torch.cuda.current_stream(tensor.device).synchronize()
+                self._is_copy_pending = False
+                return host[:n].numpy()
         host = self._read_bufs.get((tensor.shape, tensor.dtype))
         if host is None:
             host = self._read_bufs[(tensor.shape, tensor.dtype)] = torch.empty(tensor.shape, dtype=tensor.dtype,
@@ -207,6 +219,38 @@ class ChainStaging:
         torch.cuda.current_stream(tensor.device).synchronize()
         self._is_copy_pending = False  # the staging copy, queued before the run, is done too
         return rows.numpy()
+
+    def in_graph_read(self, name: str = "drafts") -> Callable[[Mapping[str, torch.Tensor]], None] | None:
+        """The read-back of a chain's output ``name`` as a function of its outputs, to capture at
+        the tail of the graph (CapturedExecutor's ``epilogue``), or None (CPU, no triton, memory
+        the device cannot address).
+
+        Captured, one kernel copies the output into a pinned buffer kept here at every replay
+        (``ops/triton/rows.py``'s copy_to_host: no copy-engine transfer after the replay);
+        :meth:`read_rows` then waits for the stream and reads the buffer. Each capture records
+        its own output tensor (a run before it, e.g. the warm-up, writes the buffer too).
+        """
+        if self._publish is None or not PUBLISH_READS:
+            return None
+        publish = self._publish
+
+        def read(outputs: Mapping[str, torch.Tensor]) -> None:
+            tensor = outputs.get(name)
+            if tensor is None or not tensor.is_contiguous() or tensor.nbytes % 4:
+                return  # read_rows copies it after the replay, as it does any output
+            key = (tensor.shape, tensor.dtype)
+            host = self._publish_bufs.get(key)
+            capturing = tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+            if host is None:
+                if capturing:  # no pinned allocation inside a capture: read_rows copies this one
+                    return
+                host = self._publish_bufs[key] = torch.empty(tensor.shape, dtype=tensor.dtype,
+                                                             pin_memory=tensor.is_cuda)
+            if capturing:  # the captured graph's own output: read_rows finds it and reads ``host``
+                self._published.append((tensor, host))
+            publish(tensor, host)
+
+        return read
 
     def in_graph_copy(self, masked: bool) -> Callable[[], None] | None:
         """The staging copy as a function to capture at the head of a chain graph, or None.

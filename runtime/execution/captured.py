@@ -38,6 +38,8 @@ class CapturedExecutor:
     keep_graph : keep the cudaGraph_t (for ``debug_dump`` / ``raw_cuda_graph``).
     prologue : a function of no arguments captured before the steps (the staging copy
         from pinned memory, see ``ChainStaging.in_graph_copy``); None: nothing.
+    epilogue : a function of the outputs captured after the steps (the drafts written to
+        pinned memory, see ``ChainStaging.in_graph_read``); None: nothing.
     passes : the rewrites the graph runs after, as for :class:`EagerExecutor`.
     overlap : let ops fork work onto a side stream (``draftgraph.ops.overlap``): captured, it becomes a
         parallel branch of the graph.
@@ -60,6 +62,7 @@ class CapturedExecutor:
         warmup_runs: int = 2,
         kernels: str = "auto",
         prologue: Callable[[], None] | None = None,
+        epilogue: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
         overlap: bool = True,
         passes: Sequence[Pass] = DEFAULT_PASSES,
     ) -> None:
@@ -79,7 +82,7 @@ class CapturedExecutor:
         self.static_inputs = dict(static_inputs)
         self.eager.check_inputs(self.static_inputs)
         self.pool, self.keep_graph, self.warmup_runs = pool, keep_graph, warmup_runs
-        self.prologue = prologue
+        self.prologue, self.epilogue = prologue, epilogue
         self.copies_staging = prologue is not None  # the proposer then stages without a copy
         self.cuda_graph: torch.cuda.CUDAGraph | None = None
         self.outputs: dict[str, torch.Tensor] = {}
@@ -155,7 +158,10 @@ class CapturedExecutor:
     def _run_steps(self) -> dict[str, torch.Tensor]:
         if self.prologue is not None:
             self.prologue()
-        return self.eager.run(self.static_inputs, check=False)
+        outputs = self.eager.run(self.static_inputs, check=False)
+        if self.epilogue is not None:
+            self.epilogue(outputs)
+        return outputs
 
     def run(self, inputs: Mapping[str, torch.Tensor], check: bool = True) -> dict[str, torch.Tensor]:
         """Copy inputs into the static buffers (unless they are those buffers), replay, return outputs."""

@@ -546,9 +546,12 @@ class DeepseekV4MtpProposer:
         key = ("chain", bucket, num_drafts, masked, self.use_captured, self.options.draft_conf_tau)
         if key not in self._executors:
             graph = self.chain_graph(num_drafts, masked)
-            # Captured, the chain starts with the staging copy and the hidden gather: no CUDA call before a launch.
-            prologue = self._staging_for(bucket).in_graph_copy(masked) if self.use_captured else None
-            self._executors[key] = self._make_executor(graph, bucket, prologue)
+            # Captured, the chain starts with the staging copy and the hidden gather (no CUDA call before a
+            # launch) and ends writing its drafts to pinned memory (no copy after it).
+            staging = self._staging_for(bucket)
+            prologue = staging.in_graph_copy(masked) if self.use_captured else None
+            epilogue = staging.in_graph_read() if self.use_captured else None
+            self._executors[key] = self._make_executor(graph, bucket, prologue, epilogue=epilogue)
         return self._checked(self._executors[key])
 
     def _checked(self, executor):
@@ -557,7 +560,7 @@ class DeepseekV4MtpProposer:
         executor.tracer = self.tracer
         return executor
 
-    def _make_executor(self, graph, bucket: int, prologue=None, staging: ChainStaging | None = None):
+    def _make_executor(self, graph, bucket: int, prologue=None, staging: ChainStaging | None = None, epilogue=None):
         runners = {runner_name(self.runner): RunnerNode(self.runner)} if self.runner is not None else {}
         runners.update(runners_for(self.rank_group))  # the comm nodes' RankGroup (sharded)
         if self.use_captured:
@@ -571,7 +574,7 @@ class DeepseekV4MtpProposer:
                 static["grammar_mask"] = staged["grammar_mask"][:, : graph.values["grammar_mask"].spec.shape[1]]
             executor = CapturedExecutor(graph, bucket, self.weights, self.state_tensors, device=self.device,
                                         runners=runners, static_inputs=static, pool=self._pool,
-                                        kernels=self.options.kernels, prologue=prologue,
+                                        kernels=self.options.kernels, prologue=prologue, epilogue=epilogue,
                                         overlap=self.options.overlap)
         else:
             executor = EagerExecutor(graph, bucket, self.weights, self.state_tensors, device=self.device,
