@@ -99,6 +99,21 @@ def test_the_captured_chain_starts_with_the_staging_kernel():
     assert kernels_per_op(recapture(executor))[0] == ("prologue", "(staging)", 1)
 
 
+def test_the_captured_chain_ends_with_the_drafts_kernel_and_its_count_holds_it():
+    """The epilogue (ChainStaging.in_graph_read) is one kernel node, and capture-dump's recapture,
+    which the benchmarks' node count runs, keeps it (before 2026-12-06 it dropped it)."""
+    from draftgraph.tools.capture_dump import count_kernel_nodes, kernels_per_op, recapture
+
+    prop = DeepseekV4MtpProposer(SMALL, random_mtp_weights(SMALL, seed=3), device="cuda", executor="captured")
+    hidden = torch.randn(SMALL.hc_mult, SMALL.hidden_size, device="cuda").bfloat16()
+    prop.propose(5, hidden, 40, 1, prop.alloc_state())
+    executor = prop._executor(1, 1, False)
+    assert executor.epilogue is not None
+    rows = kernels_per_op(recapture(executor))
+    assert rows[-1] == ("epilogue", "(drafts to host)", 1)
+    assert count_kernel_nodes(executor) == sum(n for _, _, n in rows)
+
+
 def test_pinned_memory_is_addressable_at_its_host_address():
     assert raw_copy.is_device_addressable(torch.zeros(64, dtype=torch.uint8, pin_memory=True))
     assert not raw_copy.is_device_addressable(torch.zeros(64, dtype=torch.uint8))  # pageable

@@ -125,7 +125,7 @@ def recapture(executor, keep_graph: bool = True):
     kept = CapturedExecutor(eager.graph, eager.batch, weights, state, device=eager.device, static_inputs=statics,
                             keep_graph=keep_graph, runners={k: v for k, v in eager.runners.items()},
                             kernels=eager.kernels, prologue=getattr(executor, "prologue", None),
-                            overlap=eager.side is not None)
+                            epilogue=getattr(executor, "epilogue", None), overlap=eager.side is not None)
     kept.capture()
     return kept
 
@@ -154,6 +154,12 @@ def kernels_per_op(kept) -> list[tuple[str, str, int]]:
         with torch.cuda.graph(graph, stream=side):
             eager._run_step(step, inputs)
         rows.append((step.node.name, step.node.op, node_types(graph).get("Kernel", 0)))
+    if kept.epilogue is not None:  # the drafts written to pinned memory (ChainStaging.in_graph_read)
+        outputs = {name: eager.bound[name] for name in eager.graph.outputs}
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(graph, stream=side):
+            kept.epilogue(outputs)
+        rows.append(("epilogue", "(drafts to host)", node_types(graph).get("Kernel", 0)))
     return rows
 
 

@@ -13,10 +13,14 @@ hc_pre / hc_head, two launches each:
 
 Note "norm in the finish": hc_pre_norm (the fold_norm_into_hc_pre pass's op) runs the finish as
 one program a row with the whole row in one tile (``NORM_WARPS``), which stores y and then,
-after a barrier, norms the row in place with the norm launch's own arithmetic (``gemv.norm_row``:
-the same bits as hc_pre's finish followed by that launch). At B=1 the y of hc_pre was 8 programs
-of 512 columns; one program now reads the row's C x D (32 KB at V4-Flash) and the norm's
-launch is gone.
+after a barrier, norms the row in place with the norm launch's own arithmetic (``gemv.norm_row``).
+Its sums (the mix partials, the row's squares) run on NORM_WARPS warps where hc_pre's finish
+runs FINISH_WARPS and the norm launch 4, so on the GPU y may differ from the two launches' by a
+rounding (the interpreter: the same bits). At B=1 the y of hc_pre was 8 programs of 512
+columns; one program now reads the row's C x D (32 KB at V4-Flash) and the norm's launch is
+gone. Measured in the chain on an H100 (benchmarks/h200/session15_norm_fold_drafts_h100_log.txt):
+the replay the same within noise (B=1 0.537 -> 0.539 ms, B=8 0.678 -> 0.682, B=32 0.914 ->
+0.913, separate processes), two kernel nodes fewer a step.
 
 hc_post is one elementwise launch: X'[k] = post_k y + sum_j comb[j, k] X[j]. Each program
 reads its D block of all C streams before writing it, so X' may alias X.
