@@ -80,14 +80,9 @@ BATCH1_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=1, num_stages=3, u
 LARGE_BATCH_CONFIG = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=6)
 
 
-# Up to this many rows the FMA tiles of batch 1 run, a program a row (each re-reading the weight
-# tile, from L2 if a neighbour read it); past it the dot tiles (one weight tile for all rows).
-FMA_MAX_ROWS = 1
-
-
 def config_for(rows: int) -> GemvConfig:
     """The tile config of a GEMV over ``rows`` activation rows (read at call time: tuners set the knobs)."""
-    return BATCH1_CONFIG if rows <= FMA_MAX_ROWS else DEFAULT if rows <= 16 else LARGE_BATCH_CONFIG
+    return BATCH1_CONFIG if rows == 1 else DEFAULT if rows <= 16 else LARGE_BATCH_CONFIG
 
 
 # ---- decoding bytes in registers ------------------------------------------------------------
@@ -374,8 +369,8 @@ def _scale_bytes(s: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
 def _geometry(b: int, n: int, n_a: int, k: int, config: GemvConfig, two_w: bool, group_rows: int, split_k: int):
     """(config, block_n, block_k, block_b) of one launch: the config's tile fitted to the shapes."""
     cfg = config
-    if not cfg.use_dot and b > max(FMA_MAX_ROWS, 1):
-        cfg = DEFAULT  # the FMA variant holds one activation row a program
+    if not cfg.use_dot and b != 1:
+        cfg = DEFAULT  # the FMA variant holds one activation row
     block_n = min(cfg.block_n, max(16 if cfg.use_dot else 1, next_pow2(n)))
     if cfg.block_k & (cfg.block_k - 1) or cfg.block_k < 16:
         raise InputError(describe("fp8_gemv config block_k", "a power of two >= 16", cfg.block_k))
