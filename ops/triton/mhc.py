@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 from draftgraph.ops.triton._common import carve, next_pow2, pdl_args, pdl_wait, scratch_bytes
-from draftgraph.ops.triton.gemv import norm_row
+from draftgraph.ops.triton.gemv import norm_row, rms_norm_rows
 
 MIX_BLOCK_K = 256
 MIX_SPLIT_TARGET = 64  # programs of the mix kernel (column slices)
@@ -355,8 +355,6 @@ def hc_pre_norm_impl(inputs, outputs, attrs, workspace):
 
         return _hc_pre_norm_impl(inputs, outputs, attrs, workspace)
     if X.shape[2] > NORM_MAX_D:
-        from draftgraph.ops.triton.gemv import rms_norm_rows
-
         _mix_and_finish(X, fn, base, scale, y, post, comb, attrs, workspace, pre=True)
         rms_norm_rows(y, norm_w, float(attrs["norm_eps"]), y)
         return
