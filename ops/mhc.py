@@ -239,7 +239,6 @@ HC_PRE = register(
 )
 
 
-
 # ---- hc_pre_norm (the fold_norm_into_hc_pre pass's op) -------------------------------------
 
 
@@ -275,6 +274,7 @@ HC_PRE_NORM = register(
             "reads its y, folded (runtime/passes/fold_norm_into_hc_pre.py).",
     )
 )
+
 
 # ---- hc_post -----------------------------------------------------------------
 
