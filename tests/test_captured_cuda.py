@@ -6,6 +6,7 @@ before every replay; padded rows write no cache row; nothing is allocated after 
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -244,5 +245,17 @@ def test_the_captured_chain_writes_its_drafts_to_the_host_itself(publish, monkey
         for p in (eager, captured):
             p.after_verify_batch([2, 2, 2], states[id(p)])
     st = captured._staging_for(captured._bucket(3))
-    assert [tuple(t.shape) for t, _ in st._published] == ([(captured._bucket(3), 2)] if publish else [])
+    assert [tuple(t().shape) for t, _ in st._published] == ([(captured._bucket(3), 2)] if publish else [])
+    if publish:  # a graph captured again (capture-dump's recapture) is not kept alive by the staging
+        from draftgraph.tools.capture_dump import recapture
+
+        kept = recapture(captured._executor(captured._bucket(3), 2, False))
+        assert len(st._published) == 2 and st._published[1][0]() is kept.outputs["drafts"]
+        del kept
+        gc.collect()
+        assert st._published[1][0]() is None
+        tokens = [int(x) for x in torch.randint(SMALL.vocab_size, (3,), generator=gen)]
+        hs = [hid(SMALL, gen, "streams") for _ in range(3)]
+        got = [p.propose_batch(tokens, hs, [40] * 3, 2, states[id(p)]) for p in (eager, captured)]
+        assert got[0] == got[1]
     assert bool(st._read_bufs) != publish  # the copy path's pinned buffers: only without the switch

@@ -11,6 +11,7 @@ read them on every replay. On the CPU the host buffer is the device buffer: no c
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
@@ -119,8 +120,10 @@ class ChainStaging:
         self._gather = kernels.stage_from_host if kernels is not None and readable else None
         self._publish = kernels.copy_to_host if kernels is not None and readable else None
         # (device output, its pinned host copy) for each output a captured graph writes to the host
-        # itself (in_graph_read): read_rows waits for the replay and reads them in place.
-        self._published: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # itself (in_graph_read): read_rows waits for the replay and reads them in place. The output
+        # is held weakly: its executor owns it, and a graph captured again (capture-dump's recapture)
+        # must not keep the graph before it, and its memory pool, alive.
+        self._published: list[tuple[weakref.ref, torch.Tensor]] = []
         self._publish_bufs: dict[tuple, torch.Tensor] = {}  # pinned, per (shape, dtype); made by a warm-up run
         self._kept: list[torch.Tensor] = []  # contiguous copies of strided hiddens, alive until the next stage
         self._chain_inputs: dict[int | None, Mapping[str, torch.Tensor]] = {}
@@ -206,7 +209,7 @@ class ChainStaging:
         if not tensor.is_cuda:
             return tensor[:n].numpy().copy()
         for published, host in self._published:
-            if published is tensor:  # the graph's last node wrote it to ``host``: wait, read in place
+            if published() is tensor:  # the graph's last node wrote it to ``host``: wait, read in place
                 torch.cuda.current_stream(tensor.device).synchronize()
                 self._is_copy_pending = False
                 return host[:n].numpy()
@@ -247,7 +250,8 @@ class ChainStaging:
                 host = self._publish_bufs[key] = torch.empty(tensor.shape, dtype=tensor.dtype,
                                                              pin_memory=tensor.is_cuda)
             if capturing:  # the captured graph's own output: read_rows finds it and reads ``host``
-                self._published.append((tensor, host))
+                self._published[:] = [(ref, buf) for ref, buf in self._published if ref() is not None]
+                self._published.append((weakref.ref(tensor), host))
             publish(tensor, host)
 
         return read
