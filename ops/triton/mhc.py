@@ -18,9 +18,10 @@ Its sums (the mix partials, the row's squares) run on NORM_WARPS warps where hc_
 runs FINISH_WARPS and the norm launch 4, so on the GPU y may differ from the two launches' by a
 rounding (the interpreter: the same bits). At B=1 the y of hc_pre was 8 programs of 512
 columns; one program now reads the row's C x D (32 KB at V4-Flash) and the norm's launch is
-gone. Measured in the chain on an H100 (benchmarks/h200/session15_norm_fold_drafts_h100_log.txt):
-the replay the same within noise (B=1 0.537 -> 0.539 ms, B=8 0.678 -> 0.682, B=32 0.914 ->
-0.913, separate processes), two kernel nodes fewer a step.
+gone. Measured in the chain on an H100, in one process against the two launches (NORM_MAX_D 0;
+benchmarks/h200/norm_fold_one_process_8a3b327_h100_log.txt, two rows each): B=1 0.5396 ->
+0.5350 / 0.5379 ms, B=8 0.6719 -> 0.6726 / 0.6722, B=32 0.9109 -> 0.9059 / 0.9029; two kernel
+nodes fewer a step. 4 warps about the same (B=8 0.6694 / 0.6699), 16 slower.
 
 hc_post is one elementwise launch: X'[k] = post_k y + sum_j comb[j, k] X[j]. Each program
 reads its D block of all C streams before writing it, so X' may alias X.
