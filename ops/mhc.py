@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 from draftgraph.ops import constants
+from draftgraph.ops.basic import rms_norm_into
 from draftgraph.ops.overlap import side_stream
 from draftgraph.ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
 from draftgraph.runtime.ir.op_registry import OpDef, expect, expect_count, expect_rank, register
@@ -253,8 +254,6 @@ def _hc_pre_norm_infer(specs, attrs):
 
 
 def _hc_pre_norm_impl(inputs, outputs, attrs, workspace):
-    from draftgraph.ops.basic import rms_norm_into
-
     _hc_pre_impl(inputs[:4], outputs, attrs, workspace)
     # Compiled (kernels="compiled"), two graphs as the unfolded ops were: compiled as one, a draft
     # of the small model moved (tests/test_kernels_option.py; inductor fuses y into the norm).
