@@ -5,11 +5,23 @@ hc_pre / hc_head, two launches each:
    slice of ``fn`` (fp32, exact products, no tf32) for each of its batch rows and writes
    the partial mix logits and the partial sum of squares to scratch [S, B, MP] (sum of
    squares in column MP-1).
-2. finish: grid (B, D blocks). Each program sums the partials of its row, forms rho,
-   pre / post / the Sinkhorn-normalised comb (hc_pre) or g (hc_head), and writes its
-   block of y = sum_j w_j X_j; the D-block-0 program also writes post and comb (the
+2. finish: grid (B, D blocks + 1 for hc_pre). Each program sums the partials of its row,
+   forms rho and pre (hc_pre) or g (hc_head), and writes its block of y = sum_j w_j X_j;
+   hc_pre's last program of the row writes post and the Sinkhorn-normalised comb instead (the
    Sinkhorn: for C = 4 on 16 scalars every thread holds, so its 2 x iters normalisations
    need no cross-thread reduction; other C in the [C, C] tensor form).
+
+Note "comb apart": until the sixteenth session the D-block-0 program made post and comb, then
+its y block: the Sinkhorn (40 normalisations, one dependent chain) sat before y on the path of
+the next launch. An ncu profile of the B=1 chain on an H100 (benchmarks/h200/
+ncu_chain_b1_b32_h100.txt) gave hc_pre_norm's finish 12.2-12.6 us on one SM, ~4,450 instructions
+a warp of which ~3,050 FP32 (the Sinkhorn's adds and divisions) at 3.7 cycles each, where
+hc_head's finish (no Sinkhorn) took 3.7. Now a program of its own makes post and comb beside
+the y programs, and each normalisation is one reciprocal (``rcp.approx``, 1 ulp) and four
+multiplies, where it was four divisions (``div.full``, 2 ulp, several instructions each). The
+chain, one process (benchmarks/h200/sinkhorn_drop_one_process_h100_log.txt, best of three):
+B=1 0.5367 -> 0.5354 ms with the reciprocals, 0.5330 with both; B=8 0.6749 -> 0.6711 / 0.6685;
+B=32 0.9220 -> 0.9174 / 0.9154.
 
 Note "norm in the finish": hc_pre_norm (the fold_norm_into_hc_pre pass's op) runs the finish as
 one program a row with the whole row in one tile (``NORM_WARPS``), which stores y and then,
@@ -32,7 +44,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from draftgraph.ops.triton._common import carve, next_pow2, pdl_args, pdl_wait, scratch_bytes
+from draftgraph.ops.triton._common import carve, interpreting, next_pow2, pdl_args, pdl_wait, scratch_bytes
 from draftgraph.ops.triton.gemv import norm_row, rms_norm_rows
 
 MIX_BLOCK_K = 256
@@ -119,10 +131,21 @@ def _sum_parts_scalar(part_ptr, b, B, S, col, MP: tl.constexpr, S_PAD: tl.conste
 
 
 @triton.jit
-def _norm4(a, b, c, d, eps):
+def _reciprocal(s, INTERP: tl.constexpr):
+    """1 / s by the hardware's approximate reciprocal (one MUFU instruction, within 1 ulp; a division
+    under the interpreter, which runs no PTX): note "comb apart"."""
+    if INTERP:
+        return 1.0 / s
+    else:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [s], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+
+
+@triton.jit
+def _norm4(a, b, c, d, eps, INTERP: tl.constexpr):
     """(a, b, c, d) / (a + b + c + d + eps): one Sinkhorn normalisation of a row or column."""
-    s = (a + b) + (c + d) + eps
-    return a / s, b / s, c / s, d / s
+    r = _reciprocal((a + b) + (c + d) + eps, INTERP)
+    return a * r, b * r, c * r, d * r
 
 
 @triton.jit
@@ -166,6 +189,8 @@ def _hc_finish_kernel(
     iters,
     nw_ptr,
     norm_eps,
+    y_blocks,
+    comb_at,
     MP: tl.constexpr,
     S_PAD: tl.constexpr,
     C_PAD: tl.constexpr,
@@ -173,6 +198,7 @@ def _hc_finish_kernel(
     PRE: tl.constexpr,
     C4: tl.constexpr,
     NORM: tl.constexpr,
+    INTERP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
@@ -188,7 +214,7 @@ def _hc_finish_kernel(
     w = tl.where(c_mask, tl.sigmoid(m_w * s0 + base_w) + hc_eps, 0.0)
 
     if PRE:
-        if pid_d == 0:
+        if pid_d == comb_at:
             # post = 2 sigmoid(m[C + j] * scale[1] + base[C + j])
             m_p = _sum_parts(part_ptr, b, B, S, C + offs_c, MP, S_PAD) * rho
             base_p = tl.load(base_ptr + C + offs_c, mask=c_mask, other=0.0)
@@ -211,19 +237,19 @@ def _hc_finish_kernel(
                 m10, m11, m12, m13 = _softmax4(comb_rows, 4, hc_eps)
                 m20, m21, m22, m23 = _softmax4(comb_rows, 8, hc_eps)
                 m30, m31, m32, m33 = _softmax4(comb_rows, 12, hc_eps)
-                m00, m10, m20, m30 = _norm4(m00, m10, m20, m30, hc_eps)
-                m01, m11, m21, m31 = _norm4(m01, m11, m21, m31, hc_eps)
-                m02, m12, m22, m32 = _norm4(m02, m12, m22, m32, hc_eps)
-                m03, m13, m23, m33 = _norm4(m03, m13, m23, m33, hc_eps)
+                m00, m10, m20, m30 = _norm4(m00, m10, m20, m30, hc_eps, INTERP)
+                m01, m11, m21, m31 = _norm4(m01, m11, m21, m31, hc_eps, INTERP)
+                m02, m12, m22, m32 = _norm4(m02, m12, m22, m32, hc_eps, INTERP)
+                m03, m13, m23, m33 = _norm4(m03, m13, m23, m33, hc_eps, INTERP)
                 for _ in range(1, iters):
-                    m00, m01, m02, m03 = _norm4(m00, m01, m02, m03, hc_eps)
-                    m10, m11, m12, m13 = _norm4(m10, m11, m12, m13, hc_eps)
-                    m20, m21, m22, m23 = _norm4(m20, m21, m22, m23, hc_eps)
-                    m30, m31, m32, m33 = _norm4(m30, m31, m32, m33, hc_eps)
-                    m00, m10, m20, m30 = _norm4(m00, m10, m20, m30, hc_eps)
-                    m01, m11, m21, m31 = _norm4(m01, m11, m21, m31, hc_eps)
-                    m02, m12, m22, m32 = _norm4(m02, m12, m22, m32, hc_eps)
-                    m03, m13, m23, m33 = _norm4(m03, m13, m23, m33, hc_eps)
+                    m00, m01, m02, m03 = _norm4(m00, m01, m02, m03, hc_eps, INTERP)
+                    m10, m11, m12, m13 = _norm4(m10, m11, m12, m13, hc_eps, INTERP)
+                    m20, m21, m22, m23 = _norm4(m20, m21, m22, m23, hc_eps, INTERP)
+                    m30, m31, m32, m33 = _norm4(m30, m31, m32, m33, hc_eps, INTERP)
+                    m00, m10, m20, m30 = _norm4(m00, m10, m20, m30, hc_eps, INTERP)
+                    m01, m11, m21, m31 = _norm4(m01, m11, m21, m31, hc_eps, INTERP)
+                    m02, m12, m22, m32 = _norm4(m02, m12, m22, m32, hc_eps, INTERP)
+                    m03, m13, m23, m33 = _norm4(m03, m13, m23, m33, hc_eps, INTERP)
                 tl.debug_barrier()  # every thread has read the logits before they are overwritten
                 _store4(comb_rows, 0, m00, m01, m02, m03)
                 _store4(comb_rows, 4, m10, m11, m12, m13)
@@ -239,19 +265,20 @@ def _hc_finish_kernel(
                     mat = mat / (tl.sum(mat, 0)[None, :] + hc_eps)
                 tl.store(comb_ptr + b * C * C + offs_c[:, None] * C + offs_c[None, :], mat, mask=valid)
 
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_mask = offs_d < D
-    xs = tl.load(
-        x_ptr + b.to(tl.int64) * stride_xb + offs_c[:, None] * D + offs_d[None, :],
-        mask=c_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    y = tl.sum(w[:, None] * xs.to(tl.float32), 0)
-    y_row = y_ptr + b.to(tl.int64) * stride_yb
-    tl.store(y_row + offs_d, y.to(y_ptr.dtype.element_ty), mask=d_mask)
-    if NORM:  # the whole row is this program's (note "norm in the finish"): y read back, normed in place
-        tl.debug_barrier()  # every thread's y stored before any thread reads the row
-        norm_row(y_row, nw_ptr, y_row, D, norm_eps, BLOCK_D)
+    if pid_d < y_blocks:  # the y programs (hc_pre: one more after them makes post and comb, note "comb apart")
+        offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_mask = offs_d < D
+        xs = tl.load(
+            x_ptr + b.to(tl.int64) * stride_xb + offs_c[:, None] * D + offs_d[None, :],
+            mask=c_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        y = tl.sum(w[:, None] * xs.to(tl.float32), 0)
+        y_row = y_ptr + b.to(tl.int64) * stride_yb
+        tl.store(y_row + offs_d, y.to(y_ptr.dtype.element_ty), mask=d_mask)
+        if NORM:  # the whole row is this program's (note "norm in the finish"): y read back, normed in place
+            tl.debug_barrier()  # every thread's y stored before any thread reads the row
+            norm_row(y_row, nw_ptr, y_row, D, norm_eps, BLOCK_D)
 
 
 def _split(cd: int) -> tuple[int, int]:
@@ -305,7 +332,8 @@ def _mix_and_finish(X, fn, base, scale, y, post, comb, attrs, workspace, pre: bo
     )
     norm = norm_w is not None
     block_d = next_pow2(d) if norm else min(FINISH_BLOCK_D, next_pow2(d))
-    _hc_finish_kernel[(b, triton.cdiv(d, block_d))](
+    y_blocks = triton.cdiv(d, block_d)
+    _hc_finish_kernel[(b, y_blocks + pre)](
         X,
         part,
         base,
@@ -324,6 +352,8 @@ def _mix_and_finish(X, fn, base, scale, y, post, comb, attrs, workspace, pre: bo
         int(attrs.get("iters", 1)),
         norm_w if norm else y,
         float(attrs["norm_eps"]) if norm else 0.0,
+        y_blocks,
+        y_blocks,  # hc_pre's post and comb: the program after the y blocks (none for hc_head)
         MP=mp,
         S_PAD=next_pow2(split),
         C_PAD=next_pow2(c),
@@ -331,6 +361,7 @@ def _mix_and_finish(X, fn, base, scale, y, post, comb, attrs, workspace, pre: bo
         PRE=pre,
         C4=c == 4,
         NORM=norm,
+        INTERP=interpreting(),
         num_warps=NORM_WARPS if norm else FINISH_WARPS,
         **pdl_args(X.device),
     )
