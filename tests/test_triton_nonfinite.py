@@ -35,8 +35,9 @@ def drop(positions, h):
 
 @pytest.mark.parametrize("device", DEVICES)
 # 33 x 4 x 160 = 21120 values: two tiles, the second partial; 33 x 4 x 320 = 42240: three tiles
-# (the bad values in the first, second and last)
-@pytest.mark.parametrize("b,d", [(1, 64), (33, 160), (33, 320)])
+# (the bad values in the first, second and last); from DROP_GRID_MIN_ROWS (4) rows a program a
+# tile and a merge, below it one program looping over the tiles (3 x 4 x 2048: two of them)
+@pytest.mark.parametrize("b,d", [(1, 64), (3, 2048), (33, 160), (33, 320)])
 def test_drop_nonfinite_kernel(device, b, d):
     positions = (torch.arange(b, dtype=torch.int64) * 7 + 3).to(device)
     h = hiddens(b, d, device)
@@ -47,6 +48,33 @@ def test_drop_nonfinite_kernel(device, b, d):
             bent = h.clone()
             bent[row, stream, col] = bad
             assert drop(positions, bent).tolist() == [DROPPED] * b, (row, stream, col, bad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_drop_nonfinite_tiles_take_exactly_their_rules_scratch(device, monkeypatch):
+    """The tiles' verdicts in a workspace of exactly ``drop_nonfinite_workspace`` bytes, poisoned with
+    bad verdicts: each program writes its own (a short rule would allocate instead: refused here)."""
+    from draftgraph.runtime.ir.tensor_spec import TensorSpec
+
+    b, d = 6, 1024  # 6 x 4 x 1024 = 24576 values: two tiles, a grid (6 >= DROP_GRID_MIN_ROWS)
+    assert b >= NF.DROP_GRID_MIN_ROWS
+    specs = [TensorSpec((b,), torch.int64), TensorSpec((b, 4, d), torch.bfloat16)]
+    nbytes = NF.drop_nonfinite_workspace(specs, {}, b)
+    assert nbytes >= 2 * 4
+    assert NF.drop_nonfinite_workspace(specs, {}, NF.DROP_GRID_MIN_ROWS - 1) == 0  # one program: none
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: pytest.fail("the workspace was too short: allocated"))
+    workspace = torch.full((nbytes,), 0xFF, dtype=torch.uint8, device=device)  # every verdict "bad"
+    positions = (torch.arange(b, dtype=torch.int64) * 5).to(device)
+    out = torch.full_like(positions, -7)
+    h = hiddens(b, d, device)
+    for _ in range(2):  # the verdicts of the last call stay in the scratch: each call writes its own
+        NF.drop_nonfinite_impl([positions, h], [out], {}, workspace)
+        assert torch.equal(out, positions)
+    h[b - 1, 3, d - 1] = float("nan")
+    NF.drop_nonfinite_impl([positions, h], [out], {}, workspace)
+    assert out.tolist() == [DROPPED] * b
+    monkeypatch.setattr(torch, "empty", real_empty)
 
 
 @pytest.mark.parametrize("device", DEVICES)

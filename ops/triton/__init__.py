@@ -21,8 +21,9 @@ swa_attention             draftgraph.ops.triton.attention
 linear, rms_norm          draftgraph.ops.triton.gemv
 combiner                  draftgraph.ops.triton.combiner (FP8: both norms, one GEMV over both Ks)
 draft_gate, cut_drafts    draftgraph.ops.triton.gate   (one program each: a few dozen ints)
-drop_nonfinite,           draftgraph.ops.triton.nonfinite (one program each: the batch's
-mark_dropped                                 hiddens checked in one wide tile; the drafts marked)
+drop_nonfinite,           draftgraph.ops.triton.nonfinite (the batch's hiddens checked in wide
+mark_dropped                                 tiles: one program, from 4 rows a program a tile and
+                                             a merge; one program marks the drafts)
 ========================  =========================================================
 
 Native weights (FP8 / MXFP4 QuantWeights, issue 28.2): linear, combiner and swa_attention run
@@ -93,9 +94,10 @@ def register_all(ops: list[str] | None = None) -> list[str]:
 
 def workspace_rules() -> dict:
     """op name -> ``rule(specs, attrs, batch) -> bytes`` of the scratch each fused impl uses."""
-    from draftgraph.ops.triton import attention, combiner, head, mhc, moe
+    from draftgraph.ops.triton import attention, combiner, head, mhc, moe, nonfinite
 
     return {
+        "drop_nonfinite": nonfinite.drop_nonfinite_workspace,
         "combiner": combiner.combiner_workspace,
         "lm_head": head.lm_head_workspace,
         "draft_argmax": head.draft_argmax_workspace,
