@@ -100,6 +100,12 @@ MMA_ROWS = 8  # rows a pass of those kernels (the mma's n): the expert-row table
 REBIAS_MAX_SCALE_BYTE = 128
 W13_CONFIG_MMA = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, use_dot=False)
 W2_CONFIG_MMA = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, use_dot=False)
+# w2's register cap on the tensor cores: ptxas gave it 106 a thread, four 4-warp blocks a SM (25%
+# occupancy, ncu); 96 lets five in. On an H100 (benchmarks/h200/gemv_knobs_one_process_h100_log.txt):
+# w2 alone at B=32 80.6 -> 73.3 us; the chain B=32 0.8805 -> 0.8753 and 0.8801 -> 0.8719 ms in two
+# calls, B=8 the same within noise (0.6627 -> 0.6623, 0.6583 -> 0.6605). 80 and 64 spill: slower
+# (benchmarks/h200/moe_tiles_regs_507f8a9_h100_log.txt), as was any cap on w13 (128 a thread).
+W2_MMA_MAXNREG = 96
 # w13's K cut into this many parts, each a program of its own (moe_mxfp4_mma, "split K"); 1: none.
 # On an H100 (benchmarks/h200/moe_split_022df2c_h100_log.txt), the MoE alone, parts 1 / 4 / 8:
 # B=8 302 / 283 / 289 us (random routing), 177 / 158 / 167 (23 experts); B=32 806 / 753 / 863,
@@ -937,7 +943,7 @@ def moe_mxfp4_launches(
                 act, idx, *table, w2b, s2b, sw2b, ss2b, part, b, d, inter, s2,
                 BLOCK_N=c2.block_n, BLOCK_K=bk2, DOT_K=min(FP8_BLOCK, max(16, next_pow2(inter))),
                 EVEN=inter % bk2 == 0, REBIASED=rebias2, **common, num_warps=c2.block_n // 16,
-                num_stages=c2.num_stages, **pdl,
+                num_stages=c2.num_stages, **pdl, **({} if interp else {"maxnreg": W2_MMA_MAXNREG}),
             )  # fmt: skip
 
         return [("rows", rows), ("w13", w13_mma), ("w2", w2_mma), ("reduce", reduce)]
