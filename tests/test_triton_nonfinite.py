@@ -62,7 +62,6 @@ def test_drop_nonfinite_tiles_take_exactly_their_rules_scratch(device, monkeypat
     nbytes = NF.drop_nonfinite_workspace(specs, {}, b)
     assert nbytes >= 2 * 4
     assert NF.drop_nonfinite_workspace(specs, {}, NF.DROP_GRID_MIN_ROWS - 1) == 0  # one program: none
-    real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: pytest.fail("the workspace was too short: allocated"))
     workspace = torch.full((nbytes,), 0xFF, dtype=torch.uint8, device=device)  # every verdict "bad"
     positions = (torch.arange(b, dtype=torch.int64) * 5).to(device)
@@ -74,7 +73,6 @@ def test_drop_nonfinite_tiles_take_exactly_their_rules_scratch(device, monkeypat
     h[b - 1, 3, d - 1] = float("nan")
     NF.drop_nonfinite_impl([positions, h], [out], {}, workspace)
     assert out.tolist() == [DROPPED] * b
-    monkeypatch.setattr(torch, "empty", real_empty)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -190,7 +190,6 @@ def _hc_finish_kernel(
     nw_ptr,
     norm_eps,
     y_blocks,
-    comb_at,
     MP: tl.constexpr,
     S_PAD: tl.constexpr,
     C_PAD: tl.constexpr,
@@ -214,7 +213,7 @@ def _hc_finish_kernel(
     w = tl.where(c_mask, tl.sigmoid(m_w * s0 + base_w) + hc_eps, 0.0)
 
     if PRE:
-        if pid_d == comb_at:
+        if pid_d == y_blocks:  # the program after the row's y blocks (note "comb apart")
             # post = 2 sigmoid(m[C + j] * scale[1] + base[C + j])
             m_p = _sum_parts(part_ptr, b, B, S, C + offs_c, MP, S_PAD) * rho
             base_p = tl.load(base_ptr + C + offs_c, mask=c_mask, other=0.0)
@@ -265,7 +264,7 @@ def _hc_finish_kernel(
                     mat = mat / (tl.sum(mat, 0)[None, :] + hc_eps)
                 tl.store(comb_ptr + b * C * C + offs_c[:, None] * C + offs_c[None, :], mat, mask=valid)
 
-    if pid_d < y_blocks:  # the y programs (hc_pre: one more after them makes post and comb, note "comb apart")
+    if pid_d < y_blocks:  # the y programs (hc_pre's one after them made post and comb above)
         offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
         d_mask = offs_d < D
         xs = tl.load(
@@ -353,7 +352,6 @@ def _mix_and_finish(X, fn, base, scale, y, post, comb, attrs, workspace, pre: bo
         norm_w if norm else y,
         float(attrs["norm_eps"]) if norm else 0.0,
         y_blocks,
-        y_blocks,  # hc_pre's post and comb: the program after the y blocks (none for hc_head)
         MP=mp,
         S_PAD=next_pow2(split),
         C_PAD=next_pow2(c),

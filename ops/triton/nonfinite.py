@@ -86,15 +86,15 @@ def _drop_merge_kernel(positions, verdicts, out, B, T, stride_p, stride_o, BLOCK
     tl.store(out + rows * stride_o, tl.where(dropped, DROPPED_POS, p), mask=inside)
 
 
-def _tiles(n: int) -> int:
-    return triton.cdiv(n, DROP_BLOCK)
+def _grid_tiles(b: int, n: int) -> int:
+    """The tiles of a grid launch for b rows of n values in all, or 0 where one program runs (note "tiles")."""
+    return triton.cdiv(n, DROP_BLOCK) if b >= DROP_GRID_MIN_ROWS and n > DROP_BLOCK else 0
 
 
 def drop_nonfinite_workspace(specs, attrs, batch: int) -> int:
     """Scratch bytes of drop_nonfinite at a concrete batch: a verdict a tile when the tiles are a grid."""
-    hidden = specs[1]
-    n = batch * math.prod(hidden.shape[1:])
-    return scratch_bytes([((_tiles(n),), torch.int32)]) if batch >= DROP_GRID_MIN_ROWS else 0
+    tiles = _grid_tiles(batch, batch * math.prod(specs[1].shape[1:]))
+    return scratch_bytes([((tiles,), torch.int32)]) if tiles else 0
 
 
 def drop_nonfinite_impl(inputs, outputs, attrs, workspace):
@@ -107,8 +107,8 @@ def drop_nonfinite_impl(inputs, outputs, attrs, workspace):
         return
     b = positions.shape[0]
     n = hidden.numel()
-    if b >= DROP_GRID_MIN_ROWS and n > DROP_BLOCK:  # a program a tile, then one merge (note "tiles")
-        tiles = _tiles(n)
+    tiles = _grid_tiles(b, n)
+    if tiles:  # a program a tile, then one merge (note "tiles")
         (verdicts,) = carve(workspace, hidden.device, [((tiles,), torch.int32)])
         pdl = pdl_args(hidden.device)
         _nonfinite_tiles_kernel[(tiles,)](hidden, verdicts, n, BLOCK=DROP_BLOCK, num_warps=DROP_WARPS, **pdl)
