@@ -47,6 +47,15 @@ FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
+def _write_positions(positions, out, dropped, B, stride_p, stride_o, BLOCK_B: tl.constexpr):
+    """out[r] = positions[r] for every row, or DROPPED for all of them where ``dropped``."""
+    rows = tl.arange(0, BLOCK_B)
+    inside = rows < B
+    p = tl.load(positions + rows * stride_p, mask=inside, other=0)
+    tl.store(out + rows * stride_o, tl.where(dropped, DROPPED_POS, p), mask=inside)
+
+
+@triton.jit
 def _drop_nonfinite_kernel(positions, hidden, out, B, N, stride_p, stride_o, BLOCK: tl.constexpr,
                            BLOCK_B: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     pdl_wait(PDL)
@@ -56,10 +65,7 @@ def _drop_nonfinite_kernel(positions, hidden, out, B, N, stride_p, stride_o, BLO
         x = tl.load(hidden + offs, mask=offs < N, other=0.0).to(tl.float32)
         bad = bad | (~(tl.abs(x) <= FLT_MAX)).to(tl.int32)
     dropped = tl.max(bad, axis=0) != 0
-    rows = tl.arange(0, BLOCK_B)
-    inside = rows < B
-    p = tl.load(positions + rows * stride_p, mask=inside, other=0)
-    tl.store(out + rows * stride_o, tl.where(dropped, DROPPED_POS, p), mask=inside)
+    _write_positions(positions, out, dropped, B, stride_p, stride_o, BLOCK_B)
 
 
 @triton.jit
@@ -80,10 +86,7 @@ def _drop_merge_kernel(positions, verdicts, out, B, T, stride_p, stride_o, BLOCK
     pdl_wait(PDL)
     tiles = tl.arange(0, BLOCK_T)
     dropped = tl.max(tl.load(verdicts + tiles, mask=tiles < T, other=0), axis=0) != 0
-    rows = tl.arange(0, BLOCK_B)
-    inside = rows < B
-    p = tl.load(positions + rows * stride_p, mask=inside, other=0)
-    tl.store(out + rows * stride_o, tl.where(dropped, DROPPED_POS, p), mask=inside)
+    _write_positions(positions, out, dropped, B, stride_p, stride_o, BLOCK_B)
 
 
 def _grid_tiles(b: int, n: int) -> int:
