@@ -130,6 +130,15 @@ def test_lm_head(device, vocab_rows):
     compare("lm_head", *to_device(lm_head_case(gen(101), vocab_rows=vocab_rows), device))
 
 
+@cpu_only
+def test_lm_head_past_16_rows():
+    """Past 16 rows the bf16 head takes its own dot tiles (head.LM_HEAD_LARGE_BATCH_CONFIG); on the
+    GPU the captured chain at B=32 runs them (benchmarks/h200/pytest_cuda_35c6e90_h100.txt)."""
+    head = K["head"]
+    assert head.head_config(17) is head.LM_HEAD_LARGE_BATCH_CONFIG and head.head_config(16) is not head.head_config(17)
+    compare("lm_head", *lm_head_case(gen(103), batch=20, vocab_rows=700))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("with_mask,limit", [(False, None), (True, None), (True, 777), (False, 0)])
 def test_draft_argmax(device, with_mask, limit):

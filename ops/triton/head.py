@@ -29,8 +29,8 @@ LM_HEAD_PROLOGUE = False
 # The head past 16 rows (gemv's dot path: the FMA LM_HEAD_CONFIG holds one row, and up to 16 rows
 # take gemv.BATCHED). At B=32 the head on BATCHED's 64 x 128 tiles ran at 88% of DRAM peak where
 # B=1's FMA tiles reach 95% (ncu_chain_b1_b32_h100.txt); 128 x 128 tiles on 8 warps with 3 stages
-# took the chain at B=32 -8.5 and -8.8 us in two calls on an H100, and B=8 +4.0 / +1.4 (noise), so
-# only past 16 rows (benchmarks/h200/head_tiles_f16_dot_h100_log.txt).
+# took the chain at B=32 -7.7 / -8.5 / -8.8 us in three calls on an H100, and B=8 +4.0 / +1.4 (noise),
+# so only past 16 rows (benchmarks/h200/head_tiles_f16_dot_h100_log.txt, scale_ahead_head_2e3538d_h100_log.txt).
 LM_HEAD_LARGE_BATCH_CONFIG = gemv_mod.GemvConfig(block_n=128, block_k=128, num_warps=8, num_stages=3)
 ARGMAX_BLOCK_V = 4096  # vocab ids per stage-1 program: 32 programs a row at V4-Flash
 
