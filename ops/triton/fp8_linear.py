@@ -38,6 +38,14 @@ of its batch row, as one launch: W2 (e_proj) continues W's K with its own activa
 row r // x2_row_div). The parts of the split lie each in one matrix (split_k even), so a program
 only picks its matrix, scales and rows at the start; the last part sums both (fp32, one rounding).
 
+Note "aligned rows": the matrix, scale grid and activation rows of a program (TWO_W's second
+matrix, CAT_K's second K) are picked by ``tl.where`` on a scalar, not by ``if`` branches. Triton
+3.6 (torch 2.11's) lost the weight pointers' 16-byte alignment where they came out of an
+``scf.if``: the tiles were then read a byte a load (``LDG.E.U8``), the dot tiles outside the
+cp.async pipeline, each K step waiting out a DRAM latency (ncu, the combiner's GEMV at B=1 on an
+H100: 42% of its warp samples stalled on the byte stores into shared memory). A select keeps the
+alignment both ways in the compiler's analysis (checked in the SASS of an sm_90 compile with 3.6 and 3.9).
+
 Variants and options as ``gemv.gemv``: dot (any batch, activations padded to 16 rows) or FMA
 (batch 1), ``PRO_NORM``, ``GROUPED`` (wo_a), ``TWO_W`` (wq_a + wkv: the second matrix has its
 own scale grid), ``SPLIT_K``, plus ``ACCUMULATE`` (out += x @ W^T: a residual, or the sum of
@@ -240,14 +248,12 @@ def _fp8_gemv_kernel(
     rows = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)  # BLOCK_B = 1 without dot
     row_mask = rows < B
 
+    # Matrices, rows and K parts are picked by selects, not branches (note "aligned rows").
     if TWO_W:
-        if n0 >= N_A:
-            local = offs_n - N_A
-            w_base = w2_ptr + local.to(tl.int64) * stride_w2n
-            s_rows = s2_ptr + (local // 128) * stride_s2n
-        else:
-            w_base = w_ptr + offs_n.to(tl.int64) * stride_wn
-            s_rows = s_ptr + (offs_n // 128) * stride_sn
+        in_w2 = n0 >= N_A
+        local = tl.where(in_w2, offs_n - N_A, offs_n)
+        w_base = tl.where(in_w2, w2_ptr + local.to(tl.int64) * stride_w2n, w_ptr + local.to(tl.int64) * stride_wn)
+        s_rows = tl.where(in_w2, s2_ptr + (local // 128) * stride_s2n, s_ptr + (local // 128) * stride_sn)
     else:
         w_base = w_ptr + offs_n.to(tl.int64) * stride_wn
         s_rows = s_ptr + (offs_n // 128) * stride_sn
@@ -257,13 +263,13 @@ def _fp8_gemv_kernel(
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xb + x_col0
     x_row = x_ptr + pid_b.to(tl.int64) * stride_xb + x_col0  # the FMA variant's one row
     k_begin = pid_k * K_PER_SPLIT
-    if CAT_K:
-        if k_begin >= K:  # a part of W2's K: its own scale grid and activation rows ("two Ks")
-            k_begin -= K
-            w_base = w2_ptr + offs_n.to(tl.int64) * stride_w2n
-            s_rows = s2_ptr + (offs_n // 128) * stride_s2n
-            x_rows = x2_ptr + (rows // x2_div).to(tl.int64)[:, None] * stride_x2b
-            x_row = x2_ptr + (pid_b // x2_div).to(tl.int64) * stride_x2b
+    if CAT_K:  # a part of W2's K: its own scale grid and activation rows ("two Ks")
+        in_w2 = k_begin >= K
+        k_begin = tl.where(in_w2, k_begin - K, k_begin)
+        w_base = tl.where(in_w2, w2_ptr + offs_n.to(tl.int64) * stride_w2n, w_base)
+        s_rows = tl.where(in_w2, s2_ptr + (offs_n // 128) * stride_s2n, s_rows)
+        x_rows = tl.where(in_w2, x2_ptr + (rows // x2_div).to(tl.int64)[:, None] * stride_x2b, x_rows)
+        x_row = tl.where(in_w2, x2_ptr + (pid_b // x2_div).to(tl.int64) * stride_x2b, x_row)
 
     if USE_DOT:
         offs_k = tl.arange(0, BLOCK_K)
