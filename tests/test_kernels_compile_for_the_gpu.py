@@ -92,3 +92,56 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path, argv, expected):
     done = _python([str(SCRIPT), *argv], tmp_path)
     assert done.returncode == 2 and expected in done.stderr, done.stderr[-2000:]
     assert not list(tmp_path.rglob("*.cubin"))  # refused before anything compiled
+
+
+def test_the_fp8_gemv_reads_its_weight_tiles_wide_in_every_variant(tmp_path):
+    """fp8_gemv's note "aligned rows": where a program's matrix or K part is picked at run time
+    (TWO_W: wq_a + wkv; CAT_K: the combiner's two Ks), Triton lost the weight rows' 16-byte
+    alignment (3.6 after ``if`` branches, 3.9 after ``tl.where``) and read the tiles a byte a
+    load, outside cp.async (the combiner's GEMV at 33% of DRAM on an H100). Compiled for sm_90,
+    each variant's PTX may hold only the scale bytes' loads as byte loads. Without the hints this
+    failed with 64 byte loads a variant (the branches under 3.6, the selects under 3.9)."""
+    script = tmp_path / "byte_loads.py"
+    script.write_text(textwrap.dedent(f"""
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("compile_kernels", {str(SCRIPT)!r})
+        compile_kernels = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(compile_kernels)
+        import torch
+        from triton.runtime.jit import JITFunction
+
+        compile_kernels.install(90)
+        kernels, run = [], JITFunction.run
+        JITFunction.run = lambda self, *a, **kw: kernels.append(run(self, *a, **kw)) or kernels[-1]
+        from draftgraph.ops.triton import fp8_linear as F
+
+        def weight(n, k):
+            return torch.zeros(n, k, dtype=torch.float8_e4m3fn), torch.zeros(n // 128, k // 128, dtype=torch.uint8)
+
+        k = 1024
+        (w, s), (w2, s2), (wa, sa), (wb, sb) = weight(512, k), weight(512, k), weight(256, k), weight(128, k)
+        for rows in (1, 4, 32):
+            x, x2 = torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(1, k, dtype=torch.bfloat16)
+            parts, counts = torch.zeros(4 * rows * 512), torch.zeros(64, dtype=torch.int32)
+            cases = {{
+                "plain": lambda: F.fp8_gemv(x, w, s, torch.zeros(rows, 512, dtype=torch.bfloat16)),
+                "two_w": lambda: F.fp8_gemv(x, wa, sa, torch.zeros(rows, 384, dtype=torch.bfloat16), w2=wb,
+                                            w2_scale=sb),
+                "cat_k": lambda: F.fp8_gemv(x, w, s, torch.zeros(rows, 512, dtype=torch.bfloat16), w2=w2,
+                                            w2_scale=s2, x2=x2, x2_row_div=rows, split_k=4,
+                                            split_reduce=(parts, counts)),
+            }}
+            for name, launch in cases.items():
+                launch()
+                ptx = kernels[-1].asm["ptx"]
+                loads = [line for line in ptx.splitlines() if line.strip().startswith("ld.global")]
+                wide = sum(".v4." in line or ".v2." in line for line in loads) + ptx.count("cp.async.cg")
+                narrow = sum(".b8 " in line or ".u8 " in line for line in loads)
+                print(name, rows, narrow, wide)
+    """))
+    done = _python([str(script)], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines()]
+    assert len(rows) == 9, done.stdout
+    for name, batch, narrow, wide in rows:
+        assert int(narrow) <= 8 and int(wide) > 0, f"{name} at {batch} rows: {narrow} byte loads, {wide} wide"
