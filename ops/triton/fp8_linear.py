@@ -43,10 +43,11 @@ time (TWO_W's second matrix, CAT_K's second K), Triton loses the weight pointers
 alignment: 3.6 (torch 2.11's) where they come out of ``if`` branches, 3.9 where they come out of
 ``tl.where``. The tiles were then read a byte a load (``LDG.E.U8``), the dot tiles outside the
 cp.async pipeline, each K step waiting out a DRAM latency (ncu, the combiner's GEMV at B=1 on an
-H100 under 3.6: 31.7 us at 33% of DRAM, 42% of its warp samples stalled on byte stores into shared
-memory). The tile pointers carry the alignment as hints (``tl.multiple_of`` / ``tl.max_contiguous``)
-where the host has checked it (``ALIGNED_W``: rows 16-byte aligned, K a multiple of 16);
-tests/test_kernels_compile_for_the_gpu.py checks the PTX of each variant.
+H100 under 3.6: 31.7 us at 33% of DRAM, a third of its warp samples on the byte stores into shared
+memory, waiting for their loads). The tile pointers carry the alignment as hints
+(``tl.multiple_of`` / ``tl.max_contiguous``) where the host has checked it (``ALIGNED_W``: rows
+16-byte aligned, K a multiple of 16); tests/test_kernels_compile_for_the_gpu.py checks the PTX
+of each variant.
 
 Variants and options as ``gemv.gemv``: dot (any batch, activations padded to 16 rows) or FMA
 (batch 1), ``PRO_NORM``, ``GROUPED`` (wo_a), ``TWO_W`` (wq_a + wkv: the second matrix has its
