@@ -189,3 +189,18 @@ def test_a_stage_waits_for_the_last_copy_not_for_the_graph_after_it(copy_in):
     assert not done.query(), "the stage waited for the whole graph"
     torch.cuda.synchronize()
     assert seen.tolist() == [7, 8], "the graph read the host buffer after the next stage rewrote it"
+
+
+def test_synchronize_current_stream_waits_for_the_current_stream_only():
+    """The read-back's wait (staging.read_rows): the current stream of the device, a side stream
+    under ``torch.cuda.stream`` included, as ``torch.cuda.current_stream(device).synchronize()``."""
+    index = torch.cuda.current_device()
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), side):
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(50_000_000)  # tens of milliseconds of one spinning kernel
+            done = torch.cuda.Event()
+            done.record()
+            assert not done.query()
+            raw_copy.synchronize_current_stream(index)
+            assert done.query()

@@ -210,7 +210,7 @@ class ChainStaging:
             return tensor[:n].numpy().copy()
         for published, host in self._published:
             if published() is tensor:  # the graph's last node wrote it to ``host``: wait, read in place
-                torch.cuda.current_stream(tensor.device).synchronize()
+                raw_copy.synchronize_current_stream(tensor.get_device())
                 self._is_copy_pending = False
                 return host[:n].numpy()
         host = self._read_bufs.get((tensor.shape, tensor.dtype))
@@ -219,7 +219,7 @@ class ChainStaging:
                                                                                pin_memory=True)
         rows = host[:n]
         rows.copy_(tensor[:n], non_blocking=True)
-        torch.cuda.current_stream(tensor.device).synchronize()
+        raw_copy.synchronize_current_stream(tensor.get_device())
         self._is_copy_pending = False  # the staging copy, queued before the run, is done too
         return rows.numpy()
 

@@ -58,6 +58,22 @@ def copy_async(dst: torch.Tensor, src: torch.Tensor, device_index: int) -> None:
         dst.copy_(src, non_blocking=True)
 
 
+def synchronize_current_stream(device_index: int) -> None:
+    """``torch.cuda.current_stream(device).synchronize()`` without the Stream object.
+
+    On the lent H100 hosts ``torch.cuda.current_stream(device)`` took 4.0 us a call and its
+    ``synchronize()`` 0.9 on an idle GPU; the raw handle 0.15 and ``cudaStreamSynchronize``
+    through cuda-python 2.0 (``benchmarks/h200/host_probe_731e6f3_h100.txt``): a propose's
+    read-back waits this way once.
+    """
+    if is_enabled and current_device() == device_index:
+        (err,) = _cudart.cudaStreamSynchronize(_raw_stream(device_index))
+        if err != _cudart.cudaError_t.cudaSuccess:
+            raise RawCopyError(f"cudaStreamSynchronize failed: {err.name}")
+    else:
+        torch.cuda.current_stream(device_index).synchronize()
+
+
 def is_device_addressable(host: torch.Tensor) -> bool:
     """Whether a kernel may read the pinned ``host`` tensor at its own address.
 
