@@ -145,3 +145,51 @@ def test_the_fp8_gemv_reads_its_weight_tiles_wide_in_every_variant(tmp_path):
     assert len(rows) == 9, done.stdout
     for name, batch, narrow, wide in rows:
         assert int(narrow) <= 8 and int(wide) > 0, f"{name} at {batch} rows: {narrow} byte loads, {wide} wide"
+
+
+def test_the_bf16_grouped_moe_reads_its_weight_tiles_wide(tmp_path):
+    """moe_grouped's note "aligned rows": the expert's weight rows are picked at run time (the
+    shared expert's matrix or the slot's), and Triton 3.9 lost their alignment there: w13 read its
+    bf16 tiles with 128 two-byte loads a thread, outside cp.async (3.6 kept cp.async). Compiled for
+    sm_90, the w13 and w2 launches may hold no 8- or 16-bit global load. Without the hints this
+    failed under 3.9 (the PTX's predicated ``ld.global.b16``)."""
+    script = tmp_path / "narrow_loads.py"
+    script.write_text(textwrap.dedent(f"""
+        import importlib.util
+        import re
+        spec = importlib.util.spec_from_file_location("compile_kernels", {str(SCRIPT)!r})
+        compile_kernels = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(compile_kernels)
+        import torch
+        from triton.runtime.jit import JITFunction
+
+        compile_kernels.install(90)
+        kernels, run = [], JITFunction.run
+        JITFunction.run = lambda self, *a, **kw: kernels.append(run(self, *a, **kw)) or kernels[-1]
+        from draftgraph.ops.triton import moe_grouped
+        from draftgraph.ops.triton.gemv import GemvConfig
+
+        b, d, inter, experts, top_k = 4, 512, 256, 8, 2
+        bf = torch.bfloat16
+        x, out = torch.zeros(b, d, dtype=bf), torch.zeros(b, d, dtype=bf)
+        idx, wts = torch.zeros(b, top_k, dtype=torch.int32), torch.zeros(b, top_k)
+        w1, w3 = torch.zeros(experts, inter, d, dtype=bf), torch.zeros(experts, inter, d, dtype=bf)
+        w2 = torch.zeros(experts, d, inter, dtype=bf)
+        sw1, sw3 = torch.zeros(inter, d, dtype=bf), torch.zeros(inter, d, dtype=bf)
+        sw2 = torch.zeros(d, inter, dtype=bf)
+        act, part = torch.zeros(b * top_k + b, inter, dtype=bf), torch.zeros(b * top_k + b, d)
+        tiles = GemvConfig(64, 128, 4, 3)
+        for name, launch in moe_grouped.launches(x, idx, wts, w1, w3, w2, sw1, sw3, sw2, act, part, out, top_k,
+                                                 7.0, tiles, tiles, 16, False):
+            if name in ("w13", "w2"):
+                launch()
+                ptx = kernels[-1].asm["ptx"]
+                narrow = len(re.findall(r"ld\\.global(?:\\.\\w+)*\\.[bu](?:8|16) ", ptx))
+                print(name, narrow, ptx.count("cp.async.cg.shared.global"))
+    """))
+    done = _python([str(script)], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines()]
+    assert [row[0] for row in rows] == ["w13", "w2"], done.stdout
+    for name, narrow, copies in rows:
+        assert int(narrow) == 0 and int(copies) > 0, f"{name}: {narrow} narrow loads, {copies} cp.async"

@@ -19,6 +19,13 @@ Three launches after gate and route (``moe.plan``):
 2. w2: part[b, k] = act[b, k] @ w2[e]^T in fp32, same owners and rows.
 3. reduce, grid (B, D blocks): out[b] = sum over the row's first-occurrence k of
    part[b, k] + part[shared, b], in k order: deterministic, no atomics.
+
+Note "aligned rows": the weight rows are picked at run time (the shared expert's matrix or the
+slot's expert), and Triton 3.9 loses their 16-byte alignment across that select: compiled for
+sm_90 it read the bf16 tiles an element a load (128 ``LDG.E.U16`` + ``STS.U16`` a thread in w13)
+where 3.6 uses cp.async, 16 bytes a copy. Where the host has checked the alignment (``ALIGNED``:
+every weight's data 16-byte aligned, rows of a multiple of 8 elements), the tile pointers carry it
+as ``tl.multiple_of`` / ``tl.max_contiguous`` hints, as fp8_linear's note "aligned rows" does.
 """
 
 from __future__ import annotations
@@ -40,6 +47,15 @@ def expert_hits(idx_ptr, e, B, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK
     in_range = (rows < B)[:, None] & (ks < TOPK)[None, :]
     ids = tl.load(idx_ptr + flat, mask=in_range, other=-1).to(tl.int64)
     return rows, ks, flat, in_range & (ids == e)
+
+
+@triton.jit
+def _weight_tile(rows, kk, ALIGNED: tl.constexpr):
+    """The pointers of a weight tile: rows [BLOCK_N, 1] x columns kk (see "aligned rows")."""
+    ptrs = rows + kk[None, :]
+    if ALIGNED:
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [16, 16]), [1, 16])
+    return ptrs
 
 
 @triton.jit
@@ -81,6 +97,7 @@ def _moe_w13_grouped_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    ALIGNED: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -102,8 +119,8 @@ def _moe_w13_grouped_kernel(
     for k0 in range(0, k_end, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < D
-        a1 = tl.load(w1_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        a3 = tl.load(w3_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        a1 = tl.load(_weight_tile(w1_rows, kk, ALIGNED), mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        a3 = tl.load(_weight_tile(w3_rows, kk, ALIGNED), mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         xv = tl.load(x_rows + kk[None, :], mask=(rows < B)[:, None] & k_mask[None, :], other=0.0)
         xt = tl.trans(xv.to(a1.dtype))
         acc1 += mma(a1, xt, INTERP)
@@ -129,6 +146,7 @@ def _moe_w2_grouped_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    ALIGNED: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -147,7 +165,7 @@ def _moe_w2_grouped_kernel(
     for k0 in range(0, k_end, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < INTER
-        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(_weight_tile(w_rows, kk, ALIGNED), mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         a = tl.load(a_rows + kk[None, :], mask=serves[:, None] & k_mask[None, :], other=0.0)
         acc += mma(w, tl.trans(a.to(w.dtype)), INTERP)
     ptrs = part_ptr + dest.to(tl.int64)[None, :] * D + offs_n[:, None]
@@ -200,14 +218,16 @@ def launches(
     slots = b * top_k + (1 if has_shared else 0)
     topk_pad = next_pow2(top_k)
     pdl = pdl_args(x.device)
+    # Note "aligned rows": every weight row starts on 16 bytes (bf16: D and INTER multiples of 8).
+    aligned = d % 8 == 0 and inter % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in (w1, w3, w2, sw1, sw3, sw2))
 
     def w13():
         bn = max(16, min(c13.block_n, next_pow2(inter)))
         bk = min(c13.block_k, max(16, next_pow2(d)))
         _moe_w13_grouped_kernel[(triton.cdiv(inter, bn), slots)](
             x, idx, wts, w1, w3, sw1, sw3, act, b, d, inter, x.stride(0), float(limit),
-            TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_N=bn, BLOCK_K=bk, BLOCK_B=block_b, INTERP=interp,
-            num_warps=c13.num_warps, num_stages=c13.num_stages, **pdl,
+            TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_N=bn, BLOCK_K=bk, BLOCK_B=block_b, ALIGNED=aligned,
+            INTERP=interp, num_warps=c13.num_warps, num_stages=c13.num_stages, **pdl,
         )  # fmt: skip
 
     def w2_():
@@ -215,8 +235,8 @@ def launches(
         bk = min(c2.block_k, max(16, next_pow2(inter)))
         _moe_w2_grouped_kernel[(triton.cdiv(d, bn), slots)](
             act, idx, wts, w2, sw2, part, b, d, inter,
-            TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_N=bn, BLOCK_K=bk, BLOCK_B=block_b, INTERP=interp,
-            num_warps=c2.num_warps, num_stages=c2.num_stages, **pdl,
+            TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_N=bn, BLOCK_K=bk, BLOCK_B=block_b, ALIGNED=aligned,
+            INTERP=interp, num_warps=c2.num_warps, num_stages=c2.num_stages, **pdl,
         )  # fmt: skip
 
     def reduce():
