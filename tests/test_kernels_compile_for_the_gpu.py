@@ -21,6 +21,23 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "compile_kernels.py"
 
 
+# The head of a script that compiles launches for sm_90 and keeps each compiled kernel in
+# ``kernels`` (its PTX: ``kernels[-1].asm["ptx"]``): the PTX checks below.
+COMPILED_LAUNCHES = textwrap.dedent(f"""
+    import importlib.util
+    import re
+    spec = importlib.util.spec_from_file_location("compile_kernels", {str(SCRIPT)!r})
+    compile_kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compile_kernels)
+    import torch
+    from triton.runtime.jit import JITFunction
+
+    compile_kernels.install(90)
+    kernels, run = [], JITFunction.run
+    JITFunction.run = lambda self, *a, **kw: kernels.append(run(self, *a, **kw)) or kernels[-1]
+""")
+
+
 def _python(argv: list[str], cache: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}  # a fresh cache: every kernel compiled here
     return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
@@ -102,17 +119,7 @@ def test_the_fp8_gemv_reads_its_weight_tiles_wide_in_every_variant(tmp_path):
     each variant's PTX may hold only the scale bytes' loads as byte loads. Without the hints this
     failed with 64 byte loads a variant (the branches under 3.6, the selects under 3.9)."""
     script = tmp_path / "byte_loads.py"
-    script.write_text(textwrap.dedent(f"""
-        import importlib.util
-        spec = importlib.util.spec_from_file_location("compile_kernels", {str(SCRIPT)!r})
-        compile_kernels = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(compile_kernels)
-        import torch
-        from triton.runtime.jit import JITFunction
-
-        compile_kernels.install(90)
-        kernels, run = [], JITFunction.run
-        JITFunction.run = lambda self, *a, **kw: kernels.append(run(self, *a, **kw)) or kernels[-1]
+    script.write_text(COMPILED_LAUNCHES + textwrap.dedent("""
         from draftgraph.ops.triton import fp8_linear as F
 
         def weight(n, k):
@@ -123,14 +130,14 @@ def test_the_fp8_gemv_reads_its_weight_tiles_wide_in_every_variant(tmp_path):
         for rows in (1, 4, 32):
             x, x2 = torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(1, k, dtype=torch.bfloat16)
             parts, counts = torch.zeros(4 * rows * 512), torch.zeros(64, dtype=torch.int32)
-            cases = {{
+            cases = {
                 "plain": lambda: F.fp8_gemv(x, w, s, torch.zeros(rows, 512, dtype=torch.bfloat16)),
                 "two_w": lambda: F.fp8_gemv(x, wa, sa, torch.zeros(rows, 384, dtype=torch.bfloat16), w2=wb,
                                             w2_scale=sb),
                 "cat_k": lambda: F.fp8_gemv(x, w, s, torch.zeros(rows, 512, dtype=torch.bfloat16), w2=w2,
                                             w2_scale=s2, x2=x2, x2_row_div=rows, split_k=4,
                                             split_reduce=(parts, counts)),
-            }}
+            }
             for name, launch in cases.items():
                 launch()
                 ptx = kernels[-1].asm["ptx"]
@@ -154,18 +161,7 @@ def test_the_bf16_grouped_moe_reads_its_weight_tiles_wide(tmp_path):
     sm_90, the w13 and w2 launches may hold no 8- or 16-bit global load. Without the hints this
     failed under 3.9 (the PTX's predicated ``ld.global.b16``)."""
     script = tmp_path / "narrow_loads.py"
-    script.write_text(textwrap.dedent(f"""
-        import importlib.util
-        import re
-        spec = importlib.util.spec_from_file_location("compile_kernels", {str(SCRIPT)!r})
-        compile_kernels = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(compile_kernels)
-        import torch
-        from triton.runtime.jit import JITFunction
-
-        compile_kernels.install(90)
-        kernels, run = [], JITFunction.run
-        JITFunction.run = lambda self, *a, **kw: kernels.append(run(self, *a, **kw)) or kernels[-1]
+    script.write_text(COMPILED_LAUNCHES + textwrap.dedent(r"""
         from draftgraph.ops.triton import moe_grouped
         from draftgraph.ops.triton.gemv import GemvConfig
 
@@ -184,7 +180,7 @@ def test_the_bf16_grouped_moe_reads_its_weight_tiles_wide(tmp_path):
             if name in ("w13", "w2"):
                 launch()
                 ptx = kernels[-1].asm["ptx"]
-                narrow = len(re.findall(r"ld\\.global(?:\\.\\w+)*\\.[bu](?:8|16) ", ptx))
+                narrow = len(re.findall(r"ld\.global(?:\.\w+)*\.[bu](?:8|16) ", ptx))
                 print(name, narrow, ptx.count("cp.async.cg.shared.global"))
     """))
     done = _python([str(script)], tmp_path)

@@ -155,6 +155,19 @@ def _numel(shape) -> int:
 
 
 @triton.jit
+def tile_pointers(rows, cols, ALIGNED: tl.constexpr):
+    """A tile's pointers, rows [R, 1] x columns cols [C]; with ALIGNED hinted as rows that start on
+    16 bytes with contiguous columns (fp8_linear's and moe_grouped's note "aligned rows": where a
+    matrix is picked at run time, Triton loses that and loads an element at a time). The host
+    checks it. The sum is made here: a hint attaches to the op that defines its value, and a value
+    passed in as an argument has none here (hinted, it read element by element again)."""
+    ptrs = rows + cols[None, :]
+    if ALIGNED:
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [16, 16]), [1, 16])
+    return ptrs
+
+
+@triton.jit
 def mma(a, b, INTERP: tl.constexpr):
     """a @ b with fp32 accumulation; see "interpreter dot" in the module docstring."""
     if INTERP:

@@ -68,6 +68,7 @@ from draftgraph.ops.triton._common import (
     next_pow2,
     pdl_args,
     pdl_wait,
+    tile_pointers,
 )
 from draftgraph.ops.triton.gemv import GemvConfig, gemv
 from draftgraph.runtime.errors import InputError, describe
@@ -139,9 +140,7 @@ def fp8_tile(w_rows, s_rows, kk, k0, n_mask, K, EVEN: tl.constexpr, NATIVE: tl.c
     w_rows: [BLOCK_N, 1] pointers to the rows' first byte; s_rows: [BLOCK_N] pointers to the
     rows' scale-grid rows. The tile must lie in one 128-column scale block.
     """
-    ptrs = w_rows + kk[None, :]
-    if ALIGNED:  # note "aligned rows"
-        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [16, 16]), [1, 16])
+    ptrs = tile_pointers(w_rows, kk, ALIGNED)  # note "aligned rows"
     if EVEN:
         q = tl.load(ptrs)
     else:

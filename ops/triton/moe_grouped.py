@@ -32,7 +32,14 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from draftgraph.ops.triton._common import clamped_swiglu, mma, next_pow2, pdl_args, pdl_wait
+from draftgraph.ops.triton._common import (
+    clamped_swiglu,
+    mma,
+    next_pow2,
+    pdl_args,
+    pdl_wait,
+    tile_pointers,
+)
 
 REDUCE_BLOCK_D = 1024
 
@@ -47,15 +54,6 @@ def expert_hits(idx_ptr, e, B, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK
     in_range = (rows < B)[:, None] & (ks < TOPK)[None, :]
     ids = tl.load(idx_ptr + flat, mask=in_range, other=-1).to(tl.int64)
     return rows, ks, flat, in_range & (ids == e)
-
-
-@triton.jit
-def _weight_tile(rows, kk, ALIGNED: tl.constexpr):
-    """The pointers of a weight tile: rows [BLOCK_N, 1] x columns kk (see "aligned rows")."""
-    ptrs = rows + kk[None, :]
-    if ALIGNED:
-        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [16, 16]), [1, 16])
-    return ptrs
 
 
 @triton.jit
@@ -119,8 +117,9 @@ def _moe_w13_grouped_kernel(
     for k0 in range(0, k_end, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < D
-        a1 = tl.load(_weight_tile(w1_rows, kk, ALIGNED), mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        a3 = tl.load(_weight_tile(w3_rows, kk, ALIGNED), mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        a1 = tl.load(tile_pointers(w1_rows, kk, ALIGNED), mask=w_mask, other=0.0)
+        a3 = tl.load(tile_pointers(w3_rows, kk, ALIGNED), mask=w_mask, other=0.0)
         xv = tl.load(x_rows + kk[None, :], mask=(rows < B)[:, None] & k_mask[None, :], other=0.0)
         xt = tl.trans(xv.to(a1.dtype))
         acc1 += mma(a1, xt, INTERP)
@@ -165,7 +164,8 @@ def _moe_w2_grouped_kernel(
     for k0 in range(0, k_end, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < INTER
-        w = tl.load(_weight_tile(w_rows, kk, ALIGNED), mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(tile_pointers(w_rows, kk, ALIGNED), mask=w_mask, other=0.0)
         a = tl.load(a_rows + kk[None, :], mask=serves[:, None] & k_mask[None, :], other=0.0)
         acc += mma(w, tl.trans(a.to(w.dtype)), INTERP)
     ptrs = part_ptr + dest.to(tl.int64)[None, :] * D + offs_n[:, None]
