@@ -154,6 +154,13 @@ def _numel(shape) -> int:
     return n
 
 
+def rows_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor's data and each of its rows (every stride but the last) start on 16
+    bytes: the host's half of ``tile_pointers``' ALIGNED hint."""
+    return all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+               for t in tensors)  # fmt: skip
+
+
 @triton.jit
 def tile_pointers(rows, cols, ALIGNED: tl.constexpr):
     """A tile's pointers, rows [R, 1] x columns cols [C]; with ALIGNED hinted as rows that start on

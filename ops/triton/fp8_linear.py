@@ -68,6 +68,7 @@ from draftgraph.ops.triton._common import (
     next_pow2,
     pdl_args,
     pdl_wait,
+    rows_aligned,
     tile_pointers,
 )
 from draftgraph.ops.triton.gemv import GemvConfig, gemv
@@ -555,7 +556,7 @@ def fp8_gemv(
         ACCUMULATE=accumulate,
         USE_DOT=cfg.use_dot, NATIVE=native, INTERP=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        ALIGNED_W=k % 16 == 0 and all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in (wk, w2k)),
+        ALIGNED_W=k % 16 == 0 and rows_aligned(wk, w2k),
         **extra, **pdl_args(x.device),
     )  # fmt: skip
 

@@ -38,6 +38,7 @@ from draftgraph.ops.triton._common import (
     next_pow2,
     pdl_args,
     pdl_wait,
+    rows_aligned,
     tile_pointers,
 )
 
@@ -218,8 +219,7 @@ def launches(
     slots = b * top_k + (1 if has_shared else 0)
     topk_pad = next_pow2(top_k)
     pdl = pdl_args(x.device)
-    # Note "aligned rows": every weight row starts on 16 bytes (bf16: D and INTER multiples of 8).
-    aligned = d % 8 == 0 and inter % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in (w1, w3, w2, sw1, sw3, sw2))
+    aligned = rows_aligned(w1, w3, w2, sw1, sw3, sw2)  # note "aligned rows"
 
     def w13():
         bn = max(16, min(c13.block_n, next_pow2(inter)))
