@@ -352,18 +352,30 @@ def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, ke
     # What the caller of propose waits, the call alone (the after_verify of the loop outside it), and
     # where the time after the launch goes: waiting for the replay and the drafts' read-back, and the
     # commit after it (from the proposer's own timestamps, where it keeps them).
-    calls, waits, commits = [], [], []
+    # The loop's after_verify (host work only) is timed apart, right before the call: propose ms
+    # above is the two together plus the stop event's own record (event us: its host cost).
+    calls, waits, commits, verifies = [], [], [], []
     for _ in range(100):
-        reject()
         torch.cuda.synchronize()
         start = time.perf_counter()
+        reject()
+        verified = time.perf_counter()
         call()  # returns once the drafts are on the host: its read-back synchronizes
-        calls.append(time.perf_counter() - start)
+        calls.append(time.perf_counter() - verified)
+        verifies.append(verified - start)
         times = getattr(prop, "last_times", ())
         if len(times) == 4:
             waits.append(times[2] - times[1])
             commits.append(times[3] - times[2])
     row["call_ms"] = statistics.median(calls) * 1e3
+    row["verify_us"] = statistics.median(verifies) * 1e6
+    event, records = torch.cuda.Event(enable_timing=True), []
+    for _ in range(100):
+        start = time.perf_counter()
+        event.record()
+        records.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    row["event_us"] = statistics.median(records) * 1e6
     if waits:
         row["wait_us"], row["commit_us"] = statistics.median(waits) * 1e6, statistics.median(commits) * 1e6
     if executor == "captured" and hasattr(prop, "_staging_for"):
@@ -484,9 +496,11 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
         print("(wait: from the launch to the drafts on the host; read: the read-back alone on an idle GPU;\n"
               " the hiddens as a list of B [C, D] tensors; B > 1 again as one [B, C, D] tensor: its call - replay "
               "and host)")
+        print("(verify: the loop's after_verify before the call; event: the host cost of recording a CUDA event,\n"
+              " which propose ms holds once: propose - replay = call - replay + verify + about event)")
         print(f"{'B':>3} {'K':>2}  {'variant':<36} {'replay ms':>9} {'call ms':>8} {'call-replay us':>14} "
               f"{'host us':>7} {'wait us':>7} {'read us':>7} {'commit us':>9} {'[B,C,D] call-replay us':>22} "
-              f"{'host us':>7}")
+              f"{'host us':>7} {'verify us':>9} {'event us':>8}")
         for r in timed:
             stacked = r.get("call_stacked_ms")
             stacked_us = None if stacked is None else (stacked - r["replay_ms"]) * 1e3
@@ -494,7 +508,8 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
                   f"{(r['call_ms'] - r['replay_ms']) * 1e3:>14.0f} {r['host_us']:>7.0f} "
                   f"{num(r.get('wait_us'), '.0f'):>7} {num(r.get('read_us'), '.0f'):>7} "
                   f"{num(r.get('commit_us'), '.0f'):>9} {num(stacked_us, '.0f'):>22} "
-                  f"{num(r.get('host_stacked_us'), '.0f'):>7}")
+                  f"{num(r.get('host_stacked_us'), '.0f'):>7} {num(r.get('verify_us'), '.0f'):>9} "
+                  f"{num(r.get('event_us'), '.1f'):>8}")
 
 
 def apply_kernel_configs(path: Path) -> dict[str, object]:
