@@ -25,9 +25,10 @@ run. Rows, each as ms and the ratio to the floor:
 The plain-torch rows run on the bf16 weights only (its nn.Module reads bf16).
 
 "replay ms" is the GPU time of the graph replay alone (CUDA events around rounds of
-20 replays queued back to back, inputs already staged; median of 15 rounds); "propose ms" is a whole propose call
-(checks, staging copy, replay, reading the K tokens back), timed the same way;
-"host µs" is the CPU time of a propose up to the launch (median of 50). Also: the
+20 replays queued back to back, inputs already staged; median of 15 rounds); "propose ms" is what
+a decode loop's caller waits a round, by CUDA events: the after_verify of each row and a whole propose
+call (checks, staging copy, replay, reading the K tokens back; median of 100 rounds);
+"host µs" is the CPU time of a propose up to the launch (the same rounds). Also: the
 capture time, the device memory the first propose added (arena, staging and graph
 pool), and CUDA-graph kernel nodes per draft step. ``--profile`` adds, for each case,
 each captured variant's kernels by name and, at K=1, each step's time alone
@@ -339,36 +340,41 @@ def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, ke
     # Held by the arena, the staging buffers and the graph pool (warm-up temporaries are freed).
     row = dict(setup_s=time.perf_counter() - start, mem_mb=(torch.cuda.memory_allocated() - allocated) / 2**20,
                drafts=drafts)
-    row["propose_ms"] = time_cuda(propose, iters=10 if kernels == "torch" and executor == "eager" else 100)
     # As an engine does after capturing (vLLM's model runner): move what setup made (Triton
     # and inductor caches, the graphs' objects) out of the collector's way before timing.
     gc.collect()
     gc.freeze()
-    host = []
-    for _ in range(50):
+    # Every host-side number of a round comes from one loop, so that all of them see the same
+    # stretch of the host's time: the lent hosts have slow spells of seconds, and numbers taken in
+    # separate loops disagreed by up to 2x (benchmarks/h200, the twentieth session's table).
+    # A round: propose ms, the caller's wait for the loop's after_verify and the propose by CUDA
+    # events around both (its sync is part of it); verify, the after_verify alone (host work); the
+    # call alone; host, the proposer's own time up to the launch; and, from its timestamps, the wait
+    # for the replay and the drafts' read-back, and the commit after it. The event us column is the
+    # host cost of one event record, which propose ms holds beside verify and the call.
+    for _ in range(5):
         propose()
-        host.append(prop.last_host_seconds)
-    row["host_us"] = statistics.median(host) * 1e6
-    # What the caller of propose waits, the call alone (the after_verify of the loop outside it), and
-    # where the time after the launch goes: waiting for the replay and the drafts' read-back, and the
-    # commit after it (from the proposer's own timestamps, where it keeps them).
-    # The loop's after_verify (host work only) is timed apart, right before the call: propose ms
-    # above is the two together plus the stop event's own record (event us: its host cost).
-    calls, waits, commits, verifies = [], [], [], []
-    for _ in range(100):
+    proposes, host, calls, verifies, waits, commits = [], [], [], [], [], []
+    for _ in range(10 if kernels == "torch" and executor == "eager" else 100):
         torch.cuda.synchronize()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
         start = time.perf_counter()
         reject()
         verified = time.perf_counter()
         call()  # returns once the drafts are on the host: its read-back synchronizes
         calls.append(time.perf_counter() - verified)
+        end.record()
+        end.synchronize()
+        proposes.append(begin.elapsed_time(end))
         verifies.append(verified - start)
+        host.append(prop.last_host_seconds)
         times = getattr(prop, "last_times", ())
         if len(times) == 4:
             waits.append(times[2] - times[1])
             commits.append(times[3] - times[2])
-    row["call_ms"] = statistics.median(calls) * 1e3
-    row["verify_us"] = statistics.median(verifies) * 1e6
+    row["propose_ms"], row["host_us"] = statistics.median(proposes), statistics.median(host) * 1e6
+    row["call_ms"], row["verify_us"] = statistics.median(calls) * 1e3, statistics.median(verifies) * 1e6
     event, records = torch.cuda.Event(enable_timing=True), []
     for _ in range(100):
         start = time.perf_counter()
@@ -496,8 +502,9 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
         print("(wait: from the launch to the drafts on the host; read: the read-back alone on an idle GPU;\n"
               " the hiddens as a list of B [C, D] tensors; B > 1 again as one [B, C, D] tensor: its call - replay "
               "and host)")
-        print("(verify: the loop's after_verify before the call; event: the host cost of recording a CUDA event,\n"
-              " which propose ms holds once: propose - replay = call - replay + verify + about event)")
+        print("(verify: the round's after_verify before the call; event: the host cost of recording a CUDA event,\n"
+              " which propose ms holds once; all from the same rounds: propose - replay ~ call - replay + verify"
+              " + event)")
         print(f"{'B':>3} {'K':>2}  {'variant':<36} {'replay ms':>9} {'call ms':>8} {'call-replay us':>14} "
               f"{'host us':>7} {'wait us':>7} {'read us':>7} {'commit us':>9} {'[B,C,D] call-replay us':>22} "
               f"{'host us':>7} {'verify us':>9} {'event us':>8}")
