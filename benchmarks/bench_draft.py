@@ -351,10 +351,11 @@ def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, ke
     # events around both (its sync is part of it); verify, the after_verify alone (host work); the
     # call alone; host, the proposer's own time up to the launch; and, from its timestamps, the wait
     # for the replay and the drafts' read-back, and the commit after it. The event us column is the
-    # host cost of one event record, which propose ms holds beside verify and the call.
+    # host cost of one event record, which propose ms holds beside verify and the call; the same
+    # wait by the host's clock (verify and the call, no event inside) is propose by clock.
     for _ in range(5):
         propose()
-    proposes, host, calls, verifies, waits, commits = [], [], [], [], [], []
+    proposes, walls, host, calls, verifies, waits, commits = [], [], [], [], [], [], []
     for _ in range(10 if kernels == "torch" and executor == "eager" else 100):
         torch.cuda.synchronize()
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -363,10 +364,12 @@ def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, ke
         reject()
         verified = time.perf_counter()
         call()  # returns once the drafts are on the host: its read-back synchronizes
-        calls.append(time.perf_counter() - verified)
+        returned = time.perf_counter()
         end.record()
         end.synchronize()
         proposes.append(begin.elapsed_time(end))
+        walls.append(returned - start)
+        calls.append(returned - verified)
         verifies.append(verified - start)
         host.append(prop.last_host_seconds)
         times = getattr(prop, "last_times", ())
@@ -374,6 +377,7 @@ def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, ke
             waits.append(times[2] - times[1])
             commits.append(times[3] - times[2])
     row["propose_ms"], row["host_us"] = statistics.median(proposes), statistics.median(host) * 1e6
+    row["propose_clock_ms"] = statistics.median(walls) * 1e3
     row["call_ms"], row["verify_us"] = statistics.median(calls) * 1e3, statistics.median(verifies) * 1e6
     event, records = torch.cuda.Event(enable_timing=True), []
     for _ in range(100):
@@ -504,19 +508,22 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
               "and host)")
         print("(verify: the round's after_verify before the call; event: the host cost of recording a CUDA event,\n"
               " which propose ms holds once; all from the same rounds: propose - replay ~ call - replay + verify"
-              " + event)")
+              " + event;\n by clock: verify and the call by the host's clock, what the caller waits without the"
+              " events)")
         print(f"{'B':>3} {'K':>2}  {'variant':<36} {'replay ms':>9} {'call ms':>8} {'call-replay us':>14} "
               f"{'host us':>7} {'wait us':>7} {'read us':>7} {'commit us':>9} {'[B,C,D] call-replay us':>22} "
-              f"{'host us':>7} {'verify us':>9} {'event us':>8}")
+              f"{'host us':>7} {'verify us':>9} {'event us':>8} {'by clock - replay us':>20}")
         for r in timed:
             stacked = r.get("call_stacked_ms")
             stacked_us = None if stacked is None else (stacked - r["replay_ms"]) * 1e3
+            clock = r.get("propose_clock_ms")
+            clock_us = None if clock is None else (clock - r["replay_ms"]) * 1e3
             print(f"{r['batch']:>3} {r['k']:>2}  {r['variant']:<36} {r['replay_ms']:>9.3f} {r['call_ms']:>8.3f} "
                   f"{(r['call_ms'] - r['replay_ms']) * 1e3:>14.0f} {r['host_us']:>7.0f} "
                   f"{num(r.get('wait_us'), '.0f'):>7} {num(r.get('read_us'), '.0f'):>7} "
                   f"{num(r.get('commit_us'), '.0f'):>9} {num(stacked_us, '.0f'):>22} "
                   f"{num(r.get('host_stacked_us'), '.0f'):>7} {num(r.get('verify_us'), '.0f'):>9} "
-                  f"{num(r.get('event_us'), '.1f'):>8}")
+                  f"{num(r.get('event_us'), '.1f'):>8} {num(clock_us, '.0f'):>20}")
 
 
 def apply_kernel_configs(path: Path) -> dict[str, object]:
