@@ -189,3 +189,27 @@ def test_the_bf16_grouped_moe_reads_its_weight_tiles_wide(tmp_path):
     assert [row[0] for row in rows] == ["w13", "w2"], done.stdout
     for name, narrow, copies in rows:
         assert int(narrow) == 0 and int(copies) > 0, f"{name}: {narrow} narrow loads, {copies} cp.async"
+
+
+def test_the_w8a8_gemv_multiplies_fp8_codes_on_wgmma(tmp_path):
+    """fp8_linear's note "W8A8 on the tensor cores": with act_fp8 on 64-row tiles, sm_90's
+    warpgroup MMA multiplies e4m3 codes by e4m3 codes (no decode of the weight tile to bf16);
+    on the 32-row tiles the compiler takes the mma.sync path (codes converted for it)."""
+    script = tmp_path / "w8a8.py"
+    script.write_text(COMPILED_LAUNCHES + textwrap.dedent("""
+        from draftgraph.ops.triton import fp8_linear as F
+        from draftgraph.ops.triton.gemv import GemvConfig
+
+        w, s = torch.zeros(512, 1024, dtype=torch.float8_e4m3fn), torch.zeros(4, 8, dtype=torch.uint8)
+        for rows, cfg in ((8, GemvConfig(64, 128, 4, 4)), (32, GemvConfig(64, 128, 4, 4)), (32, F.DEFAULT)):
+            x, out = torch.zeros(rows, 1024, dtype=torch.bfloat16), torch.zeros(rows, 512, dtype=torch.bfloat16)
+            F.fp8_gemv(x, w, s, out, config=cfg, act_fp8=True, native_fp8=True)
+            ptx = kernels[-1].asm["ptx"]
+            fp8_mma = sum("wgmma.mma_async" in line and "e4m3.e4m3" in line for line in ptx.splitlines())
+            print(rows, cfg.block_n, fp8_mma)
+    """))
+    done = _python([str(script)], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = [line.split() for line in done.stdout.splitlines()]
+    assert [(r, n) for r, n, _ in counts] == [("8", "64"), ("32", "64"), ("32", "32")], done.stdout
+    assert int(counts[0][2]) > 0 and int(counts[1][2]) > 0, counts

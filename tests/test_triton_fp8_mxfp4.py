@@ -30,6 +30,7 @@ from draftgraph.runtime.model.quant import (  # noqa: E402
     E2M1_MAGNITUDES,
     dequantize_fp8,
     dequantize_mxfp4,
+    fp8_round_activations,
     quantize_fp8,
     quantize_mxfp4,
 )
@@ -825,3 +826,82 @@ def test_flash_moe_mxfp4_captured_replay_reads_new_ids(flash_mx_experts, batch):
     call(eager)
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+# ---- W8A8: fp8_gemv's act_fp8 (note "W8A8 on the tensor cores") --------------------------------
+WGMMA = K["gemv"].GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)  # FP8 x FP8 on wgmma
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", ["plain", "two_w", "grouped", "accumulate", "split"])
+def test_fp8_gemv_act_fp8_is_the_gemv_of_the_rounded_activations(device, variant):
+    """act_fp8 = the GEMV of x rounded through FP8 per 1 x 128 run (runtime.model.quant's
+    rounding). Under the interpreter (no FP8 dot) by that rounding and the bf16 tiles: bit-equal to
+    them; compiled, on the FP8 tensor cores (the path asserted taken) against the float64 product of
+    the rounded activations, at 6 rows and at 40 (two row blocks of the 64-row tiles). Hopper's FP8
+    MMA keeps fewer accumulator bits than fp32 inside a 128-column block (DeepSeek-V3's report, 3.3.2),
+    so the compiled limit is 5e-4, not fp32's 2e-5."""
+    g = gen(1201)
+    q, s, w = fp8_weight(g, 256, 512, device)
+    q2, s2, w2 = fp8_weight(g, 128, 512, device)
+    cases = [(6, DOT)] if device == "cpu" else [(6, WGMMA), (6, FP8.config_for(6)), (40, WGMMA)]
+    for rows, cfg in cases:
+        x = act(g, rows, 512, scale=3.0).to(device)
+        xr = fp8_round_activations(x)
+        xd = xr.cpu().double()
+        wq, ws, kw, ref, k = q, s, {}, xd @ w.T, 512
+        if variant == "two_w":
+            kw, ref = dict(w2=q2, w2_scale=s2), xd @ torch.cat([w, w2]).T
+        elif variant == "grouped":  # 2 groups of 128 rows, 256 columns of x each
+            wq, ws, kw, k = q[:, :256].contiguous(), s[:, :2].contiguous(), dict(group_rows=128), 256
+            ref = torch.cat([xd[:, i * 256 : (i + 1) * 256] @ w[i * 128 : (i + 1) * 128, :256].T for i in range(2)], 1)
+        n = ref.shape[1]
+        start = poisoned((rows, n), torch.float32, device)
+        if variant == "accumulate":
+            start = act(g, rows, n).float().to(device)
+            ref = ref + start.cpu().double()
+            kw["accumulate"] = True
+        if variant == "split":
+            tiles = FP8.split_tiles(rows, n, n, k, cfg, split_k=2)
+            kw.update(split_k=2, split_reduce=(poisoned((2 * rows * n,), torch.float32, device),
+                                               torch.zeros(tiles, dtype=torch.int32, device=device)))
+        if device == "cuda":
+            native = FP8.native_fp8_supported(x.device)
+            assert FP8.act_fp8_fits(cfg, 128, True, native, None) == native, (rows, cfg)
+        out = start.clone()
+        FP8.fp8_gemv(x, wq, ws, out, config=cfg, act_fp8=True, **kw)
+        what = f"fp8_gemv act_fp8 {variant} B={rows} {cfg}"
+        assert not torch.isnan(out).any(), f"{what}: unwritten (NaN) elements"
+        err = rel_err(out.cpu(), ref)
+        assert err < (2e-5 if device == "cpu" else 5e-4), f"{what}: relative error {err:.2e}"
+        if device == "cpu":
+            want = start.clone()
+            FP8.fp8_gemv(xr, wq, ws, want, config=cfg, **kw)
+            assert torch.equal(out, want), f"{what}: not the bf16 GEMV of the rounded activations"
+
+
+@triton.jit
+def _act_round_kernel(x_ptr, out_ptr):
+    at = tl.arange(0, 16)[:, None] * 128 + tl.arange(0, 128)[None, :]
+    q, scale = FP8.act_fp8_block(tl.load(x_ptr + at))
+    tl.store(out_ptr + at, q.to(tl.float32) * scale[:, None])
+
+
+@cuda
+@needs_cuda
+def test_act_fp8_block_rounds_as_the_torch_rounding():
+    """The kernel's own rounding of an activation tile (act_fp8_block: the scale from the bits, the
+    codes by the hardware's round-to-nearest-even) gives fp8_round_activations' values bit for bit,
+    on rows of magnitudes 2^-30 .. 2^30, a zero row (the amax floor), the saturation edge and ties."""
+    if not FP8.native_fp8_supported(torch.device("cuda")):
+        pytest.skip("no native e4m3 conversion on this GPU")
+    g = gen(1202)
+    x = torch.randn(16, 128, generator=g, dtype=torch.float64)
+    x = x * torch.exp2(torch.randint(-30, 31, (16, 1), generator=g).double())
+    x[3] = 0.0
+    x[4, :8] = torch.tensor([448.0, 464.0, 480.0, 416.0, 432.0, -448.0, 1e-3, 0.0], dtype=torch.float64)
+    x = x.to(BF16)
+    out = torch.full((16, 128), float("nan"), device="cuda")
+    _act_round_kernel[(1,)](x.cuda(), out)
+    want = fp8_round_activations(x).float()
+    assert torch.equal(out.cpu(), want), (out.cpu() - want).abs().max()

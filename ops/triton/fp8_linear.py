@@ -49,6 +49,18 @@ memory, waiting for their loads). The tile pointers carry the alignment as hints
 16-byte aligned, K a multiple of 16); tests/test_kernels_compile_for_the_gpu.py checks the PTX
 of each variant.
 
+Note "W8A8 on the tensor cores": with ``act_fp8`` (the reference's numerics: every FP8 linear's
+input rounded through e4m3 per 1 x 128 run, runtime/model/quant.py's ``fp8_round_activations``)
+the dot tiles need no decode at all: each K step loads the weight codes as they are, rounds the
+activation tile's rows to e4m3 codes and a power-of-two scale each (``act_fp8_block``: the same
+scale and round-to-nearest-even as the torch function, so bit-equal codes), and multiplies codes
+by codes on the FP8 tensor cores, fp32 accumulation over the 128 columns of one scale block, then
+times the weight row's and the activation row's scales (a product of powers of two: exact). The
+sum over blocks is fp32 in registers, as DeepSeek's own FP8 GEMM promotes its partial sums every
+128 columns. The decode the bf16 dot tiles spend most of their instructions on (a third of the
+loop's PTX is the e4m3 -> fp32 -> bf16 conversion) is gone; an activation tile of B rows is
+rounded in each program that reads it (B x 128 values a K step).
+
 Variants and options as ``gemv.gemv``: dot (any batch, activations padded to 16 rows) or FMA
 (batch 1), ``PRO_NORM``, ``GROUPED`` (wo_a), ``TWO_W`` (wq_a + wkv: the second matrix has its
 own scale grid), ``SPLIT_K``, plus ``ACCUMULATE`` (out += x @ W^T: a residual, or the sum of
@@ -73,7 +85,7 @@ from draftgraph.ops.triton._common import (
 )
 from draftgraph.ops.triton.gemv import GemvConfig, gemv
 from draftgraph.runtime.errors import InputError, describe
-from draftgraph.runtime.model.quant import FP8_BLOCK, QuantWeight, fp8_scale_shape
+from draftgraph.runtime.model.quant import FP8_BLOCK, QuantWeight, fp8_round_activations, fp8_scale_shape
 
 # Batch 1: an FMA tile 4 rows x 1024 columns (eight scale blocks), one warp: narrow and long, as
 # the bf16 GEMV's winners (see "wide tiles"). Tuned on one H200 at the 4096 x 4096 linear
@@ -183,6 +195,38 @@ def fp8_tile3(w_rows, s_rows, k0, n_mask, K, NBK: tl.constexpr, SUB_K: tl.conste
 
 
 @triton.jit
+def fp8_codes_tile(w_rows, s_rows, kk, k0, ALIGNED: tl.constexpr = False):
+    """(codes [BLOCK_N, BLOCK_K] as loaded, fp8, the rows' block scales [BLOCK_N] in fp32): fp8_tile
+    without the decode, for the FP8 x FP8 dot (note "W8A8 on the tensor cores"): fp8 loads of whole
+    tiles only (no mask: compiled Triton casts no `other` to fp8, and a masked code left undefined
+    could be a NaN times a zero activation)."""
+    q = tl.load(tile_pointers(w_rows, kk, ALIGNED))
+    s = ue8m0_to_f32(tl.load(s_rows + k0 // 128))
+    return q, s
+
+
+@triton.jit
+def act_fp8_block(xv):
+    """x [BLOCK_B, 128] -> (e4m3 codes, the rows' power-of-two scales [BLOCK_B]): runtime.model.quant's
+    fp8_round_activations on one 128-column run, the scale 2^ceil(log2(max(amax, 1e-4) / 448)) made
+    from the bits (no log2 / exp2 rounding), the codes by the hardware's round-to-nearest-even."""
+    amax = tl.maximum(tl.max(tl.abs(xv.to(tl.float32)), 1), 1e-4)
+    r = (amax / 448.0).to(tl.int32, bitcast=True)
+    e = ((r >> 23) & 0xFF) + ((r & 0x7FFFFF) != 0).to(tl.int32)  # biased ceil(log2(r)) for normal r
+    scale = (e << 23).to(tl.float32, bitcast=True)
+    q = (xv.to(tl.float32) * (1.0 / scale)[:, None]).to(tl.float8e4nv)  # 1 / 2^k: exact
+    return q, scale
+
+
+@triton.jit
+def _accumulate_fp8(acc, q, s, x_rows, kk, row_mask, K):
+    """acc += (codes x the activation columns rounded through FP8) * row scale * activation scale."""
+    xv = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & (kk < K)[None, :], other=0.0)
+    xq, xs = act_fp8_block(xv)
+    return acc + tl.dot(q, tl.trans(xq)) * s[:, None] * xs[None, :]
+
+
+@triton.jit
 def _accumulate(acc, v, s, x_rows, nw_ptr, inv, kk, row_mask, K, PRO_NORM: tl.constexpr, INTERP: tl.constexpr):
     """acc += (codes x activation columns) * row scale (the activation normed first under PRO_NORM): the dot path."""
     xv = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & (kk < K)[None, :], other=0.0)
@@ -249,6 +293,7 @@ def _fp8_gemv_kernel(
     x2_div=1,
     CAT_K: tl.constexpr = False,
     ALIGNED_W: tl.constexpr = False,
+    ACT_FP8: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -284,7 +329,19 @@ def _fp8_gemv_kernel(
             x_rows = x2_ptr + (rows // x2_div).to(tl.int64)[:, None] * stride_x2b
             x_row = x2_ptr + (pid_b // x2_div).to(tl.int64) * stride_x2b
 
-    if USE_DOT:
+    if ACT_FP8:  # note "W8A8 on the tensor cores": BLOCK_K 128, fp8 loads, no norm, checked on the host
+        offs_k = tl.arange(0, BLOCK_K)
+        w_rows = w_base[:, None]
+        q_first, s_first = fp8_codes_tile(w_rows, s_rows, k_begin + offs_k, k_begin, ALIGNED_W)
+        pdl_wait(PDL)
+        acc = _accumulate_fp8(tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32), q_first, s_first, x_rows,
+                              k_begin + offs_k, row_mask, K)
+        for k0 in range(k_begin + BLOCK_K, k_begin + K_PER_SPLIT, BLOCK_K):
+            kk = k0 + offs_k
+            q, s = fp8_codes_tile(w_rows, s_rows, kk, k0, ALIGNED_W)
+            acc = _accumulate_fp8(acc, q, s, x_rows, kk, row_mask, K)
+        total = acc
+    elif USE_DOT:
         offs_k = tl.arange(0, BLOCK_K)
         w_rows = w_base[:, None]
         # The first weight tile before pdl_wait, as in gemv: weights are constant during a step.
@@ -448,6 +505,12 @@ def _check_two_ks(x, x2, div, w, w2, split_k, split_reduce, group_rows, norm_w) 
         )
 
 
+def act_fp8_fits(cfg: GemvConfig, block_k: int, even_w: bool, native: bool, norm_w) -> bool:
+    """Whether a launch can multiply on the FP8 tensor cores (note "W8A8 on the tensor cores"):
+    the dot tiles on whole 128-column scale blocks of fp8 loads, no prologue norm, compiled."""
+    return cfg.use_dot and block_k == FP8_BLOCK and even_w and native and norm_w is None and not interpreting()
+
+
 def fp8_gemv(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -466,6 +529,7 @@ def fp8_gemv(
     split_reduce: tuple[torch.Tensor, torch.Tensor] | None = None,
     x2: torch.Tensor | None = None,
     x2_row_div: int = 1,
+    act_fp8: bool = False,
 ) -> None:
     """out[B, N] (+)= x[B, K] @ dequant([W; W2])^T, W FP8 e4m3 with 128 x 128 UE8M0 block scales.
 
@@ -481,6 +545,11 @@ def fp8_gemv(
     With ``x2`` (note "two Ks"), W2 [N, K] is a second matrix along K, not more rows:
     out[r] = x[r] @ W^T + x2[r // x2_row_div] @ W2^T, each half of the split's parts on one of
     them (``split_k`` even, ``split_reduce`` given).
+
+    ``act_fp8`` (W8A8): x (and x2) rounded through FP8 per 1 x 128 run first, as
+    ``runtime.model.quant.fp8_round_activations`` rounds them; on the FP8 tensor cores where the
+    launch allows it (:func:`act_fp8_fits`, note "W8A8 on the tensor cores"), else rounded by that
+    function and multiplied as bf16.
 
     Example
     -------
@@ -534,6 +603,11 @@ def fp8_gemv(
                 f"out {out.dtype}, accumulate={accumulate}",
             )
         )
+    even_w = (n % block_n == 0) and (k % block_k == 0)
+    on_cores = act_fp8 and act_fp8_fits(cfg, block_k, even_w, native, norm_w)
+    if act_fp8 and not on_cores:  # the same rounding, then the bf16 path
+        x = fp8_round_activations(x)
+        x2 = None if x2 is None else fp8_round_activations(x2)
     k_per = k_all // split_k if split_k > 1 else triton.cdiv(k, block_k) * block_k
     grid = (triton.cdiv(n, block_n), triton.cdiv(b, block_b), split_k)
     wk = w if native else w.view(torch.uint8)
@@ -551,7 +625,7 @@ def fp8_gemv(
         x.stride(0), wk.stride(0), s.stride(0), w2k.stride(0), s2k.stride(0), out2.stride(0), stride_os,
         max(group_rows, 1), float(eps),
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_B=block_b, NBK=block_k // sub_k, SUB_K=sub_k, K_PER_SPLIT=k_per,
-        EVEN_W=(n % block_n == 0) and (k % block_k == 0),
+        EVEN_W=even_w, ACT_FP8=on_cores,
         GROUPED=bool(group_rows), TWO_W=w2 is not None and not cat_k, PRO_NORM=norm_w is not None,
         ACCUMULATE=accumulate,
         USE_DOT=cfg.use_dot, NATIVE=native, INTERP=interpreting(),
