@@ -219,14 +219,6 @@ def act_fp8_block(xv):
 
 
 @triton.jit
-def _accumulate_fp8(acc, q, s, x_rows, kk, row_mask, K):
-    """acc += (codes x the activation columns rounded through FP8) * row scale * activation scale."""
-    xv = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & (kk < K)[None, :], other=0.0)
-    xq, xs = act_fp8_block(xv)
-    return acc + tl.dot(q, tl.trans(xq)) * s[:, None] * xs[None, :]
-
-
-@triton.jit
 def _accumulate(acc, v, s, x_rows, nw_ptr, inv, kk, row_mask, K, PRO_NORM: tl.constexpr, INTERP: tl.constexpr):
     """acc += (codes x activation columns) * row scale (the activation normed first under PRO_NORM): the dot path."""
     xv = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & (kk < K)[None, :], other=0.0)
@@ -235,6 +227,29 @@ def _accumulate(acc, v, s, x_rows, nw_ptr, inv, kk, row_mask, K, PRO_NORM: tl.co
         xv = (xv.to(tl.float32) * inv[:, None] * nw[None, :]).to(xv.dtype)  # rounded as the bf16 norm is
     xt = tl.trans(xv)
     return acc + mma(v.to(xt.dtype), xt, INTERP) * s[:, None]
+
+
+@triton.jit
+def _dot_tile(w_rows, s_rows, kk, k0, n_mask, K, EVEN: tl.constexpr, NATIVE: tl.constexpr, ALIGNED: tl.constexpr,
+              ACT_FP8: tl.constexpr):  # fmt: skip
+    """The dot path's weight tile: decoded (fp8_tile), or the codes as loaded under ACT_FP8."""
+    if ACT_FP8:
+        return fp8_codes_tile(w_rows, s_rows, kk, k0, ALIGNED)
+    else:
+        return fp8_tile(w_rows, s_rows, kk, k0, n_mask, K, EVEN, NATIVE, ALIGNED)
+
+
+@triton.jit
+def _dot_accumulate(acc, v, s, x_rows, nw_ptr, inv, kk, row_mask, K, PRO_NORM: tl.constexpr, INTERP: tl.constexpr,
+                    ACT_FP8: tl.constexpr):  # fmt: skip
+    """acc += the K step's product: _accumulate on decoded codes, or under ACT_FP8 the codes times
+    the activation columns rounded through FP8, then the row's and the activation row's scales."""
+    if ACT_FP8:
+        xv = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & (kk < K)[None, :], other=0.0)
+        xq, xs = act_fp8_block(xv)
+        return acc + tl.dot(v, tl.trans(xq)) * s[:, None] * xs[None, :]
+    else:
+        return _accumulate(acc, v, s, x_rows, nw_ptr, inv, kk, row_mask, K, PRO_NORM, INTERP)
 
 
 @triton.jit
@@ -329,23 +344,12 @@ def _fp8_gemv_kernel(
             x_rows = x2_ptr + (rows // x2_div).to(tl.int64)[:, None] * stride_x2b
             x_row = x2_ptr + (pid_b // x2_div).to(tl.int64) * stride_x2b
 
-    if ACT_FP8:  # note "W8A8 on the tensor cores": BLOCK_K 128, fp8 loads, no norm, checked on the host
-        offs_k = tl.arange(0, BLOCK_K)
-        w_rows = w_base[:, None]
-        q_first, s_first = fp8_codes_tile(w_rows, s_rows, k_begin + offs_k, k_begin, ALIGNED_W)
-        pdl_wait(PDL)
-        acc = _accumulate_fp8(tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32), q_first, s_first, x_rows,
-                              k_begin + offs_k, row_mask, K)
-        for k0 in range(k_begin + BLOCK_K, k_begin + K_PER_SPLIT, BLOCK_K):
-            kk = k0 + offs_k
-            q, s = fp8_codes_tile(w_rows, s_rows, kk, k0, ALIGNED_W)
-            acc = _accumulate_fp8(acc, q, s, x_rows, kk, row_mask, K)
-        total = acc
-    elif USE_DOT:
+    if USE_DOT:
         offs_k = tl.arange(0, BLOCK_K)
         w_rows = w_base[:, None]
         # The first weight tile before pdl_wait, as in gemv: weights are constant during a step.
-        v_first, s_first = fp8_tile(w_rows, s_rows, k_begin + offs_k, k_begin, n_mask, K, EVEN_W, NATIVE, ALIGNED_W)
+        v_first, s_first = _dot_tile(w_rows, s_rows, k_begin + offs_k, k_begin, n_mask, K, EVEN_W, NATIVE, ALIGNED_W,
+                                     ACT_FP8)  # fmt: skip
         pdl_wait(PDL)
         if PRO_NORM:
             ss = tl.zeros([BLOCK_B], dtype=tl.float32)
@@ -358,11 +362,12 @@ def _fp8_gemv_kernel(
         else:
             inv = tl.zeros([BLOCK_B], dtype=tl.float32)
         acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
-        acc = _accumulate(acc, v_first, s_first, x_rows, nw_ptr, inv, k_begin + offs_k, row_mask, K, PRO_NORM, INTERP)
+        acc = _dot_accumulate(acc, v_first, s_first, x_rows, nw_ptr, inv, k_begin + offs_k, row_mask, K, PRO_NORM,
+                              INTERP, ACT_FP8)  # fmt: skip
         for k0 in range(k_begin + BLOCK_K, k_begin + K_PER_SPLIT, BLOCK_K):
             kk = k0 + offs_k
-            v, s = fp8_tile(w_rows, s_rows, kk, k0, n_mask, K, EVEN_W, NATIVE, ALIGNED_W)
-            acc = _accumulate(acc, v, s, x_rows, nw_ptr, inv, kk, row_mask, K, PRO_NORM, INTERP)
+            v, s = _dot_tile(w_rows, s_rows, kk, k0, n_mask, K, EVEN_W, NATIVE, ALIGNED_W, ACT_FP8)
+            acc = _dot_accumulate(acc, v, s, x_rows, nw_ptr, inv, kk, row_mask, K, PRO_NORM, INTERP, ACT_FP8)
         total = acc
     else:
         # Batch 1, wide tiles [BLOCK_N, NBK, SUB_K] (see "wide tiles"): one activation row.
