@@ -93,11 +93,14 @@ def random_weights(cfg: V4Config, device, seed: int = 0) -> dict[str, torch.Tens
     return out
 
 
-WEIGHTS = ("native", "bf16", "native-fp8head")
+WEIGHTS = ("native", "bf16", "native-fp8head", "native-w8a8")
 # format -> the proposer's options: native-fp8head is native with the draft head quantised to FP8 at load
-# (head_dtype="fp8", issue 28.5), the same weight set.
+# (head_dtype="fp8", issue 28.5), native-w8a8 native with the reference's W8A8 numerics
+# (activations="fp8", issue 28.4); both on the same weight set as native.
 PROPOSER_FORMAT = {"native": {"weights": "native"}, "bf16": {"weights": "bf16"},
-                   "native-fp8head": {"weights": "native", "head_dtype": "fp8"}}
+                   "native-fp8head": {"weights": "native", "head_dtype": "fp8"},
+                   "native-w8a8": {"weights": "native", "activations": "fp8"}}
+ON_NATIVE = ("native", "native-fp8head", "native-w8a8")  # the formats that read the native weight set
 
 
 def native_weights(cfg: V4Config, bf16: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | QuantWeight]:
@@ -551,7 +554,8 @@ def main() -> int:
                          "torch-serial: the torch ops on one stream; torch-noprio: side lanes at normal priority)")
     ap.add_argument("--weights", default="native,bf16",
                     help="weights formats, side by side: native (FP8 linears + MXFP4 experts, as weights='native' "
-                         "binds the checkpoint), bf16, native-fp8head (native with head_dtype='fp8')")
+                         "binds the checkpoint), bf16, native-fp8head (native with head_dtype='fp8'), "
+                         "native-w8a8 (native with activations='fp8')")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--compile-cases", default=",".join(f"{b}x{k}" for b, k in CASES),
                     help="cases that get the torch.compile baseline (100-200 s of compiling per batch size)")
@@ -659,10 +663,10 @@ def make_weight_sets(cfg: V4Config, device, formats: list[str]) -> dict[str, dic
     t0 = time.perf_counter()
     bf16 = random_weights(cfg, device)
     sets = {}
-    if {"native", "native-fp8head"} & set(formats):
+    if set(ON_NATIVE) & set(formats):
         sets["native"] = prepare_weights(cfg, native_weights(cfg, bf16), device, weights="native")
-        if "native-fp8head" in formats:  # the same tensors: the proposer quantises its head at load
-            sets["native-fp8head"] = sets["native"]
+        for fmt in set(ON_NATIVE[1:]) & set(formats):  # the same tensors: the options act at load or in the ops
+            sets[fmt] = sets["native"]
     if "bf16" in formats:
         sets["bf16"] = prepare_weights(cfg, bf16, device)
     del bf16
@@ -722,7 +726,8 @@ def dry_run(cases, formats) -> int:
                     chosen[step.node.op] = "fused" if gap is None else f"torch ({gap})"
             numerics = prop.numerics()
             print(f"B={batch} K={k} {fmt:>6}: floor {floor / 1e6:.3f} MB ({experts} experts), "
-                  f"kv_fp8_round={numerics.kv_fp8_round}, drafts {drafts[0]}; on CUDA "
+                  f"kv_fp8_round={numerics.kv_fp8_round}, activations={numerics.activations}, drafts {drafts[0]}; "
+                  f"on CUDA "
                   f"{' '.join(f'{op}:{c}' for op, c in sorted(chosen.items())) or 'no block-scaled node'}",
                   flush=True)
     return 0

@@ -445,7 +445,8 @@ def test_bench_draft_cpu_dry_run_builds_both_formats_and_binds_the_fused_impls()
 
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run(
-        [sys.executable, "benchmarks/bench_draft.py", "--cpu-dry-run", "--cases", "1x1"],
+        [sys.executable, "benchmarks/bench_draft.py", "--cpu-dry-run", "--cases", "1x1", "--weights",
+         "native,bf16,native-w8a8"],
         cwd=root, capture_output=True, text=True, check=True, timeout=600,
     ).stdout  # fmt: skip
     native = re.search(r"B=1 K=1 native: floor ([\d.]+) MB .* on CUDA (.*)", out)
@@ -454,3 +455,7 @@ def test_bench_draft_cpu_dry_run_builds_both_formats_and_binds_the_fused_impls()
     assert native.group(2) == "combiner:fused moe:fused swa_attention:fused", out
     assert bf16.group(2) == "no block-scaled node", out
     assert float(native.group(1)) < 0.7 * float(bf16.group(1)), out  # FP8 + MXFP4 bytes against bf16
+    # native-w8a8: the native weight set with the reference's W8A8 numerics, the same fused impls
+    w8a8 = re.search(r"B=1 K=1 native-w8a8: floor ([\d.]+) MB .*activations=(\w+).* on CUDA (.*)", out)
+    assert w8a8 and w8a8.groups() == (native.group(1), "fp8", native.group(2)), out
+    assert "activations=bf16" in native.group(0), out
