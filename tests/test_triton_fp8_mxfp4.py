@@ -298,6 +298,9 @@ def test_fp8_gemv_rejects_bad_inputs():
         FP8.fp8_gemv(x, q, s, out, split_k=3, split_reduce=(torch.zeros(3 * 128), counts))
     with pytest.raises(InputError, match="fp32 partials"):  # an unreduced split writes fp32 [split, B, N]
         FP8.fp8_gemv(x, q, s, out, split_k=2)
+    # W8A8 rounds the normed input: a prologue norm after the rounding would be other numerics
+    with pytest.raises(InputError, match="act_fp8 with norm_w.*norm x first"):
+        FP8.fp8_gemv(x, q, s, out, norm_w=torch.ones(128, dtype=BF16), eps=1e-6, act_fp8=True)
     with pytest.raises(InputError, match="split_reduce"):  # the bf16 GEMV has no reduced split
         FP8.project(x, torch.zeros(128, 128, dtype=BF16), out, config=FP8.DEFAULT, split_k=2,
                     split_reduce=(partials, counts))  # fmt: skip
@@ -878,6 +881,29 @@ def test_fp8_gemv_act_fp8_is_the_gemv_of_the_rounded_activations(device, variant
             want = start.clone()
             FP8.fp8_gemv(xr, wq, ws, want, config=cfg, **kw)
             assert torch.equal(out, want), f"{what}: not the bf16 GEMV of the rounded activations"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_gemv_act_fp8_rounds_each_group_apart(device):
+    """Grouped (wo_a), each group's K columns are 1 x 128 runs of their own, as the reference rounds
+    o per group: with a group K of 192 the runs of the whole row would straddle the groups. Group 0
+    is scaled 2^12 down, so rounding across the boundary would change its values."""
+    g = gen(1203)
+    q, s, w = fp8_weight(g, 2 * 64, 192, device)  # 2 groups of 64 rows, 192 columns of x each
+    x = act(g, 5, 2 * 192, scale=3.0)
+    x[:, :192] = (x[:, :192].double() * 2.0**-12).to(BF16)
+    per_group = fp8_round_activations(x.view(5, 2, 192)).view(5, -1)
+    assert not torch.equal(per_group, fp8_round_activations(x))  # the case tells the two apart
+    xd = per_group.double()
+    ref = torch.cat([xd[:, i * 192 : (i + 1) * 192] @ w[i * 64 : (i + 1) * 64].T for i in range(2)], 1)
+    out = poisoned((5, 128), torch.float32, device)
+    FP8.fp8_gemv(x.to(device), q, s, out, group_rows=64, config=DOT, act_fp8=True)
+    for i in range(2):  # each group against its own norm: group 0's outputs are 2^12 smaller
+        check(out[:, i * 64 : (i + 1) * 64].cpu(), ref[:, i * 64 : (i + 1) * 64], f"act_fp8 grouped, group {i}")
+    # ragged runs take the rounding and the bf16 tiles on either device: the GEMV of per_group itself
+    want = poisoned((5, 128), torch.float32, device)
+    FP8.fp8_gemv(per_group.to(device), q, s, want, group_rows=64, config=DOT)
+    assert torch.equal(out, want)
 
 
 @triton.jit

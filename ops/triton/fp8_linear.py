@@ -587,6 +587,9 @@ def fp8_gemv(
     n = n_a + (w2.shape[0] if w2 is not None and not cat_k else 0)
     if cat_k:
         _check_two_ks(x, x2, x2_row_div, w, w2, split_k, split_reduce, group_rows, norm_w)
+    if act_fp8 and norm_w is not None:  # W8A8 rounds the normed input; the prologue norms after any rounding
+        raise InputError(describe("fp8_gemv act_fp8 with norm_w", "one of them", "both",
+                                  "norm x first (W8A8 rounds the norm's output), then call with act_fp8 alone"))
     native = native_fp8_supported(x.device) if native_fp8 is None else bool(native_fp8)
     native = native and w.dtype == torch.float8_e4m3fn and (w2 is None or w2.dtype == torch.float8_e4m3fn)
     k_all = 2 * k if cat_k else k  # "two Ks": the parts run over W's K, then W2's
@@ -611,7 +614,8 @@ def fp8_gemv(
     even_w = (n % block_n == 0) and (k % block_k == 0)
     on_cores = act_fp8 and act_fp8_fits(cfg, block_k, even_w, native, norm_w)
     if act_fp8 and not on_cores:  # the same rounding, then the bf16 path
-        x = fp8_round_activations(x)
+        # grouped: each group's K columns are runs of their own, as the reference rounds o per group
+        x = fp8_round_activations(x.reshape(b, -1, k)).reshape(b, -1) if group_rows else fp8_round_activations(x)
         x2 = None if x2 is None else fp8_round_activations(x2)
     k_per = k_all // split_k if split_k > 1 else triton.cdiv(k, block_k) * block_k
     grid = (triton.cdiv(n, block_n), triton.cdiv(b, block_b), split_k)
