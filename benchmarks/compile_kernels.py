@@ -77,6 +77,10 @@ def _load_sibling(name: str):
     return module
 
 
+# W8A8 (activations="fp8"): the native ops again with the rounding launches (fp8_round_rows)
+W8A8_CASES = {"w8a8 attention": "swa_attention", "w8a8 moe": "moe"}
+
+
 def edge_tiles(b: int) -> None:
     """The GEMVs at shapes no K tile divides (320 columns): the masked loads the op cases' even
     shapes never take, FP8 with one weight and with two, and bf16."""
@@ -144,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     for w in weights:
         bk.WEIGHTS = w
         names = [n for n in bk.CASES if w == "bf16" or n in bk.NATIVE]
-        for name in names + (["edge tiles"] if w == "native" else ["nonfinite", "acceptance"]):
+        for name in names + (["edge tiles", *W8A8_CASES] if w == "native" else ["nonfinite", "acceptance"]):
             for b in batches:
                 before, t0 = len(COMPILED), time.time()
                 try:
@@ -155,8 +159,10 @@ def main(argv: list[str] | None = None) -> int:
                     elif name == "acceptance":
                         acceptance(b)
                     else:
-                        inputs, attrs = bk.make_case(name, cfg, b)
-                        bk.run_once(name, impls[name], inputs, attrs, bk.workspace_for(name, inputs, attrs))
+                        op = W8A8_CASES.get(name, name)
+                        inputs, attrs = bk.make_case(op, cfg, b)
+                        attrs = {**attrs, "activations": "fp8"} if name in W8A8_CASES else attrs
+                        bk.run_once(op, impls[op], inputs, attrs, bk.workspace_for(op, inputs, attrs))
                     status = f"ok, {len(COMPILED) - before} new kernel(s)"
                 except Exception as exc:  # a compile error, or anything else on the way to one
                     failed += 1

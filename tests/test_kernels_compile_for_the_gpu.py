@@ -213,3 +213,31 @@ def test_the_w8a8_gemv_multiplies_fp8_codes_on_wgmma(tmp_path):
     counts = [line.split() for line in done.stdout.splitlines()]
     assert [(r, n) for r, n, _ in counts] == [("8", "64"), ("32", "64"), ("32", "32")], done.stdout
     assert int(counts[0][2]) > 0 and int(counts[1][2]) > 0, counts
+
+
+def test_the_w8a8_wq_b_tiles_and_the_rounding_kernel_compile_as_their_notes_say(tmp_path):
+    """The attention's W8A8 wq_b from 8 rows (Q_W8A8_CORE_CONFIG) multiplies on the FP8 warpgroup
+    MMA; fp8_round_rows' ``(y + 2^23) - 2^23`` (its note "rounding by arithmetic") survives the
+    compiler: the add of -2^23 is in the PTX (the first add may fuse into the exact power-of-two
+    product as an fma: one rounding either way)."""
+    script = tmp_path / "w8a8_chain.py"
+    script.write_text(COMPILED_LAUNCHES + textwrap.dedent("""
+        from draftgraph.ops.triton import attention as A
+        from draftgraph.ops.triton import fp8_linear as F
+        from draftgraph.ops.triton.fp8_round import fp8_round_rows
+
+        rows = A.Q_W8A8_CORE_MIN_ROWS
+        w, s = torch.zeros(1024, 256, dtype=torch.float8_e4m3fn), torch.zeros(8, 2, dtype=torch.uint8)
+        x, out = torch.zeros(rows, 256, dtype=torch.bfloat16), torch.zeros(rows, 1024, dtype=torch.bfloat16)
+        F.fp8_gemv(x, w, s, out, config=A.Q_W8A8_CORE_CONFIG, act_fp8=True, native_fp8=True)
+        ptx = kernels[-1].asm["ptx"]
+        print("wq_b", sum("wgmma.mma_async" in line and "e4m3.e4m3" in line for line in ptx.splitlines()))
+        fp8_round_rows(torch.zeros(3, 300, dtype=torch.bfloat16))
+        ptx = kernels[-1].asm["ptx"]
+        print("round", sum(bool(re.search(r"(add|sub)\\.(rn\\.)?f32.*0fCB000000", line)) for line in ptx.splitlines()))
+    """))
+    done = _python([str(script)], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = dict(line.split() for line in done.stdout.splitlines())
+    assert int(counts["wq_b"]) > 0, done.stdout
+    assert int(counts["round"]) >= 1, done.stdout

@@ -18,7 +18,7 @@ import torch
 # Before anything imports triton: without CUDA it sets the interpreter up (tests/triton_modules.py).
 from triton_modules import INTERPRET, load_kernel_modules
 
-MODULES = ["_common", "gemv", "moe_grouped", "fp8_linear", "moe_mxfp4", "moe", "mhc", "head", "attention",
+MODULES = ["_common", "fp8_round", "gemv", "moe_grouped", "fp8_linear", "moe_mxfp4", "moe", "mhc", "head", "attention",
            "gate", "nonfinite"]  # fmt: skip
 K = load_kernel_modules(MODULES)
 

@@ -21,7 +21,7 @@ from triton_modules import HAS_CUDA, INTERPRET, load_kernel_modules, triton
 
 tl = triton.language
 
-K = load_kernel_modules(["_common", "gemv", "moe_grouped", "fp8_linear", "moe_mxfp4"])
+K = load_kernel_modules(["_common", "fp8_round", "gemv", "moe_grouped", "fp8_linear", "moe_mxfp4"])
 FP8, MX = K["fp8_linear"], K["moe_mxfp4"]
 
 from draftgraph.runtime.errors import InputError  # noqa: E402

@@ -19,7 +19,8 @@ import torch
 from triton_modules import HAS_CUDA, INTERPRET, load_kernel_modules
 
 K = load_kernel_modules(
-    ["_common", "gemv", "fp8_linear", "combiner", "head", "moe_grouped", "moe_mxfp4", "moe", "mhc", "attention", "gate"]
+    ["_common", "fp8_round", "gemv", "fp8_linear", "combiner", "head", "moe_grouped", "moe_mxfp4", "moe", "mhc",
+     "attention", "gate"]  # fmt: skip
 )
 
 from draftgraph.graphs.v4_block import CacheGeometry, attention_attrs  # noqa: E402

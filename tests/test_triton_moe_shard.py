@@ -24,7 +24,7 @@ import torch
 # Before anything imports triton: without CUDA it sets the interpreter up (tests/triton_modules.py).
 from triton_modules import INTERPRET, counting_carves, load_kernel_modules
 
-K = load_kernel_modules(["_common", "gemv", "moe_grouped", "fp8_linear", "moe_mxfp4", "moe"])
+K = load_kernel_modules(["_common", "fp8_round", "gemv", "moe_grouped", "fp8_linear", "moe_mxfp4", "moe"])
 
 from draftgraph.ops.moe import gate_scores  # noqa: E402
 from draftgraph.runtime.execution.kernel_choice import block_scaled_gap, select_impl  # noqa: E402

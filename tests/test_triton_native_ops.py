@@ -20,7 +20,9 @@ import torch
 # Before anything imports triton: without CUDA it sets the interpreter up (tests/triton_modules.py).
 from triton_modules import counting_carves, load_kernel_modules
 
-K = load_kernel_modules(["_common", "gemv", "moe_grouped", "fp8_linear", "combiner", "moe_mxfp4", "moe", "attention"])
+K = load_kernel_modules(
+    ["_common", "fp8_round", "gemv", "moe_grouped", "fp8_linear", "combiner", "moe_mxfp4", "moe", "attention"]
+)
 
 from draftgraph.runtime.execution.kernel_choice import block_scaled_gap, select_impl  # noqa: E402
 from draftgraph.runtime.ir.op_registry import get_op, register_fused  # noqa: E402
@@ -203,7 +205,8 @@ def _w8a8_rounded(name, batch, attrs):
 
 @pytest.mark.parametrize(
     "name,batch,apart",
-    [("linear", 3, 3), ("combiner", 1, 3), ("swa_attention", 3, 1.5), ("moe", 3, 3), ("moe_hash", 1, 3)],
+    [("linear", 3, 3), ("combiner", 1, 3), ("swa_attention", 3, 1.5), ("swa_attention", 8, 1.5), ("moe", 3, 3),
+     ("moe_hash", 1, 3)],  # fmt: skip
 )
 def test_w8a8_on_native_weights_follows_the_torch_ops_rounding(name, batch, apart, monkeypatch):
     inputs, attrs = CASES[name](gen(320 + batch), batch=batch)
@@ -219,16 +222,21 @@ def test_w8a8_on_native_weights_follows_the_torch_ops_rounding(name, batch, apar
     # near a tie (qa's norm, o's softmax), so the two drift ~2e-2 apart.
     moved, kept = rel_err(plain, ref_torch), rel_err(fused, ref_torch)
     assert moved > apart * kept, f"{name}: W8A8 moved {moved:.2e}, fused vs torch W8A8 {kept:.2e}"
-    # And the fused path rounds the activations the torch op rounds (x once for wq_a and wkv).
+    # And the fused path rounds the activations the torch op rounds (x once for wq_a and wkv), each
+    # by one fp8_round_rows launch (ops/triton/fp8_round.py), never by the torch rounding.
     seen = []
-    real = K["attention"].fp8_round_activations
+    real = K["fp8_round"].fp8_round_rows
 
-    def spy(t, *args):
+    def spy(t, *args, **kw):
         seen.append((t.numel() // t.shape[-1], t.shape[-1]))
-        return real(t, *args)
+        return real(t, *args, **kw)
 
-    for module in ("gemv", "attention", "moe"):
-        monkeypatch.setattr(K[module] if module != "gemv" else _quantised(), "fp8_round_activations", spy)
+    def torch_rounding(*args, **kw):
+        raise AssertionError("a fused impl rounded with the torch ops")
+
+    for module in ("fp8_round", "fp8_linear", "attention", "moe"):
+        monkeypatch.setattr(K[module], "fp8_round_rows", spy)
+    monkeypatch.setattr(_quantised(), "fp8_round_activations", torch_rounding)
     run(name, FUSED[name], inputs, {**attrs, **W8A8})
     assert sorted(seen) == sorted(_w8a8_rounded(name, batch, attrs)), seen
 
@@ -236,7 +244,7 @@ def test_w8a8_on_native_weights_follows_the_torch_ops_rounding(name, batch, apar
 def _quantised():
     import draftgraph.ops.quantised
 
-    return draftgraph.ops.quantised  # act_in, which the fused linear and combiner call
+    return draftgraph.ops.quantised  # act_in: the torch ops' rounding, which no fused impl may call
 
 
 @pytest.mark.parametrize("max_rows", [16, 4])  # 8 stream rows: one GEMV over both Ks, or past the limit a GEMV a half

@@ -49,9 +49,9 @@ their arrival counts sit beside attend's and kv finish zeroes them all (a share 
 Native weights (issue 28.2): with all five linears FP8 QuantWeights the GEMVs are
 ``fp8_linear.fp8_gemv`` on the stored bytes and scales (the same launches and options), and
 raw is bf16, as the reference rounds qa and kv (fp8_gemv reads bf16 activations). W8A8
-(``attrs["activations"] == "fp8"``) rounds each GEMV's input through FP8 first, a torch
-rounding beside the launch, not fused: x, q_norm(qa) (then a norm launch of its own instead
-of the prologue), o per group, z.
+(``attrs["activations"] == "fp8"``) rounds each GEMV's input through FP8 first, a launch of
+``fp8_round.fp8_round_rows`` beside it, not fused into it: x, q_norm(qa) (then a norm launch of
+its own instead of the prologue), o per group, z.
 """
 
 from __future__ import annotations
@@ -76,12 +76,19 @@ from draftgraph.ops.triton._common import (
 )
 from draftgraph.ops.triton.fp8_linear import config_for as fp8_config_for
 from draftgraph.ops.triton.fp8_linear import project, split_tiles
+from draftgraph.ops.triton.fp8_round import fp8_round_rows
 from draftgraph.ops.triton.gemv import GemvConfig
-from draftgraph.runtime.model.quant import fp8_round_activations
 
 # Tuned on an H200 at V4-Flash shapes, batch 1 (docs/KERNELS.md); batch > 1 uses gemv.BATCHED.
 PROJ_CONFIG = GemvConfig(8, 1024, 4, 3, use_dot=False)  # wq_a + wkv: 1536 x 4096
 Q_CONFIG = GemvConfig(16, 1024, 4, 2, use_dot=False)  # wq_b: 32768 x 1024, q_norm prologue
+# W8A8 from 8 rows: wq_b with its activations rounded in the kernel and multiplied on the FP8
+# tensor cores (fp8_linear's note "W8A8 on the tensor cores"), on 128-row tiles. Alone on an H100
+# (bench_w8a8_gemv.py, benchmarks/h200/w8a8_gemv_c2f4da8_h100_log.txt): 13.7 / 14.4 / 22.8 us at
+# 8 / 32 / 64 rows against 17.2 / 26.6 / 39.4 for the bf16 dot tiles on rounded activations. The
+# other FP8 linears (N = 4096 or less) were slower that way: too few 128-row tiles.
+Q_W8A8_CORE_MIN_ROWS = 8
+Q_W8A8_CORE_CONFIG = GemvConfig(128, 128, 8, 4)
 WO_A_CONFIG = GemvConfig(8, 1024, 4, 3, use_dot=False)  # 8 x 1024 x 4096, grouped
 WO_B_CONFIG = GemvConfig(8, 1024, 4, 3, use_dot=False)  # 4096 x 8192
 ATTN_IMPL = "dot"  # "dot": DOT_BLOCK_H heads a program on tensor cores; "fma": one program per (row, head)
@@ -566,7 +573,7 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
     num_slots, max_blocks = cache.shape[0], table.shape[1]
 
     def w8a8_in(t: torch.Tensor) -> torch.Tensor:
-        return fp8_round_activations(t) if w8a8 else t
+        return fp8_round_rows(t) if w8a8 else t
 
     def proj_():  # raw = x @ [wq_a; wkv]^T, or its K split's partials ("split proj")
         if proj_split > 1:
@@ -610,7 +617,10 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
         )
 
     def q_proj():  # q = qn @ wq_b^T, qn = q_norm(qa) from kv finish; W8A8 rounds qn first
-        project(w8a8_in(qn), wq_b, q, config=Q_CONFIG)
+        if w8a8 and b >= Q_W8A8_CORE_MIN_ROWS:  # rounded in the kernel, on the FP8 tensor cores
+            project(qn, wq_b, q, config=Q_CONFIG, act_fp8=True, fp8_config=Q_W8A8_CORE_CONFIG)
+        else:
+            project(w8a8_in(qn), wq_b, q, config=Q_CONFIG)
 
     def attend():
         common = (

@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from draftgraph.ops.quantised import act_in, is_quantised
+from draftgraph.ops.quantised import is_quantised
 from draftgraph.ops.triton._common import carve, next_pow2, pdl_args, pdl_wait, scratch_bytes, zero_share
+from draftgraph.ops.triton.fp8_round import w8a8_input
 from draftgraph.ops.triton.gemv import _HALF, LINEAR_CONFIG, _dense, _fp8, _rows_view, gemv, norm_row, rms_norm_rows
 
 COMBINER_SPLIT = 4  # parts of the two Ks of the FP8 combiner's GEMV ("two launches"); even (odd: five launches)
@@ -127,8 +128,8 @@ def _combine_two_launches(e, h2, e_norm, h_norm, e_proj, h_proj, out2, eps, attr
     )  # fmt: skip
     fp8 = _fp8()
     fp8.fp8_gemv(
-        act_in(hn, h_proj, attrs), h_proj.data, h_proj.scale, out2,
-        w2=e_proj.data, w2_scale=e_proj.scale, x2=act_in(en, e_proj, attrs), x2_row_div=rows // b,
+        w8a8_input(hn, h_proj, attrs), h_proj.data, h_proj.scale, out2,
+        w2=e_proj.data, w2_scale=e_proj.scale, x2=w8a8_input(en, e_proj, attrs), x2_row_div=rows // b,
         split_k=COMBINER_SPLIT, split_reduce=(partials, arrivals), config=fp8.config_for(rows),
     )  # fmt: skip
 
@@ -144,7 +145,7 @@ def _combine_fp8(e, h, h2, e_norm, h_norm, e_proj, h_proj, out, eps, attrs) -> N
     normed = [torch.empty_like(x) for x in (e, h2)]
     for x, norm_w, dst in ((e, e_norm, normed[0]), (h2, h_norm, normed[1])):
         rms_norm_rows(x, norm_w, eps, dst)
-    e_in, h_in = act_in(normed[0], e_proj, attrs), act_in(normed[1], h_proj, attrs)
+    e_in, h_in = w8a8_input(normed[0], e_proj, attrs), w8a8_input(normed[1], h_proj, attrs)
     out2 = _rows_view(out)
     if h.dim() == 2 and is_quantised(e_proj) and out2 is not None:
         project(h_in, h_proj, out2, config=LINEAR_CONFIG)

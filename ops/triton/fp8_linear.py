@@ -83,9 +83,10 @@ from draftgraph.ops.triton._common import (
     rows_aligned,
     tile_pointers,
 )
+from draftgraph.ops.triton.fp8_round import fp8_round_rows
 from draftgraph.ops.triton.gemv import GemvConfig, gemv
 from draftgraph.runtime.errors import InputError, describe
-from draftgraph.runtime.model.quant import FP8_BLOCK, QuantWeight, fp8_round_activations, fp8_scale_shape
+from draftgraph.runtime.model.quant import FP8_BLOCK, QuantWeight, fp8_scale_shape
 
 # Batch 1: an FMA tile 4 rows x 1024 columns (eight scale blocks), one warp: narrow and long, as
 # the bf16 GEMV's winners (see "wide tiles"). Tuned on one H200 at the 4096 x 4096 linear
@@ -553,8 +554,8 @@ def fp8_gemv(
 
     ``act_fp8`` (W8A8): x (and x2) rounded through FP8 per 1 x 128 run first, as
     ``runtime.model.quant.fp8_round_activations`` rounds them; on the FP8 tensor cores where the
-    launch allows it (:func:`act_fp8_fits`, note "W8A8 on the tensor cores"), else rounded by that
-    function and multiplied as bf16.
+    launch allows it (:func:`act_fp8_fits`, note "W8A8 on the tensor cores"), else rounded first
+    (the same values, by ``fp8_round.fp8_round_rows``: one launch) and multiplied as bf16.
 
     Example
     -------
@@ -615,8 +616,8 @@ def fp8_gemv(
     on_cores = act_fp8 and act_fp8_fits(cfg, block_k, even_w, native, norm_w)
     if act_fp8 and not on_cores:  # the same rounding, then the bf16 path
         # grouped: each group's K columns are runs of their own, as the reference rounds o per group
-        x = fp8_round_activations(x.reshape(b, -1, k)).reshape(b, -1) if group_rows else fp8_round_activations(x)
-        x2 = None if x2 is None else fp8_round_activations(x2)
+        x = fp8_round_rows(x.reshape(b, -1, k)).reshape(b, -1) if group_rows else fp8_round_rows(x)
+        x2 = None if x2 is None else fp8_round_rows(x2)
     k_per = k_all // split_k if split_k > 1 else triton.cdiv(k, block_k) * block_k
     grid = (triton.cdiv(n, block_n), triton.cdiv(b, block_b), split_k)
     wk = w if native else w.view(torch.uint8)
@@ -657,6 +658,8 @@ def project(
     accumulate: bool = False,
     split_k: int = 1,
     split_reduce: tuple[torch.Tensor, torch.Tensor] | None = None,
+    act_fp8: bool = False,
+    fp8_config: GemvConfig | None = None,
 ) -> None:
     """out (+)= x @ [W; W2]^T with W a bf16 tensor (``gemv.gemv``) or an FP8 QuantWeight (:func:`fp8_gemv`).
 
@@ -664,15 +667,17 @@ def project(
     FP8 one passes its ``data`` and ``scale`` with this module's configs (:func:`config_for`).
     ``w2`` must be of ``w``'s kind; ``accumulate`` needs FP8 (the bf16 GEMV overwrites). With
     ``split_k`` > 1, out is [split_k, B, N] fp32 partials (both GEMVs), or with ``split_reduce``
-    (FP8 only) the summed output (:func:`fp8_gemv`, note "split K, reduced").
+    (FP8 only) the summed output (:func:`fp8_gemv`, note "split K, reduced"). FP8 only:
+    ``act_fp8`` (W8A8, :func:`fp8_gemv`'s) and ``fp8_config`` (the tiles, in place of :func:`config_for`'s).
     """
     if not isinstance(w, QuantWeight):
-        if isinstance(w2, QuantWeight) or accumulate or split_reduce is not None:
+        if isinstance(w2, QuantWeight) or accumulate or split_reduce is not None or act_fp8:
             raise InputError(
                 describe(
                     "project on a bf16 weight",
-                    "a bf16 w2, no accumulate, no split_reduce",
-                    f"w2 {type(w2).__name__}, accumulate={accumulate}, split_reduce={split_reduce is not None}",
+                    "a bf16 w2, no accumulate, no split_reduce, no act_fp8",
+                    f"w2 {type(w2).__name__}, accumulate={accumulate}, split_reduce={split_reduce is not None}, "
+                    f"act_fp8={act_fp8}",
                 )
             )
         gemv(x, w, out, w2=w2, norm_w=norm_w, eps=eps, group_rows=group_rows, split_k=split_k, config=config)
@@ -696,8 +701,9 @@ def project(
         group_rows=group_rows,
         accumulate=accumulate,
         split_k=split_k,
-        config=config_for(x.shape[0]),
+        config=fp8_config or config_for(x.shape[0]),
         split_reduce=split_reduce,
+        act_fp8=act_fp8,
     )
 
 

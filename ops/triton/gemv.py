@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from draftgraph.ops.quantised import act_in, is_quantised
+from draftgraph.ops.quantised import is_quantised
 from draftgraph.ops.triton._common import batch_block, interpreting, mma, next_pow2, pdl_args, pdl_wait
+from draftgraph.ops.triton.fp8_round import w8a8_input
 
 
 @dataclass(frozen=True)
@@ -309,7 +310,7 @@ def linear_impl(inputs, outputs, attrs, workspace):
     if is_quantised(w):  # FP8 (unsupported_block_scaled): fp8_gemv on the stored bytes, W8A8 rounding first
         if x.dtype not in _HALF or x2 is None or o2 is None or w.fmt != "fp8" or not _dense(w):
             return _linear_impl(inputs, outputs, attrs, workspace)
-        _fp8().project(act_in(x2, w, attrs), w, o2, config=LINEAR_CONFIG)
+        _fp8().project(w8a8_input(x2, w, attrs), w, o2, config=LINEAR_CONFIG)
         return
     if x.dtype not in _HALF or w.dtype != x.dtype or x2 is None or o2 is None or w.stride(1) != 1:
         return _linear_impl(inputs, outputs, attrs, workspace)

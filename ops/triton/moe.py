@@ -21,7 +21,8 @@ Native weights (issue 28.2): MXFP4 routed experts with an FP8 shared expert run 
 2 as they are, then ``moe_mxfp4.moe_mxfp4_launches`` (w13 and w2 reading the stored bytes and
 scales; expert-major plus its reduce at batch > 1) on the rest of the scratch. W8A8
 (``attrs["activations"] == "fp8"``) rounds x into scratch before w13 and the act rows in place
-between w13 and w2 (torch roundings, not fused; the gate reads x as it is, as the torch op's).
+between w13 and w2 (a ``fp8_round.fp8_round_rows`` launch each, not fused; the gate reads x as
+it is, as the torch op's).
 
 moe_shard (expert-parallel, docs/SHARDING.md): the same launches on this rank's [E/W, ...] expert
 stacks. The gate and the route run over all E experts (every rank picks the same ones); the route
@@ -55,8 +56,8 @@ from draftgraph.ops.triton._common import (
     softplus,
     splat,
 )
+from draftgraph.ops.triton.fp8_round import fp8_round_rows
 from draftgraph.ops.triton.gemv import GemvConfig, gemv
-from draftgraph.runtime.model.quant import fp8_round_activations
 
 MAX_BATCH = 64  # the shared slot covers all rows in one tile; larger batches use torch
 NO_EXPERT = -1  # the route's id for a pair whose expert another rank holds (moe_shard): every kernel skips it
@@ -499,10 +500,10 @@ def _mxfp4_launches(x, xq, idx, wts, weights, out, rest, attrs) -> list[tuple[st
     act = carve(rest, x.device, parts)[0]
 
     def round_x():
-        xq.copy_(fp8_round_activations(x))
+        fp8_round_rows(x, out=xq)
 
     def round_act():  # every act row: the routed slots' and the shared expert's, before w2 reads them
-        act.copy_(fp8_round_activations(act))
+        fp8_round_rows(act, out=act)
 
     at = [name for name, _ in launches].index("w13") + 1  # the act rows are w13's: rounded before w2 reads them
     return [("round_x", round_x), *launches[:at], ("round_act", round_act), *launches[at:]]

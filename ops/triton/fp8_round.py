@@ -1,0 +1,106 @@
+"""fp8_round_rows: W8A8's activation rounding (runtime.model.quant's fp8_round_activations) in one kernel.
+
+Why: under ``activations="fp8"`` every FP8 / MXFP4 linear's input is rounded through e4m3 per
+1 x 128 run before the GEMV. The torch rounding is about a dozen launches (a float copy, abs,
+amax, the frexp of the scale, divide, clamp, the e4m3 cast and back, ...), and the chain rounds
+eight inputs a step: the captured W8A8 step was 189 kernel nodes at B=1 against 29 for W8A16,
+0.804 ms against 0.519 on an H100 (benchmarks/h200/chain_w8a8_c2f4da8_h100_log.txt). Here a
+program reads RUNS runs of one row, takes each run's amax, and writes the rounded values.
+
+Note "rounding by arithmetic": the values are rounded to e4m3's grid in fp32 arithmetic, not
+by a cast to float8: Triton's CPU interpreter does not round that cast as the hardware does (it
+moved 120 of 2,048 values of the CPU test's tile), and one formula on both keeps the CPU tests
+about the code the GPU runs. A value v = x / scale (|v| <= 448 by the scale's choice) lies on
+the grid of step 2^(max(floor(log2 |v|), -6) - 3) (3 mantissa bits; below 2^-6 the subnormal
+step 2^-9); |v| / step is below 16, and (y + 2^23) - 2^23 rounds it to an integer, nearest,
+ties to even, as the fp32 adds round. Every other product is by a power of two: exact. The
+sign is put back by its bit, so -0 stays -0, as the cast keeps it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from draftgraph.ops.quantised import is_quantised
+from draftgraph.ops.triton._common import pdl_args, pdl_wait
+from draftgraph.runtime.errors import InputError, describe
+from draftgraph.runtime.model.quant import ACT_AMAX_FLOOR, ACT_BLOCK, E4M3_MAX
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+RUNS = 4  # runs of 128 a program: 512 columns, a V4-Flash hidden row (4096) is 8 programs
+TWO_23: tl.constexpr = tl.constexpr(8388608.0)
+AMAX_FLOOR: tl.constexpr = tl.constexpr(ACT_AMAX_FLOOR)
+FP8_MAX: tl.constexpr = tl.constexpr(E4M3_MAX)
+
+
+@triton.jit
+def pow2(biased_exponent):
+    """2^(e - 127) from the biased exponent e (1..254): the float with those exponent bits."""
+    return (biased_exponent << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_runs(xv):
+    """x [R, 128] fp32 -> x rounded through e4m3 per row of the tile, in fp32 (the note's arithmetic)."""
+    amax = tl.maximum(tl.max(tl.abs(xv), 1), AMAX_FLOOR)
+    r = (amax / FP8_MAX).to(tl.int32, bitcast=True)
+    e = ((r >> 23) & 0xFF) + ((r & 0x7FFFFF) != 0).to(tl.int32)  # biased ceil(log2(amax / 448))
+    scale = pow2(e)
+    v = xv * pow2(254 - e)[:, None]  # x / scale, exactly
+    bits = v.to(tl.int32, bitcast=True)
+    ev = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # floor(log2 |v|), or the subnormals' -6
+    y = tl.abs(v) * pow2(127 + 3 - ev)  # |v| / step: below 16
+    y = (y + TWO_23) - TWO_23  # to an integer, nearest, ties to even
+    mag = y * pow2(127 - 3 + ev) * scale[:, None]
+    return (mag.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_rows_kernel(x, out, n, stride_x, stride_o, RUNS: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * (RUNS * 128) + tl.arange(0, RUNS)[:, None] * 128 + tl.arange(0, 128)[None, :]
+    inside = cols < n
+    xv = tl.load(x + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out + row * stride_o + cols, round_runs(xv).to(out.dtype.element_ty), mask=inside)
+
+
+def fp8_round_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``fp8_round_activations(x)`` (runs of 128 along the last dim, a ragged last run padded with
+    zeros) into ``out`` (a new contiguous tensor when None; ``out=x`` rounds in place), one launch.
+    ``x`` is contiguous, or 2-D with unit column stride (a rows view); ``out`` likewise.
+
+    >>> fp8_round_rows(hidden)  # [B, 4096] bf16 -> the same values W8A8's GEMV multiplies
+    """
+    if x.dim() == 0 or _row_stride(x) is None or x.dtype not in _DTYPES:
+        raise InputError(describe("fp8_round_rows x", "a contiguous (or 2-D rows) bf16 / fp16 / fp32 tensor, >= 1 dim",
+                                  f"{x.dtype} {tuple(x.shape)} strides {x.stride()}",
+                                  "pass x.contiguous() (the chain's activations are)"))  # fmt: skip
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    elif out.shape != x.shape or out.dtype != x.dtype or _row_stride(out) is None or out.device != x.device:
+        raise InputError(describe("fp8_round_rows out", f"{x.dtype} {tuple(x.shape)} on {x.device}, unit-stride rows",
+                                  f"{out.dtype} {tuple(out.shape)} {out.device} strides {out.stride()}"))  # fmt: skip
+    n = x.shape[-1]
+    rows = x.numel() // n if n else 0
+    if rows == 0:
+        return out
+    grid = (rows, triton.cdiv(n, RUNS * ACT_BLOCK))
+    _round_rows_kernel[grid](x, out, n, _row_stride(x), _row_stride(out), RUNS=RUNS, **pdl_args(x.device))
+    return out
+
+
+def _row_stride(t: torch.Tensor) -> int | None:
+    """The stride between rows of the last dim, when every row is one: contiguous, or 2-D with unit column stride."""
+    if t.dim() == 2 and t.stride(1) == 1:
+        return t.stride(0)
+    return t.shape[-1] if t.is_contiguous() else None
+
+
+def w8a8_input(x: torch.Tensor, w, attrs) -> torch.Tensor:
+    """ops/quantised.py's act_in by the kernel: ``x`` rounded through FP8 when ``w`` is block-scaled
+    and the attrs ask for W8A8 (``activations="fp8"``), else ``x`` itself."""
+    if is_quantised(w) and attrs.get("activations") == "fp8":
+        return fp8_round_rows(x)
+    return x
