@@ -97,6 +97,29 @@ def edge_tiles(b: int) -> None:
     gemv(x, w, torch.empty(b, 200, dtype=torch.bfloat16))
 
 
+def native_combiner(b: int) -> None:
+    """The combiner on FP8 e_proj / h_proj (bench_kernels has no such case): the two-launch path
+    (its norms kernel and the two-Ks GEMV) and the per-half one (more rows than COMBINER_MAX_ROWS),
+    each with W8A8 too (the norms writing their rows rounded)."""
+    from draftgraph.ops.triton import combiner as C
+    from draftgraph.runtime.ir.tensor_spec import TensorSpec
+    from draftgraph.runtime.model.quant import QuantWeight, quantize_fp8
+
+    d, c = 4096, 4
+    proj = QuantWeight(*quantize_fp8(torch.randn(d, d, dtype=torch.bfloat16)), fmt="fp8")
+    for rows_b in (b, C.COMBINER_MAX_ROWS // c + 1):
+        e, h = torch.randn(rows_b, d, dtype=torch.bfloat16), torch.randn(rows_b, c, d, dtype=torch.bfloat16)
+        norm = torch.ones(d, dtype=torch.bfloat16)
+        inputs = [e, h, norm, norm, proj, proj]
+        w = TensorSpec(tuple(proj.data.shape), proj.data.dtype, "fp8",
+                       TensorSpec(tuple(proj.scale.shape), torch.float8_e8m0fnu))  # fmt: skip
+        specs = [TensorSpec(tuple(t.shape), t.dtype) for t in (e, h, norm, norm)] + [w, w]
+        for attrs in ({"eps": 1e-6}, {"eps": 1e-6, "activations": "fp8"}):
+            nbytes = C.combiner_workspace(specs, attrs, rows_b)
+            workspace = torch.empty(nbytes, dtype=torch.uint8) if nbytes else None
+            C.combiner_impl(inputs, [torch.empty_like(h)], attrs, workspace)
+
+
 def nonfinite(b: int) -> None:
     """drop_nonfinite and mark_dropped (no bench_kernels case: they are not weight-bound)."""
     from draftgraph.ops.triton.nonfinite import drop_nonfinite_impl, mark_dropped_impl
@@ -148,12 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     for w in weights:
         bk.WEIGHTS = w
         names = [n for n in bk.CASES if w == "bf16" or n in bk.NATIVE]
-        for name in names + (["edge tiles", *W8A8_CASES] if w == "native" else ["nonfinite", "acceptance"]):
+        extra = ["edge tiles", "combiner", *W8A8_CASES] if w == "native" else ["nonfinite", "acceptance"]
+        for name in names + extra:
             for b in batches:
                 before, t0 = len(COMPILED), time.time()
                 try:
                     if name == "edge tiles":
                         edge_tiles(b)
+                    elif name == "combiner" and w == "native":
+                        native_combiner(b)
                     elif name == "nonfinite":
                         nonfinite(b)
                     elif name == "acceptance":

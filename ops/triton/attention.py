@@ -49,9 +49,10 @@ their arrival counts sit beside attend's and kv finish zeroes them all (a share 
 Native weights (issue 28.2): with all five linears FP8 QuantWeights the GEMVs are
 ``fp8_linear.fp8_gemv`` on the stored bytes and scales (the same launches and options), and
 raw is bf16, as the reference rounds qa and kv (fp8_gemv reads bf16 activations). W8A8
-(``attrs["activations"] == "fp8"``) rounds each GEMV's input through FP8 first, a launch of
-``fp8_round.fp8_round_rows`` beside it, not fused into it: x, q_norm(qa) (then a norm launch of
-its own instead of the prologue), o per group, z.
+(``attrs["activations"] == "fp8"``) rounds each GEMV's input through FP8 first: x, o per group
+and z by a launch of ``fp8_round.fp8_round_rows`` beside the GEMV; q_norm(qa) by kv finish as it
+writes it (``fp8_round.round_row``), or from 8 rows by wq_b's own kernel on the FP8 tensor cores
+(``Q_W8A8_CORE_CONFIG``).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ from draftgraph.ops.triton._common import (
 )
 from draftgraph.ops.triton.fp8_linear import config_for as fp8_config_for
 from draftgraph.ops.triton.fp8_linear import project, split_tiles
-from draftgraph.ops.triton.fp8_round import fp8_round_rows
+from draftgraph.ops.triton.fp8_round import fp8_round_rows, round_row
 from draftgraph.ops.triton.gemv import GemvConfig
 
 # Tuned on an H200 at V4-Flash shapes, batch 1 (docs/KERNELS.md); batch > 1 uses gemv.BATCHED.
@@ -233,6 +234,7 @@ def _kv_finish_kernel(
     QA_BLOCK: tl.constexpr,
     SPLIT: tl.constexpr,
     CNT_BLOCK: tl.constexpr,
+    ROUND_QN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
@@ -246,8 +248,10 @@ def _kv_finish_kernel(
     qm = qo < q_lora
     qa = _raw_values(raw_ptr, proj_part_ptr, row0 + qo, qm, plane, SPLIT)
     q_inv = 1.0 / tl.sqrt(tl.sum(qa * qa, 0) / q_lora + eps)
-    qn = qa * q_inv * tl.load(q_norm_ptr + qo, mask=qm, other=0.0).to(tl.float32)
-    tl.store(qn_ptr + b.to(tl.int64) * stride_qn + qo, qn.to(qn_ptr.dtype.element_ty), mask=qm)
+    qn = (qa * q_inv * tl.load(q_norm_ptr + qo, mask=qm, other=0.0).to(tl.float32)).to(qn_ptr.dtype.element_ty)
+    if ROUND_QN:  # W8A8: wq_b's input rounded through FP8 here (QA_BLOCK >= 128), not by a launch of its own
+        qn = round_row(qn.to(tl.float32), QA_BLOCK).to(qn_ptr.dtype.element_ty)
+    tl.store(qn_ptr + b.to(tl.int64) * stride_qn + qo, qn, mask=qm)
 
     p = tl.load(pos_ptr + b * stride_pb)
     slot, alive = _row_slot(table_ptr, b, p, stride_tb, max_blocks, num_slots, BS)
@@ -563,6 +567,7 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
     b, q_lora, n = x.shape[0], wq_a.shape[0], d - r
     quant = is_quantised(wq_a)  # then all five are FP8 (_usable)
     w8a8 = quant and attrs.get("activations") == "fp8"
+    q_on_cores = w8a8 and b >= Q_W8A8_CORE_MIN_ROWS  # wq_b rounds qn in the kernel, on the FP8 tensor cores
     scratch = _parts(b, attrs, q_lora, x.shape[1], x.dtype, quant)
     raw, proj_parts, qn, q, o, z, window_partials, wo_parts, arrivals = carve(workspace, x.device, scratch)
     parts, proj_split = window_parts(b, h, window), max(proj_parts.shape[0], 1)
@@ -609,18 +614,19 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
             BS=bs,
             FP8=bool(attrs.get("kv_fp8_round", False)),
             FP8_PAIRS=32,
-            QA_BLOCK=next_pow2(q_lora),
+            QA_BLOCK=max(next_pow2(q_lora), 128),
             SPLIT=proj_split,
             CNT_BLOCK=next_pow2(cnt_share) if arrivals.numel() else 0,
+            ROUND_QN=w8a8 and not q_on_cores,
             num_warps=4,
             **pdl_args(x.device),
         )
 
-    def q_proj():  # q = qn @ wq_b^T, qn = q_norm(qa) from kv finish; W8A8 rounds qn first
-        if w8a8 and b >= Q_W8A8_CORE_MIN_ROWS:  # rounded in the kernel, on the FP8 tensor cores
+    def q_proj():  # q = qn @ wq_b^T, qn = q_norm(qa) from kv finish (W8A8: rounded there, or by wq_b's kernel)
+        if q_on_cores:
             project(qn, wq_b, q, config=Q_CONFIG, act_fp8=True, fp8_config=Q_W8A8_CORE_CONFIG)
         else:
-            project(w8a8_in(qn), wq_b, q, config=Q_CONFIG)
+            project(qn, wq_b, q, config=Q_CONFIG)
 
     def attend():
         common = (

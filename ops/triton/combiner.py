@@ -14,7 +14,9 @@ The five launches this replaces (two norms, a GEMV a half, torch's add) took 42 
 B=1 step alone for 33.6 MB (11 us of bandwidth), the e_proj GEMV on 1 row and h_proj's on the 4
 stream rows each too few programs to fill the memory system. Up to ``COMBINER_MAX_ROWS`` h rows:
 the partials are 4 bytes a row and column a part, 8 MB at B=32's 128 stream rows. Past it, and
-with one FP8 projection and one bf16, the norms, a GEMV a half and the sum remain.
+with one FP8 projection and one bf16, the norms, a GEMV a half and the sum remain. W8A8
+(``activations="fp8"``): the norms write each FP8 half's input rounded through FP8 (``norm_row``'s
+ROUND_FP8, fp8_round's arithmetic), so the rounding costs no launch.
 """
 
 from __future__ import annotations
@@ -24,8 +26,18 @@ import triton
 import triton.language as tl
 from draftgraph.ops.quantised import is_quantised
 from draftgraph.ops.triton._common import carve, next_pow2, pdl_args, pdl_wait, scratch_bytes, zero_share
-from draftgraph.ops.triton.fp8_round import w8a8_input
-from draftgraph.ops.triton.gemv import _HALF, LINEAR_CONFIG, _dense, _fp8, _rows_view, gemv, norm_row, rms_norm_rows
+from draftgraph.ops.triton.fp8_round import w8a8_rounds
+from draftgraph.ops.triton.gemv import (
+    _HALF,
+    LINEAR_CONFIG,
+    _dense,
+    _fp8,
+    _rows_view,
+    gemv,
+    norm_block,
+    norm_row,
+    rms_norm_rows,
+)
 
 COMBINER_SPLIT = 4  # parts of the two Ks of the FP8 combiner's GEMV ("two launches"); even (odd: five launches)
 # Up to this many h rows (B x C streams): past it the split's fp32 partials cost more than the
@@ -53,6 +65,7 @@ def _two_norms_kernel(
     eps,
     BLOCK_D: tl.constexpr,
     CNT_BLOCK: tl.constexpr,
+    ROUND_FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
@@ -67,7 +80,7 @@ def _two_norms_kernel(
         src = h_ptr + (r - B).to(tl.int64) * stride_h
         w_ptr = hw_ptr
         dst = hn_ptr + (r - B).to(tl.int64) * stride_hn
-    norm_row(src, w_ptr, dst, D, eps, BLOCK_D)
+    norm_row(src, w_ptr, dst, D, eps, BLOCK_D, ROUND_FP8)
 
 
 def _fp8_parts(b: int, rows: int, d: int, n: int, dtype: torch.dtype):
@@ -120,16 +133,17 @@ def _combine_two_launches(e, h2, e_norm, h_norm, e_proj, h_proj, out2, eps, attr
     rows, n = h2.shape[0], h_proj.logical_shape[0]
     en, hn, partials, arrivals = carve(workspace, e.device, _fp8_parts(b, rows, d, n, e.dtype))
     share = triton.cdiv(arrivals.numel(), b + rows)
+    w8a8 = attrs.get("activations") == "fp8"  # both halves FP8 here: the norms write them rounded
     _two_norms_kernel[(b + rows,)](
         e, h2, e_norm, h_norm, en, hn, arrivals,
         b, d, arrivals.numel(), e.stride(0), h2.stride(0), en.stride(0), hn.stride(0), eps,
-        BLOCK_D=next_pow2(d), CNT_BLOCK=next_pow2(share), num_warps=4 if d <= 4096 else 8,
+        BLOCK_D=norm_block(d, w8a8), CNT_BLOCK=next_pow2(share), ROUND_FP8=w8a8, num_warps=4 if d <= 4096 else 8,
         **pdl_args(e.device),
     )  # fmt: skip
     fp8 = _fp8()
     fp8.fp8_gemv(
-        w8a8_input(hn, h_proj, attrs), h_proj.data, h_proj.scale, out2,
-        w2=e_proj.data, w2_scale=e_proj.scale, x2=w8a8_input(en, e_proj, attrs), x2_row_div=rows // b,
+        hn, h_proj.data, h_proj.scale, out2,
+        w2=e_proj.data, w2_scale=e_proj.scale, x2=en, x2_row_div=rows // b,
         split_k=COMBINER_SPLIT, split_reduce=(partials, arrivals), config=fp8.config_for(rows),
     )  # fmt: skip
 
@@ -143,9 +157,9 @@ def _combine_fp8(e, h, h2, e_norm, h_norm, e_proj, h_proj, out, eps, attrs) -> N
     """
     project = _fp8().project
     normed = [torch.empty_like(x) for x in (e, h2)]
-    for x, norm_w, dst in ((e, e_norm, normed[0]), (h2, h_norm, normed[1])):
-        rms_norm_rows(x, norm_w, eps, dst)
-    e_in, h_in = w8a8_input(normed[0], e_proj, attrs), w8a8_input(normed[1], h_proj, attrs)
+    for x, norm_w, proj_w, dst in ((e, e_norm, e_proj, normed[0]), (h2, h_norm, h_proj, normed[1])):
+        rms_norm_rows(x, norm_w, eps, dst, round_fp8=w8a8_rounds(proj_w, attrs))  # W8A8: rounded by the norm
+    e_in, h_in = normed
     out2 = _rows_view(out)
     if h.dim() == 2 and is_quantised(e_proj) and out2 is not None:
         project(h_in, h_proj, out2, config=LINEAR_CONFIG)

@@ -57,6 +57,14 @@ def round_runs(xv):
 
 
 @triton.jit
+def round_row(y, BLOCK: tl.constexpr):
+    """A row [BLOCK] fp32 (BLOCK a multiple of 128, zeros past the row's end) rounded through e4m3 per
+    run of 128: a norm's output rounded where the norm writes it (one launch fewer than a rounding
+    launch after it)."""
+    return tl.reshape(round_runs(tl.reshape(y, (BLOCK // 128, 128))), (BLOCK,))
+
+
+@triton.jit
 def _round_rows_kernel(x, out, n, stride_x, stride_o, RUNS: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -98,9 +106,12 @@ def _row_stride(t: torch.Tensor) -> int | None:
     return t.shape[-1] if t.is_contiguous() else None
 
 
+def w8a8_rounds(w, attrs) -> bool:
+    """Whether a GEMV on ``w`` takes its input rounded through FP8: ``w`` block-scaled and the attrs
+    asking for W8A8 (``activations="fp8"``), as ops/quantised.py's act_in decides."""
+    return is_quantised(w) and attrs.get("activations") == "fp8"
+
+
 def w8a8_input(x: torch.Tensor, w, attrs) -> torch.Tensor:
-    """ops/quantised.py's act_in by the kernel: ``x`` rounded through FP8 when ``w`` is block-scaled
-    and the attrs ask for W8A8 (``activations="fp8"``), else ``x`` itself."""
-    if is_quantised(w) and attrs.get("activations") == "fp8":
-        return fp8_round_rows(x)
-    return x
+    """ops/quantised.py's act_in by the kernel: ``x`` rounded through FP8 where :func:`w8a8_rounds`, else ``x``."""
+    return fp8_round_rows(x) if w8a8_rounds(w, attrs) else x

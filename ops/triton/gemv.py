@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from draftgraph.ops.quantised import is_quantised
 from draftgraph.ops.triton._common import batch_block, interpreting, mma, next_pow2, pdl_args, pdl_wait
-from draftgraph.ops.triton.fp8_round import w8a8_input
+from draftgraph.ops.triton.fp8_round import round_row, w8a8_input
 
 
 @dataclass(frozen=True)
@@ -251,27 +251,38 @@ def gemv(
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, BLOCK_D: tl.constexpr,
+                     ROUND_FP8: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     pdl_wait(PDL)
-    norm_row(x_ptr + row * stride_x, w_ptr, out_ptr + row * stride_o, D, eps, BLOCK_D)
+    norm_row(x_ptr + row * stride_x, w_ptr, out_ptr + row * stride_o, D, eps, BLOCK_D, ROUND_FP8)
 
 
 @triton.jit
-def norm_row(src, w_ptr, dst, D, eps, BLOCK_D: tl.constexpr):
-    """dst[:D] = w * src / rms(src), fp32 math, rounded to dst's dtype as the bf16 norm's output is."""
+def norm_row(src, w_ptr, dst, D, eps, BLOCK_D: tl.constexpr, ROUND_FP8: tl.constexpr = False):
+    """dst[:D] = w * src / rms(src), fp32 math, rounded to dst's dtype as the bf16 norm's output is;
+    under ROUND_FP8 (W8A8, BLOCK_D >= 128) that output then rounded through FP8 per run of 128."""
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
     x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
-    tl.store(dst + offs, (x * inv * w).to(dst.dtype.element_ty), mask=mask)
+    y = (x * inv * w).to(dst.dtype.element_ty)
+    if ROUND_FP8:
+        y = round_row(y.to(tl.float32), BLOCK_D).to(dst.dtype.element_ty)
+    tl.store(dst + offs, y, mask=mask)
 
 
-def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
-    """out = weight * x / rms(x) over the last dim, row by row (x, out: [R, D], unit last stride)."""
+def norm_block(d: int, round_fp8: bool) -> int:
+    """A norm row's tile: d's next power of two, at least one run of 128 when the row is rounded through FP8."""
+    return max(next_pow2(d), 128) if round_fp8 else next_pow2(d)
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, round_fp8: bool = False):
+    """out = weight * x / rms(x) over the last dim, row by row (x, out: [R, D], unit last stride);
+    ``round_fp8``: then rounded through FP8 per run of 128 (W8A8's GEMV input, fp8_round's rounding)."""
     rows, d = x.shape
-    block = next_pow2(d)
+    block = norm_block(d, round_fp8)
     _rms_norm_kernel[(rows,)](
         x,
         weight,
@@ -281,6 +292,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.
         out.stride(0),
         float(eps),
         BLOCK_D=block,
+        ROUND_FP8=round_fp8,
         num_warps=4 if block <= 4096 else 8,
         **pdl_args(x.device),
     )
