@@ -40,7 +40,8 @@ class ProposerOptions:
     kv_fp8_round: bool | None = None
     # "fp8": W8A8, the input of every FP8 / MXFP4 linear rounded through FP8 per 1x128 run, as the
     # reference and vLLM's block-FP8 path. "bf16": bf16 activations, the default (benchmarks/README.md,
-    # "Weights and numerics": W8A8's speed is unmeasured, and it moves drafts away from the unrounded step).
+    # "Weights and numerics": W8A8 was slower at B = 1 / 8 / 32 on an H100, and it moves drafts away from
+    # the unrounded step).
     activations: str = "bf16"
     # "fp8": the LM head's rows quantised at load to FP8 e4m3 with 128x128 UE8M0 scales, for drafting
     # only (half the head's bytes: the V4-Flash B=1 floor 1.31 -> 0.78 GB; benchmarks/README.md, "FP8 draft head").
