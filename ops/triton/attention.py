@@ -78,7 +78,7 @@ from draftgraph.ops.triton._common import (
 from draftgraph.ops.triton.fp8_linear import config_for as fp8_config_for
 from draftgraph.ops.triton.fp8_linear import project, split_tiles
 from draftgraph.ops.triton.fp8_round import fp8_round_rows, round_row
-from draftgraph.ops.triton.gemv import GemvConfig
+from draftgraph.ops.triton.gemv import GemvConfig, norm_block
 
 # Tuned on an H200 at V4-Flash shapes, batch 1 (docs/KERNELS.md); batch > 1 uses gemv.BATCHED.
 PROJ_CONFIG = GemvConfig(8, 1024, 4, 3, use_dot=False)  # wq_a + wkv: 1536 x 4096
@@ -614,7 +614,7 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
             BS=bs,
             FP8=bool(attrs.get("kv_fp8_round", False)),
             FP8_PAIRS=32,
-            QA_BLOCK=max(next_pow2(q_lora), 128),
+            QA_BLOCK=norm_block(q_lora, w8a8 and not q_on_cores),
             SPLIT=proj_split,
             CNT_BLOCK=next_pow2(cnt_share) if arrivals.numel() else 0,
             ROUND_QN=w8a8 and not q_on_cores,
