@@ -14,7 +14,10 @@ about the code the GPU runs. A value v = x / scale (|v| <= 448 by the scale's ch
 the grid of step 2^(max(floor(log2 |v|), -6) - 3) (3 mantissa bits; below 2^-6 the subnormal
 step 2^-9); |v| / step is below 16, and (y + 2^23) - 2^23 rounds it to an integer, nearest,
 ties to even, as the fp32 adds round. Every other product is by a power of two: exact. The
-sign is put back by its bit, so -0 stays -0, as the cast keeps it.
+sign is put back by its bit, so -0 stays -0, as the cast keeps it. Bit-equal for finite inputs
+only: a run holding an infinity or a NaN comes out non-finite here, where the torch rounding
+turns an infinity into 448 times its scale and a NaN run's finite values into tiny ones (the
+chain refuses non-finite hiddens before any launch, ops/nonfinite.py).
 """
 
 from __future__ import annotations
