@@ -16,8 +16,8 @@ step 2^-9); |v| / step is below 16, and (y + 2^23) - 2^23 rounds it to an intege
 ties to even, as the fp32 adds round. Every other product is by a power of two: exact. The
 sign is put back by its bit, so -0 stays -0, as the cast keeps it. Bit-equal for finite inputs
 only: a run holding an infinity or a NaN comes out non-finite here, where the torch rounding
-turns an infinity into 448 times its scale and a NaN run's finite values into tiny ones (the
-chain refuses non-finite hiddens before any launch, ops/nonfinite.py).
+turns an infinity into 448 times its scale and a NaN run's finite values into tiny ones (a
+propose whose hiddens are not finite drafts nothing and is refused: ops/nonfinite.py).
 """
 
 from __future__ import annotations
