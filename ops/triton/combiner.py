@@ -133,7 +133,7 @@ def _combine_two_launches(e, h2, e_norm, h_norm, e_proj, h_proj, out2, eps, attr
     rows, n = h2.shape[0], h_proj.logical_shape[0]
     en, hn, partials, arrivals = carve(workspace, e.device, _fp8_parts(b, rows, d, n, e.dtype))
     share = triton.cdiv(arrivals.numel(), b + rows)
-    w8a8 = attrs.get("activations") == "fp8"  # both halves FP8 here: the norms write them rounded
+    w8a8 = w8a8_rounds(h_proj, attrs)  # both halves FP8 here: the norms write them rounded
     _two_norms_kernel[(b + rows,)](
         e, h2, e_norm, h_norm, en, hn, arrivals,
         b, d, arrivals.numel(), e.stride(0), h2.stride(0), en.stride(0), hn.stride(0), eps,

@@ -88,7 +88,7 @@ from draftgraph.ops.triton._common import (
     rows_aligned,
     tile_pointers,
 )
-from draftgraph.ops.triton.fp8_round import fp8_round_rows
+from draftgraph.ops.triton.fp8_round import fp8_round_rows, pow2, run_exponents
 from draftgraph.ops.triton.gemv import GemvConfig, gemv
 from draftgraph.runtime.errors import InputError, describe
 from draftgraph.runtime.model.quant import FP8_BLOCK, QuantWeight, fp8_scale_shape
@@ -216,12 +216,9 @@ def act_fp8_block(xv):
     """x [BLOCK_B, 128] -> (e4m3 codes, the rows' power-of-two scales [BLOCK_B]): runtime.model.quant's
     fp8_round_activations on one 128-column run, the scale 2^ceil(log2(max(amax, 1e-4) / 448)) made
     from the bits (no log2 / exp2 rounding), the codes by the hardware's round-to-nearest-even."""
-    amax = tl.maximum(tl.max(tl.abs(xv.to(tl.float32)), 1), 1e-4)
-    r = (amax / 448.0).to(tl.int32, bitcast=True)
-    e = ((r >> 23) & 0xFF) + ((r & 0x7FFFFF) != 0).to(tl.int32)  # biased ceil(log2(r)) for normal r
-    scale = (e << 23).to(tl.float32, bitcast=True)
-    q = (xv.to(tl.float32) * (1.0 / scale)[:, None]).to(tl.float8e4nv)  # 1 / 2^k: exact
-    return q, scale
+    e = run_exponents(xv.to(tl.float32))
+    q = (xv.to(tl.float32) * pow2(254 - e)[:, None]).to(tl.float8e4nv)  # x / 2^(e - 127): exact
+    return q, pow2(e)
 
 
 @triton.jit

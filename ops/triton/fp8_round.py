@@ -44,11 +44,19 @@ def pow2(biased_exponent):
 
 
 @triton.jit
-def round_runs(xv):
-    """x [R, 128] fp32 -> x rounded through e4m3 per row of the tile, in fp32 (the note's arithmetic)."""
+def run_exponents(xv):
+    """x [R, 128] fp32 -> the biased exponent e of each row's scale 2^(e - 127) =
+    2^ceil(log2(max(amax, 1e-4) / 448)), the reference's, made from the bits (no log2 / exp2
+    rounding). W8A8's one scale rule: this rounding's and fp8_linear's act_fp8_block."""
     amax = tl.maximum(tl.max(tl.abs(xv), 1), AMAX_FLOOR)
     r = (amax / FP8_MAX).to(tl.int32, bitcast=True)
-    e = ((r >> 23) & 0xFF) + ((r & 0x7FFFFF) != 0).to(tl.int32)  # biased ceil(log2(amax / 448))
+    return ((r >> 23) & 0xFF) + ((r & 0x7FFFFF) != 0).to(tl.int32)  # biased ceil(log2(r)) for normal r
+
+
+@triton.jit
+def round_runs(xv):
+    """x [R, 128] fp32 -> x rounded through e4m3 per row of the tile, in fp32 (the note's arithmetic)."""
+    e = run_exponents(xv)
     scale = pow2(e)
     v = xv * pow2(254 - e)[:, None]  # x / scale, exactly
     bits = v.to(tl.int32, bitcast=True)
