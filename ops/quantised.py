@@ -46,11 +46,15 @@ def expect_weight(spec: TensorSpec, shape: Sequence[Dim], dtype: torch.dtype, wh
     expect(tuple(spec.logical_shape) == tuple(shape), what, f"a weight of logical shape {list(shape)}", spec.short())
 
 
+def w8a8_rounds(w: Weight, attrs) -> bool:
+    """Whether a GEMM on ``w`` takes its input rounded through FP8: ``w`` block-scaled and the attrs
+    asking for W8A8 (``activations="fp8"``). The torch ops' act_in and the fused impls ask this."""
+    return is_quantised(w) and attrs.get("activations") == "fp8"
+
+
 def act_in(x: torch.Tensor, w: Weight, attrs) -> torch.Tensor:
-    """The GEMM's input: ``x``, rounded through FP8 (W8A8) when ``w`` is block-scaled and the attrs ask."""
-    if is_quantised(w) and attrs.get("activations") == "fp8":
-        return fp8_round_activations(x)
-    return x
+    """The GEMM's input: ``x``, rounded through FP8 (W8A8) where :func:`w8a8_rounds`."""
+    return fp8_round_activations(x) if w8a8_rounds(w, attrs) else x
 
 
 def rows_per_chunk(w: QuantWeight, dtype: torch.dtype) -> int:

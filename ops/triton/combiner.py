@@ -24,9 +24,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from draftgraph.ops.quantised import is_quantised
+from draftgraph.ops.quantised import is_quantised, w8a8_rounds
 from draftgraph.ops.triton._common import carve, next_pow2, pdl_args, pdl_wait, scratch_bytes, zero_share
-from draftgraph.ops.triton.fp8_round import w8a8_rounds
 from draftgraph.ops.triton.gemv import (
     _HALF,
     LINEAR_CONFIG,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from draftgraph.ops.quantised import is_quantised
+from draftgraph.ops.quantised import w8a8_rounds
 from draftgraph.ops.triton._common import pdl_args, pdl_wait
 from draftgraph.runtime.errors import InputError, describe
 from draftgraph.runtime.model.quant import ACT_AMAX_FLOOR, ACT_BLOCK, E4M3_MAX
@@ -115,12 +115,6 @@ def _row_stride(t: torch.Tensor) -> int | None:
     if t.dim() == 2 and t.stride(1) == 1:
         return t.stride(0)
     return t.shape[-1] if t.is_contiguous() else None
-
-
-def w8a8_rounds(w, attrs) -> bool:
-    """Whether a GEMV on ``w`` takes its input rounded through FP8: ``w`` block-scaled and the attrs
-    asking for W8A8 (``activations="fp8"``), as ops/quantised.py's act_in decides."""
-    return is_quantised(w) and attrs.get("activations") == "fp8"
 
 
 def w8a8_input(x: torch.Tensor, w, attrs) -> torch.Tensor:
