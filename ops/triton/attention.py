@@ -62,7 +62,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from draftgraph.ops.quantised import is_quantised
+from draftgraph.ops.quantised import is_quantised, w8a8_rounds
 from draftgraph.ops.triton._common import (
     carve,
     interpreting,
@@ -566,7 +566,7 @@ def plan(inputs, outputs, attrs, workspace) -> list[tuple[str, callable]]:
     bs, window = int(attrs.get("block_size", 16)), int(attrs["window"])
     b, q_lora, n = x.shape[0], wq_a.shape[0], d - r
     quant = is_quantised(wq_a)  # then all five are FP8 (_usable)
-    w8a8 = quant and attrs.get("activations") == "fp8"
+    w8a8 = w8a8_rounds(wq_a, attrs)
     q_on_cores = w8a8 and b >= Q_W8A8_CORE_MIN_ROWS  # wq_b rounds qn in the kernel, on the FP8 tensor cores
     scratch = _parts(b, attrs, q_lora, x.shape[1], x.dtype, quant)
     raw, proj_parts, qn, q, o, z, window_partials, wo_parts, arrivals = carve(workspace, x.device, scratch)

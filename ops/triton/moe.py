@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from draftgraph.ops.quantised import is_quantised
+from draftgraph.ops.quantised import is_quantised, w8a8_rounds
 from draftgraph.ops.triton import moe_grouped, moe_mxfp4
 from draftgraph.ops.triton._common import (
     batch_block,
@@ -338,7 +338,7 @@ def _plan(x, routing, experts, shared, expert_lo, out, attrs, workspace) -> list
     e, num_local, inter = gate_w.shape[0], w1.shape[0], w1.shape[1]
     quant = is_quantised(w1)  # MXFP4 experts, FP8 shared expert (_usable)
     if quant:
-        w8a8 = attrs.get("activations") == "fp8"
+        w8a8 = w8a8_rounds(w1, attrs)
         # One buffer for the route's scratch and moe_mxfp4's (carved again by act_rows): allocated
         # whole here when the op was given none, so both carve the same bytes.
         head, tail = _mxfp4_scratch(b, e, top_k, inter, d, x.dtype, w8a8, has_shared)
