@@ -304,6 +304,9 @@ def test_fp8_gemv_rejects_bad_inputs():
     with pytest.raises(InputError, match="split_reduce"):  # the bf16 GEMV has no reduced split
         FP8.project(x, torch.zeros(128, 128, dtype=BF16), out, config=FP8.DEFAULT, split_k=2,
                     split_reduce=(partials, counts))  # fmt: skip
+    for fp8_only in ({"act_fp8": True}, {"fp8_config": FP8.DEFAULT}):  # FP8 options on a bf16 weight
+        with pytest.raises(InputError, match=f"project on a bf16 weight.*{next(iter(fp8_only))}="):
+            FP8.project(x, torch.zeros(128, 128, dtype=BF16), out, config=FP8.DEFAULT, **fp8_only)
     assert torch.equal(counts, torch.zeros_like(counts))  # no launch: nothing counted
 
 

@@ -673,13 +673,14 @@ def project(
     ``act_fp8`` (W8A8, :func:`fp8_gemv`'s) and ``fp8_config`` (the tiles, in place of :func:`config_for`'s).
     """
     if not isinstance(w, QuantWeight):
-        if isinstance(w2, QuantWeight) or accumulate or split_reduce is not None or act_fp8:
+        fp8_only = accumulate or split_reduce is not None or act_fp8 or fp8_config is not None
+        if isinstance(w2, QuantWeight) or fp8_only:
             raise InputError(
                 describe(
                     "project on a bf16 weight",
-                    "a bf16 w2, no accumulate, no split_reduce, no act_fp8",
+                    "a bf16 w2, no accumulate, no split_reduce, no act_fp8, no fp8_config",
                     f"w2 {type(w2).__name__}, accumulate={accumulate}, split_reduce={split_reduce is not None}, "
-                    f"act_fp8={act_fp8}",
+                    f"act_fp8={act_fp8}, fp8_config={fp8_config}",
                 )
             )
         gemv(x, w, out, w2=w2, norm_w=norm_w, eps=eps, group_rows=group_rows, split_k=split_k, config=config)
