@@ -154,6 +154,16 @@ def _numel(shape) -> int:
     return n
 
 
+def rows_view(t: torch.Tensor) -> torch.Tensor | None:
+    """t as [R, last] without a copy (unit last stride, one stride between rows), or None."""
+    if t.dim() == 0 or t.stride(-1) != 1:
+        return None
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return None
+
+
 def rows_aligned(*tensors: torch.Tensor) -> bool:
     """Whether every tensor's data and each of its rows (every stride but the last) start on 16
     bytes: the host's half of ``tile_pointers``' ALIGNED hint."""

@@ -25,13 +25,12 @@ import torch
 import triton
 import triton.language as tl
 from draftgraph.ops.quantised import is_quantised, w8a8_rounds
-from draftgraph.ops.triton._common import carve, next_pow2, pdl_args, pdl_wait, scratch_bytes, zero_share
+from draftgraph.ops.triton._common import carve, next_pow2, pdl_args, pdl_wait, rows_view, scratch_bytes, zero_share
 from draftgraph.ops.triton.gemv import (
     _HALF,
     LINEAR_CONFIG,
     _dense,
     _fp8,
-    _rows_view,
     gemv,
     norm_block,
     norm_row,
@@ -104,13 +103,13 @@ def combiner_impl(inputs, outputs, attrs, workspace):
 
     e, h, e_norm, h_norm, e_proj, h_proj = inputs
     (out,) = outputs
-    h2 = _rows_view(h)
+    h2 = rows_view(h)
     if (e.dtype not in _HALF or e.dim() != 2 or h2 is None or e.stride(-1) != 1 or e.shape[-1] > 16384
             or any(w.dtype != e.dtype or not w.is_contiguous() for w in (e_norm, h_norm))
             or not all(_readable(w, e.dtype) for w in (e_proj, h_proj))):  # fmt: skip
         return _combiner_impl(inputs, outputs, attrs, workspace)
     eps = float(attrs["eps"])
-    out2 = _rows_view(out)
+    out2 = rows_view(out)
     two = is_quantised(e_proj) and is_quantised(h_proj) and out2 is not None and COMBINER_SPLIT % 2 == 0
     if two and h2.shape[0] <= COMBINER_MAX_ROWS:
         return _combine_two_launches(e, h2, e_norm, h_norm, e_proj, h_proj, out2, eps, attrs, workspace)
@@ -159,7 +158,7 @@ def _combine_fp8(e, h, h2, e_norm, h_norm, e_proj, h_proj, out, eps, attrs) -> N
     for x, norm_w, proj_w, dst in ((e, e_norm, e_proj, normed[0]), (h2, h_norm, h_proj, normed[1])):
         rms_norm_rows(x, norm_w, eps, dst, round_fp8=w8a8_rounds(proj_w, attrs))  # W8A8: rounded by the norm
     e_in, h_in = normed
-    out2 = _rows_view(out)
+    out2 = rows_view(out)
     if h.dim() == 2 and is_quantised(e_proj) and out2 is not None:
         project(h_in, h_proj, out2, config=LINEAR_CONFIG)
         project(e_in, e_proj, out2, config=LINEAR_CONFIG, accumulate=True)

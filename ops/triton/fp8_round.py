@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 from draftgraph.ops.quantised import w8a8_rounds
-from draftgraph.ops.triton._common import pdl_args, pdl_wait
+from draftgraph.ops.triton._common import pdl_args, pdl_wait, rows_view
 from draftgraph.runtime.errors import InputError, describe
 from draftgraph.runtime.model.quant import ACT_AMAX_FLOOR, ACT_BLOCK, E4M3_MAX
 
@@ -88,34 +88,31 @@ def _round_rows_kernel(x, out, n, stride_x, stride_o, RUNS: tl.constexpr, PDL: t
 def fp8_round_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``fp8_round_activations(x)`` (runs of 128 along the last dim, a ragged last run padded with
     zeros) into ``out`` (a new contiguous tensor when None; ``out=x`` rounds in place), one launch.
-    ``x`` is contiguous, or 2-D with unit column stride (a rows view); ``out`` likewise.
+    ``x`` and ``out`` are rows: viewable as [R, last] without a copy (``_common.rows_view``).
 
     >>> fp8_round_rows(hidden)  # [B, 4096] bf16 -> the same values W8A8's GEMV multiplies
     """
-    if x.dim() == 0 or _row_stride(x) is None or x.dtype not in _DTYPES:
-        raise InputError(describe("fp8_round_rows x", "a contiguous (or 2-D rows) bf16 / fp16 / fp32 tensor, >= 1 dim",
+    x2 = _rows(x)
+    if x2 is None or x.dtype not in _DTYPES:
+        raise InputError(describe("fp8_round_rows x", "bf16 / fp16 / fp32 rows ([R, last] with no copy), >= 1 dim",
                                   f"{x.dtype} {tuple(x.shape)} strides {x.stride()}",
                                   "pass x.contiguous() (the chain's activations are)"))  # fmt: skip
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    elif out.shape != x.shape or out.dtype != x.dtype or _row_stride(out) is None or out.device != x.device:
+    o2 = _rows(out)
+    if out.shape != x.shape or out.dtype != x.dtype or o2 is None or out.device != x.device:
         raise InputError(describe("fp8_round_rows out", f"{x.dtype} {tuple(x.shape)} on {x.device}, unit-stride rows",
                                   f"{out.dtype} {tuple(out.shape)} {out.device} strides {out.stride()}"))  # fmt: skip
-    n = x.shape[-1]
-    rows = x.numel() // n if n else 0
-    if rows == 0:
+    if x.numel() == 0:
         return out
-    grid = (rows, triton.cdiv(n, RUNS * ACT_BLOCK))
-    _round_rows_kernel[grid](x, out, n, _row_stride(x), _row_stride(out), RUNS=RUNS, **pdl_args(x.device))
+    grid = (x2.shape[0], triton.cdiv(x2.shape[1], RUNS * ACT_BLOCK))
+    _round_rows_kernel[grid](x2, o2, x2.shape[1], x2.stride(0), o2.stride(0), RUNS=RUNS, **pdl_args(x.device))
     return out
 
 
-def _row_stride(t: torch.Tensor) -> int | None:
-    """The stride between rows of the last dim, when every row is one: contiguous, or 2-D with unit column stride."""
-    if t.dim() == 2 and t.stride(1) == 1:
-        return t.stride(0)
-    return t.shape[-1] if t.is_contiguous() else None
-
+def _rows(t: torch.Tensor) -> torch.Tensor | None:
+    """``_common.rows_view`` of t; an empty t (no element to read or write) as [0, last] whatever its strides."""
+    return t.reshape(0, t.shape[-1]) if t.dim() and t.numel() == 0 else rows_view(t)
 
 def w8a8_input(x: torch.Tensor, w, attrs) -> torch.Tensor:
     """ops/quantised.py's act_in by the kernel: ``x`` rounded through FP8 where :func:`w8a8_rounds`, else ``x``."""

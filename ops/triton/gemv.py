@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 from draftgraph.ops.quantised import is_quantised
-from draftgraph.ops.triton._common import batch_block, interpreting, mma, next_pow2, pdl_args, pdl_wait
+from draftgraph.ops.triton._common import batch_block, interpreting, mma, next_pow2, pdl_args, pdl_wait, rows_view
 from draftgraph.ops.triton.fp8_round import round_row, w8a8_input
 
 
@@ -303,22 +303,12 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def _rows_view(t: torch.Tensor) -> torch.Tensor | None:
-    """t as [R, last] without a copy, or None."""
-    if t.dim() == 0 or t.stride(-1) != 1:
-        return None
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:
-        return None
-
-
 def linear_impl(inputs, outputs, attrs, workspace):
     from draftgraph.ops.basic import _linear_impl
 
     x, w = inputs
     (out,) = outputs
-    x2, o2 = _rows_view(x), _rows_view(out)
+    x2, o2 = rows_view(x), rows_view(out)
     if is_quantised(w):  # FP8 (unsupported_block_scaled): fp8_gemv on the stored bytes, W8A8 rounding first
         if x.dtype not in _HALF or x2 is None or o2 is None or w.fmt != "fp8" or not _dense(w):
             return _linear_impl(inputs, outputs, attrs, workspace)
@@ -341,7 +331,7 @@ def rms_norm_impl(inputs, outputs, attrs, workspace):
     from draftgraph.ops.basic import _rms_norm_impl
 
     x, w = inputs
-    x2, o2 = _rows_view(x), _rows_view(outputs[0])
+    x2, o2 = rows_view(x), rows_view(outputs[0])
     if x2 is None or o2 is None or x.shape[-1] > 16384 or not w.is_contiguous():
         return _rms_norm_impl(inputs, outputs, attrs, workspace)
     rms_norm_rows(x2, w, float(attrs["eps"]), o2)
