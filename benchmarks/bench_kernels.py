@@ -795,6 +795,10 @@ def native_jobs() -> list:
                     (MX, "GROUPED_MIN_BATCH", [1])]),  # fmt: skip
         ("linear", 4, [(F, "DEFAULT", dot + deep)]),
         ("linear", 32, [(F, "LARGE_BATCH_CONFIG", dot + deep)]),
+        # The launches past 16 rows whose grid stays full on 64-row tiles (fp8_linear.config_for):
+        # at B=32 the attention's wq_b, wo_a and wo_b. Tiles of 64 rows or more: the op's scratch
+        # holds the split's arrival counts of 64-row tiles (more, narrower tiles would not fit).
+        ("swa_attention", 32, [(F, "WIDE_GRID_CONFIG", [c for c in dot + deep if c.block_n >= 64])]),
         # The tensor-core kernels (moe_mxfp4_mma) against the dot tiles (MMA_MAX_BATCH 0), then their tiles.
         ("moe", 4, [(MX, "MMA_MAX_BATCH", [0]), (MX, "W13_CONFIG_MMA", mma), (MX, "W2_CONFIG_MMA", mma),
                     (MX, "W13_SPLIT_MMA", [2, 4])]),  # w13's K in parts (moe_mxfp4_mma, "split K")

@@ -322,6 +322,42 @@ def test_split_launches_count_on_poisoned_scratch(name, batch, monkeypatch):
     assert carved == [nbytes, nbytes], (carved, nbytes)  # the rule is tight
 
 
+def test_config_for_takes_wide_tiles_where_the_grid_stays_full():
+    """Past 16 rows, 64-row tiles where the launch keeps WIDE_GRID_PROGRAMS programs on them (the
+    V4-Flash shapes at B=32 as the chain launches them), else the 32-row ones."""
+    F = K["fp8_linear"]
+    assert F.config_for(1, 4096) is F.BATCH1_CONFIG and F.config_for(16, 32768) is F.DEFAULT
+    assert F.config_for(32, 32768) is F.WIDE_GRID_CONFIG  # wq_b: 512 programs
+    assert F.config_for(32, 4096, 4) is F.WIDE_GRID_CONFIG  # wo_b in 4 K parts: 256
+    assert F.config_for(128, 4096) is F.WIDE_GRID_CONFIG  # h_proj on B=32's stream rows: 64 x 2 batch blocks
+    assert F.config_for(32, 4096) is F.LARGE_BATCH_CONFIG  # e_proj: 64
+    assert F.config_for(32, 1536, 4) is F.LARGE_BATCH_CONFIG  # wq_a + wkv: 96
+    assert F.config_for(32) is F.LARGE_BATCH_CONFIG  # outputs not given
+
+
+def test_wide_grid_tiles_in_the_attention_past_16_rows(monkeypatch):
+    """The attention's GEMVs on WIDE_GRID_CONFIG, forced on every launch past 16 rows
+    (WIDE_GRID_PROGRAMS 1: the small config's grids are short): the split's arrival counts, sized by
+    the same rule (attention._wo_split), fit the op's scratch poisoned; the result matches the torch
+    op and the bf16 kernels, and is the same on poisoned scratch, bit for bit."""
+    F = K["fp8_linear"]
+    monkeypatch.setattr(F, "WIDE_GRID_PROGRAMS", 1)
+    configs = []
+    real = F.fp8_gemv
+    monkeypatch.setattr(F, "fp8_gemv", lambda *a, **kw: configs.append(kw["config"]) or real(*a, **kw))
+    batch = 17
+    case = CASES["swa_attention"](gen(380), batch=batch)
+    inputs, attrs = to_device(native("swa_attention", case[0])), case[1]
+    fused, _, bf16_fused = three_ways("swa_attention", inputs, attrs)
+    assert len(configs) == 4 and all(c is F.WIDE_GRID_CONFIG for c in configs), configs  # proj, wq_b, wo_a, wo_b
+    assert rel_err(fused, bf16_fused) < 1e-2
+    nbytes = K["attention"].attention_workspace([TensorSpec.of(t) for t in inputs], attrs, batch)
+    ws = torch.full((nbytes,), 0xFF, dtype=torch.uint8, device=DEVICE)
+    out = torch.full_like(fused, float("nan"))
+    FUSED["swa_attention"]([t.clone() if i == 9 else t for i, t in enumerate(inputs)], [out], attrs, ws)
+    assert torch.equal(out, fused)
+
+
 # ---- selection --------------------------------------------------------------------------------
 
 

@@ -515,9 +515,9 @@ def _wo_split(b: int, hd: int, groups: int, o_lora: int, dim: int, quant: bool) 
     split = max(int(WO_SPLIT), 1) if quant and b > 1 else 1
     if split == 1:
         return 1, (0, 0)
-    cfg = fp8_config_for(b)
-    return split, (split_tiles(b, groups * o_lora, groups * o_lora, hd // groups, cfg, False, o_lora, split),
-                   split_tiles(b, dim, dim, groups * o_lora, cfg, False, 0, split))  # fmt: skip
+    cfg_a, cfg_b = fp8_config_for(b, groups * o_lora, split), fp8_config_for(b, dim, split)  # as project picks them
+    return split, (split_tiles(b, groups * o_lora, groups * o_lora, hd // groups, cfg_a, False, o_lora, split),
+                   split_tiles(b, dim, dim, groups * o_lora, cfg_b, False, 0, split))  # fmt: skip
 
 
 def attention_workspace(specs, attrs, batch: int) -> int:

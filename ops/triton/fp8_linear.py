@@ -109,11 +109,27 @@ BATCH1_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=1, num_stages=3, u
 # own knob, tuned at B=32 (bench_kernels' linear:32 job): the same tile won there on both cards,
 # by less (13.4 us against 13.6 / 13.7 with 4 stages; 31% of copy on the H200).
 LARGE_BATCH_CONFIG = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=6)
+# More than 16 rows on a launch whose grid stays full on 64-row tiles (at least
+# WIDE_GRID_PROGRAMS programs: output tiles x batch blocks x K parts): the 64-row tile, 3 stages,
+# reads each activation tile for twice the weight rows. Measured in the chain at B=32 on an H100,
+# each launch alone against LARGE_BATCH_CONFIG: wo_a -11.0 us, wq_b -8.7, wo_b -2.2, the
+# combiner's h_proj on 128 rows -0.9; all of them with wq_a + wkv -23.4 (0.879 -> 0.856 ms). The
+# launches it leaves on 32-row tiles lose on 64 (e_proj 4096 x 4096 on 32 rows, 64 programs:
+# 12.8 -> 16.5 us alone). At B <= 16 no launch moved the chain by more than its noise (B=8: all
+# on 64- or 128-row tiles +4.6 us). benchmarks/h200/gemv_grid_tiles_69dfdf6_h100_log.txt.
+WIDE_GRID_CONFIG = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)
+WIDE_GRID_PROGRAMS = 128
 
 
-def config_for(rows: int) -> GemvConfig:
-    """The tile config of a GEMV over ``rows`` activation rows (read at call time: tuners set the knobs)."""
-    return BATCH1_CONFIG if rows == 1 else DEFAULT if rows <= 16 else LARGE_BATCH_CONFIG
+def config_for(rows: int, n: int = 0, split_k: int = 1) -> GemvConfig:
+    """The tile config of a GEMV over ``rows`` activation rows into ``n`` outputs (0: unknown) in
+    ``split_k`` K parts (read at call time: tuners set the knobs)."""
+    if rows == 1:
+        return BATCH1_CONFIG
+    if rows <= 16:
+        return DEFAULT
+    programs = triton.cdiv(n, WIDE_GRID_CONFIG.block_n) * triton.cdiv(rows, batch_block(rows)) * split_k
+    return WIDE_GRID_CONFIG if programs >= WIDE_GRID_PROGRAMS else LARGE_BATCH_CONFIG
 
 
 # ---- decoding bytes in registers ------------------------------------------------------------
@@ -704,7 +720,8 @@ def project(
         group_rows=group_rows,
         accumulate=accumulate,
         split_k=split_k,
-        config=fp8_config or config_for(x.shape[0]),
+        config=fp8_config or config_for(x.shape[0], w.data.shape[0] + (0 if w2 is None else w2.data.shape[0]),
+                                        split_k),
         split_reduce=split_reduce,
         act_fp8=act_fp8,
     )
