@@ -112,11 +112,12 @@ LARGE_BATCH_CONFIG = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages
 # More than 16 rows on a launch whose grid stays full on 64-row tiles (at least
 # WIDE_GRID_PROGRAMS programs: output tiles x batch blocks x K parts): the 64-row tile, 3 stages,
 # reads each activation tile for twice the weight rows. Measured in the chain at B=32 on an H100,
-# each launch alone against LARGE_BATCH_CONFIG: wo_a -11.0 us, wq_b -8.7, wo_b -2.2, the
-# combiner's h_proj on 128 rows -0.9; all of them with wq_a + wkv -23.4 (0.879 -> 0.856 ms). The
-# launches it leaves on 32-row tiles lose on 64 (e_proj 4096 x 4096 on 32 rows, 64 programs:
-# 12.8 -> 16.5 us alone). At B <= 16 no launch moved the chain by more than its noise (B=8: all
-# on 64- or 128-row tiles +4.6 us). benchmarks/h200/gemv_grid_tiles_69dfdf6_h100_log.txt.
+# one launch's tiles changed at a time against LARGE_BATCH_CONFIG: wo_a -11.0 us, wq_b -8.7, wo_b
+# -2.2, the combiner's h_proj on 128 rows -0.9; this rule against the old one 0.878 -> 0.856 ms,
+# B=8 and B=1 unchanged. The launches it leaves on 32-row tiles lose on 64 (e_proj 4096 x 4096 on
+# 32 rows, 64 programs: 12.8 -> 16.5 us timed alone). At B <= 16 no launch moved the chain past its
+# noise (B=8: all on 64- or 128-row tiles +4.6 us). benchmarks/h200/gemv_grid_tiles_69dfdf6_h100_log.txt,
+# config_for_wide_ab_4798eb7_h100_log.txt.
 WIDE_GRID_CONFIG = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)
 WIDE_GRID_PROGRAMS = 128
 
