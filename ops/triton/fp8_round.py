@@ -114,6 +114,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor | None:
     """``_common.rows_view`` of t; an empty t (no element to read or write) as [0, last] whatever its strides."""
     return t.reshape(0, t.shape[-1]) if t.dim() and t.numel() == 0 else rows_view(t)
 
+
 def w8a8_input(x: torch.Tensor, w, attrs) -> torch.Tensor:
     """ops/quantised.py's act_in by the kernel: ``x`` rounded through FP8 where :func:`w8a8_rounds`, else ``x``."""
     return fp8_round_rows(x) if w8a8_rounds(w, attrs) else x
