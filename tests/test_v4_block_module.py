@@ -398,6 +398,14 @@ def test_byte_tokenizer_round_trip():
     assert tok.decode([0xC3]) == "\ufffd"
 
 
+def test_byte_tokenizer_refuses_what_is_not_text():
+    tok = ByteTokenizer()
+    with pytest.raises(InputError, match=r"text: expected encodable as UTF-8, got '\\udcff' at character 2"):
+        tok.encode("ab\udcff")  # a byte that was not UTF-8, decoded with surrogateescape
+    with pytest.raises(InputError, match="text: expected a str, got bytes"):
+        tok.encode(b"ab")
+
+
 def test_tiny_config_is_the_committed_model():
     """tiny_config is written as overrides of V4Config.small(): it must still be what was trained."""
     from draftgraph.tools.workload import TINY_CHECKPOINT

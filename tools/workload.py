@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from draftgraph.runtime.errors import describe
 from draftgraph.tools.arg_checks import check_at_least, check_num_drafts
 from draftgraph.tools.cli import UsageError
 from draftgraph.tools.common import cached_small_checkpoint, device_arg
@@ -108,14 +109,32 @@ def load_workload(args) -> Workload:
 
 
 def read_prompts(args) -> list[str]:
+    """--prompt texts, then --batch-prompts' non-blank lines; UTF-8 text only: the tokenizer encodes
+    text, and a byte that is not UTF-8 (a surrogate from argv, a Latin-1 file) cannot be printed back."""
     prompts = list(args.prompt or [])
+    for i, prompt in enumerate(prompts):
+        _check_utf8(f"--prompt #{i + 1}", prompt)
     if args.batch_prompts is not None:
         if not args.batch_prompts.is_file():
             raise UsageError(f"--batch-prompts: expected a file, got {args.batch_prompts}")
-        prompts += [line for line in args.batch_prompts.read_text().splitlines() if line.strip()]
+        data = args.batch_prompts.read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UsageError(describe("--batch-prompts", "a UTF-8 text file", f"byte 0x{data[e.start]:02x} at offset "
+                                      f"{e.start} of {args.batch_prompts}", "save the file as UTF-8")) from None
+        prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
         prompts = [DEFAULT_PROMPT]
     return prompts
+
+
+def _check_utf8(flag: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        got = f"{ascii(text[e.start])} at character {e.start}"
+        raise UsageError(describe(flag, "UTF-8 text", got, "the shell passed bytes that are not UTF-8")) from None
 
 
 def check_workload_args(args) -> None:

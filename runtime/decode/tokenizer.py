@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from draftgraph.runtime.errors import InputError, describe
+
 NUM_BYTES = 256
 BOS_ID = 256
 EOS_ID = 257
@@ -31,8 +33,15 @@ class ByteTokenizer:
     vocab_size: int = VOCAB_SIZE
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        """UTF-8 bytes of ``text``, optionally framed by BOS / EOS."""
-        ids = list(text.encode("utf-8"))
+        """UTF-8 bytes of ``text``, optionally framed by BOS / EOS. A lone surrogate (bytes that were
+        not UTF-8, decoded with ``surrogateescape``) raises InputError."""
+        if not isinstance(text, str):
+            raise InputError(describe("text", "a str", type(text).__name__, "decode bytes to str first"))
+        try:
+            ids = list(text.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            got = f"{ascii(text[e.start])} at character {e.start}"
+            raise InputError(describe("text", "encodable as UTF-8", got, "pass text, not undecodable bytes")) from None
         if add_bos:
             ids.insert(0, BOS_ID)
         if add_eos:
