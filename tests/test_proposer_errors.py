@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from draftgraph.runtime.errors import CacheError, InputError
+from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer, ProposerOptions
 from proposer_fixtures import TINY, hidden, make_proposer
 
 WORDS = (TINY.vocab_size + 31) // 32
@@ -132,3 +133,37 @@ def test_pool_exhaustion_is_a_cache_error_and_changes_nothing():
     prop.free_state(a)
     prop.free_state(b)
     assert prop.cache.num_free_blocks == 3
+
+
+@pytest.mark.parametrize("options, fragment", [
+    ({"overlap": "yes"}, "overlap: expected True or False, got 'yes'"),
+    ({"debug": 1}, "debug: expected True or False, got 1"),
+    ({"poison_arena": None}, "poison_arena: expected True or False, got None"),
+    ({"max_seq_len": 0}, "max_seq_len: expected None or an int in [1, 512]"),
+    ({"max_seq_len": 10**12}, "got 1000000000000"),  # was a MemoryError from the host's row tables
+    ({"num_cache_blocks": 0}, "num_cache_blocks: expected None or an int >= 1, got 0"),
+    ({"extra": {"nosuch": 1}}, "extra: expected a dict with keys among ['vocab_limit'], got ['nosuch']"),
+    ({"extra": {"vocab_limit": 10**9}}, "extra['vocab_limit']: expected an int in [1, 100]"),
+], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
+def test_bad_options_are_typed_before_any_allocation(options, fragment):
+    with pytest.raises(InputError) as e:
+        DeepseekV4MtpProposer(TINY, {}, **options)  # no weights: the options fail first
+    assert fragment in str(e.value)
+
+
+def test_a_cache_that_does_not_fit_is_a_cache_error():
+    with pytest.raises(CacheError, match=r"num_blocks: expected a cache that fits in cpu memory, got 10\*\*15"
+                                         .replace(r"10\*\*15", str(10**15))):
+        make_proposer(TINY, num_cache_blocks=10**15)
+
+
+def test_the_constructor_names_its_arguments_when_given_a_path(tmp_path):
+    """A path where the config goes (the classmethod's job) was an AttributeError deep inside."""
+    with pytest.raises(InputError, match="config: expected a V4Config, got PosixPath .*from_checkpoint"):
+        DeepseekV4MtpProposer(tmp_path, {})
+    with pytest.raises(InputError, match="tensors: expected a mapping"):
+        DeepseekV4MtpProposer(TINY, [torch.zeros(1)])
+    with pytest.raises(InputError, match=r"options= or keyword options, not both.*\['executor'\]"):
+        DeepseekV4MtpProposer(TINY, {}, options=ProposerOptions(), executor="eager")  # executor was dropped
+    with pytest.raises(InputError, match="options: expected a ProposerOptions, got dict"):
+        DeepseekV4MtpProposer(TINY, {}, options={"executor": "eager"})

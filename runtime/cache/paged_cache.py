@@ -182,7 +182,13 @@ class PagedLatentCache:
         self.head_dim, self.block_size, self.window, self.max_seq_len = head_dim, block_size, window, max_seq_len
         self._width = max_blocks_for(max_seq_len, block_size)  # read on every check of a table
         self.cache_id = next(_cache_ids)
-        self.kv = torch.zeros(num_blocks * block_size, head_dim, dtype=dtype, device=device)  # [P*16, d]
+        try:
+            self.kv = torch.zeros(num_blocks * block_size, head_dim, dtype=dtype, device=device)  # [P*16, d]
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            size = num_blocks * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
+            raise CacheError(describe("num_blocks", f"a cache that fits in {torch.device(device)} memory",
+                                      f"{num_blocks} blocks ({size / 2**30:.1f} GiB)",
+                                      f"fewer blocks ({type(e).__name__} on allocation)")) from None
         self._lock = threading.Lock()
         self._state = np.zeros(num_blocks, dtype=np.int8)  # FREE / OWNED / LOOSE per block
         self._taken_by: dict[int, int] = {}  # LOOSE block -> serial of the take() that loosed it

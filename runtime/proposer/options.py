@@ -13,6 +13,7 @@ EXECUTORS = ("auto", "eager", "captured")
 WEIGHTS = ("native", "bf16")
 ACTIVATIONS = ("bf16", "fp8")
 HEAD_DTYPES = ("bf16", "fp8")
+EXTRA_KEYS = frozenset({"vocab_limit"})  # set_vocab_limit's value
 _W8A8_NEEDS_NATIVE = describe("activations", "'bf16' with bf16 weights", "'fp8'",
                               "W8A8 quantises the inputs of FP8 / MXFP4 linears: pass weights='native'")
 
@@ -68,8 +69,25 @@ class ProposerOptions:
             return bool(self.kv_fp8_round)
         return self.weights_on(device) == "native" and has_block_scaled
 
-    def check(self, vocab_size: int, block_size: int) -> None:
-        """Raise InputError for an option the proposer cannot run with."""
+    def check(self, vocab_size: int, block_size: int, max_positions: int | None = None) -> None:
+        """Raise InputError for an option the proposer cannot run with (``max_positions``: the
+        model's max_position_embeddings, the largest max_seq_len)."""
+        for name in ("overlap", "debug", "poison_arena"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(describe(name, "True or False", repr(getattr(self, name))))
+        top = max_positions if max_positions is not None else 1 << 62
+        if self.max_seq_len is not None and not _int_in(self.max_seq_len, 1, top):
+            raise InputError(describe("max_seq_len", f"None or an int in [1, {top}] (the model's positions)",
+                                      repr(self.max_seq_len), "None: the model's max_position_embeddings"))
+        if self.num_cache_blocks is not None and not _int_in(self.num_cache_blocks, 1, 1 << 62):
+            raise InputError(describe("num_cache_blocks", "None or an int >= 1", repr(self.num_cache_blocks),
+                                      "None: enough for the largest bucket's windows"))
+        if not isinstance(self.extra, dict) or set(self.extra) - EXTRA_KEYS:
+            got = repr(self.extra) if not isinstance(self.extra, dict) else sorted(set(self.extra) - EXTRA_KEYS)
+            raise InputError(describe("extra", f"a dict with keys among {sorted(EXTRA_KEYS)}", got))
+        if "vocab_limit" in self.extra and not _int_in(self.extra["vocab_limit"], 1, vocab_size):
+            raise InputError(describe("extra['vocab_limit']", f"an int in [1, {vocab_size}]",
+                                      repr(self.extra["vocab_limit"]), "or call set_vocab_limit() after building"))
         if self.mode not in ("streams", "collapsed"):
             raise InputError(describe("mode", "'streams' or 'collapsed'", repr(self.mode)))
         check_kernels(self.kernels)
@@ -106,3 +124,7 @@ class ProposerOptions:
         """The checks that need the device (the weights option resolves by device)."""
         if self.activations == "fp8" and self.weights_on(device) == "bf16":
             raise InputError(_W8A8_NEEDS_NATIVE)
+
+
+def _int_in(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high

@@ -33,7 +33,7 @@ import operator
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -151,8 +151,19 @@ class DeepseekV4MtpProposer:
     """
 
     def __init__(self, config: V4Config, tensors, *, device=None, options: ProposerOptions | None = None, **kw):
+        if not isinstance(config, V4Config):
+            raise InputError(describe("config", "a V4Config", type(config).__name__,
+                                      "DeepseekV4MtpProposer.from_checkpoint(path) reads a checkpoint folder"))
+        if not isinstance(tensors, Mapping):
+            raise InputError(describe("tensors", "a mapping of checkpoint names to tensors", type(tensors).__name__,
+                                      "load_checkpoint(path).tensors, or from_checkpoint(path)"))
+        if options is not None and kw:
+            raise InputError(describe("options", "options= or keyword options, not both", f"options= and {sorted(kw)}",
+                                      "dataclasses.replace(options, ...) sets fields of an options object"))
+        if options is not None and not isinstance(options, ProposerOptions):
+            raise InputError(describe("options", "a ProposerOptions", type(options).__name__))
         self.options = opts = options or ProposerOptions(**kw)
-        opts.check(config.vocab_size, 16)
+        opts.check(config.vocab_size, 16, config.max_position_embeddings)
         self.config = config
         self.device = concrete_device(device) if device is not None else torch.device("cpu")
         self.id = next(_ids)
