@@ -195,3 +195,25 @@ def test_an_int_past_int64_is_a_typed_error(where):
         else:
             prop.after_verify(huge, state)
     assert_unchanged(prop, [state], before)
+
+
+def test_hiddens_that_require_grad_draft_as_plain_ones_and_poison_nothing():
+    """A hidden straight from a forward under autograd made the staging buffer require grad: that
+    propose and every later one failed in the combiner (``out=`` under autograd)."""
+    plain, p_state, gen = prefilled(seed=3)
+    graded, g_state, _ = prefilled(seed=3)
+    for step in range(3):
+        h = hidden(TINY, gen)
+        prompt = hidden(TINY, gen, n=2)
+        assert torch.is_grad_enabled()
+        want = plain.propose(7 + step, h, 5 + 3 * step, 2, p_state)
+        assert graded.propose(7 + step, h.clone().requires_grad_(), 5 + 3 * step, 2, g_state) == want
+        assert torch.is_grad_enabled()  # the caller's grad mode comes back
+        plain.after_verify(1, p_state)
+        graded.after_verify(1, g_state)
+        assert torch.equal(plain.cache.kv, graded.cache.kv) and not graded.cache.kv.requires_grad
+    other = graded.alloc_state()
+    graded.prefill_drafter([1, 2], prompt.requires_grad_(), other)  # the catch-up path too
+    with torch.no_grad():
+        graded.propose(3, hidden(TINY, gen), 1, 1, other)
+        assert not torch.is_grad_enabled()  # nor does a caller's no_grad get turned on

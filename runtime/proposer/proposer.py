@@ -18,7 +18,8 @@ the batch; a refused call is named item by item, on the error path only.
 Design note "threads": every call that reads or writes sequences, the cache, the staging
 buffers or the executors holds the proposer's one lock, from its checks to its read-back. A
 proposer may so be shared by threads that use separate states: each call is atomic, and the
-drafts are those of the same calls made one after another. The lock costs ~0.1 us uncontended;
+drafts are those of the same calls made one after another. The lock costs ~0.2 us uncontended
+(~1 us more where the caller runs with autograd on: it is held with grad off, call_lock.py);
 contended, calls wait for each other (the device runs one chain at a time anyway).
 
 Drafter rows are position-indexed (see state.py). Pair semantics, as in the seed: the row at
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import math
 import operator
-import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -59,6 +59,7 @@ from draftgraph.runtime.model.config import V4Config
 from draftgraph.runtime.native import batch_kernel
 from draftgraph.runtime.proposer import device_propose
 from draftgraph.runtime.proposer.binding import DraftBinding, prepare_weights, weight_formats
+from draftgraph.runtime.proposer.call_lock import CallLock
 from draftgraph.runtime.proposer.catchup import check_rows, place_rows, write_in_prefill_runs
 from draftgraph.runtime.proposer.checks import (
     as_int,
@@ -181,7 +182,7 @@ class DeepseekV4MtpProposer:
                                        shard=self.shard, head_dtype=opts.head_dtype)
         self.state_tensors = {"mtp.0.kv_cache": self.cache.kv}
         self.runner = None
-        self._lock = threading.RLock()
+        self._lock = CallLock()  # autograd off while held (call_lock.py)
         self._executors: dict[tuple, object] = {}
         self._staging: dict[int, ChainStaging] = {}
         self._continuation_staging: dict[int, ChainStaging] = {}  # a chain after a merged first step's
