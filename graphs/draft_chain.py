@@ -112,8 +112,9 @@ def build_draft_chain(config: V4Config, geometry: CacheGeometry, spec: ChainSpec
     """
     from draftgraph.runtime.errors import GraphError
 
-    if spec.num_drafts < 1:
-        raise GraphError(f"num_drafts: expected >= 1, got {spec.num_drafts}")
+    k = spec.num_drafts
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise GraphError(f"num_drafts: expected an int >= 1, got {k!r}")
     name = f"mtp_chain_k{spec.num_drafts}_{spec.mode}" + _rank_suffix(spec.shard)
     b = GraphBuilder(name)
     ins = {k: b.input(k, s) for k, s in chain_inputs(config, geometry, spec).items()}

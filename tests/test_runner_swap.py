@@ -136,3 +136,23 @@ def test_a_bool_k_is_refused_even_once_k_1_has_a_plan(prop):
     with pytest.raises(InputError, match="num_drafts"):
         prop.propose(1, hidden(SMALL, gen), 0, True, state)
     prop.free_state(state)
+
+
+def test_a_callable_that_cannot_take_the_body_is_refused_when_set(prop):
+    """'os:getcwd' was accepted and failed in the first propose, an ExecutionError inside the run."""
+    with pytest.raises(RunnerError, match=r"runner 'os:getcwd': expected a callable of the body's arguments .*"
+                                          r"got getcwd\(\)"):
+        prop.set_circuit_draft("os:getcwd")
+    with pytest.raises(RunnerError, match=r"got <lambda>\(streams\)"):
+        prop.set_circuit_draft(lambda streams: streams)
+    assert prop.runner is None  # nothing was set
+    prop.set_circuit_draft(lambda *args: args[0])  # any callable that takes six arguments is a body
+    prop.set_circuit_draft(None)
+
+
+def test_chain_graph_names_a_k_that_is_not_an_int(prop):
+    from draftgraph.runtime.errors import GraphError
+
+    for bad in ("a", 1.5, True, 0):
+        with pytest.raises(GraphError, match=f"num_drafts: expected an int >= 1, got {bad!r}"):
+            prop.circuit_draft(bad)

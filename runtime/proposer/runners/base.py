@@ -14,6 +14,7 @@ checks what it returns: a wrong shape, dtype or device is a RunnerError naming i
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -67,6 +68,7 @@ def load_runner(spec: str | DraftRunner | None) -> DraftRunner | None:
     if not isinstance(spec, str):
         if not callable(spec):
             raise RunnerError(describe("runner", "a DraftRunner, a name or 'module:callable'", type(spec).__name__))
+        _check_takes_the_body(spec, repr(getattr(spec, "name", type(spec).__name__)))
         return spec if hasattr(spec, "workspace_bytes") else FunctionRunner(spec, type(spec).__name__)
     from draftgraph.runtime.proposer.runners import SHIPPED
 
@@ -89,7 +91,26 @@ def load_runner(spec: str | DraftRunner | None) -> DraftRunner | None:
     runner = factory() if isinstance(factory, type) else factory
     if not callable(runner):
         raise RunnerError(describe(f"runner {spec!r}", "a callable", type(runner).__name__))
+    _check_takes_the_body(runner, repr(spec))
     return runner if hasattr(runner, "workspace_bytes") else FunctionRunner(runner, spec)
+
+
+BODY_ARGS = ("streams", "positions", "kv_cache", "kv_start", "block_table", "workspace")
+
+
+def _check_takes_the_body(runner, what: str) -> None:
+    """A callable that cannot take the body's six arguments is refused here, not in the first propose
+    (an ExecutionError deep in a run). Callables without a signature (some builtins) pass."""
+    try:
+        signature = inspect.signature(runner)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*BODY_ARGS)
+    except TypeError:
+        raise RunnerError(describe(f"runner {what}", f"a callable of the body's arguments ({', '.join(BODY_ARGS)})",
+                                   f"{getattr(runner, '__name__', type(runner).__name__)}{signature}",
+                                   "see DraftRunner in runtime/proposer/runners/base.py")) from None
 
 
 class FunctionRunner:
