@@ -162,6 +162,31 @@ def test_empty_chain_and_errors():
         plan_arena([Buffer("a", 0, 1, 8)], alignment=0)
 
 
+@pytest.mark.parametrize("make, fragment", [
+    (lambda: Buffer(3, 0, 1, 8), "buffer name: expected a str, got 3"),
+    (lambda: Buffer("a", -5, 1, 8), "buffer 'a' start: expected a schedule step >= 0, got -5"),
+    (lambda: Buffer("a", 0, 1, 2**70), "buffer 'a' size: expected a magnitude below 2**62"),
+    (lambda: plan_arena([Buffer("a", 0, 1, 2**61), Buffer("b", 0, 1, 2**61)]),
+     "buffer sizes: expected an aligned total below 2**62 bytes"),
+    (lambda: plan_arena([Buffer("a", 0, 1, 8)], time_limit_s=float("nan")), "time_limit_s: expected a finite"),
+    (lambda: plan_arena([Buffer("a", 0, 1, 8)], time_limit_s=-1), "time_limit_s: expected a finite"),
+    (lambda: plan_arena([Buffer("a", 0, 1, 8)], time_limit_s="1"), "time_limit_s: expected a finite"),
+    (lambda: plan_arena([Buffer("a", 0, 1, 8)], seed="x"), "seed: expected an int >= 0, got 'x'"),
+    (lambda: plan_arena([Buffer("a", 0, 1, 8)], max_attempts=-1), "max_attempts: expected an int >= 0, got -1"),
+], ids=["name", "start", "size", "total", "nan_limit", "negative_limit", "str_limit", "seed", "attempts"])
+def test_bad_planner_input_is_a_plan_error(make, fragment):
+    """Each was accepted silently (a plan with a negative step, a search under a NaN deadline)."""
+    with pytest.raises(PlanError) as e:
+        make()
+    assert fragment in str(e.value)
+
+
+def test_an_iterator_of_buffers_is_planned_whole():
+    """The checks spent a generator before the planner read it: an empty plan, silently."""
+    buffers = [Buffer("x", 0, 2, 512), Buffer("y", 1, 3, 256)]
+    assert plan_arena(iter(buffers)).offsets == plan_arena(buffers).offsets == {"x": 0, "y": 512}
+
+
 def test_summary_json_and_byte_formats():
     plan = plan_arena([Buffer("a", 0, 2, 600_000), Buffer("b", 1, 3, 700_000), Buffer("c", 2, 4, 650_000)])
     assert plan.summary() == "arena 1.3 MB (naive 1.9 MB, lower bound 1.3 MB), 3 values"

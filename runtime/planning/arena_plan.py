@@ -29,6 +29,8 @@ DEFAULT_ALIGNMENT = 256
 # The search keeps [buffers, buffers] and [buffers, steps] tables; past this many buffers
 # (far beyond one draft-step graph) the greedy start is the plan.
 MAX_SEARCH_BUFFERS = 1500
+# Steps, sizes and their aligned total stay below 2**62: int64 offsets with headroom (as MAX_CSV_INT).
+MAX_PLAN_INT = 2**62
 
 
 @dataclass(frozen=True)
@@ -58,10 +60,17 @@ class Buffer:
     size: int
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise PlanError(describe("buffer name", "a str", repr(self.name)))
         for field in ("start", "end", "size"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise PlanError(describe(f"buffer {self.name!r} {field}", "an int", repr(value)))
+            if not -MAX_PLAN_INT < value < MAX_PLAN_INT:
+                raise PlanError(describe(f"buffer {self.name!r} {field}", "a magnitude below 2**62", value,
+                                         "offsets are int64 arrays with headroom"))
+        if self.start < 0:
+            raise PlanError(describe(f"buffer {self.name!r} start", "a schedule step >= 0", self.start))
         if self.size <= 0:
             raise PlanError(describe(f"buffer {self.name!r} size", "> 0 bytes", self.size))
         if self.end <= self.start:
@@ -212,16 +221,25 @@ def format_bytes_short(n: int) -> str:
     return text.removesuffix(".0") + _UNITS[power][0]
 
 
-def _check_input(buffers: Sequence[Buffer], alignment: int) -> None:
-    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0:
-        raise PlanError(describe("alignment", "a positive int", repr(alignment)))
+def _check_input(buffers: tuple, alignment: int, time_limit_s: float, seed: int, max_attempts: int) -> None:
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or not 0 < alignment < MAX_PLAN_INT:
+        raise PlanError(describe("alignment", "a positive int below 2**62", repr(alignment)))
+    if not isinstance(time_limit_s, (int, float)) or isinstance(time_limit_s, bool) or not 0 <= time_limit_s < math.inf:
+        raise PlanError(describe("time_limit_s", "a finite number of seconds >= 0", repr(time_limit_s)))
+    for what, value in (("seed", seed), ("max_attempts", max_attempts)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise PlanError(describe(what, "an int >= 0", repr(value)))
     seen: set[str] = set()
+    total = 0
     for b in buffers:
         if not isinstance(b, Buffer):
             raise PlanError(describe("plan_arena input", "Buffer objects", type(b).__name__))
         if b.name in seen:
             raise PlanError(describe("buffer names", "unique names", f"{b.name!r} twice"))
         seen.add(b.name)
+        total += aligned(b.size, alignment)
+    if total >= MAX_PLAN_INT:
+        raise PlanError(describe("buffer sizes", "an aligned total below 2**62 bytes", total))
 
 
 def best_fit(order: Sequence[int], sizes: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
@@ -310,8 +328,8 @@ def plan_arena(
     (768, 768)
     """
     began = time.perf_counter()
-    _check_input(buffers, alignment)
-    buffers = tuple(buffers)
+    buffers = tuple(buffers)  # once: an iterator would be spent by the checks
+    _check_input(buffers, alignment, time_limit_s, seed, max_attempts)
     units = np.array([aligned(b.size, alignment) // alignment for b in buffers], dtype=np.int64)
     bound_units = lower_bound(buffers, alignment) // alignment
     offsets, strategy = np.zeros(len(buffers), dtype=np.int64), "empty"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftgraph.runtime.errors import PlanError, describe
-from draftgraph.runtime.planning.arena_plan import Buffer
+from draftgraph.runtime.planning.arena_plan import MAX_PLAN_INT, Buffer
 
 # Column name -> accepted spellings (older MiniMalloc files say "buffer" for "id").
 _COLUMNS = {"id": ("id", "buffer"), "lower": ("lower",), "upper": ("upper",), "size": ("size",)}
@@ -30,7 +30,7 @@ _OPTIONAL = ("offset",)
 _CAPACITY_IN_NAME = re.compile(r"\.(\d+)\.csv$")
 # The planner works in int64: steps, sizes and their total (the naive arena, which bounds every
 # offset + size) must stay below 2**62 to leave it headroom. Far beyond any real arena (4 EiB).
-MAX_CSV_INT = 2**62
+MAX_CSV_INT = MAX_PLAN_INT
 
 
 @dataclass(frozen=True)
