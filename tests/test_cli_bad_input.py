@@ -111,6 +111,7 @@ CASES = [
     # bytes that are not UTF-8 reach argv as lone surrogates (surrogateescape)
     ("decode_prompt_not_utf8", ["decode", "--device", "cpu", "--prompt", "ok", "--prompt", "caf\udce9"],
      ["--prompt #2", "UTF-8", "'\\udce9' at character 3"]),
+    ("capture_dump_without_cuda", ["capture-dump", "--out", "{root}/cd"], ["capture-dump", "a CUDA GPU"]),
     ("swap_runner_nosuch", ["swap", "--runners", "identity,nosuch", "--device", "cpu"], ["RunnerError", "'nosuch'"]),
     ("dump_out_missing_folder", ["dump", "--out", "{root}/nowhere/chain.txt"], ["--out", "does not exist"]),
     ("dump_out_read_only", ["dump", "--out", "{root}/read_only/chain.txt"], ["--out", "not writable"]),
@@ -136,7 +137,7 @@ CASES = [
 
 @pytest.mark.parametrize("argv, fragments", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_and_exit_2(root, tripwires, capsys, argv, fragments):
-    if "cuda" in argv and torch.cuda.is_available():
+    if ("cuda" in argv or argv[0] == "capture-dump") and torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     assert main([a.format(root=root) for a in argv]) == 2
     captured = capsys.readouterr()

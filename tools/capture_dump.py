@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from draftgraph.runtime.errors import describe
 from draftgraph.tools.cli import UsageError
 
 EXAMPLES = """examples:
@@ -165,7 +166,9 @@ def kernels_per_op(kept) -> list[tuple[str, str, int]]:
 
 def run(args) -> int:
     if not torch.cuda.is_available():
-        raise UsageError("capture-dump needs a CUDA GPU (none is visible here)")
+        raise UsageError(describe("capture-dump", "a CUDA GPU (it captures the chain and reads the graph's nodes)",
+                                  "none visible (torch.cuda.is_available() is False)",
+                                  "run it on a machine with a GPU; `draftgraph dump` prints the graph anywhere"))
     from draftgraph.tools.arg_checks import check_num_drafts, check_output_file
 
     check_output_file("--out", args.out)
