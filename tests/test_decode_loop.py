@@ -3,6 +3,7 @@ EOS, cancel and injected failures leaving both block pools exact, stats."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from decode_fixtures import (  # noqa: F401
@@ -204,6 +205,31 @@ def test_bad_requests_are_refused_before_any_allocation(target):
         speculative_decode(target, proposer, [[1]], 4, 0)
     assert speculative_decode(target, proposer, [[1]], 0, K).tokens == [[]]
     assert pools_full(target, proposer)
+
+
+@pytest.mark.parametrize("prompts, kw, fragment", [
+    (["def f"], {}, "prompt 0: expected a sequence of token ids, got str"),  # a ValueError from int('d') before
+    ([[1, 2.5]], {}, "prompt 0: expected a flat sequence of integer token ids, got float64"),  # 2.5 ran as 2
+    ([[1], [[1, 2]]], {}, "prompt 1: expected a flat sequence of integer token ids, got an array of shape [1, 2]"),
+    ([[1, 10**6]], {}, "prompt 0 token: expected an int id in [0, "),
+    ([[1]], {"eos_id": -1}, "eos_id: expected None or a token id"),  # never emitted: accepted silently before
+    ([[1]], {"eos_id": "2"}, "eos_id: expected None or a token id"),
+], ids=["str", "float", "nested", "out_of_vocab", "eos_negative", "eos_str"])
+def test_prompts_and_eos_are_checked_as_ids(target, prompts, kw, fragment):
+    proposer = make_proposer()
+    for decode in (lambda: speculative_decode(target, proposer, prompts, 4, K, **kw),
+                   lambda: greedy_decode(target, prompts, 4, **kw)):
+        with pytest.raises(InputError) as e:
+            decode()
+        assert fragment in str(e.value)
+    assert pools_full(target, proposer)
+
+
+def test_integer_prompts_of_every_kind_decode_alike(target):
+    proposer = make_proposer()
+    want = speculative_decode(target, proposer, [[1, 2, 3]], 4, K, warmup=False).tokens
+    for ids in (np.array([1, 2, 3], dtype=np.int32), torch.tensor([1, 2, 3]), (np.int64(1), 2, 3)):
+        assert speculative_decode(target, proposer, [ids], 4, K, warmup=False).tokens == want
 
 
 def test_accept_greedy():

@@ -146,7 +146,7 @@ class DecodeSession:
         device_loop: bool | None = None,
         sync_phases: bool = False,
     ) -> None:
-        _check_request(target, prompts, max_new_tokens)
+        prompts = _check_request(target, prompts, max_new_tokens, eos_id)
         if not isinstance(num_drafts, int) or isinstance(num_drafts, bool) or num_drafts < 1:
             raise InputError(describe("num_drafts", "an int >= 1", repr(num_drafts)))
         if proposer.options.mode != target.mode:
@@ -184,7 +184,7 @@ class DecodeSession:
         self.target, self.proposer = target, proposer
         self.max_new_tokens, self.num_drafts = max_new_tokens, num_drafts
         self.eos_id, self.on_step = eos_id, on_step
-        self.sequences = [_Sequence(i, [int(t) for t in p]) for i, p in enumerate(prompts)]
+        self.sequences = [_Sequence(i, p) for i, p in enumerate(prompts)]
         self.stats = DecodeStats(num_drafts=num_drafts, num_sequences=len(prompts))
         self.progress = DecodeProgress(len(prompts) * max_new_tokens, progress, desc=f"decode K={num_drafts}")
         self.num_steps_run = 0
@@ -603,7 +603,7 @@ def greedy_decode(
 
     ``warmup``: build (capture, compile) every target bucket it can use first, timed apart.
     """
-    _check_request(target, prompts, max_new_tokens)
+    prompts = _check_request(target, prompts, max_new_tokens, eos_id)
     stats = DecodeStats(num_drafts=0, num_sequences=len(prompts))
     tokens: list[list[int]] = [[] for _ in prompts]
     reasons = [LENGTH if max_new_tokens == 0 else LIVE for _ in prompts]
@@ -673,11 +673,39 @@ def _device_loop_refusal(target, proposer, num_sequences: int, num_drafts: int) 
     return None
 
 
-def _check_request(target, prompts, max_new_tokens) -> None:
-    if not prompts:
-        raise InputError(describe("prompts", "at least one prompt", "none"))
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise InputError(describe(f"prompt {i}", "at least one token", "an empty prompt"))
+def _check_request(target, prompts, max_new_tokens, eos_id=None) -> list[list[int]]:
+    """The prompts as lists of ints, each id checked (ints, numpy or torch integers; a float or a
+    str was truncated or failed in ``int()``), or InputError; max_new_tokens and eos_id too."""
+    if isinstance(prompts, (str, bytes)) or not prompts:
+        raise InputError(describe("prompts", "at least one prompt (a sequence of token-id sequences)",
+                                  repr(prompts)[:40] if prompts is not None else "none"))
+    vocab = target.config.vocab_size
+    checked = [_prompt_ids(i, p, vocab) for i, p in enumerate(prompts)]
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise InputError(describe("max_new_tokens", "an int >= 0", repr(max_new_tokens)))
+    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, (int, np.integer))
+                               or not 0 <= eos_id < vocab):
+        raise InputError(describe("eos_id", f"None or a token id in [0, {vocab})", repr(eos_id),
+                                  "an id no sequence can emit would never end one"))
+    return checked
+
+
+def _prompt_ids(i: int, prompt, vocab: int) -> list[int]:
+    if isinstance(prompt, (str, bytes)):
+        raise InputError(describe(f"prompt {i}", "a sequence of token ids", type(prompt).__name__,
+                                  "encode text first, e.g. ByteTokenizer().encode(text, add_bos=True)"))
+    if isinstance(prompt, torch.Tensor):
+        prompt = prompt.detach().cpu().numpy()
+    try:
+        ids = np.asarray(prompt)
+    except (TypeError, ValueError):  # ragged or odd objects
+        ids = np.asarray([], dtype=object)
+    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+        got = f"{ids.dtype} values" if ids.ndim == 1 else f"an array of shape {list(ids.shape)}"
+        raise InputError(describe(f"prompt {i}", "a flat sequence of integer token ids", got))
+    if ids.size == 0:
+        raise InputError(describe(f"prompt {i}", "at least one token", "an empty prompt"))
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab:
+        raise InputError(describe(f"prompt {i} token", f"an int id in [0, {vocab})", low if low < 0 else high))
+    return ids.tolist()
