@@ -152,6 +152,11 @@ def test_bad_input_changes_nothing():
         target.verify([state], [[5]], [2])
     with pytest.raises(InputError, match="budget"):
         target.verify([state], [[5] * 18], [3])
+    with pytest.raises(InputError, match="forward states: expected a sequence with one entry per sequence, got "
+                                        "TargetSeqState"):
+        target.verify(state, [5], 3)  # one state, not a list of them: a TypeError from len() before
+    with pytest.raises(InputError, match="forward token_lists: expected a sequence .* got str"):
+        target.verify([state], "5", [3])
     other = target.alloc_state()
     with pytest.raises(CacheError, match="free block"):  # 1 block held, 2 free; 33 rows need 3
         target.forward([other], [list(range(33))], [0])

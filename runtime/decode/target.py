@@ -206,6 +206,10 @@ class TargetModel:
         are then recycled between runs, so a long prompt needs only a window's worth of blocks.
         On any error the sequences keep their committed rows only (blocks past them go back).
         """
+        for what, value in (("states", states), ("token_lists", token_lists), ("start_positions", start_positions)):
+            if isinstance(value, (str, bytes, TargetSeqState)) or not hasattr(value, "__len__"):
+                raise InputError(describe(f"forward {what}", "a sequence with one entry per sequence",
+                                          type(value).__name__, "prefill(state, tokens) takes one sequence"))
         n = len(states)
         if len(token_lists) != n or len(start_positions) != n:
             raise InputError(
