@@ -91,6 +91,8 @@ CASES = [
     ("config_not_json", [*DRAFT, "--checkpoint", "{root}/not_json"], ["config.json", "a JSON object"]),
     ("config_hidden_size_abc", [*DRAFT, "--checkpoint", "{root}/hidden_abc"], ["hidden_size", "an int", "'abc'"]),
     ("config_without_hidden_size", [*DRAFT, "--checkpoint", "{root}/no_hidden"], ["missing hidden_size"]),
+    ("draft_hidden_not_safetensors", [*DRAFT[:4], "{root}/good/config.json", *DRAFT[5:], "--checkpoint",
+                                      "{root}/good"], ["--hidden", "a readable safetensors file", "config.json"]),
     ("device_tpu", [*DRAFT, "--checkpoint", "{root}/good", "--device", "tpu"], ["--device", "'tpu'"]),
     ("device_cuda_without_cuda", [*DRAFT, "--checkpoint", "{root}/good", "--device", "cuda"], ["--device", "cuda"]),
     ("draft_trace_missing_folder", [*DRAFT, "--checkpoint", "{root}/good", "--trace", "{root}/nowhere/t.json"],

@@ -55,7 +55,8 @@ def load_hidden(path: Path) -> torch.Tensor:
     except UsageError:
         raise
     except Exception as exc:
-        raise UsageError(f"--hidden: {path} is not a readable safetensors file ({exc})") from None
+        raise UsageError(f"--hidden: expected a readable safetensors file, got {path} ({exc}) (hint: save it with "
+                         f"safetensors.torch.save_file({{'hidden': tensor}}, path))") from None
 
 
 def run(args) -> int:
