@@ -1,7 +1,7 @@
 """10,000 random calls on one shared proposer, good and bad mixed, from four threads.
 
-Good calls include device proposes with catch-up rows (propose_device then after_verify_device).
-Every bad call (a token or position out of range, a bool count, a freed or foreign state, the
+Good calls include device proposes with catch-up rows (propose_device then after_verify_device)
+and hiddens that require grad. Every bad call (a token or position out of range, a bool count, a freed or foreign state, the
 same state twice, an after_verify with no propose to verify, a NaN hidden, a list of hiddens to
 prefill, a K out of range, a mask of the wrong length, an install into a table that holds blocks,
 a double free) must raise a DraftGraphError and leave the calling thread's states as they were;
@@ -41,7 +41,10 @@ def fuzz(prop, foreign, seed: int, counts: dict) -> None:
 
     def good(op, state):
         if op == "propose":
-            prop.propose(rng.randrange(V), hidden(TINY, gen), state.seq_len, rng.randrange(1, 4), state)
+            h = hidden(TINY, gen)
+            if rng.random() < 0.25:  # straight from a forward under autograd (the lock turns it off)
+                h.requires_grad_()
+            prop.propose(rng.randrange(V), h, state.seq_len, rng.randrange(1, 4), state)
         elif op == "batch":
             pick = rng.sample(states, rng.randrange(1, 4))
             prop.propose_batch([rng.randrange(V) for _ in pick], hidden(TINY, gen, n=len(pick)),
