@@ -1,12 +1,12 @@
 """10,000 random calls on one shared proposer, good and bad mixed, from four threads.
 
-Good calls include device proposes with catch-up rows (propose_device then after_verify_device)
-and hiddens that require grad. Every bad call (a token or position out of range, a bool count, a freed or foreign state, the
-same state twice, an after_verify with no propose to verify, a NaN hidden, a list of hiddens to
-prefill, a K out of range, a mask of the wrong length, an install into a table that holds blocks,
-a double free) must raise a DraftGraphError and leave the calling thread's states as they were;
-every good one must work. At the end, with every state freed, the pool is exact: every block
-free, each once, and no block owned or carried.
+Good calls include device proposes with catch-up rows (propose_device then after_verify_device) and
+hiddens that require grad. Every bad call (a token or position out of range, a bool count, a freed
+or foreign state, the same state twice, an after_verify with no propose to verify, a NaN hidden, a
+list of hiddens to prefill, a K out of range, a mask of the wrong length, an install into a table
+that holds blocks, a double free) must raise a DraftGraphError and leave the calling thread's
+states as they were; every good one must work. At the end, with every state freed, the pool is
+exact: every block free, each once, and no block owned or carried.
 """
 
 from __future__ import annotations
