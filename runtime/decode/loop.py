@@ -63,6 +63,7 @@ from draftgraph.runtime.cache.hidden_rows import HiddenRows
 from draftgraph.runtime.decode import warmup as warmups
 from draftgraph.runtime.decode.stats import DecodeProgress, DecodeStats
 from draftgraph.runtime.errors import InputError, NonFiniteError, describe
+from draftgraph.runtime.proposer.checks import check_ints
 
 LIVE, EOS, LENGTH, CANCELLED, FAILED = "live", "eos", "length", "cancelled", "error"
 
@@ -674,8 +675,9 @@ def _device_loop_refusal(target, proposer, num_sequences: int, num_drafts: int) 
 
 
 def _check_request(target, prompts, max_new_tokens, eos_id=None) -> list[list[int]]:
-    """The prompts as lists of ints, each id checked (ints, numpy or torch integers; a float or a
-    str was truncated or failed in ``int()``), or InputError; max_new_tokens and eos_id too."""
+    """The prompts as lists of ints, each id checked by the proposer's ``check_ints`` (ints, numpy or
+    torch integers; a float or a str was truncated or failed in ``int()``), or InputError;
+    max_new_tokens and eos_id too."""
     if isinstance(prompts, (str, bytes)) or not prompts:
         raise InputError(describe("prompts", "at least one prompt (a sequence of token-id sequences)",
                                   repr(prompts)[:40] if prompts is not None else "none"))
@@ -694,18 +696,8 @@ def _prompt_ids(i: int, prompt, vocab: int) -> list[int]:
     if isinstance(prompt, (str, bytes)):
         raise InputError(describe(f"prompt {i}", "a sequence of token ids", type(prompt).__name__,
                                   "encode text first, e.g. ByteTokenizer().encode(text, add_bos=True)"))
-    if isinstance(prompt, torch.Tensor):
-        prompt = prompt.detach().cpu().numpy()
-    try:
-        ids = np.asarray(prompt)
-    except (TypeError, ValueError):  # ragged or odd objects
-        ids = np.asarray([], dtype=object)
-    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-        got = f"{ids.dtype} values" if ids.ndim == 1 else f"an array of shape {list(ids.shape)}"
-        raise InputError(describe(f"prompt {i}", "a flat sequence of integer token ids", got))
-    if ids.size == 0:
+    if not hasattr(prompt, "__len__"):
+        raise InputError(describe(f"prompt {i}", "a sequence of token ids", type(prompt).__name__))
+    if len(prompt) == 0:
         raise InputError(describe(f"prompt {i}", "at least one token", "an empty prompt"))
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0 or high >= vocab:
-        raise InputError(describe(f"prompt {i} token", f"an int id in [0, {vocab})", low if low < 0 else high))
-    return ids.tolist()
+    return check_ints(prompt, f"prompt {i} tokens", 0, vocab, len(prompt)).tolist()
