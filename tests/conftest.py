@@ -12,8 +12,8 @@ except ImportError:  # pragma: no cover
 # The files holding the longest tests (the interpreter's Triton runs, the kernel compiles, the
 # install, the fuzz and the gloo ranks: 10-105 s each on a CI core), collected first. Under
 # `pytest -n auto --dist worksteal` an idle worker takes tests queued for a busy one, but not the
-# test that worker is running: a 100 s test started last ran alone at the end. Started first, the
-# short tests fill in beside it. Each file keeps its tests together, in order.
+# test that worker is running: a 100 s test started last would run alone at the end. Started
+# first, the short tests fill in beside it. Each file keeps its tests together, in order.
 HEAVY_FIRST = (
     "test_triton_native_ops.py",
     "test_install.py",
