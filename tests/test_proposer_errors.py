@@ -144,6 +144,10 @@ def test_pool_exhaustion_is_a_cache_error_and_changes_nothing():
     ({"num_cache_blocks": 0}, "num_cache_blocks: expected None or an int >= 1, got 0"),
     ({"extra": {"nosuch": 1}}, "extra: expected a dict with keys among ['vocab_limit'], got ['nosuch']"),
     ({"extra": {"vocab_limit": 10**9}}, "extra['vocab_limit']: expected an int in [1, 100]"),
+    ({"max_num_drafts": True}, "max_num_drafts: expected an int in [1, "),  # True had passed as 1
+    ({"mtp_vocab_size": False}, "mtp_vocab_size: expected an int in [0, 100]"),  # False had passed as 0
+    ({"draft_conf_tau": "0.5"}, "draft_conf_tau: expected a number in [0, 1]"),  # was a TypeError
+    ({"draft_conf_tau": float("nan")}, "got nan"),
 ], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
 def test_bad_options_are_typed_before_any_allocation(options, fragment):
     with pytest.raises(InputError) as e:

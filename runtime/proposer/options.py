@@ -107,13 +107,15 @@ class ProposerOptions:
                                       "no MXFP4 GEMV kernel)"))
         if self.executor not in EXECUTORS:
             raise InputError(describe("executor", " or ".join(map(repr, EXECUTORS)), repr(self.executor)))
-        if not 0.0 <= self.draft_conf_tau <= 1.0:
-            raise InputError(describe("draft_conf_tau", "in [0, 1] (0: never stop early)", self.draft_conf_tau))
-        if not isinstance(self.mtp_vocab_size, int) or not 0 <= self.mtp_vocab_size <= vocab_size:
+        tau = self.draft_conf_tau
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 <= tau <= 1.0:
+            raise InputError(describe("draft_conf_tau", "a number in [0, 1] (0: never stop early)",
+                                      repr(self.draft_conf_tau)))
+        if not _int_in(self.mtp_vocab_size, 0, vocab_size):
             raise InputError(describe("mtp_vocab_size", f"an int in [0, {vocab_size}] (0: the full vocab)",
                                       repr(self.mtp_vocab_size)))
         # A propose's K positions span at most two blocks: the host tests only their two ends.
-        if not isinstance(self.max_num_drafts, int) or not 1 <= self.max_num_drafts <= block_size:
+        if not _int_in(self.max_num_drafts, 1, block_size):
             raise InputError(describe("max_num_drafts", f"an int in [1, {block_size}] (the cache's block size)",
                                       repr(self.max_num_drafts)))
         buckets = tuple(self.buckets)
