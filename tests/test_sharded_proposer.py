@@ -289,3 +289,42 @@ def test_a_bad_process_group_is_refused_with_a_typed_error(monkeypatch):
         DeepseekV4MtpProposer(TINY, weights, process_group=object(), executor="eager")
     with pytest.raises(InputError, match="process_group"):
         DeepseekV4MtpProposer(TINY, weights, process_group="nccl", executor="eager")
+
+
+@pytest.mark.parametrize("route", ["keyword", "options"])
+def test_from_checkpoint_reads_the_shard_whichever_way_the_group_is_given(tmp_path, monkeypatch, route):
+    """options=ProposerOptions(process_group=g) read the whole checkpoint on every rank (only the keyword
+    was looked at); both routes now hand the loader this rank's plan, with its mtp_vocab_size."""
+    import draftgraph.runtime.model.weights as weights_module
+    import draftgraph.runtime.proposer.proposer as proposer_module
+    from draftgraph.runtime.proposer.options import ProposerOptions
+
+    make_synthetic_checkpoint(tmp_path, TINY, seed=SEED)
+    group = object()  # stands for a ProcessGroup: shard_setup is the spy below
+    seen = {}
+
+    def fake_setup(config, process_group, mtp_vocab_size, device):
+        seen["setup"] = (process_group, mtp_vocab_size)
+        return ShardPlan.make(config, 1, 2, mtp_vocab_size), None
+
+    class Stop(Exception):
+        pass
+
+    def fake_load(path, config, device, weights, shard):
+        seen["shard"] = shard
+        raise Stop
+
+    monkeypatch.setattr(proposer_module, "shard_setup", fake_setup)
+    monkeypatch.setattr(weights_module, "load_checkpoint", fake_load)
+    kw = ({"process_group": group, "mtp_vocab_size": VOCAB_LIMITED} if route == "keyword"
+          else {"options": ProposerOptions(process_group=group, mtp_vocab_size=VOCAB_LIMITED)})
+    with pytest.raises(Stop):
+        DeepseekV4MtpProposer.from_checkpoint(tmp_path, **kw)
+    assert seen["setup"] == (group, VOCAB_LIMITED)
+    assert seen["shard"] == ShardPlan.make(TINY, 1, 2, VOCAB_LIMITED)
+
+
+def test_from_checkpoint_checks_a_bad_mtp_vocab_size_before_planning_a_shard(tmp_path):
+    make_synthetic_checkpoint(tmp_path, TINY, seed=SEED)
+    with pytest.raises(InputError, match="mtp_vocab_size: expected an int in"):
+        DeepseekV4MtpProposer.from_checkpoint(tmp_path, process_group=object(), mtp_vocab_size=-1)

@@ -29,6 +29,7 @@ K)`` writes rows p .. p+K-1 (row p from the target's hidden, later rows from the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 import time
@@ -210,10 +211,19 @@ class DeepseekV4MtpProposer:
         from draftgraph.runtime.model.weights import load_checkpoint
 
         config, shard = None, None
-        if kw.get("process_group") is not None:
+        # The group comes as a keyword or inside options= (the constructor takes either, not both).
+        opts = kw.get("options")
+        given = opts if isinstance(opts, ProposerOptions) else ProposerOptions(
+            process_group=kw.get("process_group"), mtp_vocab_size=kw.get("mtp_vocab_size", 0))
+        if given.process_group is not None:
             config = V4Config.load(Path(path) if Path(path).is_dir() else Path(path).parent)
-            shard, _ = shard_setup(config, kw["process_group"], kw.get("mtp_vocab_size", 0), device)
-            kw["process_group"] = None if shard is None else kw["process_group"]
+            given.check(config.vocab_size, 16, config.max_position_embeddings)  # mtp_vocab_size, before the plan
+            shard, _ = shard_setup(config, given.process_group, given.mtp_vocab_size, device)
+            if shard is None:  # a world of one: the unsharded proposer, no group to set up again
+                if opts is given:
+                    kw["options"] = dataclasses.replace(opts, process_group=None)
+                else:
+                    kw["process_group"] = None
         # As stored (FP8 / MXFP4 kept): prepare_weights keeps or dequantises them by options.weights.
         ckpt = load_checkpoint(path, config, device="cpu", weights="native", shard=shard)
         return DeepseekV4MtpProposer(ckpt.config, ckpt.tensors, device=device, **kw)
