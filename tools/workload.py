@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from draftgraph.runtime.decode.tokenizer import not_utf8
 from draftgraph.runtime.errors import describe
 from draftgraph.tools.arg_checks import check_at_least, check_num_drafts
 from draftgraph.tools.cli import UsageError
@@ -130,11 +131,9 @@ def read_prompts(args) -> list[str]:
 
 
 def _check_utf8(flag: str, text: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        got = f"{ascii(text[e.start])} at character {e.start}"
-        raise UsageError(describe(flag, "UTF-8 text", got, "the shell passed bytes that are not UTF-8")) from None
+    bad = not_utf8(text)
+    if bad is not None:
+        raise UsageError(describe(flag, "UTF-8 text", bad, "the shell passed bytes that are not UTF-8"))
 
 
 def check_workload_args(args) -> None:

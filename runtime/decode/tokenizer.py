@@ -37,11 +37,10 @@ class ByteTokenizer:
         not UTF-8, decoded with ``surrogateescape``) raises InputError."""
         if not isinstance(text, str):
             raise InputError(describe("text", "a str", type(text).__name__, "decode bytes to str first"))
-        try:
-            ids = list(text.encode("utf-8"))
-        except UnicodeEncodeError as e:
-            got = f"{ascii(text[e.start])} at character {e.start}"
-            raise InputError(describe("text", "encodable as UTF-8", got, "pass text, not undecodable bytes")) from None
+        bad = not_utf8(text)
+        if bad is not None:
+            raise InputError(describe("text", "encodable as UTF-8", bad, "pass text, not undecodable bytes"))
+        ids = list(text.encode("utf-8"))
         if add_bos:
             ids.insert(0, BOS_ID)
         if add_eos:
@@ -52,6 +51,16 @@ class ByteTokenizer:
         """Text of the byte ids; specials and padding ids are dropped, bad UTF-8 is replaced."""
         data = bytes(int(i) for i in ids if 0 <= int(i) < NUM_BYTES)
         return data.decode("utf-8", errors="replace")
+
+
+def not_utf8(text: str) -> str | None:
+    """None for text that encodes as UTF-8, else its first offending character and where it is
+    (a lone surrogate: argv or a file read with ``surrogateescape`` held bytes that were not UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"{ascii(text[e.start])} at character {e.start}"
+    return None
 
 
 def encode(text: str) -> list[int]:
