@@ -9,6 +9,11 @@ try:
 except ImportError:  # pragma: no cover
     pass
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from interpreter_speed import skip_repeated_lang_patching
+
+    skip_repeated_lang_patching()  # the interpreter's per-helper patching, once a launch (see the module)
+
 # The files holding the longest tests (the interpreter's Triton runs, the kernel compiles, the
 # install, the fuzz and the gloo ranks: 10-105 s each on a CI core), collected first. Under
 # `pytest -n auto --dist worksteal` an idle worker takes tests queued for a busy one, but not the
