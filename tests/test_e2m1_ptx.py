@@ -89,24 +89,38 @@ def run_ptx(text: str, operands: dict[str, int]) -> dict[str, int]:
     return regs
 
 
+def word_decode(rebiased: bool) -> str:
+    """moe_mxfp4_mma's PTX up to its two mma.sync (which the model does not run): the decode of row
+    g's word ($4) and row g + 8's ($5) into the A fragments a0..a3 / b0..b3, times the scales $6 / $7."""
+    from draftgraph.ops.triton import moe_mxfp4_mma as MMA
+
+    text, mma = (MMA.MMA_WORD_REBIASED_PTX if rebiased else MMA.MMA_WORD_PTX).value.split("mma.sync", 1)
+    assert mma.count("mma.sync") == 1
+    return text
+
+
 def test_the_model_knows_every_instruction_of_the_ptx():
-    ops = {line.split()[0] for text in (MX.E2M1_WORD_PTX.value, MX.E2M1_HALVES_PTX.value)
-           for line in text.strip().splitlines() if re.match(r"\s*[a-z]", line)}  # fmt: skip
+    texts = (MX.E2M1_HALVES_PTX.value, word_decode(False), word_decode(True))
+    ops = {line.split()[0] for text in texts for line in text.strip().splitlines() if re.match(r"\s*[a-z]", line)}
     # fma.rn.bf16x2, not mul.rn.bf16x2: the mul needs sm_90, the fma sm_80 (compile_kernels.py --arch 80)
     assert ops == {"mov.b32", "and.b32", "shr.u32", "prmt.b32", "mul.lo.u32", "fma.rn.bf16x2"}
 
 
-def test_word_ptx_gives_each_pair_of_codes_as_bf16x2_in_column_order():
+@pytest.mark.parametrize("rebiased", [False, True])
+def test_word_decode_gives_each_pair_of_codes_as_bf16x2_in_column_order(rebiased):
+    """Every byte value at every place of a word, scale 1 (rebiased: 2^126, the 2^126 in the scale)."""
+    one = 0x7E80 if rebiased else bf16_bits(1.0)
+    text = word_decode(rebiased)
     g = torch.Generator().manual_seed(7)
     for byte in range(256):
         for pos in range(4):
             word = int(torch.randint(0, 2**32, (1,), generator=g, dtype=torch.int64).item())
             word = word & ~(0xFF << 8 * pos) | byte << 8 * pos
-            regs = run_ptx(MX.E2M1_WORD_PTX.value, {"$4": word})
+            regs = run_ptx(text, {"$4": word, "$5": word, "$6": one * 0x10001, "$7": one * 0x10001})
             for j in range(4):
                 b = word >> 8 * j & 0xFF
                 expected = bf16_bits(e2m1(b & 15)) | bf16_bits(e2m1(b >> 4)) << 16
-                assert regs[f"${j}"] == expected, (hex(word), j, hex(regs[f"${j}"]), hex(expected))
+                assert regs[f"a{j}"] == regs[f"b{j}"] == expected, (hex(word), j, hex(regs[f"a{j}"]), hex(expected))
 
 
 @pytest.mark.parametrize("scale_byte", [0, 1, 100, 127, 128, 200, 254, 255])
@@ -129,10 +143,7 @@ def test_halves_ptx_gives_even_and_odd_codes_times_the_scale(scale_byte):
 def test_mma_word_ptx_decodes_both_rows_times_their_scales_into_the_a_fragments(scale_byte):
     """moe_mxfp4_mma's PTX up to its two mma.sync: row g's word ($4) and row g + 8's ($5), each
     as its 4 bf16x2 pairs in column order times its block scale ($6 / $7, bf16 in both halves)."""
-    from draftgraph.ops.triton import moe_mxfp4_mma as MMA
-
-    text, mma = MMA.MMA_WORD_PTX.value.split("mma.sync", 1)
-    assert mma.count("mma.sync") == 1  # the rest: the two mmas, which the model does not run
+    text = word_decode(False)
     scale = 2.0 ** (scale_byte - 127) if scale_byte < 255 else float("nan")
     s_bits = bf16_bits(scale) if scale_byte else 0x0040  # as _scale_pair: 2^-127 a bf16 subnormal
     other = bf16_bits(0.5)  # row g + 8's scale, another value: the two rows' scales kept apart

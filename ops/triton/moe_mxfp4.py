@@ -40,14 +40,16 @@ expert: ``fp8_linear``'s "wide tiles"): at batch 1 the kernel is bound by the by
 and one program's loads are one tile. At b93df2d the 16 x 64-byte tiles, decoded per element in
 fp32 (about 17 SASS instructions a code), ran the batch-1 MoE at 10% of copy bandwidth on an H200.
 
-Note "e2m1 by bits" (``E2M1_WORD_PTX``, ``E2M1_HALVES_PTX``): a code s e1 e0 m placed as the
-bf16 bits s at 15, e1 e0 m at 8..6 is the value times 2^-126 (e = 0: a bf16 subnormal, exact),
-so one bf16x2 multiply by 2^126 gives two values exactly. Per pair of codes: a byte permute
-(both nibbles of a byte into the two halves, the other bytes zero), an integer multiply by
-0x1040 (the nibble shifted by 6 and by 12 at once, no carries), a mask, the multiply: about 2.4
-instructions a code with the word's two nibble masks. ``tests/test_e2m1_ptx.py`` runs the PTX
-text on a model of its instructions for every byte; the interpreter runs an arithmetic twin
-with the same bits.
+Note "e2m1 by bits" (``E2M1_HALVES_PTX``; ``moe_mxfp4_mma``'s word decode): a code s e1 e0 m
+placed as the bf16 bits s at 15, e1 e0 m at 8..6 is the value times 2^-126 (e = 0: a bf16
+subnormal, exact), so one bf16x2 multiply by 2^126 gives two values exactly. Per pair of codes:
+a byte permute (both nibbles of a byte into the two halves, the other bytes zero), an integer
+multiply by 0x1040 (the nibble shifted by 6 and by 12 at once, no carries), a mask, the
+multiply: about 2.4 instructions a code with the word's two nibble masks. The multiply is
+written as fma.rn.bf16x2 with -0 added (exact, the product's sign kept): mul.bf16x2 needs sm_90,
+the fma sm_80 (A100, and the sm_89 cards), and ptxas emits the same HFMA2 for both.
+``tests/test_e2m1_ptx.py`` runs the PTX text on a model of its instructions for every byte; the
+interpreter runs arithmetic twins with the same values.
 """
 
 from __future__ import annotations
@@ -137,37 +139,6 @@ def e2m1_to_f32(c):
     return bits.to(tl.float32, bitcast=True)
 
 
-# The e2m1 decode on the GPU, as PTX (see "e2m1 by bits"): per pair of codes a byte permute, an
-# integer multiply and a mask put each code's bits into a bf16 (exponent field e, mantissa bit
-# m, sign), then one bf16x2 multiply by 2^126 (0x7E80) rebiases both values exactly. The multiply
-# is written as fma.rn.bf16x2 with -0 added (exact, the product's sign kept): mul.bf16x2 needs
-# sm_90, the fma sm_80 (A100, and the sm_89 cards), and ptxas emits the same HFMA2 for both.
-E2M1_WORD_PTX = tl.constexpr("""
-{
-.reg .b32 lo, hi, t, c, z;
-mov.b32 c, 0x7E807E80;
-mov.b32 z, 0x80008000;
-and.b32 lo, $4, 0x0F0F0F0F;
-shr.u32 hi, $4, 4;
-and.b32 hi, hi, 0x0F0F0F0F;
-prmt.b32 t, lo, hi, 0x8480;
-mul.lo.u32 t, t, 0x1040;
-and.b32 t, t, 0x81C081C0;
-fma.rn.bf16x2 $0, t, c, z;
-prmt.b32 t, lo, hi, 0x8581;
-mul.lo.u32 t, t, 0x1040;
-and.b32 t, t, 0x81C081C0;
-fma.rn.bf16x2 $1, t, c, z;
-prmt.b32 t, lo, hi, 0x8682;
-mul.lo.u32 t, t, 0x1040;
-and.b32 t, t, 0x81C081C0;
-fma.rn.bf16x2 $2, t, c, z;
-prmt.b32 t, lo, hi, 0x8783;
-mul.lo.u32 t, t, 0x1040;
-and.b32 t, t, 0x81C081C0;
-fma.rn.bf16x2 $3, t, c, z;
-}
-""")
 # Four bytes (pack=4) and their scales as bf16 (two registers) -> the even and the odd codes of
 # the four bytes, times 2^126, times the scale: two bf16x2 registers each.
 E2M1_HALVES_PTX = tl.constexpr("""
@@ -200,28 +171,6 @@ fma.rn.bf16x2 t, t, c, z;
 fma.rn.bf16x2 $3, t, $6, z;
 }
 """)
-
-
-@triton.jit
-def _bf16_bits(v):
-    """fp32 values exact in bf16 -> their bf16 bits in the low half of an int32."""
-    return v.to(tl.int32, bitcast=True) >> 16 & 0xFFFF
-
-
-@triton.jit
-def e2m1_word_pairs(w, INTERP: tl.constexpr):
-    """int32 words of 8 e2m1 codes (byte j: columns 2j and 2j + 1) -> 4 int32, pair j as bf16x2
-    (column 2j in the low half), the codes' values exactly (see "e2m1 by bits")."""
-    if INTERP:  # the same bits by arithmetic: the interpreter runs no PTX
-        p0 = _bf16_bits(e2m1_to_f32(w & 15)) | _bf16_bits(e2m1_to_f32(w >> 4 & 15)) << 16
-        p1 = _bf16_bits(e2m1_to_f32(w >> 8 & 15)) | _bf16_bits(e2m1_to_f32(w >> 12 & 15)) << 16
-        p2 = _bf16_bits(e2m1_to_f32(w >> 16 & 15)) | _bf16_bits(e2m1_to_f32(w >> 20 & 15)) << 16
-        p3 = _bf16_bits(e2m1_to_f32(w >> 24 & 15)) | _bf16_bits(e2m1_to_f32(w >> 28 & 15)) << 16
-        return p0, p1, p2, p3
-    else:
-        return tl.inline_asm_elementwise(
-            E2M1_WORD_PTX, "=r,=r,=r,=r,r", [w], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1
-        )
 
 
 @triton.jit
@@ -264,7 +213,7 @@ def mxfp4_halves(w_rows, s_rows, k0, n_mask, K, BLOCK_N: tl.constexpr, BLOCK_K: 
 # 8-product sum (a power of two: exact). Per word of 8 codes: the two nibble halves spread over
 # the bytes with their signs (8 ops), a byte permute per pair of codes into fp16x2 (4), 8 cvt;
 # about 4.1 instructions a code with the products, against ~6.3 for the bf16x2 words
-# (E2M1_WORD_PTX), whose pairs must be unpacked to fp32 one by one anyway.
+# (moe_mxfp4_mma's word decode), whose pairs must be unpacked to fp32 one by one anyway.
 # (benchmarks/bench_mxfp4_gemv.py at 67ca29e, since removed: the w13 of six experts on an H100, 25.4 us
 # against 38.1; benchmarks/h200/bench_mxfp4_gemv_45f7cd2_h100.txt.)
 # $8: the word; $0..$7: its columns 0..7 as fp32, each times 2^-14.
