@@ -12,7 +12,8 @@ third of the time of the interpreter's MoE tests (cProfile: 66 of 189 s in ``_pa
 after on a CI core).
 
 Triton internals: where they are not as expected, nothing is installed and the tests run as
-before, only slower.
+before, only slower. While launches run on two threads at once, one's end restores the modules
+under the other, so nothing is skipped then: every helper patches, as without this module.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ def skip_repeated_lang_patching() -> bool:
         return False
     launch = grid.__call__
     local = threading.local()  # the launches running on this thread: the modules each has patched
+    # running: launches on any thread; epoch: bumped when one ends beside another (its restore may
+    # have undone what the other's helpers patched): what a launch noted before then counts no more.
+    shared = {"running": 0, "epoch": 0}
+    count_lock = threading.Lock()
 
     def langs_of(fn) -> frozenset[int]:
         # the modules _patch_lang patches for fn: triton.language and triton.language.core
@@ -42,22 +47,26 @@ def skip_repeated_lang_patching() -> bool:
 
     def patch_once(fn):
         stack = getattr(local, "stack", None)
-        if stack:
-            if stack[-1] is None:  # the launch's own call, before any helper runs
-                stack[-1] = langs_of(fn)
-            else:
-                langs = langs_of(fn)
-                if langs <= stack[-1]:
-                    return empty_scope()
-                stack[-1] = stack[-1] | langs
+        if stack and shared["running"] == 1:
+            epoch, patched = stack[-1]
+            langs = langs_of(fn)
+            if epoch == shared["epoch"] and langs <= patched:
+                return empty_scope()
+            stack[-1] = (shared["epoch"], (patched if epoch == shared["epoch"] else frozenset()) | langs)
         return patch_lang(fn)
 
     def launch_tracked(self, *args, **kwargs):
         stack = local.__dict__.setdefault("stack", [])
-        stack.append(None)
+        stack.append((-1, frozenset()))  # nothing noted: the launch's own _patch_lang call comes first
+        with count_lock:
+            shared["running"] += 1
         try:
             return launch(self, *args, **kwargs)
         finally:
+            with count_lock:
+                shared["running"] -= 1
+                if shared["running"]:
+                    shared["epoch"] += 1
             stack.pop()
 
     patch_once.skips_repeats = True
