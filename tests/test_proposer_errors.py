@@ -171,3 +171,22 @@ def test_the_constructor_names_its_arguments_when_given_a_path(tmp_path):
         DeepseekV4MtpProposer(TINY, {}, options=ProposerOptions(), executor="eager")  # executor was dropped
     with pytest.raises(InputError, match="options: expected a ProposerOptions, got dict"):
         DeepseekV4MtpProposer(TINY, {}, options={"executor": "eager"})
+
+
+def test_last_hidden_is_checked_against_the_last_propose():
+    """Before any propose it was an IndexError; past the last batch's rows it returned the bucket's
+    padding rows as if they were sequences', and n=-1 dropped a row."""
+    gen = torch.Generator().manual_seed(3)
+    prop = make_proposer(TINY, buckets=(1, 4))
+    with pytest.raises(InputError, match="last_hidden: expected a propose before it, got none yet"):
+        prop.last_hidden()
+    states = [prop.alloc_state() for _ in range(3)]
+    prop.propose_batch([1, 2, 3], [hidden(TINY, gen)] * 3, [0, 0, 0], 2, states)  # 3 rows in the bucket of 4
+    assert prop.last_hidden(3).shape == (3, TINY.hc_mult, TINY.hidden_size)
+    for n in (4, 0, -1, True, 2.0):
+        with pytest.raises(InputError, match=r"last_hidden n: expected an int in \[1, 3\]"):
+            prop.last_hidden(n)
+    prop.propose(4, hidden(TINY, gen), 0, 1, prop.alloc_state())
+    assert prop.last_hidden().shape == (1, TINY.hc_mult, TINY.hidden_size)
+    with pytest.raises(InputError, match=r"\[1, 1\]"):
+        prop.last_hidden(2)

@@ -355,5 +355,5 @@ def _pending_handle(prop, drafts, outputs, k: int, states, keys, pos, kv, mapped
     pending = _pending(prop)
     for key in keys.tolist():
         pending[key] = handle
-    prop.last_outputs = outputs
+    prop.last_outputs, prop.last_rows = outputs, len(states)
     return handle

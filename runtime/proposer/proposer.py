@@ -199,6 +199,7 @@ class DeepseekV4MtpProposer:
         self.last_host_seconds = 0.0  # entering propose to the (asynchronous) launch
         self.last_times: tuple[float, ...] = ()  # perf_counter at entry, launch, read-back done, return
         self.last_outputs: dict[str, torch.Tensor] = {}
+        self.last_rows = 0  # the sequences of the last propose (its outputs hold the bucket's rows)
         self.tracer = None  # draftgraph.tools.trace.Tracer, set by attach(); handed to every executor
         self.generation = 0  # bumped whenever executors are dropped; a stale executor never runs
         self._pool = None  # one CUDA graph memory pool shared by every capture
@@ -350,7 +351,7 @@ class DeepseekV4MtpProposer:
             launched = time.perf_counter()
             drafts = staging.read_rows(outputs["drafts"], n)  # [n, K]: the one device-to-host read
             read = time.perf_counter()
-            self.last_outputs = outputs
+            self.last_outputs, self.last_rows = outputs, n
             if drafts[0, 0] == NONFINITE:  # the chain dropped every row: it wrote no cache row
                 raise NonFiniteError(describe("target_hiddens" if n > 1 else "target_hidden", "finite values",
                                               f"a NaN or an infinity in row(s) {_nonfinite_rows(hiddens)}",
@@ -503,7 +504,12 @@ class DeepseekV4MtpProposer:
         Confidence-gated (draft_conf_tau > 0), it is the hidden of the last of the K steps, and
         stale when the chain stopped before that step.
         """
-        return self.last_outputs[list(self.last_outputs)[2]][:n].clone()
+        if not self.last_outputs:
+            raise InputError(describe("last_hidden", "a propose before it", "none yet",
+                                      "propose, propose_batch or propose_device first"))
+        n = check_count(n, "last_hidden n", 1, self.last_rows)  # past them: bucket padding, not a sequence's hidden
+        (hidden,) = (v for name, v in self.last_outputs.items() if name not in ("drafts", "probs"))
+        return hidden[:n].clone()
 
     def _vocab_limit(self) -> int:
         return self.options.extra.get("vocab_limit", self.config.vocab_size)
