@@ -39,7 +39,9 @@ from draftgraph.runtime.cache.metadata import max_blocks_for
 from draftgraph.runtime.errors import CacheError, InputError, describe
 from draftgraph.runtime.model.config import V4Config
 
-__all__ = ["BlockTable", "PagedLatentCache", "TakenBlocks"]
+__all__ = ["BLOCK_SIZE", "BlockTable", "PagedLatentCache", "TakenBlocks"]
+
+BLOCK_SIZE = 16  # positions a block, the seed's (and the proposer's cache)
 
 FREE, OWNED, LOOSE = 0, 1, 2
 _STATE_NAMES = {FREE: "free", OWNED: "owned by a table", LOOSE: "taken (owned by no table)"}
@@ -70,7 +72,7 @@ class BlockTable:
 
     __slots__ = ("blocks", "block_size", "cache_id", "trimmed")
 
-    def __init__(self, blocks: np.ndarray | None = None, block_size: int = 16,
+    def __init__(self, blocks: np.ndarray | None = None, block_size: int = BLOCK_SIZE,
                  trimmed: np.ndarray | None = None) -> None:
         self.blocks = np.empty(0, dtype=np.int32) if blocks is None else blocks
         self.block_size = block_size
@@ -158,7 +160,7 @@ class PagedLatentCache:
         config_or_head_dim: V4Config | int,
         num_blocks: int,
         *,
-        block_size: int = 16,
+        block_size: int = BLOCK_SIZE,
         window: int | None = None,
         max_seq_len: int | None = None,
         device: str | torch.device = "cpu",

@@ -51,7 +51,7 @@ from draftgraph.graphs.draft_chain import (
 from draftgraph.graphs.v4_block import CacheGeometry, Numerics, block_interface, numerics_for
 from draftgraph.ops.nonfinite import NONFINITE
 from draftgraph.runtime.cache.hidden_rows import as_tensor
-from draftgraph.runtime.cache.paged_cache import PagedLatentCache, TakenBlocks
+from draftgraph.runtime.cache.paged_cache import BLOCK_SIZE, PagedLatentCache, TakenBlocks
 from draftgraph.runtime.cache.staging import ChainStaging
 from draftgraph.runtime.errors import CacheError, CaptureError, InputError, NonFiniteError, describe
 from draftgraph.runtime.execution.eager import EagerExecutor, concrete_device
@@ -165,14 +165,14 @@ class DeepseekV4MtpProposer:
         if options is not None and not isinstance(options, ProposerOptions):
             raise InputError(describe("options", "a ProposerOptions", type(options).__name__))
         self.options = opts = options or ProposerOptions(**kw)
-        opts.check(config.vocab_size, 16, config.max_position_embeddings)
+        opts.check(config.vocab_size, BLOCK_SIZE, config.max_position_embeddings)
         self.config = config
         self.device = concrete_device(device) if device is not None else torch.device("cpu")
         self.id = next(_ids)
         self.max_seq_len = opts.max_seq_len or config.max_position_embeddings
         self.buckets = tuple(sorted(set(opts.buckets)))
         blocks = opts.num_cache_blocks or self.buckets[-1] * (
-            math.ceil((config.sliding_window + opts.max_num_drafts) / 16) + 2)
+            math.ceil((config.sliding_window + opts.max_num_drafts) / BLOCK_SIZE) + 2)
         self.cache = PagedLatentCache(config, blocks, max_seq_len=self.max_seq_len, device=self.device)
         self.geometry = CacheGeometry(self.cache.kv.shape[0], self.cache.max_blocks_per_seq, self.cache.block_size)
         self.rows = SequenceRows(self.cache.max_blocks_per_seq, self.cache.block_size)
@@ -218,7 +218,7 @@ class DeepseekV4MtpProposer:
             process_group=kw.get("process_group"), mtp_vocab_size=kw.get("mtp_vocab_size", 0))
         if given.process_group is not None:
             config = V4Config.load(Path(path) if Path(path).is_dir() else Path(path).parent)
-            given.check(config.vocab_size, 16, config.max_position_embeddings)  # mtp_vocab_size, before the plan
+            given.check(config.vocab_size, BLOCK_SIZE, config.max_position_embeddings)  # before the plan
             shard, _ = shard_setup(config, given.process_group, given.mtp_vocab_size, device)
             if shard is None:  # a world of one: the unsharded proposer, no group to set up again
                 if opts is given:
@@ -639,7 +639,7 @@ class DeepseekV4MtpProposer:
         """A new bucket set: every captured graph is dropped."""
         if not buckets or any((not isinstance(b, int)) or isinstance(b, bool) or b < 1 for b in buckets):
             raise InputError(describe("buckets", "ints >= 1", list(buckets)))
-        if max(buckets) * (math.ceil((self.config.sliding_window + self.options.max_num_drafts) / 16) + 1) > \
+        if max(buckets) * (math.ceil((self.config.sliding_window + self.options.max_num_drafts) / BLOCK_SIZE) + 1) > \
                 self.cache.num_blocks:
             raise InputError(describe("largest bucket", f"one the cache pool ({self.cache.num_blocks} blocks) can "
                                       "serve", max(buckets)))
