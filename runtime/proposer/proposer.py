@@ -140,6 +140,11 @@ def _serialized(method):
     return locked
 
 
+def _window_blocks(config: V4Config, options: ProposerOptions) -> int:
+    """Blocks that a window and a propose's K positions fill (the sizing of the cache pool per sequence)."""
+    return math.ceil((config.sliding_window + options.max_num_drafts) / BLOCK_SIZE)
+
+
 class DeepseekV4MtpProposer:
     """The DeepSeek-V4 MTP draft proposer.
 
@@ -171,8 +176,7 @@ class DeepseekV4MtpProposer:
         self.id = next(_ids)
         self.max_seq_len = opts.max_seq_len or config.max_position_embeddings
         self.buckets = tuple(sorted(set(opts.buckets)))
-        blocks = opts.num_cache_blocks or self.buckets[-1] * (
-            math.ceil((config.sliding_window + opts.max_num_drafts) / BLOCK_SIZE) + 2)
+        blocks = opts.num_cache_blocks or self.buckets[-1] * (_window_blocks(config, opts) + 2)
         self.cache = PagedLatentCache(config, blocks, max_seq_len=self.max_seq_len, device=self.device)
         self.geometry = CacheGeometry(self.cache.kv.shape[0], self.cache.max_blocks_per_seq, self.cache.block_size)
         self.rows = SequenceRows(self.cache.max_blocks_per_seq, self.cache.block_size)
@@ -639,8 +643,7 @@ class DeepseekV4MtpProposer:
         """A new bucket set: every captured graph is dropped."""
         if not buckets or any((not isinstance(b, int)) or isinstance(b, bool) or b < 1 for b in buckets):
             raise InputError(describe("buckets", "ints >= 1", list(buckets)))
-        if max(buckets) * (math.ceil((self.config.sliding_window + self.options.max_num_drafts) / BLOCK_SIZE) + 1) > \
-                self.cache.num_blocks:
+        if max(buckets) * (_window_blocks(self.config, self.options) + 1) > self.cache.num_blocks:
             raise InputError(describe("largest bucket", f"one the cache pool ({self.cache.num_blocks} blocks) can "
                                       "serve", max(buckets)))
         self.buckets = tuple(sorted(set(buckets)))
