@@ -122,6 +122,24 @@ def test_fused_impl_on_an_fp8_head_under_the_interpreter(batch, vocab_rows, prol
     assert len(calls) == 1 and ("norm_w" in calls[0]) == prologue  # the FP8 kernel ran, not the torch op
 
 
+def test_fp8_head_tiles_count_its_outputs_past_16_rows(monkeypatch):
+    """Past 16 rows the head's tiles come from the wide-grid rule on its own outputs (it was asked
+    with no outputs, so it always took the 32-row tiles): a vocab of 128 64-row tiles takes the wide
+    ones, one tile fewer the 32-row ones."""
+    from draftgraph.ops.triton import fp8_linear
+    from draftgraph.ops.triton import head as head_kernels
+
+    configs = []
+    monkeypatch.setattr(fp8_linear, "fp8_gemv", lambda *a, **kw: configs.append(kw["config"]))
+    wide = fp8_linear.WIDE_GRID_PROGRAMS * fp8_linear.WIDE_GRID_CONFIG.block_n
+    h, norm_w, head = head_case(32, wide, 128)
+    w = quantise_head(head)
+    for rows in (wide, wide - fp8_linear.WIDE_GRID_CONFIG.block_n):
+        logits = torch.empty(32, rows)
+        head_kernels.lm_head_impl([h, norm_w, w], [logits], {"eps": EPS, "vocab_rows": rows}, None)
+    assert configs == [fp8_linear.WIDE_GRID_CONFIG, fp8_linear.LARGE_BATCH_CONFIG], configs
+
+
 # ---- the option, end to end -------------------------------------------------------------------
 
 

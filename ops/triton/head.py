@@ -71,7 +71,7 @@ def _fp8_head_gemv(head: QuantWeight, logits: torch.Tensor):
     rows = logits.shape[1]
     data = head.data[:rows]  # [Vd, D]
     scale = head.scale[: -(-rows // 128)]  # the 128-row scale blocks covering them (the last may be partial)
-    cfg = fp8_linear.config_for(logits.shape[0])
+    cfg = fp8_linear.config_for(logits.shape[0], rows)  # its outputs too: the wide-grid rule counts its tiles
 
     def gemv(x, **norm):
         fp8_linear.fp8_gemv(x, data, scale, logits, config=cfg, **norm)
