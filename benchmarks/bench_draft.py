@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from bench_floor import measure_copy_bandwidth, step_weight_bytes
-from bench_host import time_phases
+from bench_host import WARMUP_ROUNDS, time_phases
 from draftgraph.runtime.model.config import V4Config
 from draftgraph.runtime.model.quant import MXFP4_DATA_DTYPE, QuantWeight, quantize_mxfp4, quantize_weight
 from draftgraph.runtime.model.weight_names import linear_kind
@@ -356,7 +356,12 @@ def measure_proposer(cfg, weights, device, batch: int, k: int, executor: str, ke
     # for the replay and the drafts' read-back, and the commit after it. The event us column is the
     # host cost of one event record, which propose ms holds beside verify and the call; the same
     # wait by the host's clock (verify and the call, no event inside) is propose by clock.
-    for _ in range(5):
+    # The warm-up is bench_host's (100 rounds, which took the cold first rounds out of its cases).
+    # After 5 here the run's first case often came out slow in every phase of its host time (B=1
+    # K=1 native at b6535a7 on an H100: 42 us before the launch, 22 in the third case); some of
+    # that is the lent hosts' slow spells, which fall on whichever case runs in them (the
+    # twentieth session reversed the cases) and which no warm-up removes.
+    for _ in range(WARMUP_ROUNDS):
         propose()
     proposes, walls, host, calls, verifies, waits, commits = [], [], [], [], [], [], []
     for _ in range(10 if kernels == "torch" and executor == "eager" else 100):
