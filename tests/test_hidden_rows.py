@@ -70,8 +70,8 @@ def bad_rows(shape) -> dict[str, tuple[HiddenRows, str]]:
         "strides": (HiddenRows(good.transpose(0, -1).contiguous().transpose(0, -1), index), "strides"),
         "index floats": (HiddenRows(good, index.astype(np.float32)), r"index\[0\]: expected an int"),
         "index length": (HiddenRows(good, np.array([0, 1, 2], dtype=np.int64)), "index length"),
-        "index range": (HiddenRows(good, np.array([0, 5], dtype=np.int64)), r"index\[1\]: expected an int in \[0, 5\)"),
-        "negative": (HiddenRows(good, np.array([-1, 0], dtype=np.int64)), r"index\[0\]: expected an int in \[0, 5\)"),
+        "index range": (HiddenRows(good, np.array([0, 5], dtype=np.int64)), r"index\[1\]: expected an int in \[0, 4\]"),
+        "negative": (HiddenRows(good, np.array([-1, 0], dtype=np.int64)), r"index\[0\]: expected an int in \[0, 4\]"),
     }
 
 

@@ -51,7 +51,7 @@ def test_a_bad_token_anywhere_is_refused_naming_it(batch, at, bad):
     tokens = list(range(B))
     tokens[at] = bad
     message = refused(prop, states, hiddens, positions, tokens)
-    assert message.startswith(f"last_tokens[{at}]: expected an int in [0, {TINY.vocab_size})"), message
+    assert message.startswith(f"last_tokens[{at}]: expected an int in [0, {TINY.vocab_size - 1}]"), message
 
 
 @pytest.mark.parametrize("at", BAD_AT)

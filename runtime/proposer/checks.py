@@ -60,8 +60,14 @@ def check_count(value: object, what: str, low: int, high: int) -> int:
     return count
 
 
+def _closed(low: int, high: int) -> str:
+    return f"an int in [{low}, {high - 1}]"
+
+
 def check_ints(values: Sequence | np.ndarray, what: str, low: int, high: int, n: int) -> np.ndarray:
-    """``n`` ints in [low, high) as int64 [n]: a sequence of ints / numpy integers, or an integer array."""
+    """``n`` ints in [low, high) as int64 [n]: a sequence of ints / numpy integers, or an integer array.
+    The messages name the range closed, [low, high - 1], as every other int check does (built only
+    on the way to an error: device_propose's verify calls this every step)."""
     if isinstance(values, np.ndarray) and values.dtype.kind in "iu" and values.ndim == 1:
         array = values.astype(np.int64, copy=False)
         items = array.tolist() if len(array) <= _SMALL else None
@@ -70,15 +76,14 @@ def check_ints(values: Sequence | np.ndarray, what: str, low: int, high: int, n:
             array = np.array(values, dtype=np.int64)
         except OverflowError:  # an int past int64: out of any range taken here
             i = next(i for i, v in enumerate(values) if not -(1 << 63) <= v < (1 << 63))
-            raise InputError(describe(f"{what}[{i}]" if n > 1 else what, f"an int in [{low}, {high})",
-                                      values[i])) from None
+            raise InputError(describe(f"{what}[{i}]" if n > 1 else what, _closed(low, high), values[i])) from None
         items = values if len(array) <= _SMALL else None
     else:
         try:
             items = list(values)
         except TypeError:
             raise InputError(describe(what, f"a sequence of {n} ints", type(values).__name__)) from None
-        array = np.array([as_int(v, f"{what}[{i}]" if n > 1 else what, f"an int in [{low}, {high})")
+        array = np.array([as_int(v, f"{what}[{i}]" if n > 1 else what, _closed(low, high))
                           for i, v in enumerate(items)], dtype=np.int64)
         items = None
     if array.shape != (n,):
@@ -87,7 +92,7 @@ def check_ints(values: Sequence | np.ndarray, what: str, low: int, high: int, n:
         return array
     if (min(items) < low or max(items) >= high) if items is not None else (array.min() < low or array.max() >= high):
         i = int(np.flatnonzero((array < low) | (array >= high))[0])
-        raise InputError(describe(f"{what}[{i}]" if n > 1 else what, f"an int in [{low}, {high})", int(array[i])))
+        raise InputError(describe(f"{what}[{i}]" if n > 1 else what, _closed(low, high), int(array[i])))
     return array
 
 
