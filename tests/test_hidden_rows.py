@@ -72,11 +72,12 @@ def bad_rows(shape) -> dict[str, tuple[HiddenRows, str]]:
         "index length": (HiddenRows(good, np.array([0, 1, 2], dtype=np.int64)), "index length"),
         "index range": (HiddenRows(good, np.array([0, 5], dtype=np.int64)), r"index\[1\]: expected an int in \[0, 4\]"),
         "negative": (HiddenRows(good, np.array([-1, 0], dtype=np.int64)), r"index\[0\]: expected an int in \[0, 4\]"),
+        "no rows": (HiddenRows(good[:0], index), r"index\[0\]: expected an int in \[0, 0\) \(an empty range"),
     }
 
 
 @pytest.mark.parametrize("case", ["row shape", "dtype", "strides", "index floats", "index length", "index range",
-                                  "negative"])
+                                  "negative", "no rows"])
 def test_bad_rows_are_a_typed_error(case):
     shape = SHAPES["streams"]
     rows, says = bad_rows(shape)[case]

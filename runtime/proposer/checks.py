@@ -61,6 +61,8 @@ def check_count(value: object, what: str, low: int, high: int) -> int:
 
 
 def _closed(low: int, high: int) -> str:
+    if high <= low:  # e.g. an index into a buffer of no rows
+        return f"an int in [{low}, {high}) (an empty range: none is valid)"
     return f"an int in [{low}, {high - 1}]"
 
 
