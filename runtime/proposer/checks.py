@@ -68,8 +68,8 @@ def _closed(low: int, high: int) -> str:
 
 def check_ints(values: Sequence | np.ndarray, what: str, low: int, high: int, n: int) -> np.ndarray:
     """``n`` ints in [low, high) as int64 [n]: a sequence of ints / numpy integers, or an integer array.
-    The messages name the range closed, [low, high - 1], as every other int check does (built only
-    on the way to an error: device_propose's verify calls this every step)."""
+    The messages name the range closed, [low, high - 1], as every other int check does; the plain
+    ints' path builds one only on the way to an error (device_propose's verify calls this every step)."""
     if isinstance(values, np.ndarray) and values.dtype.kind in "iu" and values.ndim == 1:
         array = values.astype(np.int64, copy=False)
         items = array.tolist() if len(array) <= _SMALL else None
@@ -85,8 +85,9 @@ def check_ints(values: Sequence | np.ndarray, what: str, low: int, high: int, n:
             items = list(values)
         except TypeError:
             raise InputError(describe(what, f"a sequence of {n} ints", type(values).__name__)) from None
-        array = np.array([as_int(v, f"{what}[{i}]" if n > 1 else what, _closed(low, high))
-                          for i, v in enumerate(items)], dtype=np.int64)
+        expected = _closed(low, high)  # once, not an item
+        array = np.array([as_int(v, f"{what}[{i}]" if n > 1 else what, expected) for i, v in enumerate(items)],
+                         dtype=np.int64)
         items = None
     if array.shape != (n,):
         raise InputError(describe(f"{what} length", n, len(array), "one entry per sequence"))
