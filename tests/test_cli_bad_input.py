@@ -118,6 +118,12 @@ CASES = [
     ("dump_out_missing_folder", ["dump", "--out", "{root}/nowhere/chain.txt"], ["--out", "does not exist"]),
     ("dump_out_read_only", ["dump", "--out", "{root}/read_only/chain.txt"], ["--out", "not writable"]),
     ("dump_out_is_a_folder", ["dump", "--out", "{root}"], ["--out", "a file to write"]),
+    # a name past the file system's limit: pathlib's is_dir / exists raise there instead of answering
+    ("dump_out_name_too_long", ["dump", "--out", "{root}/" + "x" * 300 + ".txt"], ["--out", "File name too long"]),
+    ("demo_trace_name_too_long", ["demo", "--trace", "{root}/" + "x" * 300 + ".json"],
+     ["--trace", "File name too long"]),
+    ("arena_out_folder_name_too_long", ["arena", "--csv", "{root}", "--out", "{root}/" + "x" * 300 + "/pictures"],
+     ["--out", "a folder for the pictures", "File name too long"]),
     ("dump_runner_nosuch", ["dump", "--runner", "nosuch"], ["RunnerError", "'nosuch'"]),
     ("dump_num_drafts_1000", ["dump", "--num-drafts", "1000"], ["--num-drafts", "1000"]),
     ("draw_dpi_0", ["draw", "--out", "{root}/chain.png", "--engine", "matplotlib", "--dpi", "0"], ["--dpi", "0"]),
@@ -178,3 +184,21 @@ def test_the_tripwires_catch_long_work(root, tripwires, argv):
     """With good arguments every tool reaches its tripwire: the checks above ran before it."""
     with pytest.raises(AssertionError, match="long work started"):
         main([a.format(root=root) for a in argv])
+
+
+@pytest.mark.skipif(not (os.path.exists("/dev/full") and os.access("/dev", os.W_OK | os.X_OK)),
+                    reason="needs /dev/full and a writable /dev (root) for the write to pass the checks")
+def test_a_write_the_system_refuses_is_one_line_and_exit_1(capsys):
+    """--out passes its checks (/dev/full can be opened for writing), then the write fails (no space
+    left): one line naming the system's reason, exit 1 (not a bad argument), no traceback."""
+    assert main(["dump", "--out", "/dev/full"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == ["draftgraph dump: error: [Errno 28] No space left on device"], captured
+
+
+def test_an_input_path_the_system_cannot_look_up_is_one_line(root, tripwires, capsys):
+    """A --checkpoint name past the file system's limit fails in the lookup (pathlib raises OSError
+    there): one line with the system's reason, no traceback, before any long work."""
+    assert main(["dump", "--checkpoint", f"{root}/{'x' * 300}"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("draftgraph dump: error: [Errno 36] File name too long: "), line

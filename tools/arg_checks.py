@@ -8,6 +8,7 @@ with exit code 2.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -42,8 +43,9 @@ def check_output_file(flag: str, path: str | Path | None) -> None:
     if path is None:
         return
     path = Path(path)
-    if path.is_dir():
-        raise UsageError(describe(flag, "a file to write", f"the folder {str(path)!r}", "name a file in it"))
+    with _lookup_errors(flag, "a file to write", path):
+        if path.is_dir():
+            raise UsageError(describe(flag, "a file to write", f"the folder {str(path)!r}", "name a file in it"))
     check_output_folder(flag, path.parent, what="a file in an existing, writable folder", shown=path)
 
 
@@ -54,15 +56,26 @@ def check_output_folder(
     (the tool makes the rest)."""
     shown = folder if shown is None else shown
     folder = folder if str(folder) else Path(".")
-    if create:
-        while not folder.exists() and folder != folder.parent:
-            folder = folder.parent
-    if folder.exists() and not folder.is_dir():
-        raise UsageError(describe(flag, what, f"{str(shown)!r} ({folder} is a file)"))
-    if not folder.exists():
-        raise UsageError(describe(flag, what, f"{str(shown)!r} ({folder} does not exist)", "create it first"))
+    with _lookup_errors(flag, what, shown):
+        if create:
+            while not folder.exists() and folder != folder.parent:
+                folder = folder.parent
+        if folder.exists() and not folder.is_dir():
+            raise UsageError(describe(flag, what, f"{str(shown)!r} ({folder} is a file)"))
+        if not folder.exists():
+            raise UsageError(describe(flag, what, f"{str(shown)!r} ({folder} does not exist)", "create it first"))
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(describe(flag, what, f"{str(shown)!r} ({folder} is not writable)"))
+
+
+@contextlib.contextmanager
+def _lookup_errors(flag: str, what: str, shown: Path):
+    """A path the OS cannot even look up (a name longer than the file system allows): pathlib's
+    ``exists`` / ``is_dir`` raise OSError there instead of returning False; one UsageError instead."""
+    try:
+        yield
+    except OSError as exc:
+        raise UsageError(describe(flag, what, f"{str(shown)!r} ({exc.strerror or exc})")) from None
 
 
 def check_runner(spec: str) -> None:

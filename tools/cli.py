@@ -57,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"draftgraph {args.command}: {type(exc).__name__}: {first}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        # The system refused what the checks let through (a write to a full disk or to a file
+        # system that takes no new file, an input path it cannot look up): its reason on one
+        # line, as cp or tee print it; exit 1, not 2: the argument may be sound.
+        print(f"draftgraph {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
