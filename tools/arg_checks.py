@@ -60,10 +60,10 @@ def check_output_folder(
         if create:
             while not folder.exists() and folder != folder.parent:
                 folder = folder.parent
-        if folder.exists() and not folder.is_dir():
-            raise UsageError(describe(flag, what, f"{str(shown)!r} ({folder} is a file)"))
         if not folder.exists():
             raise UsageError(describe(flag, what, f"{str(shown)!r} ({folder} does not exist)", "create it first"))
+        if not folder.is_dir():
+            raise UsageError(describe(flag, what, f"{str(shown)!r} ({folder} is a file)"))
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(describe(flag, what, f"{str(shown)!r} ({folder} is not writable)"))
 
