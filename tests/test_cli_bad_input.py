@@ -118,6 +118,7 @@ CASES = [
     ("dump_out_missing_folder", ["dump", "--out", "{root}/nowhere/chain.txt"], ["--out", "does not exist"]),
     ("dump_out_read_only", ["dump", "--out", "{root}/read_only/chain.txt"], ["--out", "not writable"]),
     ("dump_out_is_a_folder", ["dump", "--out", "{root}"], ["--out", "a file to write"]),
+    ("dump_out_under_a_file", ["dump", "--out", "{root}/ok.csv/chain.txt"], ["--out", "ok.csv is a file"]),
     # a name past the file system's limit: pathlib's is_dir / exists raise there instead of answering
     ("dump_out_name_too_long", ["dump", "--out", "{root}/" + "x" * 300 + ".txt"], ["--out", "File name too long"]),
     ("demo_trace_name_too_long", ["demo", "--trace", "{root}/" + "x" * 300 + ".json"],
