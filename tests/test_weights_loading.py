@@ -11,6 +11,7 @@ import pytest
 import torch
 from checkpoint_spy import SpyOpen
 from draftgraph.runtime.errors import WeightError
+from draftgraph.runtime.model.checkpoint_writer import INDEX_FILE
 from draftgraph.runtime.model.config import V4Config
 from draftgraph.runtime.model.weights import (
     MTP_TENSOR_NAMES,
@@ -263,6 +264,23 @@ def test_no_safetensors_file(tmp_path):
         load_checkpoint(tmp_path)
     with pytest.raises(WeightError, match="nothing at"):
         load_checkpoint(tmp_path / "absent")
+
+
+def test_a_path_the_system_cannot_look_up(tmp_path, weights):
+    """A name past the file system's limit: pathlib's exists / is_dir raise OSError there; the
+    loaders raise their WeightError with the system's reason instead (checkpoint_path.py)."""
+    too_long = tmp_path / ("x" * 300)
+    with pytest.raises(WeightError, match=r"checkpoint path: expected a folder .*\(File name too long\)"):
+        load_checkpoint(too_long)
+    with pytest.raises(WeightError, match=r"config: expected .*\(File name too long\)"):
+        V4Config.load(too_long)
+    write_checkpoint(tmp_path, CONFIG, weights, shards=2)  # an index naming a shard no system can look up
+    index = tmp_path / INDEX_FILE
+    listed = json.loads(index.read_text())
+    listed["weight_map"] = {name: "y" * 300 + ".safetensors" for name in listed["weight_map"]}
+    index.write_text(json.dumps(listed))
+    with pytest.raises(WeightError, match=r"shard listed in .*\(File name too long\)"):
+        load_checkpoint(tmp_path)
 
 
 def test_index_naming_an_absent_shard(tmp_path, weights):

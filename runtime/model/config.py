@@ -12,6 +12,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from draftgraph.runtime.errors import WeightError, describe
+from draftgraph.runtime.model.checkpoint_path import path_kind
 
 # The fields a config.json must state. They set the shapes of the checkpoint's tensors and differ
 # between any two V4 sizes, so V4-Flash's value as a default would only turn a missing field into
@@ -197,9 +198,10 @@ class V4Config:
     def load(path: str | Path) -> V4Config:
         """Read a Hugging Face ``config.json`` (or the one in folder ``path``); see :meth:`from_dict`."""
         path = Path(path)
-        if path.is_dir():
+        expected = "a Hugging Face config.json or the folder that holds it"
+        if path_kind(path, "config", expected) == "dir":
             path = path / "config.json"
-        if not path.exists():
+        if path_kind(path, "config", expected) is None:
             raise WeightError(
                 f"config: expected a Hugging Face config.json, got no file at {path} "
                 "(hint: point --checkpoint at the folder that holds config.json)"

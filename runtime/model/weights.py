@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 from draftgraph.runtime.errors import InputError, WeightError, describe
+from draftgraph.runtime.model.checkpoint_path import path_kind
 from draftgraph.runtime.model.checkpoint_writer import INDEX_FILE, make_synthetic_checkpoint, write_checkpoint
 from draftgraph.runtime.model.config import V4Config
 from draftgraph.runtime.model.quant import (
@@ -204,9 +205,10 @@ def load_checkpoint(
 
 
 def _locate(path: Path) -> tuple[Path, list[Path]]:
-    if path.is_file():
+    kind = path_kind(path, "checkpoint path", "a folder or a .safetensors file")
+    if kind == "file":
         return path.parent, [path]
-    if not path.is_dir():
+    if kind != "dir":
         raise WeightError(
             describe("checkpoint path", "a folder or a .safetensors file", f"nothing at {path}")
         )
@@ -219,7 +221,7 @@ def _locate(path: Path) -> tuple[Path, list[Path]]:
             raise WeightError(
                 describe(f"shard index {index}", 'JSON with a "weight_map" of name -> file', repr(exc))
             ) from exc
-        absent = [f.name for f in files if not f.exists()]
+        absent = [f.name for f in files if path_kind(f, f"shard listed in {index}", "a file beside it") is None]
         if absent:
             raise WeightError(describe(f"shards listed in {index}", "files beside it", f"{absent} missing"))
         return path, files

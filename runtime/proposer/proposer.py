@@ -212,6 +212,7 @@ class DeepseekV4MtpProposer:
     @staticmethod
     def from_checkpoint(path: str | Path, device=None, **kw) -> DeepseekV4MtpProposer:
         """A proposer on the checkpoint at ``path``; with ``process_group=`` only this rank's shard is read."""
+        from draftgraph.runtime.model.checkpoint_path import path_kind
         from draftgraph.runtime.model.config import V4Config
         from draftgraph.runtime.model.weights import load_checkpoint
 
@@ -221,7 +222,8 @@ class DeepseekV4MtpProposer:
         given = opts if isinstance(opts, ProposerOptions) else ProposerOptions(
             process_group=kw.get("process_group"), mtp_vocab_size=kw.get("mtp_vocab_size", 0))
         if given.process_group is not None:
-            config = V4Config.load(Path(path) if Path(path).is_dir() else Path(path).parent)
+            folder = path_kind(path, "checkpoint path", "a folder or a .safetensors file") == "dir"
+            config = V4Config.load(Path(path) if folder else Path(path).parent)
             given.check(config.vocab_size, BLOCK_SIZE, config.max_position_embeddings)  # before the plan
             shard, _ = shard_setup(config, given.process_group, given.mtp_vocab_size, device)
             if shard is None:  # a world of one: the unsharded proposer, no group to set up again
