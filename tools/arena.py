@@ -188,20 +188,25 @@ def format_table(view: ArenaView) -> str:
 
 
 def run(args) -> int:
-    from draftgraph.tools.arg_checks import check_output_file, check_output_folder, check_seconds
+    from draftgraph.tools.arg_checks import check_output_file, check_output_folder, check_seconds, lookup_errors
     from draftgraph.tools.cli import UsageError
 
     if args.format == "png" and args.out is None:
         raise UsageError("--out: expected a picture file (.png or .svg) with --format png")
     check_seconds("--time-limit", args.time_limit)
-    if args.csv is not None and args.csv.is_dir() and args.format == "png":
+    csv_folder = csv_found = False
+    if args.csv is not None:
+        with lookup_errors("--csv", "a MiniMalloc CSV file or folder", args.csv):
+            csv_found = args.csv.exists()
+            csv_folder = csv_found and args.csv.is_dir()
+    if csv_folder and args.format == "png":
         check_output_folder("--out", args.out, what="a folder for the pictures (made if need be)", create=True)
     else:
         check_output_file("--out", args.out)
-    if args.csv is not None and args.csv.is_dir():
+    if csv_folder:
         return _run_folder(args)
     if args.csv is not None:
-        if not args.csv.exists():
+        if not csv_found:
             raise UsageError(
                 f"--csv: expected a MiniMalloc CSV file or folder, got {str(args.csv)!r} (not found)"
             )

@@ -43,7 +43,7 @@ def check_output_file(flag: str, path: str | Path | None) -> None:
     if path is None:
         return
     path = Path(path)
-    with _lookup_errors(flag, "a file to write", path):
+    with lookup_errors(flag, "a file to write", path):
         if path.is_dir():
             raise UsageError(describe(flag, "a file to write", f"the folder {str(path)!r}", "name a file in it"))
     check_output_folder(flag, path.parent, what="a file in an existing, writable folder", shown=path)
@@ -56,7 +56,7 @@ def check_output_folder(
     (the tool makes the rest)."""
     shown = folder if shown is None else shown
     folder = folder if str(folder) else Path(".")
-    with _lookup_errors(flag, what, shown):
+    with lookup_errors(flag, what, shown):
         if create:
             while not folder.exists() and folder != folder.parent:
                 folder = folder.parent
@@ -69,7 +69,7 @@ def check_output_folder(
 
 
 @contextlib.contextmanager
-def _lookup_errors(flag: str, what: str, shown: Path):
+def lookup_errors(flag: str, what: str, shown: Path):
     """A path the OS cannot even look up (a name longer than the file system allows): pathlib's
     ``exists`` / ``is_dir`` raise OSError there instead of returning False; one UsageError instead."""
     try:

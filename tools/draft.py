@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import torch
-from draftgraph.tools.arg_checks import check_at_least, check_num_drafts, check_output_file
+from draftgraph.tools.arg_checks import check_at_least, check_num_drafts, check_output_file, lookup_errors
 from draftgraph.tools.cli import UsageError
 from draftgraph.tools.common import device_arg
 
@@ -45,7 +45,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def load_hidden(path: Path) -> torch.Tensor:
     from safetensors import safe_open
 
-    if not path.exists():
+    with lookup_errors("--hidden", "a safetensors file", path):
+        missing = not path.exists()
+    if missing:
         raise UsageError(f"--hidden: no file at {path}")
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -63,7 +65,9 @@ def run(args) -> int:
     from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
     from draftgraph.tools.trace import Tracer
 
-    if not (args.checkpoint / "config.json").exists() and not args.checkpoint.is_file():
+    with lookup_errors("--checkpoint", "a folder with config.json", args.checkpoint):
+        found = (args.checkpoint / "config.json").exists() or args.checkpoint.is_file()
+    if not found:
         raise UsageError(f"--checkpoint: expected a folder with config.json, got {args.checkpoint}")
     check_num_drafts(args.num_drafts)
     if args.position < 0:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from draftgraph.runtime.decode.tokenizer import not_utf8
 from draftgraph.runtime.errors import describe
-from draftgraph.tools.arg_checks import check_at_least, check_num_drafts
+from draftgraph.tools.arg_checks import check_at_least, check_num_drafts, lookup_errors
 from draftgraph.tools.cli import UsageError
 from draftgraph.tools.common import cached_small_checkpoint, device_arg
 
@@ -116,7 +116,9 @@ def read_prompts(args) -> list[str]:
     for i, prompt in enumerate(prompts):
         _check_utf8(f"--prompt #{i + 1}", prompt)
     if args.batch_prompts is not None:
-        if not args.batch_prompts.is_file():
+        with lookup_errors("--batch-prompts", "a file", args.batch_prompts):
+            is_file = args.batch_prompts.is_file()
+        if not is_file:
             raise UsageError(f"--batch-prompts: expected a file, got {args.batch_prompts}")
         data = args.batch_prompts.read_bytes()
         try:
@@ -146,7 +148,9 @@ def check_workload_args(args) -> None:
 def resolve_checkpoint(path: Path | None) -> tuple[Path, str]:
     """(folder, a note on what it is)."""
     if path is not None:
-        if not (path / "config.json").exists():
+        with lookup_errors("--checkpoint", "a folder with config.json", path):
+            found = (path / "config.json").exists()
+        if not found:
             raise UsageError(f"--checkpoint: expected a folder with config.json, got {path}")
         return path, str(path)
     if (TINY_CHECKPOINT / "config.json").exists():
