@@ -199,9 +199,11 @@ class V4Config:
         """Read a Hugging Face ``config.json`` (or the one in folder ``path``); see :meth:`from_dict`."""
         path = Path(path)
         expected = "a Hugging Face config.json or the folder that holds it"
-        if path_kind(path, "config", expected) == "dir":
+        kind = path_kind(path, "config", expected)
+        if kind == "dir":
             path = path / "config.json"
-        if path_kind(path, "config", expected) is None:
+            kind = path_kind(path, "config", expected)
+        if kind is None:
             raise WeightError(
                 f"config: expected a Hugging Face config.json, got no file at {path} "
                 "(hint: point --checkpoint at the folder that holds config.json)"
