@@ -93,6 +93,8 @@ CASES = [
     ("config_without_hidden_size", [*DRAFT, "--checkpoint", "{root}/no_hidden"], ["missing hidden_size"]),
     ("draft_hidden_not_safetensors", [*DRAFT[:4], "{root}/good/config.json", *DRAFT[5:], "--checkpoint",
                                       "{root}/good"], ["--hidden", "a readable safetensors file", "config.json"]),
+    ("draft_checkpoint_is_config_json", [*DRAFT, "--checkpoint", "{root}/good/config.json"],
+     ["checkpoint path", "a .safetensors file", "the file", "give the folder"]),
     ("device_tpu", [*DRAFT, "--checkpoint", "{root}/good", "--device", "tpu"], ["--device", "'tpu'"]),
     ("device_cuda_without_cuda", [*DRAFT, "--checkpoint", "{root}/good", "--device", "cuda"], ["--device", "cuda"]),
     ("draft_trace_missing_folder", [*DRAFT, "--checkpoint", "{root}/good", "--trace", "{root}/nowhere/t.json"],

@@ -10,7 +10,7 @@ import draftgraph.runtime.model.weights as weights_module
 import pytest
 import torch
 from checkpoint_spy import SpyOpen
-from draftgraph.runtime.errors import WeightError
+from draftgraph.runtime.errors import InputError, WeightError
 from draftgraph.runtime.model.checkpoint_writer import INDEX_FILE
 from draftgraph.runtime.model.config import V4Config
 from draftgraph.runtime.model.weights import (
@@ -281,6 +281,22 @@ def test_a_path_the_system_cannot_look_up(tmp_path, weights):
     index.write_text(json.dumps(listed))
     with pytest.raises(WeightError, match=r"shard listed in .*\(File name too long\)"):
         load_checkpoint(tmp_path)
+
+
+def test_a_file_that_is_not_safetensors_or_no_path_at_all(tmp_path, weights):
+    """config.json (or any file not named .safetensors) given for the folder is refused as such, not
+    parsed as a tensor file ("header length ..."); None or a number is an InputError, not pathlib's
+    TypeError."""
+    write_checkpoint(tmp_path, CONFIG, weights)
+    with pytest.raises(WeightError, match=r"expected a folder or a \.safetensors file, got the file .*config\.json"
+                                          r".*give the folder"):
+        load_checkpoint(tmp_path / "config.json")
+    assert load_checkpoint(tmp_path / "model.safetensors").config == CONFIG  # the file itself: config beside it
+    for bad in (None, 42):
+        with pytest.raises(InputError, match=f"checkpoint path: .*got {type(bad).__name__}"):
+            load_checkpoint(bad)
+        with pytest.raises(InputError, match=f"config: .*got {type(bad).__name__}"):
+            V4Config.load(bad)
 
 
 def test_index_naming_an_absent_shard(tmp_path, weights):

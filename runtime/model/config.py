@@ -12,7 +12,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from draftgraph.runtime.errors import WeightError, describe
-from draftgraph.runtime.model.checkpoint_path import path_kind
+from draftgraph.runtime.model.checkpoint_path import as_path, path_kind
 
 # The fields a config.json must state. They set the shapes of the checkpoint's tensors and differ
 # between any two V4 sizes, so V4-Flash's value as a default would only turn a missing field into
@@ -197,8 +197,8 @@ class V4Config:
     @staticmethod
     def load(path: str | Path) -> V4Config:
         """Read a Hugging Face ``config.json`` (or the one in folder ``path``); see :meth:`from_dict`."""
-        path = Path(path)
         expected = "a Hugging Face config.json or the folder that holds it"
+        path = as_path(path, "config", expected)
         kind = path_kind(path, "config", expected)
         if kind == "dir":
             path = path / "config.json"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from draftgraph.runtime.errors import InputError, WeightError, describe
-from draftgraph.runtime.model.checkpoint_path import path_kind
+from draftgraph.runtime.model.checkpoint_path import as_path, path_kind
 from draftgraph.runtime.model.checkpoint_writer import INDEX_FILE, make_synthetic_checkpoint, write_checkpoint
 from draftgraph.runtime.model.config import V4Config
 from draftgraph.runtime.model.quant import (
@@ -70,6 +70,7 @@ MXFP4_DTYPES = ("I8", "U8", "F4")
 ACCEPTED = {"bf16": ("BF16", "F16", "F32"), "fp32": ("F32",), "int32": ("I32", "I64")}
 MAX_LISTED_PROBLEMS = 8  # on the error's first line (the one line the CLI prints); all of them follow
 DAMAGED_HINT = "the file is truncated or not a safetensors file: copy or write it again"
+CHECKPOINT_PATH = "a folder or a .safetensors file"  # what load_checkpoint takes, in its errors
 
 
 @dataclass
@@ -169,7 +170,7 @@ def load_checkpoint(
     if weights not in WEIGHT_MODES:
         raise InputError(describe("weights", " or ".join(map(repr, WEIGHT_MODES)), repr(weights),
                                   "'native' keeps FP8 / MXFP4 as stored, 'bf16' dequantises at load"))
-    root, files = _locate(Path(path))
+    root, files = _locate(as_path(path, "checkpoint path", CHECKPOINT_PATH))
     if config is None:
         config = V4Config.load(root)
     entries, default_strict = _requested(config, names)
@@ -205,12 +206,15 @@ def load_checkpoint(
 
 
 def _locate(path: Path) -> tuple[Path, list[Path]]:
-    kind = path_kind(path, "checkpoint path", "a folder or a .safetensors file")
-    if kind == "file":
+    kind = path_kind(path, "checkpoint path", CHECKPOINT_PATH)
+    if kind == "file" and path.suffix == ".safetensors":
         return path.parent, [path]
+    if kind == "file":  # config.json or the index given for the folder: say so, do not parse it as tensors
+        raise WeightError(describe("checkpoint path", CHECKPOINT_PATH, f"the file {str(path)!r}",
+                                   "give the folder that holds config.json and the safetensors"))
     if kind != "dir":
         raise WeightError(
-            describe("checkpoint path", "a folder or a .safetensors file", f"nothing at {path}")
+            describe("checkpoint path", CHECKPOINT_PATH, f"nothing at {path}")
         )
     index = path / INDEX_FILE
     if index.exists():

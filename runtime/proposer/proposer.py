@@ -212,9 +212,9 @@ class DeepseekV4MtpProposer:
     @staticmethod
     def from_checkpoint(path: str | Path, device=None, **kw) -> DeepseekV4MtpProposer:
         """A proposer on the checkpoint at ``path``; with ``process_group=`` only this rank's shard is read."""
-        from draftgraph.runtime.model.checkpoint_path import path_kind
+        from draftgraph.runtime.model.checkpoint_path import as_path, path_kind
         from draftgraph.runtime.model.config import V4Config
-        from draftgraph.runtime.model.weights import load_checkpoint
+        from draftgraph.runtime.model.weights import CHECKPOINT_PATH, load_checkpoint
 
         config, shard = None, None
         # The group comes as a keyword or inside options= (the constructor takes either, not both).
@@ -222,8 +222,9 @@ class DeepseekV4MtpProposer:
         given = opts if isinstance(opts, ProposerOptions) else ProposerOptions(
             process_group=kw.get("process_group"), mtp_vocab_size=kw.get("mtp_vocab_size", 0))
         if given.process_group is not None:
-            folder = path_kind(path, "checkpoint path", "a folder or a .safetensors file") == "dir"
-            config = V4Config.load(Path(path) if folder else Path(path).parent)
+            where = as_path(path, "checkpoint path", CHECKPOINT_PATH)
+            folder = path_kind(where, "checkpoint path", CHECKPOINT_PATH) == "dir"
+            config = V4Config.load(where if folder else where.parent)
             given.check(config.vocab_size, BLOCK_SIZE, config.max_position_embeddings)  # before the plan
             shard, _ = shard_setup(config, given.process_group, given.mtp_vocab_size, device)
             if shard is None:  # a world of one: the unsharded proposer, no group to set up again
