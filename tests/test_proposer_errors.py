@@ -190,3 +190,32 @@ def test_last_hidden_is_checked_against_the_last_propose():
     assert prop.last_hidden().shape == (1, TINY.hc_mult, TINY.hidden_size)
     with pytest.raises(InputError, match=r"\[1, 1\]"):
         prop.last_hidden(2)
+
+
+@pytest.mark.parametrize("device, fragment", [
+    ("tpu", "expected cpu, cuda or cuda:N, got 'tpu'"),
+    (3.5, "expected cpu, cuda or cuda:N, got 3.5"),
+    ("cuda:99", "cuda"),  # without CUDA: no GPU visible; with it: past the last one
+])
+def test_a_device_the_runtime_cannot_use_is_refused_before_the_read(tmp_path, monkeypatch, device, fragment):
+    """device= of from_checkpoint (proposer and target): one InputError naming what runs, before a
+    byte of the checkpoint is read (torch raised RuntimeError or AssertionError after the read)."""
+    from draftgraph.runtime.decode.target import TargetModel
+    from draftgraph.runtime.model import weights
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before the device was checked")
+
+    monkeypatch.setattr(weights, "load_checkpoint", no_read)
+    for build in (DeepseekV4MtpProposer.from_checkpoint, TargetModel.from_checkpoint):
+        with pytest.raises(InputError, match=r"^device: expected ") as exc:
+            build(tmp_path, device=device)
+        assert fragment in str(exc.value)
+
+
+def test_an_unknown_option_is_refused_before_the_read(tmp_path, monkeypatch):
+    from draftgraph.runtime.model import weights
+
+    monkeypatch.setattr(weights, "load_checkpoint", lambda *a, **k: pytest.fail("read before the options"))
+    with pytest.raises(TypeError, match="no_such_option"):
+        DeepseekV4MtpProposer.from_checkpoint(tmp_path, no_such_option=1)

@@ -64,25 +64,16 @@ def device_arg(value: str | None) -> torch.device:
 
     Anything else is a UsageError (the runtime runs on the CPU and on CUDA only).
     """
-    from draftgraph.runtime.errors import describe
+    from draftgraph.runtime.errors import InputError
+    from draftgraph.runtime.execution.device import check_device
     from draftgraph.tools.cli import UsageError
 
     if not value:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(value)
-    except (RuntimeError, ValueError):
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise UsageError(describe("--device", "cpu or cuda[:N]", repr(value)))
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            hint = "no CUDA GPU is visible here: use --device cpu"
-            raise UsageError(describe("--device", "cpu or a visible CUDA GPU", repr(value), hint))
-        if device.index is not None and device.index >= count:
-            raise UsageError(describe("--device", f"cuda:0..cuda:{count - 1}", repr(value)))
-    return device
+        return check_device(value, "--device")  # the runtime's own check: one rule for the API and the CLI
+    except InputError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def selected_config(args) -> V4Config:

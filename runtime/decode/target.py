@@ -41,7 +41,8 @@ from draftgraph.graphs.v4_block import CacheGeometry
 from draftgraph.runtime.cache.paged_cache import BlockTable, PagedLatentCache
 from draftgraph.runtime.cache.staging import ChainStaging
 from draftgraph.runtime.errors import InputError, describe
-from draftgraph.runtime.execution.eager import EagerExecutor, concrete_device
+from draftgraph.runtime.execution.device import concrete_device
+from draftgraph.runtime.execution.eager import EagerExecutor
 from draftgraph.runtime.ir.tensor_spec import B, TensorSpec
 from draftgraph.runtime.model.config import V4Config
 from draftgraph.runtime.native import batch_kernel
@@ -147,6 +148,8 @@ class TargetModel:
         """Load the target's tensors (``names="target"``) of a checkpoint folder."""
         from draftgraph.runtime.model.weights import load_checkpoint
 
+        if device is not None:
+            device = concrete_device(device)  # a device it cannot run on: refused before the read
         ckpt = load_checkpoint(path, names="target", device="cpu")
         return TargetModel(ckpt.config, ckpt.tensors, device=device, **kw)
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from draftgraph.ops.overlap import SideStream
 from draftgraph.runtime.errors import ExecutionError, InputError, describe
+from draftgraph.runtime.execution.device import concrete_device
 from draftgraph.runtime.execution.kernel_choice import (
     NOT_COMPILED,
     check_kernels,
@@ -339,14 +340,6 @@ def run_if_flag_set(flag: torch.Tensor, body: Callable[[], None]) -> None:
     """The eager gate: read the flag (a host sync) and run the body when it is nonzero."""
     if int(flag.item()):
         body()
-
-
-def concrete_device(device: torch.device | str) -> torch.device:
-    """``cuda`` -> ``cuda:N`` (the current device), so device checks compare like with like."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _guess_device(weights: Mapping[str, torch.Tensor]) -> torch.device:

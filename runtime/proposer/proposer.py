@@ -54,7 +54,8 @@ from draftgraph.runtime.cache.hidden_rows import as_tensor
 from draftgraph.runtime.cache.paged_cache import BLOCK_SIZE, PagedLatentCache, TakenBlocks
 from draftgraph.runtime.cache.staging import ChainStaging
 from draftgraph.runtime.errors import CacheError, CaptureError, InputError, NonFiniteError, describe
-from draftgraph.runtime.execution.eager import EagerExecutor, concrete_device
+from draftgraph.runtime.execution.device import concrete_device
+from draftgraph.runtime.execution.eager import EagerExecutor
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
 from draftgraph.runtime.model.config import V4Config
 from draftgraph.runtime.native import batch_kernel
@@ -217,10 +218,13 @@ class DeepseekV4MtpProposer:
         from draftgraph.runtime.model.weights import CHECKPOINT_PATH, load_checkpoint
 
         config, shard = None, None
-        # The group comes as a keyword or inside options= (the constructor takes either, not both).
+        if device is not None:
+            device = concrete_device(device)  # a device it cannot run on: refused before the read
+        # The group comes as a keyword or inside options= (the constructor takes either, not both);
+        # made here from every keyword, so that an unknown one fails before the read too.
         opts = kw.get("options")
         given = opts if isinstance(opts, ProposerOptions) else ProposerOptions(
-            process_group=kw.get("process_group"), mtp_vocab_size=kw.get("mtp_vocab_size", 0))
+            **{key: value for key, value in kw.items() if key != "options"})
         if given.process_group is not None:
             where = as_path(path, "checkpoint path", CHECKPOINT_PATH)
             folder = path_kind(where, "checkpoint path", CHECKPOINT_PATH) == "dir"
