@@ -299,6 +299,19 @@ def test_a_file_that_is_not_safetensors_or_no_path_at_all(tmp_path, weights):
             V4Config.load(bad)
 
 
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(device="tpu"), InputError, r"device: expected cpu, cuda or cuda:N, got 'tpu'"),
+    (dict(config="config.json"), InputError, r"config: expected a V4Config, or None .*got str"),
+    (dict(names=5), WeightError, r"names: expected None, 'mtp', 'target', 'all' or a list of names, got 5"),
+    (dict(names=[1, 2]), WeightError, r"names: expected .*got a list holding \['int'\]"),
+])
+def test_bad_arguments_are_typed_before_any_read(checkpoints, monkeypatch, kwargs, error, match):
+    """Each was a torch RuntimeError, a TypeError or an AttributeError from inside the loader."""
+    monkeypatch.setattr(weights_module, "_read_catalogue", lambda *a: pytest.fail("headers read first"))
+    with pytest.raises(error, match=match):
+        load_checkpoint(checkpoints["bf16"], **kwargs)
+
+
 def test_index_naming_an_absent_shard(tmp_path, weights):
     write_checkpoint(tmp_path, CONFIG, weights, shards=2)
     (tmp_path / "model-00002-of-00002.safetensors").unlink()

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 from draftgraph.runtime.errors import InputError, WeightError, describe
+from draftgraph.runtime.execution.device import check_device
 from draftgraph.runtime.model.checkpoint_path import as_path, path_kind
 from draftgraph.runtime.model.checkpoint_writer import INDEX_FILE, make_synthetic_checkpoint, write_checkpoint
 from draftgraph.runtime.model.config import V4Config
@@ -163,13 +164,17 @@ def load_checkpoint(
 
     Raises
     ------
-    InputError : ``weights`` is neither "bf16" nor "native" (before anything is read).
+    InputError : ``weights`` is neither "bf16" nor "native", ``config`` no V4Config, ``device`` none
+        the runtime runs on (before anything is read).
     WeightError : no config or safetensors, or one error listing every missing, unexpected or
         misshapen tensor; native weights whose fp32 scales are not powers of two.
     """
     if weights not in WEIGHT_MODES:
         raise InputError(describe("weights", " or ".join(map(repr, WEIGHT_MODES)), repr(weights),
                                   "'native' keeps FP8 / MXFP4 as stored, 'bf16' dequantises at load"))
+    if config is not None and not isinstance(config, V4Config):
+        raise InputError(describe("config", "a V4Config, or None to read config.json", type(config).__name__))
+    device = check_device(device)
     root, files = _locate(as_path(path, "checkpoint path", CHECKPOINT_PATH))
     if config is None:
         config = V4Config.load(root)
@@ -249,9 +254,12 @@ def _requested(config: V4Config, names: str | Iterable[str] | None) -> tuple[lis
         return TARGET_TENSOR_NAMES(config), True
     if names == "all":
         return _dedupe(MTP_TENSOR_NAMES(config) + TARGET_TENSOR_NAMES(config)), True
-    if isinstance(names, str):
-        raise WeightError(describe("names", "None, 'mtp', 'target', 'all' or a list of names", repr(names)))
+    wanted = "None, 'mtp', 'target', 'all' or a list of names"
+    if isinstance(names, str) or not isinstance(names, Iterable):
+        raise WeightError(describe("names", wanted, repr(names)))
     names = list(names)
+    if not all(isinstance(n, str) for n in names):
+        raise WeightError(describe("names", wanted, f"a list holding {sorted({type(n).__name__ for n in names})}"))
     known = {e.name: e for e in MTP_TENSOR_NAMES(config)}
     if any(n not in known for n in names):  # only then build the (larger) target list
         known.update((e.name, e) for e in TARGET_TENSOR_NAMES(config))
