@@ -219,3 +219,15 @@ def test_an_unknown_option_is_refused_before_the_read(tmp_path, monkeypatch):
     monkeypatch.setattr(weights, "load_checkpoint", lambda *a, **k: pytest.fail("read before the options"))
     with pytest.raises(TypeError, match="no_such_option"):
         DeepseekV4MtpProposer.from_checkpoint(tmp_path, no_such_option=1)
+
+
+@pytest.mark.parametrize("count, expected", [(1, "cuda or cuda:0"), (2, "cuda, or cuda:0 .. cuda:1")])
+def test_a_gpu_past_the_last_visible_one_is_named_with_the_visible_range(monkeypatch, count, expected):
+    """check_device's CUDA branch on a CPU machine: torch's CUDA queries stand in for count GPUs."""
+    from draftgraph.runtime.execution.device import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    assert check_device(f"cuda:{count - 1}") == torch.device("cuda", count - 1)
+    with pytest.raises(InputError, match=rf"^device: expected {expected}, got 'cuda:{count}' \(hint: {count} CUDA"):
+        check_device(f"cuda:{count}")

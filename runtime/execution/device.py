@@ -28,7 +28,8 @@ def check_device(device: object, what: str = "device") -> torch.device:
             raise InputError(describe(what, "cpu or a visible CUDA GPU", repr(device),
                                       "no CUDA GPU is visible here: use the cpu"))
         if parsed.index is not None and parsed.index >= count:
-            raise InputError(describe(what, f"cuda:0..cuda:{count - 1}", repr(device)))
+            visible = "cuda or cuda:0" if count == 1 else f"cuda, or cuda:0 .. cuda:{count - 1}"
+            raise InputError(describe(what, visible, repr(device), f"{count} CUDA GPU(s) visible here"))
     return parsed
 
 
