@@ -18,9 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = ("runtime", "ops", "graphs", "tools")
 
 # The layers, bottom first. The model (config, tensor names, checkpoint formats) is data about
-# DeepSeek-V4 that imports only the errors, so the declared graphs may read its config.
+# DeepSeek-V4 that imports only the errors (and the device check its loader takes), so the
+# declared graphs may read its config.
 LAYERS = [
     {"runtime.errors"},
+    {"runtime.device"},
     {"runtime.ir", "runtime.model", "runtime.native"},
     {"runtime.planning", "runtime.passes", "ops"},
     {"graphs"},

@@ -224,7 +224,7 @@ def test_an_unknown_option_is_refused_before_the_read(tmp_path, monkeypatch):
 @pytest.mark.parametrize("count, expected", [(1, "cuda or cuda:0"), (2, "cuda, or cuda:0 .. cuda:1")])
 def test_a_gpu_past_the_last_visible_one_is_named_with_the_visible_range(monkeypatch, count, expected):
     """check_device's CUDA branch on a CPU machine: torch's CUDA queries stand in for count GPUs."""
-    from draftgraph.runtime.execution.device import check_device
+    from draftgraph.runtime.device import check_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)

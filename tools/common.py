@@ -64,8 +64,8 @@ def device_arg(value: str | None) -> torch.device:
 
     Anything else is a UsageError (the runtime runs on the CPU and on CUDA only).
     """
+    from draftgraph.runtime.device import check_device
     from draftgraph.runtime.errors import InputError
-    from draftgraph.runtime.execution.device import check_device
     from draftgraph.tools.cli import UsageError
 
     if not value:

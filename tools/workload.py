@@ -173,7 +173,7 @@ def load_models(path: Path, args, num_prompts: int):
     """(target, proposer, tokenizer) on the requested device and executor."""
     from draftgraph.runtime.decode.target import TargetModel
     from draftgraph.runtime.decode.tokenizer import VOCAB_SIZE, ByteTokenizer
-    from draftgraph.runtime.execution.device import concrete_device
+    from draftgraph.runtime.device import concrete_device
     from draftgraph.runtime.model.weights import MTP_TENSOR_NAMES, TARGET_TENSOR_NAMES, load_checkpoint
     from draftgraph.runtime.proposer.options import DEFAULT_BUCKETS
     from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer

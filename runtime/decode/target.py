@@ -40,8 +40,8 @@ from draftgraph.graphs.target import build_target, layer_cache_name
 from draftgraph.graphs.v4_block import CacheGeometry
 from draftgraph.runtime.cache.paged_cache import BlockTable, PagedLatentCache
 from draftgraph.runtime.cache.staging import ChainStaging
+from draftgraph.runtime.device import concrete_device
 from draftgraph.runtime.errors import InputError, describe
-from draftgraph.runtime.execution.device import concrete_device
 from draftgraph.runtime.execution.eager import EagerExecutor
 from draftgraph.runtime.ir.tensor_spec import B, TensorSpec
 from draftgraph.runtime.model.config import V4Config

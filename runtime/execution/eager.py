@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 from draftgraph.ops.overlap import SideStream
+from draftgraph.runtime.device import concrete_device
 from draftgraph.runtime.errors import ExecutionError, InputError, describe
-from draftgraph.runtime.execution.device import concrete_device
 from draftgraph.runtime.execution.kernel_choice import (
     NOT_COMPILED,
     check_kernels,

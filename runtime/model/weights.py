@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from draftgraph.runtime.device import check_device
 from draftgraph.runtime.errors import InputError, WeightError, describe
-from draftgraph.runtime.execution.device import check_device
 from draftgraph.runtime.model.checkpoint_path import as_path, path_kind
 from draftgraph.runtime.model.checkpoint_writer import INDEX_FILE, make_synthetic_checkpoint, write_checkpoint
 from draftgraph.runtime.model.config import V4Config

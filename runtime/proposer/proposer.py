@@ -53,8 +53,8 @@ from draftgraph.ops.nonfinite import NONFINITE
 from draftgraph.runtime.cache.hidden_rows import as_tensor
 from draftgraph.runtime.cache.paged_cache import BLOCK_SIZE, PagedLatentCache, TakenBlocks
 from draftgraph.runtime.cache.staging import ChainStaging
+from draftgraph.runtime.device import concrete_device
 from draftgraph.runtime.errors import CacheError, CaptureError, InputError, NonFiniteError, describe
-from draftgraph.runtime.execution.device import concrete_device
 from draftgraph.runtime.execution.eager import EagerExecutor
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
 from draftgraph.runtime.model.config import V4Config

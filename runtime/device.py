@@ -1,9 +1,10 @@
 """The devices the runtime runs on: the CPU, and a CUDA GPU this process can see.
 
-Every ``device=`` of the public API (the proposer, the target model, the eager executor) and the
-tools' ``--device`` go through :func:`check_device`, so a device the runtime cannot use is one
-InputError (expected, got, a hint) before any weight is read, not a torch RuntimeError or
-AssertionError from deep inside the first allocation.
+Every ``device=`` of the public API (the proposer, the target model, the eager executor, the
+checkpoint loader) and the tools' ``--device`` go through :func:`check_device`, so a device the
+runtime cannot use is one InputError (expected, got, a hint) before any weight is read, not a
+torch RuntimeError or AssertionError from deep inside the first allocation. A unit of its own
+below the model (tests/test_layering.py): the loader takes it too.
 """
 
 from __future__ import annotations
