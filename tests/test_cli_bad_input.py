@@ -106,6 +106,9 @@ CASES = [
     ("draft_mtp_vocab_size_negative", [*DRAFT, "--checkpoint", "{root}/good", "--mtp-vocab-size", "-1"],
      ["--mtp-vocab-size", "-1"]),
     ("demo_rounds_0", ["demo", "--rounds", "0", "--device", "cpu"], ["--rounds", "0"]),
+    # past the positions the demo model has: refused before the run, not an InputError mid-way
+    ("demo_rounds_past_the_positions", ["demo", "--rounds", "1022", "--device", "cpu"],
+     ["--rounds", "1..1021 with --num-drafts 3", "got 1022"]),
     ("demo_trace_missing_folder", ["demo", "--trace", "{root}/nowhere/t.json"], ["--trace"]),
     ("decode_num_drafts_1000", ["decode", "--num-drafts", "1000", "--device", "cpu"], ["--num-drafts", "1000"]),
     ("decode_device_tpu", ["decode", "--device", "tpu"], ["--device", "'tpu'"]),

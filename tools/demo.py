@@ -13,7 +13,10 @@ import argparse
 import time
 
 import torch
+from draftgraph.runtime.errors import describe
+from draftgraph.runtime.model.config import V4Config
 from draftgraph.tools.arg_checks import check_at_least, check_num_drafts, check_output_file
+from draftgraph.tools.cli import UsageError
 from draftgraph.tools.common import default_checkpoint, device_arg
 
 EXAMPLES = """examples:
@@ -66,6 +69,16 @@ class StandInTarget:
         return accepted, bonus
 
 
+PROMPT_TOKENS = 12  # the stand-in prompt's length
+
+
+def max_rounds(num_drafts: int) -> int:
+    """Rounds that fit the demo model's positions whatever the stand-in target accepts: a round
+    moves the sequence 1 .. K + 1 positions, and each propose needs K positions past its own."""
+    positions = V4Config.small().max_position_embeddings  # default_checkpoint's config
+    return (positions - PROMPT_TOKENS - num_drafts) // (num_drafts + 1) + 1
+
+
 def run(args) -> int:
     from draftgraph.runtime.ir.printer import format_graph
     from draftgraph.runtime.passes import run_passes
@@ -75,6 +88,10 @@ def run(args) -> int:
 
     check_at_least("--rounds", args.rounds, 1)
     check_num_drafts(args.num_drafts)
+    if args.rounds > max_rounds(args.num_drafts):  # else the sequence runs out of positions mid-run
+        raise UsageError(describe("--rounds", f"1..{max_rounds(args.num_drafts)} with --num-drafts {args.num_drafts}",
+                                  args.rounds, "a round may move the sequence K + 1 positions of the demo "
+                                  f"model's {V4Config.small().max_position_embeddings}"))
     check_output_file("--trace", args.trace)
     device = device_arg(args.device)
     path = default_checkpoint()
@@ -91,7 +108,7 @@ def run(args) -> int:
         print(plan.summary())
     target = StandInTarget(prop.config, args.mode, device)
     state = prop.alloc_state()
-    prompt = [int(t) for t in torch.randint(prop.config.vocab_size, (12,), generator=target.gen)]
+    prompt = [int(t) for t in torch.randint(prop.config.vocab_size, (PROMPT_TOKENS,), generator=target.gen)]
     hiddens = target.hidden(len(prompt))
     tracer = Tracer() if args.trace else None
     rows = prop.prefill_drafter(prompt, hiddens, state)
