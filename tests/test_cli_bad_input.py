@@ -61,6 +61,7 @@ def root(tmp_path_factory) -> Path:
     (root / "huge_total.csv").write_text("id,lower,upper,size\n" + "".join(f"b{i},0,3,{2**61}\n" for i in range(2)))
     (root / "ok.csv").write_text("id,lower,upper,size\nb1,0,3,4\n")
     (root / "latin1.txt").write_bytes("def caf\xe9():\n".encode("latin-1"))
+    (root / "blank.txt").write_text("\n  \n")
     return root
 
 
@@ -113,6 +114,8 @@ CASES = [
     ("decode_num_drafts_1000", ["decode", "--num-drafts", "1000", "--device", "cpu"], ["--num-drafts", "1000"]),
     ("decode_device_tpu", ["decode", "--device", "tpu"], ["--device", "'tpu'"]),
     ("decode_trace_missing_folder", ["decode", "--device", "cpu", "--trace", "{root}/nowhere/t.json"], ["--trace"]),
+    ("decode_batch_prompts_blank", ["decode", "--device", "cpu", "--batch-prompts", "{root}/blank.txt"],
+     ["--batch-prompts", "one prompt a line", "blank lines only"]),
     ("decode_batch_prompts_not_utf8", ["decode", "--device", "cpu", "--batch-prompts", "{root}/latin1.txt"],
      ["--batch-prompts", "UTF-8", "byte 0xe9 at offset 7"]),
     # bytes that are not UTF-8 reach argv as lone surrogates (surrogateescape)

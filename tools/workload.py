@@ -126,7 +126,11 @@ def read_prompts(args) -> list[str]:
         except UnicodeDecodeError as e:
             raise UsageError(describe("--batch-prompts", "a UTF-8 text file", f"byte 0x{data[e.start]:02x} at offset "
                                       f"{e.start} of {args.batch_prompts}", "save the file as UTF-8")) from None
-        prompts += [line for line in text.splitlines() if line.strip()]
+        lines = [line for line in text.splitlines() if line.strip()]
+        if not lines:  # not the default prompt in its place: the run would measure what was not asked for
+            raise UsageError(describe("--batch-prompts", "a file with one prompt a line",
+                                      f"no prompt in {args.batch_prompts} (empty, or blank lines only)"))
+        prompts += lines
     if not prompts:
         prompts = [DEFAULT_PROMPT]
     return prompts
