@@ -231,3 +231,17 @@ def test_a_gpu_past_the_last_visible_one_is_named_with_the_visible_range(monkeyp
     assert check_device(f"cuda:{count - 1}") == torch.device("cuda", count - 1)
     with pytest.raises(InputError, match=rf"^device: expected {expected}, got 'cuda:{count}' \(hint: {count} CUDA"):
         check_device(f"cuda:{count}")
+
+
+@pytest.mark.parametrize("drafts, target_tokens, match", [
+    ([1, 2, 3], [1], r"target_tokens length: expected 4 \(one per draft, then the bonus\), got 1"),
+    ([1, 2], [1, 2, 3, 4], r"target_tokens length: expected 3 .*got 4"),
+    (None, [1], r"accept_greedy: expected two sequences of token ids .*got NoneType and list"),
+])
+def test_accept_greedy_refuses_a_window_of_the_wrong_length(drafts, target_tokens, match):
+    """Was an IndexError (too short) or a silent answer from a window that is not this propose's (too long)."""
+    from draftgraph.runtime.decode.loop import accept_greedy
+
+    with pytest.raises(InputError, match=match):
+        accept_greedy(drafts, target_tokens)
+    assert accept_greedy([5, 7, 9], [5, 7, 2, 4]) == (2, 2)

@@ -78,6 +78,14 @@ def accept_greedy(drafts: Sequence[int], target_tokens: Sequence[int]) -> tuple[
     >>> accept_greedy([5, 7, 9], [5, 7, 2, 4])
     (2, 2)
     """
+    try:
+        k, n = len(drafts), len(target_tokens)
+    except TypeError:
+        raise InputError(describe("accept_greedy", "two sequences of token ids (drafts, target tokens)",
+                                  f"{type(drafts).__name__} and {type(target_tokens).__name__}")) from None
+    if n != k + 1:  # the verify window: the last token, then each draft; one argmax after each
+        raise InputError(describe("target_tokens length", f"{k + 1} (one per draft, then the bonus)", n,
+                                  "the target's argmax after the last token and after each draft"))
     a = 0
     while a < len(drafts) and drafts[a] == target_tokens[a]:
         a += 1
