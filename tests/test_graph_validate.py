@@ -117,3 +117,30 @@ def test_error_window_shows_neighbours_not_whole_graph():
     text = assert_short_error(graph, "%l15")
     assert "%l16" in text  # its consumer is shown
     assert "%l3:" not in text and "%l27:" not in text  # far-away nodes are not
+
+
+@pytest.mark.parametrize("dtype", ["float32", torch.complex64, None])
+def test_a_spec_dtype_the_printer_cannot_name_is_a_graph_error(dtype):
+    """A string or an unnamed dtype was a KeyError from the printer's table, later, where the spec was shown."""
+    with pytest.raises(GraphError, match=r"TensorSpec dtype: expected a torch\.dtype of .*'f32'.*got"):
+        TensorSpec((B, 8), dtype)
+
+
+@pytest.mark.parametrize("graph_ok, batch, match", [
+    (False, 2, r"graph: expected a Graph .*got NoneType"),
+    (True, 0, r"batch: expected an int >= 1, got 0"),
+    (True, -1, r"batch: expected an int >= 1, got -1"),
+    (True, True, r"batch: expected an int >= 1, got True"),
+    (True, 2.0, r"batch: expected an int >= 1, got 2\.0"),
+])
+def test_the_eager_executor_refuses_no_graph_and_no_batch(graph_ok, batch, match):
+    """Were an AttributeError (no graph) and a plan of empty or negative buffers (batch < 1)."""
+    from draftgraph.runtime.errors import InputError
+    from draftgraph.runtime.execution.eager import EagerExecutor
+
+    weights = {"w": torch.zeros(8, 8)}
+    with pytest.raises(InputError, match=match):
+        EagerExecutor(chain() if graph_ok else None, batch, weights, device="cpu")
+    import numpy as np
+
+    assert EagerExecutor(chain(), np.int64(2), weights, device="cpu").batch == 2  # numpy ints count as ints

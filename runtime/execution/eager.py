@@ -8,6 +8,7 @@ CUDA graph: that is why eager and captured outputs are equal bit for bit.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -102,6 +103,15 @@ class EagerExecutor:
         overlap: bool = True,
         passes: Sequence[Pass] = DEFAULT_PASSES,
     ) -> None:
+        if not isinstance(graph, Graph):
+            raise InputError(describe("graph", "a Graph (GraphBuilder(...).build())", type(graph).__name__))
+        try:
+            count = None if isinstance(batch, bool) else operator.index(batch)  # numpy ints too
+        except TypeError:
+            count = None
+        if count is None or count < 1:  # the plan sizes every B-shaped buffer by it
+            raise InputError(describe("batch", "an int >= 1", repr(batch)))
+        batch = count
         EagerExecutor.num_built += 1
         self.graph = flatten(run_passes(graph, passes).graph)
         validate(self.graph)

@@ -67,6 +67,9 @@ class TensorSpec:
         for dim in self.shape:
             if not (isinstance(dim, int) and dim >= 0) and dim != B:
                 raise GraphError(f"TensorSpec dim: expected int >= 0 or {B!r}, got {dim!r}")
+        if self.dtype not in DTYPE_NAMES:  # a string or an unnamed dtype: the printer and JSON could not show it
+            raise GraphError(f"TensorSpec dtype: expected a torch.dtype of {sorted(DTYPE_NAMES.values())}, "
+                             f"got {self.dtype!r} (hint: torch.float32, not 'float32')")
         if self.quant is None and self.scale is None:
             return
         if self.quant not in QUANTS or self.dtype != QUANTS[self.quant] or self.scale is None:
