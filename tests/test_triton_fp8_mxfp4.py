@@ -415,15 +415,16 @@ MOE_WIDE = (K["gemv"].GemvConfig(8, 256, 4, 2, use_dot=False), K["gemv"].GemvCon
         (2, True, "mma"),  # 1 warp, 16 rows a program, 128-column K tiles (D, I: the last one ragged)
         (8, True, "mma_wide"),  # 8 rows: every batch column of the mma
         (5, True, "mma_wide"),  # 4 warps, 64 rows a program (ragged in I and D), 256-column K tiles
-        (12, True, "mma_wide"),  # an expert 9 rows chose (forced below): two chunks of 8 columns
+        (12, True, "mma_wide"),  # an expert 9 rows chose (forced below): a chunk of 16, two batch tiles
+        (20, True, "mma_wide"),  # an expert 17 rows chose: a chunk of 16 and one of 1, side by side
         (5, True, "mma_whole"),  # w13's K in one part (the mma cases above: in two, "split K")
     ],
 )
 def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
     """Slot-major (FMA or dot), expert-major (dot, or tensor cores: moe_mxfp4_mma), repeated experts,
     the clamp active, poisoned out."""
-    if device == "cpu" and batch == 8:  # 20 s of CI: 12 rows' first chunk is a full 8 columns too
-        pytest.skip("the interpreter runs the full 8-column chunk in the 12-row case; the GPU runs both")
+    if device == "cpu" and batch in (8, 20):  # 20 s of CI each: the 12-row case runs what they run
+        pytest.skip("the interpreter runs a full 8-column tile and two tiles in the 12-row case; the GPU runs all")
     if not variant.startswith("mma"):
         monkeypatch.setattr(MX, "MMA_MAX_BATCH", 0)
     else:
@@ -441,7 +442,7 @@ def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
     x = act(g, batch, D_SMALL).to(device)
     idx, wts = routing(g, batch, K_SMALL, E_SMALL, device)
     if batch > 8:
-        idx[:9, 2] = idx[0, 0]  # 9 rows share an expert (one of them twice)
+        idx[: 9 if batch <= 16 else 17, 2] = idx[0, 0]  # 9 or 17 rows share an expert (one of them twice)
     out = poisoned((batch, D_SMALL), BF16, device)
     MX.moe_mxfp4(x, idx, wts, *ex.routed(), out, swiglu_limit=LIMIT, shared=ex.shared, grouped=grouped)
     ref, gates = moe_reference(x, idx, wts, ex, LIMIT)
@@ -533,15 +534,18 @@ def test_moe_mxfp4_rebiased_decode_is_bit_exact(small_experts, batch, monkeypatc
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_expert_row_table_gives_each_chunk_of_8_rows_a_slot_of_its_own(device):
+@pytest.mark.parametrize("chunk,slots_of_19", [(8, 3), (16, 2)])
+def test_expert_row_table_gives_each_chunk_of_rows_a_slot_of_its_own(device, chunk, slots_of_19):
     """moe_mxfp4_mma's table ("expert-row table") against a Python model: each expert's rows, in
-    row order, cut into chunks of 8 (the mma's n), each chunk held by the first pair of its first
-    row with the rows' act rows and summed weights; every other slot holds a count of 0. An expert
-    19 rows chose (one of them twice, in a later column) takes three slots; a NO_EXPERT id heads nothing.
-    And w13's arrival counts, every slot's and the shared expert's, are zeroed ("split K")."""
+    row order, cut into chunks of 8 (the mma's n) or, past 8 rows a batch, of 16 (note "chunks of
+    16"), each chunk held by the first pair of its first row with the rows' act rows and summed
+    weights; every other slot holds a count of 0. An expert 19 rows chose (one of them twice, in a
+    later column) takes three slots of 8, or two of 16; a NO_EXPERT id heads nothing. And w13's
+    arrival counts, every slot's and the shared expert's, are zeroed ("split K")."""
     from draftgraph.ops.triton import moe_mxfp4_mma as M
 
-    b, top_k, chunk = 24, 4, MX.MMA_ROWS
+    b, top_k = 24, 4
+    assert MX.mma_chunk_rows(b) == 16 and MX.mma_chunk_rows(8) == 8
     g = gen(77)
     idx = torch.randint(0, 40, (b, top_k), generator=g, dtype=torch.int32)
     idx[idx == 5] = 6
@@ -556,7 +560,7 @@ def test_expert_row_table_gives_each_chunk_of_8_rows_a_slot_of_its_own(device):
     arrivals = torch.full(((b * top_k + 1) * tiles,), -7, dtype=torch.int32)
     idx, wts, count, rows, dest, wt, arrivals = (t.to(device) for t in (idx, wts, count, rows, dest, wt, arrivals))
     M.launch_rows((b * top_k,), idx, wts, count, rows, dest, wt, arrivals, b, tiles, TOPK=top_k, TOPK_PAD=top_k,
-                  BLOCK_R=32, NPID_PAD=4, num_warps=1, PDL=False)  # fmt: skip
+                  BLOCK_R=32, NPID_PAD=4, CHUNK=chunk, num_warps=1, PDL=False)  # fmt: skip
     assert arrivals.cpu().tolist() == [0] * len(arrivals), "every tile's arrival count starts at 0"
     ids, weights = idx.cpu().tolist(), wts.cpu()
     want = {}
@@ -568,7 +572,7 @@ def test_expert_row_table_gives_each_chunk_of_8_rows_a_slot_of_its_own(device):
                 (r, r * top_k + ids[r].index(e), float(sum(weights[r, k] for k in range(top_k) if ids[r][k] == e)))
                 for r in part
             ]
-    assert len([s for s, held in want.items() if ids[s // top_k][s % top_k] == 5]) == 3
+    assert len([s for s, held in want.items() if ids[s // top_k][s % top_k] == 5]) == slots_of_19
     count, rows, dest, wt = count.cpu(), rows.cpu(), dest.cpu(), wt.cpu()
     for s in range(b * top_k):
         held = want.get(s, [])

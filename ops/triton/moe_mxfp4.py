@@ -96,7 +96,11 @@ W2_CONFIG = GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=3, use_d
 # the chain at B=8 1.229 -> 0.822 ms, at B=32 (23 experts, ~8 rows each) 1.580 on the dot tiles
 # below -> 1.101 (bench_draft_native_*_h100.txt of that session).
 MMA_MAX_BATCH = 64
-MMA_ROWS = 8  # rows a pass of those kernels (the mma's n): the expert-row table's chunk
+MMA_ROWS = 8  # a batch tile of those kernels (the mma's n)
+# Past MMA_ROWS rows a batch, the expert-row table cuts an expert's rows into chunks of this many, and a
+# pass runs the words it decodes on two batch tiles (moe_mxfp4_mma, note "chunks of 16"). The chain on an
+# H100 against chunks of 8 (benchmarks/h200/moe_chunks16_d881156_h100_log.txt): B=32 -21 us, B=16 -5.
+MMA_CHUNK_ROWS = 16
 # The largest UE8M0 byte whose scale times 2^126 is a bf16 (2^(byte - 1) <= 2^127): the condition of
 # the tensor-core kernels' one-multiply decode (moe_mxfp4_mma, note "rebiased scale").
 REBIAS_MAX_SCALE_BYTE = 128
@@ -704,16 +708,22 @@ def moe_mxfp4_parts(batch: int, top_k: int, inter: int, d: int, dtype: torch.dty
     """Scratch of one call, as :func:`_common.carve` parts: act rows (routed slots, then the
     shared expert per row, if any) and, expert-major, fp32 w2 partials per slot and the
     tensor-core kernels' expert-row table (moe_mxfp4_mma, "expert-row table": a count per routed
-    slot, then its chunk's rows, act rows and weights, MMA_ROWS a slot) and, with w13's K split
+    slot, then its chunk's rows, act rows and weights, ``mma_chunk_rows`` a slot) and, with w13's K split
     (:func:`mma_split`), each part's fp32 partials and an arrival count per w13 tile."""
     slots = batch * top_k + (batch if shared else 0)
     routed = batch * top_k if grouped else 0
-    table = (routed, MMA_ROWS)
+    table = (routed, mma_chunk_rows(batch))
     split, tiles = mma_split(batch, inter, d, dtype, grouped)
     return [((slots, inter), dtype), ((slots if grouped else 0, d), torch.float32), ((routed,), torch.int32),
             (table, torch.int32), (table, torch.int32), (table, torch.float32),
             ((split, 2, batch * top_k + batch, inter) if split > 1 else (0,), torch.float32),
             (((routed + 1) * tiles if split > 1 else 0,), torch.int32)]  # fmt: skip
+
+
+def mma_chunk_rows(batch: int) -> int:
+    """The expert-row table's chunk at ``batch`` rows (moe_mxfp4_mma, note "chunks of 16"): an expert has
+    at most ``batch`` rows (a row picks it once), so up to MMA_ROWS no chunk is wider than one tile."""
+    return MMA_CHUNK_ROWS if batch > MMA_ROWS else MMA_ROWS
 
 
 def mma_split(batch: int, inter: int, d: int, dtype: torch.dtype, grouped: bool) -> tuple[int, int]:
@@ -867,12 +877,13 @@ def moe_mxfp4_launches(
         while split > 1 and k_part % bk13:
             bk13 //= 2
         bk2 = min(c2.block_k, max(128, next_pow2(inter)))
-        common = dict(TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_B=block_b, NATIVE=native, INTERP=interp)
+        chunk = mma_chunk_rows(b)
+        common = dict(TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_B=block_b, CHUNK=chunk, NATIVE=native, INTERP=interp)
         rebias13, rebias2 = rebias if rebias is not None else (rebias_fits(w1_scale, w3_scale), rebias_fits(w2_scale))
 
         def rows():
             M.launch_rows((b * top_k,), idx, wts, *table, arrivals, b, tiles, TOPK=top_k, TOPK_PAD=topk_pad,
-                          BLOCK_R=next_pow2(b), NPID_PAD=next_pow2(tiles) if split > 1 else 0, num_warps=1,
+                          BLOCK_R=next_pow2(b), NPID_PAD=next_pow2(tiles) if split > 1 else 0, CHUNK=chunk, num_warps=1,
                           **pdl)  # fmt: skip
 
         def w13_mma():

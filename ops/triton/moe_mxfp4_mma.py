@@ -5,8 +5,9 @@ cores (``moe_mxfp4_rows``, 45f7cd2 to 04300e5: 366.6 us for the MoE at B=4 on an
 241.4 here), and the dot tiles (``_expert_tiles``) move the decoded tile through shared memory
 into ``tl.dot``. Here each lane decodes its own words straight into the A fragments
 of ``mma.sync.m16n8k16`` (bf16, fp32 accumulate) and loads the activation of its own batch column
-straight into the B fragment: no shared memory, no barrier, and one decode serves 8 rows that
-chose the expert (the mma's n; more rows: another pass, the words read again from L2).
+straight into the B fragment: no shared memory, no barrier, and one decode serves the 8 rows that
+chose the expert of a batch tile (the mma's n), or past 8 rows a batch the 16 of two tiles (note
+"chunks of 16"; more rows: another program, the words read and decoded again).
 
 Note "lanes and fragments": a warp holds 16 weight rows. Lane (g, t) (g = lane / 4, t = lane % 4)
 reads rows g and g + 8 of its warp's 16, block t of each 4 consecutive 32-column scale blocks (16
@@ -24,7 +25,8 @@ rows and columns are read from the expert-row table (``_table_columns``), not fo
 over a tensor of another layout.
 
 Note "expert-row table": a launch before w13 (``_expert_rows_kernel``, one program a routed slot)
-splits each expert's rows into chunks of MMA_ROWS (8, the mma's n), in row order, and gives each
+splits each expert's rows into chunks of CHUNK rows (8, the mma's n, or 16: note "chunks of 16"), in
+row order, and gives each
 chunk to a slot of its own: the first pair of the chunk's first row (a row picks an expert at most
 once as a slot; a repeat pair of the same row heads nothing). That slot's row of the table holds the
 chunk's rows: each row's index, its act row (the first k that chose the expert) and its summed
@@ -36,6 +38,16 @@ top_k programs of both kernels: at B=32, 192 loads and selects a lane a pass aga
 this change the table gave all of an expert's rows to its first slot, whose program ran one pass
 per 8 rows, one after the other, while the slots of the expert's other pairs had nothing to do:
 an expert 20 rows chose took three passes' time in one program at the end of the launch.
+
+Note "chunks of 16": a chunk's program decodes every word of its expert's rows (two matrices of
+2048 x 4096 codes for w13), whatever its rows; a chunk costs ~5 us of its program's chain of loads,
+decodes and mmas, whether its words come from L2 or HBM (docs/KERNELS.md, "Eleventh device runs"),
+so at B=32 (~23 experts, ~36 chunks of 8) w13 and w2 paid ~36 decodes of an expert for ~23 distinct
+ones. Past 8 rows a batch (``mma_chunk_rows``) the table cuts chunks of 16, and a program whose chunk
+has more than 8 rows runs its pass on two batch tiles (``_mma_pass2``): each word is decoded once
+into A and multiplied by both tiles' activations (``MMA_WORD2_PTX``: four mmas a word where one tile
+takes two), so an expert of 9..16 rows costs one decode, not two. A chunk of at most 8 rows takes the
+one-tile pass (a program-uniform branch): its loads and mmas are as before.
 
 Note "shared expert first": the grid's second axis runs from the last slot to the first, so the
 shared expert's programs (its last slot) are dispatched first. Each runs all of K for 64 rows on
@@ -131,8 +143,32 @@ def _mma_word_ptx(rebiased: bool) -> str:
     )
 
 
+def _mma_word_two_tiles_ptx(rebiased: bool) -> str:
+    """One decode, two batch tiles (note "chunks of 16"): $8 / $9: a word of row g / g + 8; $10 / $11:
+    their block scales as bf16x2; $12..$15 / $16..$19: the activation's pairs of tile 0 / tile 1;
+    $20..$27: C in (tile 0's four, then tile 1's); $0..$7: C out, in the same order."""
+    return (
+        "{\n.reg .b32 lo, hi, t, r, z, a0, a1, a2, a3, b0, b1, b2, b3;\n"
+        "mov.b32 r, 0x7E807E80;\nmov.b32 z, 0x80008000;\n"
+        + _decode_lines("$8", "$10", ("a0", "a1", "a2", "a3"), rebiased)
+        + "\n"
+        + _decode_lines("$9", "$11", ("b0", "b1", "b2", "b3"), rebiased)
+        + "\nmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {a0, b0, a1, b1}, {$12, $13}, "
+        "{$20, $21, $22, $23};\n"
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$4, $5, $6, $7}, {a0, b0, a1, b1}, {$16, $17}, "
+        "{$24, $25, $26, $27};\n"
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {a2, b2, a3, b3}, {$14, $15}, "
+        "{$0, $1, $2, $3};\n"
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$4, $5, $6, $7}, {a2, b2, a3, b3}, {$18, $19}, "
+        "{$4, $5, $6, $7};\n}"
+    )
+
+
 MMA_WORD_PTX = tl.constexpr(_mma_word_ptx(False))
 MMA_WORD_REBIASED_PTX = tl.constexpr(_mma_word_ptx(True))
+MMA_WORD2_PTX = tl.constexpr(_mma_word_two_tiles_ptx(False))
+MMA_WORD2_REBIASED_PTX = tl.constexpr(_mma_word_two_tiles_ptx(True))
+MMA_WORD2_OPERANDS = tl.constexpr(",".join(["=f"] * 8 + ["r"] * 12 + ["f"] * 8))  # C out; words, scales, x; C in
 
 
 @triton.jit
@@ -275,7 +311,75 @@ def _mma_pass(a_row, wa_ptr, sa_ptr, wb_ptr, sb_ptr, base_g, base_g8, K, k_lo, k
 
 
 @triton.jit
-def _chunk_rows(idx_ptr, wts_ptr, slot, B, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+def _mma_word2(c, wa, wb, sa, sb, x, y, j: tl.constexpr, t, W: tl.constexpr, REBIASED: tl.constexpr,
+               INTERP: tl.constexpr):  # fmt: skip
+    """C (8: tile 0's four, tile 1's four) += one word (the j-th of the lane's 4) of rows g and g + 8
+    times the activation pairs of tile 0 (``x``) and tile 1 (``y``): one decode for both tiles."""
+    x0, x1, x2, x3 = x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3]
+    y0, y1, y2, y3 = y[4 * j], y[4 * j + 1], y[4 * j + 2], y[4 * j + 3]
+    if INTERP:  # the values by arithmetic: each tile as the one-tile word
+        c0, c1, c2, c3 = _mma_twin(c[0], c[1], c[2], c[3], wa, wb, sa, sb, x0, x1, x2, x3, t, W)
+        c4, c5, c6, c7 = _mma_twin(c[4], c[5], c[6], c[7], wa, wb, sa, sb, y0, y1, y2, y3, t, W)
+        return c0, c1, c2, c3, c4, c5, c6, c7
+    elif REBIASED:
+        return tl.inline_asm_elementwise(MMA_WORD2_REBIASED_PTX, MMA_WORD2_OPERANDS,
+                                         [wa, wb, _scale_pair(sa, True), _scale_pair(sb, True), x0, x1, x2, x3,
+                                          y0, y1, y2, y3, c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]],
+                                         dtype=(tl.float32,) * 8, is_pure=True, pack=1)  # fmt: skip
+    else:
+        return tl.inline_asm_elementwise(MMA_WORD2_PTX, MMA_WORD2_OPERANDS,
+                                         [wa, wb, _scale_pair(sa, False), _scale_pair(sb, False), x0, x1, x2, x3,
+                                          y0, y1, y2, y3, c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]],
+                                         dtype=(tl.float32,) * 8, is_pure=True, pack=1)  # fmt: skip
+
+
+@triton.jit
+def _mma_rows2(c, w_ptr, s_ptr, base_g, base_g8, K, bt, live, x, y, t, W: tl.constexpr, EVEN: tl.constexpr,
+               REBIASED: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """``_mma_rows`` on two batch tiles: C (8) += block ``bt`` of rows base_g / base_g8 times the
+    activation blocks ``x`` (tile 0) and ``y`` (tile 1); the words and scales loaded once."""
+    words = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    a0, a1, a2, a3 = ld_v4(words + base_g * (K // 8) + bt * 4, INTERP)
+    b0, b1, b2, b3 = ld_v4(words + base_g8 * (K // 8) + bt * 4, INTERP)
+    sa = ld_u8(s_ptr + base_g * (K // 32) + bt, INTERP)
+    sb = ld_u8(s_ptr + base_g8 * (K // 32) + bt, INTERP)
+    if not EVEN:
+        sa = tl.where(live, sa, 0)
+        sb = tl.where(live, sb, 0)
+    c = _mma_word2(c, a0, b0, sa, sb, x, y, 0, t, W, REBIASED, INTERP)
+    c = _mma_word2(c, a1, b1, sa, sb, x, y, 1, t, W, REBIASED, INTERP)
+    c = _mma_word2(c, a2, b2, sa, sb, x, y, 2, t, W, REBIASED, INTERP)
+    return _mma_word2(c, a3, b3, sa, sb, x, y, 3, t, W, REBIASED, INTERP)
+
+
+@triton.jit
+def _mma_pass2(a_row, a_row2, wa_ptr, sa_ptr, wb_ptr, sb_ptr, base_g, base_g8, K, k_lo, k_hi, g, t, W: tl.constexpr,
+               BLOCK_K: tl.constexpr, TWO: tl.constexpr, EVEN: tl.constexpr, REBIASED: tl.constexpr,
+               INTERP: tl.constexpr):  # fmt: skip
+    """``_mma_pass`` on two batch tiles (note "chunks of 16"): the activation rows ``a_row`` (the lane's
+    batch column g of tile 0) and ``a_row2`` (of tile 1). Returns C of matrix a (tile 0's four, tile
+    1's four) and of matrix b (with TWO; else zeros) in the same order."""
+    zero = g * 0.0
+    c0, c1, c2, c3, c4, c5, c6, c7 = zero, zero, zero, zero, zero, zero, zero, zero
+    d0, d1, d2, d3, d4, d5, d6, d7 = zero, zero, zero, zero, zero, zero, zero, zero
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        for c in tl.static_range(BLOCK_K // 128):
+            _, bt, live = _word_block(k0 + c * 128, t, 0, K, EVEN)  # this lane's block: t of 4
+            x = _act_block(a_row, bt, live, EVEN, INTERP)
+            y = _act_block(a_row2, bt, live, EVEN, INTERP)
+            c0, c1, c2, c3, c4, c5, c6, c7 = _mma_rows2((c0, c1, c2, c3, c4, c5, c6, c7), wa_ptr, sa_ptr, base_g,
+                                                        base_g8, K, bt, live, x, y, t, W, EVEN, REBIASED,
+                                                        INTERP)  # fmt: skip
+            if TWO:
+                d0, d1, d2, d3, d4, d5, d6, d7 = _mma_rows2((d0, d1, d2, d3, d4, d5, d6, d7), wb_ptr, sb_ptr, base_g,
+                                                            base_g8, K, bt, live, x, y, t, W, EVEN, REBIASED,
+                                                            INTERP)  # fmt: skip
+    return c0, c1, c2, c3, c4, c5, c6, c7, d0, d1, d2, d3, d4, d5, d6, d7
+
+
+@triton.jit
+def _chunk_rows(idx_ptr, wts_ptr, slot, B, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+                CHUNK: tl.constexpr):
     """Routed slot ``slot``'s chunk (see "expert-row table"): (serves [BLOCK_R]: the rows of the chunk
     the slot heads, none if it heads none; each row's place in the chunk, its summed routing weight
     and its act row)."""
@@ -287,16 +391,16 @@ def _chunk_rows(idx_ptr, wts_ptr, slot, B, TOPK: tl.constexpr, TOPK_PAD: tl.cons
     mine = rows == slot // TOPK
     my_rank = tl.sum(tl.where(mine, rank, 0), 0)
     # A negative id (NO_EXPERT) heads nothing; nor does a repeat pair of a row (not its first).
-    heads = (tl.sum(tl.where(mine, dest, 0), 0) == slot) & (my_rank % MMA_N == 0) & (e >= 0)
+    heads = (tl.sum(tl.where(mine, dest, 0), 0) == slot) & (my_rank % CHUNK == 0) & (e >= 0)
     place = rank - my_rank
-    serves = chose & (place >= 0) & (place < MMA_N) & ((rows * 0 + heads.to(tl.int32)) != 0)  # a [BLOCK_R] mask
+    serves = chose & (place >= 0) & (place < CHUNK) & ((rows * 0 + heads.to(tl.int32)) != 0)  # a [BLOCK_R] mask
     weight = tl.sum(tl.load(wts_ptr + flat, mask=hit, other=0.0), 1)
     return serves, place, weight, dest
 
 
 @triton.jit
 def _expert_rows_kernel(idx_ptr, wts_ptr, count_ptr, rows_ptr, dest_ptr, wt_ptr, cnt_ptr, B, npid, TOPK: tl.constexpr,
-                        TOPK_PAD: tl.constexpr, BLOCK_R: tl.constexpr, NPID_PAD: tl.constexpr,
+                        TOPK_PAD: tl.constexpr, BLOCK_R: tl.constexpr, NPID_PAD: tl.constexpr, CHUNK: tl.constexpr,
                         PDL: tl.constexpr):  # fmt: skip
     """Routed slot s's row of the expert-row table (see "expert-row table"): count[s], and from
     s * MMA_ROWS on, the rows of the chunk it heads in row order, their act rows and weights; and
@@ -308,8 +412,8 @@ def _expert_rows_kernel(idx_ptr, wts_ptr, count_ptr, rows_ptr, dest_ptr, wt_ptr,
         tl.store(cnt_ptr + slot * npid + tiles, tl.zeros_like(tiles), mask=tiles < npid)
         if slot == 0:
             tl.store(cnt_ptr + B * TOPK * npid + tiles, tl.zeros_like(tiles), mask=tiles < npid)
-    serves, place, weight, dest = _chunk_rows(idx_ptr, wts_ptr, slot, B, TOPK, TOPK_PAD, BLOCK_R)
-    at = slot * MMA_N + place
+    serves, place, weight, dest = _chunk_rows(idx_ptr, wts_ptr, slot, B, TOPK, TOPK_PAD, BLOCK_R, CHUNK)
+    at = slot * CHUNK + place
     tl.store(rows_ptr + at, tl.arange(0, BLOCK_R), mask=serves)
     tl.store(dest_ptr + at, dest.to(tl.int32), mask=serves)
     tl.store(wt_ptr + at, weight, mask=serves)
@@ -317,12 +421,11 @@ def _expert_rows_kernel(idx_ptr, wts_ptr, count_ptr, rows_ptr, dest_ptr, wt_ptr,
 
 
 @triton.jit
-def _table_columns(rows_ptr, dest_ptr, wt_ptr, slot, n, g, t, INTERP: tl.constexpr):
-    """The lane's columns of the slot's chunk (n rows): batch column g (B's): its x row and its act
-    row; columns 2t and 2t + 1 (C's): the act / part row, the routing weight, whether live. A batch
-    column with no row reads the chunk's first (a real row: C's column n depends on B's column n
-    alone, and a dead column is never stored)."""
-    base = slot * MMA_N
+def _table_columns(rows_ptr, dest_ptr, wt_ptr, base, n, g, t, INTERP: tl.constexpr):
+    """The lane's columns of a batch tile (the table's entries base.., n rows of them, all 8 live when
+    n >= 8): batch column g (B's): its x row and its act row; columns 2t and 2t + 1 (C's): the act /
+    part row, the routing weight, whether live. A batch column with no row reads the tile's first (a
+    real row: C's column n depends on B's column n alone, and a dead column is never stored)."""
     jb = base + tl.where(g < n, g, 0)
     j0 = 2 * t
     j1 = j0 + 1
@@ -448,12 +551,49 @@ def _split_sum(part_ptr, plane, INTER, dest0, dest1, row_g, row_g8, SPLIT: tl.co
 
 
 @triton.jit
+def _w13_out(act_ptr, split_ptr, cnt_ptr, part, plane, npid, pid_n, slot, INTER, limit, tile0, tile1, row_g, row_g8,
+             real_g, real_g8, c, d, TILES: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """A routed program's act values: each batch tile's (``tile0`` / ``tile1``: its table columns from
+    ``_table_columns``; C of w1 x in ``c``, of w3 x in ``d``, four a tile) SwiGLU times the routing
+    weight; split, this part's partials, and the last part of the tile to arrive sums them."""
+    _, _, dest0, wt0, live0, dest1, wt1, live1 = tile0
+    _, _, dest2, wt2, live2, dest3, wt3, live3 = tile1
+    if SPLIT == 1:
+        _store_act(act_ptr, INTER, dest0, wt0, live0, dest1, wt1, live1, row_g, row_g8, real_g, real_g8,
+                   c[0], c[1], c[2], c[3], d[0], d[1], d[2], d[3], limit, INTERP)  # fmt: skip
+        if TILES == 2:
+            _store_act(act_ptr, INTER, dest2, wt2, live2, dest3, wt3, live3, row_g, row_g8, real_g, real_g8,
+                       c[4], c[5], c[6], c[7], d[4], d[5], d[6], d[7], limit, INTERP)  # fmt: skip
+    else:  # this part's partials; the last part of the tile to finish sums them
+        mine = split_ptr + part * plane
+        _store_lanes(mine, INTER, dest0, live0, dest1, live1, row_g, row_g8, real_g, real_g8, c[0], c[1], c[2], c[3],
+                     INTERP)  # fmt: skip
+        _store_lanes(mine + plane // 2, INTER, dest0, live0, dest1, live1, row_g, row_g8, real_g, real_g8,
+                     d[0], d[1], d[2], d[3], INTERP)  # fmt: skip
+        if TILES == 2:
+            _store_lanes(mine, INTER, dest2, live2, dest3, live3, row_g, row_g8, real_g, real_g8, c[4], c[5], c[6],
+                         c[7], INTERP)  # fmt: skip
+            _store_lanes(mine + plane // 2, INTER, dest2, live2, dest3, live3, row_g, row_g8, real_g, real_g8,
+                         d[4], d[5], d[6], d[7], INTERP)  # fmt: skip
+        if last_to_arrive(cnt_ptr + slot * npid + pid_n, SPLIT):
+            c0, c1, c2, c3, d0, d1, d2, d3 = _split_sum(split_ptr, plane, INTER, dest0, dest1, row_g, row_g8, SPLIT,
+                                                        INTERP)  # fmt: skip
+            _store_act(act_ptr, INTER, dest0, wt0, live0, dest1, wt1, live1, row_g, row_g8, real_g, real_g8,
+                       c0, c1, c2, c3, d0, d1, d2, d3, limit, INTERP)  # fmt: skip
+            if TILES == 2:
+                c4, c5, c6, c7, d4, d5, d6, d7 = _split_sum(split_ptr, plane, INTER, dest2, dest3, row_g, row_g8,
+                                                            SPLIT, INTERP)  # fmt: skip
+                _store_act(act_ptr, INTER, dest2, wt2, live2, dest3, wt3, live3, row_g, row_g8, real_g, real_g8,
+                           c4, c5, c6, c7, d4, d5, d6, d7, limit, INTERP)  # fmt: skip
+
+
+@triton.jit
 def _w13_mma_kernel(
     x_ptr, idx_ptr, count_ptr, trows_ptr, tdest_ptr, twt_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, sw1_ptr, ss1_ptr,
     sw3_ptr, ss3_ptr, act_ptr, split_ptr, cnt_ptr,
     B, D, INTER, stride_xb, stride_ssn, limit, K_PART,
     TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr,
     REBIASED: tl.constexpr, NATIVE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
@@ -473,27 +613,28 @@ def _w13_mma_kernel(
         W: tl.constexpr = BLOCK_N // 16
         t, g, row_g, row_g8, real_g, real_g8, e, n_served, base_g, base_g8 = _slot_lanes(
             idx_ptr, count_ptr, pid_n, slot, INTER, BLOCK_N)
-        if n_served > 0:  # one pass: a chunk is at most 8 rows, the mma's n ("expert-row table")
-            row_b, _, dest0, wt0, live0, dest1, wt1, live1 = _table_columns(
-                trows_ptr, tdest_ptr, twt_ptr, slot, n_served, g, t, INTERP)
-            a_row = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + row_b.to(tl.int64) * (stride_xb // 2)
-            c0, c1, c2, c3, d0, d1, d2, d3 = _mma_pass(a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, base_g, base_g8, D, k_lo,
-                                                       k_hi, g, t, W, BLOCK_K, True, EVEN, REBIASED,
-                                                       INTERP)  # fmt: skip
-            if SPLIT == 1:
-                _store_act(act_ptr, INTER, dest0, wt0, live0, dest1, wt1, live1, row_g, row_g8, real_g, real_g8,
-                           c0, c1, c2, c3, d0, d1, d2, d3, limit, INTERP)  # fmt: skip
-            else:  # this part's partials; the last part of the tile to finish sums them
-                mine = split_ptr + part * plane
-                _store_lanes(mine, INTER, dest0, live0, dest1, live1, row_g, row_g8, real_g, real_g8, c0, c1, c2, c3,
-                             INTERP)  # fmt: skip
-                _store_lanes(mine + plane // 2, INTER, dest0, live0, dest1, live1, row_g, row_g8, real_g, real_g8,
-                             d0, d1, d2, d3, INTERP)  # fmt: skip
-                if last_to_arrive(cnt_ptr + slot * npid + pid_n, SPLIT):
-                    c0, c1, c2, c3, d0, d1, d2, d3 = _split_sum(split_ptr, plane, INTER, dest0, dest1, row_g, row_g8,
-                                                                SPLIT, INTERP)  # fmt: skip
-                    _store_act(act_ptr, INTER, dest0, wt0, live0, dest1, wt1, live1, row_g, row_g8, real_g, real_g8,
-                               c0, c1, c2, c3, d0, d1, d2, d3, limit, INTERP)  # fmt: skip
+        x_words = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        if n_served > 0:
+            tile0 = _table_columns(trows_ptr, tdest_ptr, twt_ptr, slot * CHUNK, n_served, g, t, INTERP)
+            a_row = x_words + tile0[0].to(tl.int64) * (stride_xb // 2)
+            if CHUNK > MMA_N and n_served > MMA_N:  # one pass on two batch tiles (note "chunks of 16")
+                tile1 = _table_columns(trows_ptr, tdest_ptr, twt_ptr, slot * CHUNK + MMA_N, n_served - MMA_N, g, t,
+                                       INTERP)  # fmt: skip
+                out = _mma_pass2(a_row, x_words + tile1[0].to(tl.int64) * (stride_xb // 2), w1_ptr, s1_ptr, w3_ptr,
+                                 s3_ptr, base_g, base_g8, D, k_lo, k_hi, g, t, W, BLOCK_K, True, EVEN, REBIASED,
+                                 INTERP)  # fmt: skip
+                _w13_out(act_ptr, split_ptr, cnt_ptr, part, plane, npid, pid_n, slot, INTER, limit, tile0, tile1,
+                         row_g, row_g8, real_g, real_g8, (out[0], out[1], out[2], out[3], out[4], out[5], out[6],
+                                                          out[7]),
+                         (out[8], out[9], out[10], out[11], out[12], out[13], out[14], out[15]), 2, SPLIT,
+                         INTERP)  # fmt: skip
+            else:  # one pass on one tile: a chunk of at most 8 rows, the mma's n ("expert-row table")
+                c0, c1, c2, c3, d0, d1, d2, d3 = _mma_pass(a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, base_g, base_g8, D,
+                                                           k_lo, k_hi, g, t, W, BLOCK_K, True, EVEN, REBIASED,
+                                                           INTERP)  # fmt: skip
+                _w13_out(act_ptr, split_ptr, cnt_ptr, part, plane, npid, pid_n, slot, INTER, limit, tile0, tile0,
+                         row_g, row_g8, real_g, real_g8, (c0, c1, c2, c3), (d0, d1, d2, d3), 1, SPLIT,
+                         INTERP)  # fmt: skip
 
 
 @triton.jit
@@ -501,7 +642,7 @@ def _w2_mma_kernel(
     act_ptr, idx_ptr, count_ptr, trows_ptr, tdest_ptr, twt_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, part_ptr,
     B, D, INTER, stride_ssn,
     TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_B: tl.constexpr, DOT_K: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr,
     REBIASED: tl.constexpr, NATIVE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
@@ -515,12 +656,23 @@ def _w2_mma_kernel(
         W: tl.constexpr = BLOCK_N // 16
         t, g, row_g, row_g8, real_g, real_g8, e, n_served, base_g, base_g8 = _slot_lanes(
             idx_ptr, count_ptr, pid_n, slot, D, BLOCK_N)
-        if n_served > 0:  # one pass: a chunk is at most 8 rows ("expert-row table")
-            _, dest_b, dest0, _, live0, dest1, _, live1 = _table_columns(trows_ptr, tdest_ptr, twt_ptr, slot, n_served,
-                                                                         g, t, INTERP)  # fmt: skip
-            a_row = act_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + dest_b.to(tl.int64) * (INTER // 2)
-            c0, c1, c2, c3, _, _, _, _ = _mma_pass(a_row, w2_ptr, s2_ptr, w2_ptr, s2_ptr, base_g, base_g8, INTER, 0,
-                                                   INTER, g, t, W, BLOCK_K, False, EVEN, REBIASED, INTERP)  # fmt: skip
+        act_words = act_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        if n_served > 0:
+            _, dest_b, dest0, _, live0, dest1, _, live1 = _table_columns(trows_ptr, tdest_ptr, twt_ptr, slot * CHUNK,
+                                                                         n_served, g, t, INTERP)  # fmt: skip
+            a_row = act_words + dest_b.to(tl.int64) * (INTER // 2)
+            if CHUNK > MMA_N and n_served > MMA_N:  # one pass on two batch tiles (note "chunks of 16")
+                _, dest_b2, dest2, _, live2, dest3, _, live3 = _table_columns(
+                    trows_ptr, tdest_ptr, twt_ptr, slot * CHUNK + MMA_N, n_served - MMA_N, g, t, INTERP)
+                c0, c1, c2, c3, c4, c5, c6, c7, _, _, _, _, _, _, _, _ = _mma_pass2(
+                    a_row, act_words + dest_b2.to(tl.int64) * (INTER // 2), w2_ptr, s2_ptr, w2_ptr, s2_ptr, base_g,
+                    base_g8, INTER, 0, INTER, g, t, W, BLOCK_K, False, EVEN, REBIASED, INTERP)  # fmt: skip
+                _store_lanes(part_ptr, D, dest2, live2, dest3, live3, row_g, row_g8, real_g, real_g8, c4, c5, c6, c7,
+                             INTERP)  # fmt: skip
+            else:  # one pass on one tile: a chunk of at most 8 rows ("expert-row table")
+                c0, c1, c2, c3, _, _, _, _ = _mma_pass(a_row, w2_ptr, s2_ptr, w2_ptr, s2_ptr, base_g, base_g8, INTER,
+                                                       0, INTER, g, t, W, BLOCK_K, False, EVEN, REBIASED,
+                                                       INTERP)  # fmt: skip
             _store_lanes(part_ptr, D, dest0, live0, dest1, live1, row_g, row_g8, real_g, real_g8, c0, c1, c2, c3,
                          INTERP)  # fmt: skip
 
