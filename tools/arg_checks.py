@@ -32,6 +32,20 @@ def check_num_drafts(value: int, flag: str = "--num-drafts") -> None:
         raise UsageError(describe(flag, f"1..{cap} drafts", value, f"the proposer drafts at most {cap} per call"))
 
 
+def check_batch(value: int, flag: str = "--batch") -> None:
+    """1 <= B <= the largest batch a proposer runs by default (its last bucket: ``propose_batch_max``).
+
+    The graph tools plan and show the chain at B; a B no proposer runs (``--batch 100000``) would
+    plan an arena for nothing, or, for capture-dump, capture a graph no propose replays.
+    """
+    from draftgraph.runtime.proposer.options import DEFAULT_BUCKETS
+
+    cap = max(DEFAULT_BUCKETS)
+    if not 1 <= value <= cap:
+        raise UsageError(describe(flag, f"1..{cap}", value, f"a proposer runs at most {cap} rows a call "
+                                                           "(ProposerOptions.buckets)"))
+
+
 def check_seconds(flag: str, value: float) -> None:
     """A finite number of seconds > 0 (``nan`` and ``inf`` parse as floats, but bound nothing)."""
     if not (math.isfinite(value) and value > 0):

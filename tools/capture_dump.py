@@ -165,14 +165,15 @@ def kernels_per_op(kept) -> list[tuple[str, str, int]]:
 
 
 def run(args) -> int:
+    from draftgraph.tools.arg_checks import check_batch, check_num_drafts, check_output_file
+
+    check_output_file("--out", args.out)
+    check_num_drafts(args.num_drafts)
+    check_batch(args.batch)
     if not torch.cuda.is_available():
         raise UsageError(describe("capture-dump", "a CUDA GPU (it captures the chain and reads the graph's nodes)",
                                   "none visible (torch.cuda.is_available() is False)",
                                   "run it on a machine with a GPU; `draftgraph dump` prints the graph anywhere"))
-    from draftgraph.tools.arg_checks import check_num_drafts, check_output_file
-
-    check_output_file("--out", args.out)
-    check_num_drafts(args.num_drafts)
     from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
     from draftgraph.tools.common import default_checkpoint
 

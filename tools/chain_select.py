@@ -96,10 +96,9 @@ def selected_chain(args):
     """
     from draftgraph.runtime.ir.schedule import flatten
     from draftgraph.runtime.planning.graph_plan import plan_graph
-    from draftgraph.tools.cli import UsageError
+    from draftgraph.tools.arg_checks import check_batch
 
     batch = getattr(args, "batch", 1)
-    if batch < 1:
-        raise UsageError(f"--batch: expected >= 1, got {batch}")
+    check_batch(batch)
     flat = flatten(selected_lowering(args).graph)
     return flat, plan_graph(flat, batch)

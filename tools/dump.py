@@ -54,13 +54,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def render(args) -> str:
     """The dump as a string (what ``run`` prints or writes)."""
     from draftgraph.runtime.planning.graph_plan import plan_graph
-    from draftgraph.tools.arg_checks import check_output_file
+    from draftgraph.tools.arg_checks import check_batch, check_output_file
     from draftgraph.tools.chain_select import selected_lowering
-    from draftgraph.tools.cli import UsageError
 
     batch = getattr(args, "batch", 1)
-    if batch < 1:
-        raise UsageError(f"--batch: expected >= 1, got {batch}")
+    check_batch(batch)
     check_output_file("--out", getattr(args, "out", None))
     lowered = selected_lowering(args)
     graph = lowered.graph
