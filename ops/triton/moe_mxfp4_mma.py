@@ -126,49 +126,37 @@ def _decode_lines(word: str, scale: str, outs: tuple[str, ...], rebiased: bool) 
     return "\n".join(lines)
 
 
-def _mma_word_ptx(rebiased: bool) -> str:
-    """$4 / $5: a word of row g / g + 8; $6 / $7: their block scales as bf16x2 (times 2^126 when
-    ``rebiased``); $8..$11: the activation's pairs 0..3 of the same 8 columns; $12..$15: C in;
-    $0..$3: C out (see "lanes and fragments")."""
-    return (
-        "{\n.reg .b32 lo, hi, t, r, z, a0, a1, a2, a3, b0, b1, b2, b3;\n"
-        "mov.b32 r, 0x7E807E80;\nmov.b32 z, 0x80008000;\n"
-        + _decode_lines("$4", "$6", ("a0", "a1", "a2", "a3"), rebiased)
-        + "\n"
-        + _decode_lines("$5", "$7", ("b0", "b1", "b2", "b3"), rebiased)
-        + "\nmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {a0, b0, a1, b1}, {$8, $9}, "
-        "{$12, $13, $14, $15};\n"
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {a2, b2, a3, b3}, {$10, $11}, "
-        "{$0, $1, $2, $3};\n}"
-    )
+def _mma_word_ptx(rebiased: bool, tiles: int = 1) -> str:
+    """One word of rows g and g + 8 decoded once and multiplied by ``tiles`` batch tiles' activations
+    (note "chunks of 16"). With T = tiles: $0..$(4T - 1): C out (tile 0's four, then tile 1's);
+    $(4T) / $(4T + 1): a word of row g / g + 8; $(4T + 2) / $(4T + 3): their block scales as bf16x2
+    (times 2^126 when ``rebiased``); then each tile's activation pairs 0..3 of the same 8 columns; then
+    C in, in C out's order (see "lanes and fragments")."""
+    word, x0 = 4 * tiles, 4 * tiles + 4
+    c_in = x0 + 4 * tiles
+    lines = ["{", ".reg .b32 lo, hi, t, r, z, a0, a1, a2, a3, b0, b1, b2, b3;", "mov.b32 r, 0x7E807E80;",
+             "mov.b32 z, 0x80008000;", _decode_lines(f"${word}", f"${word + 2}", ("a0", "a1", "a2", "a3"), rebiased),
+             _decode_lines(f"${word + 1}", f"${word + 3}", ("b0", "b1", "b2", "b3"), rebiased)]
+    for half, a in enumerate(("{a0, b0, a1, b1}", "{a2, b2, a3, b3}")):  # pairs 0, 1 of the word, then 2, 3
+        for j in range(tiles):
+            out = ", ".join(f"${4 * j + i}" for i in range(4))
+            acc = ", ".join(f"${c_in + 4 * j + i}" for i in range(4)) if half == 0 else out
+            x = f"${x0 + 4 * j + 2 * half}, ${x0 + 4 * j + 2 * half + 1}"
+            lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{out}}}, {a}, {{{x}}}, {{{acc}}};")
+    return "\n".join(lines) + "\n}"
 
 
-def _mma_word_two_tiles_ptx(rebiased: bool) -> str:
-    """One decode, two batch tiles (note "chunks of 16"): $8 / $9: a word of row g / g + 8; $10 / $11:
-    their block scales as bf16x2; $12..$15 / $16..$19: the activation's pairs of tile 0 / tile 1;
-    $20..$27: C in (tile 0's four, then tile 1's); $0..$7: C out, in the same order."""
-    return (
-        "{\n.reg .b32 lo, hi, t, r, z, a0, a1, a2, a3, b0, b1, b2, b3;\n"
-        "mov.b32 r, 0x7E807E80;\nmov.b32 z, 0x80008000;\n"
-        + _decode_lines("$8", "$10", ("a0", "a1", "a2", "a3"), rebiased)
-        + "\n"
-        + _decode_lines("$9", "$11", ("b0", "b1", "b2", "b3"), rebiased)
-        + "\nmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {a0, b0, a1, b1}, {$12, $13}, "
-        "{$20, $21, $22, $23};\n"
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$4, $5, $6, $7}, {a0, b0, a1, b1}, {$16, $17}, "
-        "{$24, $25, $26, $27};\n"
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {a2, b2, a3, b3}, {$14, $15}, "
-        "{$0, $1, $2, $3};\n"
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$4, $5, $6, $7}, {a2, b2, a3, b3}, {$18, $19}, "
-        "{$4, $5, $6, $7};\n}"
-    )
+def _mma_word_operands(tiles: int) -> str:
+    """The constraints of ``_mma_word_ptx(..., tiles)``: C out; the words, scales and activations; C in."""
+    return ",".join(["=f"] * (4 * tiles) + ["r"] * (4 + 4 * tiles) + ["f"] * (4 * tiles))
 
 
 MMA_WORD_PTX = tl.constexpr(_mma_word_ptx(False))
 MMA_WORD_REBIASED_PTX = tl.constexpr(_mma_word_ptx(True))
-MMA_WORD2_PTX = tl.constexpr(_mma_word_two_tiles_ptx(False))
-MMA_WORD2_REBIASED_PTX = tl.constexpr(_mma_word_two_tiles_ptx(True))
-MMA_WORD2_OPERANDS = tl.constexpr(",".join(["=f"] * 8 + ["r"] * 12 + ["f"] * 8))  # C out; words, scales, x; C in
+MMA_WORD_OPERANDS = tl.constexpr(_mma_word_operands(1))
+MMA_WORD2_PTX = tl.constexpr(_mma_word_ptx(False, 2))
+MMA_WORD2_REBIASED_PTX = tl.constexpr(_mma_word_ptx(True, 2))
+MMA_WORD2_OPERANDS = tl.constexpr(_mma_word_operands(2))
 
 
 @triton.jit
@@ -229,12 +217,12 @@ def _mma_word(c0, c1, c2, c3, wa, wb, sa, sb, x0, x1, x2, x3, t, W: tl.constexpr
     if INTERP:  # the values by arithmetic: the same with either decode
         return _mma_twin(c0, c1, c2, c3, wa, wb, sa, sb, x0, x1, x2, x3, t, W)
     elif REBIASED:
-        return tl.inline_asm_elementwise(MMA_WORD_REBIASED_PTX, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,f,f,f,f",
+        return tl.inline_asm_elementwise(MMA_WORD_REBIASED_PTX, MMA_WORD_OPERANDS,
                                          [wa, wb, _scale_pair(sa, True), _scale_pair(sb, True), x0, x1, x2, x3,
                                           c0, c1, c2, c3],
                                          dtype=(tl.float32,) * 4, is_pure=True, pack=1)  # fmt: skip
     else:
-        return tl.inline_asm_elementwise(MMA_WORD_PTX, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,f,f,f,f",
+        return tl.inline_asm_elementwise(MMA_WORD_PTX, MMA_WORD_OPERANDS,
                                          [wa, wb, _scale_pair(sa, False), _scale_pair(sb, False), x0, x1, x2, x3,
                                           c0, c1, c2, c3],
                                          dtype=(tl.float32,) * 4, is_pure=True, pack=1)  # fmt: skip
