@@ -229,12 +229,10 @@ def _mma_word(c0, c1, c2, c3, wa, wb, sa, sb, x0, x1, x2, x3, t, W: tl.constexpr
 
 
 @triton.jit
-def _mma_block(c0, c1, c2, c3, w_g, w_g8, s_g, s_g8, bt, live, x, t, W: tl.constexpr, EVEN: tl.constexpr,
-               REBIASED: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
-    """C += a lane's block ``bt`` of its two rows (word pointers w_g / w_g8, scale pointers s_g / s_g8)
-    times the activation words x (16: the block's 32 columns, from ``_act_block``, 0 where the block
-    is not real). ``live``: the block is real; a clamped one's scale reads as byte 0 (finite: its
-    products with the zero activation are 0, even where the real byte is 255, NaN)."""
+def _block_words(w_g, w_g8, s_g, s_g8, bt, live, EVEN: tl.constexpr, INTERP: tl.constexpr):
+    """A lane's block ``bt`` of its two rows: the 4 words of each (word pointers w_g / w_g8) and their
+    scale bytes (s_g / s_g8). ``live``: the block is real; a clamped one's scale reads as byte 0
+    (finite: its products with the zero activation are 0, even where the real byte is 255, NaN)."""
     a0, a1, a2, a3 = ld_v4(w_g + bt * 4, INTERP)
     b0, b1, b2, b3 = ld_v4(w_g8 + bt * 4, INTERP)
     sa = ld_u8(s_g + bt, INTERP)
@@ -242,6 +240,15 @@ def _mma_block(c0, c1, c2, c3, w_g, w_g8, s_g, s_g8, bt, live, x, t, W: tl.const
     if not EVEN:
         sa = tl.where(live, sa, 0)
         sb = tl.where(live, sb, 0)
+    return a0, a1, a2, a3, b0, b1, b2, b3, sa, sb
+
+
+@triton.jit
+def _mma_block(c0, c1, c2, c3, w_g, w_g8, s_g, s_g8, bt, live, x, t, W: tl.constexpr, EVEN: tl.constexpr,
+               REBIASED: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """C += a lane's block ``bt`` of its two rows (``_block_words``) times the activation words x (16:
+    the block's 32 columns, from ``_act_block``, 0 where the block is not real)."""
+    a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = _block_words(w_g, w_g8, s_g, s_g8, bt, live, EVEN, INTERP)
     c0, c1, c2, c3 = _mma_word(c0, c1, c2, c3, a0, b0, sa, sb, x[0], x[1], x[2], x[3], t, W, REBIASED, INTERP)
     c0, c1, c2, c3 = _mma_word(c0, c1, c2, c3, a1, b1, sa, sb, x[4], x[5], x[6], x[7], t, W, REBIASED, INTERP)
     c0, c1, c2, c3 = _mma_word(c0, c1, c2, c3, a2, b2, sa, sb, x[8], x[9], x[10], x[11], t, W, REBIASED, INTERP)
@@ -327,13 +334,9 @@ def _mma_rows2(c, w_ptr, s_ptr, base_g, base_g8, K, bt, live, x, y, t, W: tl.con
     """``_mma_rows`` on two batch tiles: C (8) += block ``bt`` of rows base_g / base_g8 times the
     activation blocks ``x`` (tile 0) and ``y`` (tile 1); the words and scales loaded once."""
     words = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    a0, a1, a2, a3 = ld_v4(words + base_g * (K // 8) + bt * 4, INTERP)
-    b0, b1, b2, b3 = ld_v4(words + base_g8 * (K // 8) + bt * 4, INTERP)
-    sa = ld_u8(s_ptr + base_g * (K // 32) + bt, INTERP)
-    sb = ld_u8(s_ptr + base_g8 * (K // 32) + bt, INTERP)
-    if not EVEN:
-        sa = tl.where(live, sa, 0)
-        sb = tl.where(live, sb, 0)
+    a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = _block_words(words + base_g * (K // 8), words + base_g8 * (K // 8),
+                                                          s_ptr + base_g * (K // 32), s_ptr + base_g8 * (K // 32),
+                                                          bt, live, EVEN, INTERP)  # fmt: skip
     c = _mma_word2(c, a0, b0, sa, sb, x, y, 0, t, W, REBIASED, INTERP)
     c = _mma_word2(c, a1, b1, sa, sb, x, y, 1, t, W, REBIASED, INTERP)
     c = _mma_word2(c, a2, b2, sa, sb, x, y, 2, t, W, REBIASED, INTERP)

@@ -87,7 +87,7 @@ def accept_greedy(drafts: Sequence[int], target_tokens: Sequence[int]) -> tuple[
         raise InputError(describe("target_tokens length", f"{k + 1} (one per draft, then the bonus)", n,
                                   "the target's argmax after the last token and after each draft"))
     a = 0
-    while a < len(drafts) and drafts[a] == target_tokens[a]:
+    while a < k and drafts[a] == target_tokens[a]:
         a += 1
     return a, target_tokens[a]
 
