@@ -121,8 +121,9 @@ W13_SPLIT_MMA = 4
 # parts' partials and their sum cost more than the parallelism gives. The chain on an H100
 # (benchmarks/h200/gemv_tiles_split_f1de8aa_h100_log.txt), replay ms with 4 / 2 parts: B=8 0.675 /
 # 0.687, B=16 0.773 / 0.776, B=32 0.914 / 0.920, B=64 1.416 / 1.370. With the chunks of 16 (fewer,
-# longer programs), two parts pay from B=32 on: on an H200 (moe_w13_split_knobs_e74c8d5_h200_log.txt),
-# B=32 0.702 / 0.702 ms with two parts against 0.712 / 0.712 with four, B=16 the same code.
+# longer programs) two parts paid at B=32 already, so past 16 rows now (17-31 not timed apart): on an
+# H200 (moe_w13_split_knobs_e74c8d5_h200_log.txt) B=32 0.702 / 0.702 ms with two parts against 0.712 /
+# 0.712 with four; B=16 runs the same code either way.
 W13_SPLIT_MMA_LARGE = 2
 W13_SPLIT_LARGE_BATCH = 16
 # The dot tiles: fp16 x, slot-major B > 1 (grouped=False), or B > MMA_MAX_BATCH.
