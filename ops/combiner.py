@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 from draftgraph.ops.basic import rms_norm
+from draftgraph.ops.embed import EMBED as EMBED_OP
 from draftgraph.ops.overlap import join_side_stream, side_stream
 from draftgraph.ops.quantised import expect_weight, linear_t
 from draftgraph.ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
@@ -76,5 +77,35 @@ COMBINER = register(
         infer=_combiner_infer,
         impl=_combiner_impl,
         doc="h_proj(hnorm(h)) + e_proj(enorm(e)), e broadcast over h's streams; e's half beside h's.",
+    )
+)
+
+
+# ---- embed_combiner (the fold_embed_into_combiner pass's op) ----------------------------------
+
+
+def _embed_combiner_infer(specs, attrs):
+    expect_count(specs, 7, "embed_combiner")
+    token, table, *rest = specs
+    (e,) = EMBED_OP.infer([token, table], {})
+    return _combiner_infer([e, *rest], attrs)
+
+
+def _embed_combiner_impl(inputs, outputs, attrs, workspace):
+    token, table, *rest = inputs
+    # The reference runs the two folded ops as they were: the gather into a row block, then the
+    # combiner on it (the fused impl reads the table rows where its norms read e).
+    e = torch.index_select(table, 0, token)
+    _combiner_impl([e, *rest], outputs, attrs, workspace)
+
+
+EMBED_COMBINER = register(
+    OpDef(
+        name="embed_combiner",
+        family="linear",
+        infer=_embed_combiner_infer,
+        impl=_embed_combiner_impl,
+        doc="(token, table, h, enorm, hnorm, e_proj, h_proj) -> combiner(embed(token, table), h, ...): the embed "
+            "whose row only the combiner reads, folded (runtime/passes/fold_embed_into_combiner.py).",
     )
 )

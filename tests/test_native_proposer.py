@@ -241,7 +241,7 @@ def test_native_on_cuda_within_quantisation_noise_of_bf16_with_fused_kernels(che
             if any(s.is_quantised for s in specs):
                 native_nodes.append(step.node.op)
                 assert step.impl is get_op(step.node.op).fused["cuda"], (step.node.name, step.impl)
-    assert {"combiner", "swa_attention", "moe"} <= set(native_nodes), native_nodes
+    assert {"embed_combiner", "swa_attention", "moe"} <= set(native_nodes), native_nodes  # the pass folds embed in
     assert fallbacks == [], fallbacks
     assert float(row_errors(hidden, bf16_hidden).median()) < bound
     logits, bf16_logits = head(hidden), head(bf16_hidden)

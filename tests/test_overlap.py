@@ -137,7 +137,7 @@ def test_attention_forks_its_kv_blocks_and_joins_inside_the_step():
 
 def test_the_combiner_forks_its_embedding_half_and_joins_inside_the_step():
     _, _, _, log, _ = propose_logged(2, overlap=True)
-    combine_at = [i for i, entry in enumerate(log) if entry.startswith("combiner ")]
+    combine_at = [i for i, entry in enumerate(log) if entry.startswith("embed_combiner ")]  # the pass folds embed in
     assert len(combine_at) == 2
     for i in combine_at:
         assert joined_inside(log, i) == 1  # enorm + e_proj, beside hnorm + h_proj; joined before the sum

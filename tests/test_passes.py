@@ -16,6 +16,7 @@ from draftgraph.runtime.execution.eager import EagerExecutor
 from draftgraph.runtime.ir.serialize import from_json, to_json
 from draftgraph.runtime.ir.validate import validate
 from draftgraph.runtime.passes import DEFAULT_PASSES, parse_passes, run_passes
+from draftgraph.runtime.passes.fold_embed_into_combiner import fold_embed_into_combiner
 from draftgraph.runtime.passes.fold_hc_expand import fold_hc_expand
 from draftgraph.runtime.passes.fold_norm_into_hc_pre import fold_norm_into_hc_pre
 from draftgraph.runtime.passes.inline_subgraphs import inline_subgraphs
@@ -54,6 +55,28 @@ def test_fold_hc_expand_folds_the_streams_embedding_only():
     collapsed, _ = inline_subgraphs(chain(num_drafts=3, mode="collapsed"))
     same, summary = fold_hc_expand(collapsed)
     assert ops_of(same) == ops_of(collapsed) and summary == "no hc_expand feeds a combiner"
+
+
+@pytest.mark.parametrize("mode", ["streams", "collapsed"])
+def test_fold_embed_into_combiner_folds_each_step_s_embed(mode):
+    """Each step's embed (the first token's, then each draft's argmax) now read by the combiner:
+    the embed's inputs in e's place, op embed_combiner; in streams mode only once fold_hc_expand
+    has removed the expand between them; an embedding row with a second reader is left alone."""
+    flat, _ = inline_subgraphs(chain(num_drafts=3, mode=mode))
+    expanded = fold_hc_expand(flat)[0]
+    folded, summary = fold_embed_into_combiner(expanded)
+    assert summary == "3 embed folded into the combiner after each"
+    assert "embed" not in ops_of(folded) and ops_of(folded).count("embed_combiner") == 3
+    for k in range(3):
+        embed, node = expanded.nodes[f"d{k}.embed"], folded.nodes[f"d{k}.combiner"]
+        assert node.inputs == (*embed.inputs, *expanded.nodes[f"d{k}.combiner"].inputs[1:])
+        assert embed.outputs[0] not in folded.values
+    if mode == "streams":  # the expand still between them: nothing to fold
+        assert fold_embed_into_combiner(flat)[1] == "no embed feeds only a combiner"
+    shared = expanded.copy()
+    shared.outputs.append(expanded.nodes["d1.embed"].outputs[0])
+    again, summary = fold_embed_into_combiner(shared)
+    assert summary == "2 embed folded into the combiner after each" and again.nodes["d1.combiner"].op == "combiner"
 
 
 def test_fold_norm_into_hc_pre_folds_each_norm_that_reads_an_hc_pre():

@@ -65,13 +65,15 @@ def test_the_default_dump_says_what_each_pass_did(capsys):
     lines = dump(capsys, "-k", "1").splitlines()
     passes = [line for line in lines if line.startswith("# pass ")]
     assert [p.split(":")[0] for p in passes] == ["# pass inline_subgraphs", "# pass fold_hc_expand",
-                                                 "# pass fold_norm_into_hc_pre", "# pass view_single_stacks",
-                                                 "# pass reuse_dying_inputs"]  # fmt: skip
+                                                 "# pass fold_embed_into_combiner", "# pass fold_norm_into_hc_pre",
+                                                 "# pass view_single_stacks", "# pass reuse_dying_inputs"]  # fmt: skip
     assert passes[1] == "# pass fold_hc_expand: 1 hc_expand folded into the combiner's broadcast"
-    assert passes[2] == "# pass fold_norm_into_hc_pre: 2 rms_norm folded into the hc_pre before each"
-    assert not any("= hc_expand" in line or "= rms_norm" in line for line in lines)
+    assert passes[2] == "# pass fold_embed_into_combiner: 1 embed folded into the combiner after it"
+    assert passes[3] == "# pass fold_norm_into_hc_pre: 2 rms_norm folded into the hc_pre before each"
+    assert not any("= hc_expand" in line or "= rms_norm" in line or "= embed(" in line for line in lines)
     collapsed = dump(capsys, "-k", "1", "--mode", "collapsed")
     assert "# pass fold_hc_expand: no hc_expand feeds a combiner" in collapsed and "= hc_expand" in collapsed
+    assert "# pass fold_embed_into_combiner: 1 embed folded into the combiner after it" in collapsed
 
 
 def test_passes_can_be_named(capsys):
@@ -91,8 +93,8 @@ def test_text_dump_has_arena_comments_and_summary(capsys):
     lines = [line for line in dump(capsys, "-k", "1").splitlines() if not line.startswith("# pass")]
     assert lines[0].startswith("graph mtp_chain_k1_streams(")
     assert re.search(r"^arena .* at B=1$", lines[-1]), lines[-1]
-    embed = next(line for line in lines if "= embed(" in line)
-    assert re.search(r"# arena \+0x[0-9a-f]+ \d", embed), embed
+    combiner = next(line for line in lines if "= embed_combiner[" in line)
+    assert re.search(r"# arena \+0x[0-9a-f]+ \d", combiner), combiner
     assert any("free %" in line for line in lines)
 
 
@@ -176,5 +178,5 @@ def test_dot_colours_are_stable_by_family(capsys):
 
 def test_dot_labels_break_lines_with_a_single_backslash(capsys):
     text = dump(capsys, "--format", "dot", "-k", "1")
-    embed = next(line for line in text.splitlines() if line.strip().startswith('"n:d0.embed"'))
-    assert 'label="embed\\nembed' in embed, embed
+    combiner = next(line for line in text.splitlines() if line.strip().startswith('"n:d0.combiner"'))
+    assert 'label="combiner\\nembed_combiner' in combiner, combiner

@@ -51,7 +51,7 @@ def drafts(batch: int, fused: bool) -> list[list[int]]:
             if step.node.op in impls:
                 step.impl = impls[step.node.op]
                 bound.add(step.node.op)
-        assert {"combiner", "swa_attention", "moe", "hc_pre_norm", "hc_post", "lm_head", "draft_argmax",
+        assert {"embed_combiner", "swa_attention", "moe", "hc_pre_norm", "hc_post", "lm_head", "draft_argmax",
                 "drop_nonfinite", "mark_dropped"} <= bound, bound  # fmt: skip
     hiddens = [hidden(SMALL, gen) for _ in range(batch)]
     return prop.propose_batch([5, 9, 11][:batch], hiddens, [0, 3, 6][:batch], 2, states)

@@ -543,7 +543,8 @@ def test_fused_chain_at_batch_3_never_falls_back_to_a_torch_op(monkeypatch):
              "hc_pre_norm": K["mhc"].hc_pre_norm_impl, "hc_head": K["mhc"].hc_head_impl,
              "hc_post": K["mhc"].hc_post_impl,
              "swa_attention": K["attention"].swa_attention_impl, "linear": K["gemv"].linear_impl,
-             "rms_norm": K["gemv"].rms_norm_impl, "combiner": K["combiner"].combiner_impl}
+             "rms_norm": K["gemv"].rms_norm_impl, "combiner": K["combiner"].combiner_impl,
+             "embed_combiner": K["combiner"].embed_combiner_impl}
     fallbacks = []
     for module, name in [(draftgraph.ops.moe, "_moe_impl"), (draftgraph.ops.moe, "_moe_hash_impl"),
                          (draftgraph.ops.mhc, "_hc_pre_impl"), (draftgraph.ops.mhc, "_hc_pre_norm_impl"),
@@ -551,7 +552,8 @@ def test_fused_chain_at_batch_3_never_falls_back_to_a_torch_op(monkeypatch):
                          (draftgraph.ops.mhc, "_hc_post_impl"), (draftgraph.ops.attention, "_attn_impl"),
                          (draftgraph.ops.lm_head, "_lm_head_impl"), (draftgraph.ops.sampling, "_draft_argmax_impl"),
                          (draftgraph.ops.basic, "_linear_impl"), (draftgraph.ops.basic, "_rms_norm_impl"),
-                         (draftgraph.ops.combiner, "_combiner_impl")]:
+                         (draftgraph.ops.combiner, "_combiner_impl"),
+                         (draftgraph.ops.combiner, "_embed_combiner_impl")]:
         monkeypatch.setattr(module, name, lambda *a, name=name: fallbacks.append(name))
     device = "cuda" if HAS_CUDA else "cpu"
     prop = make_proposer(kernels="torch", buckets=(3,), device=device)

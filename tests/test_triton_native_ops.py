@@ -34,6 +34,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FUSED = {
     "linear": K["gemv"].linear_impl,
     "combiner": K["combiner"].combiner_impl,
+    "embed_combiner": K["combiner"].embed_combiner_impl,  # the combiner after fold_embed_into_combiner
     "swa_attention": K["attention"].swa_attention_impl,
     "moe": K["moe"].moe_impl,
     "moe_hash": K["moe"].moe_hash_impl,
@@ -269,6 +270,37 @@ def test_combiner_with_one_fp8_projection():
     three_ways("combiner", inputs, attrs)
 
 
+@pytest.mark.parametrize(
+    "streams,max_rows,fmt,w8a8",
+    [(True, 16, "fp8", False), (True, 16, "fp8", True), (True, 4, "fp8", False), (False, 16, "fp8", False),
+     (False, 16, "one fp8", False), (True, 16, "bf16", False)],  # fmt: skip
+    ids=["two launches", "two launches w8a8", "a GEMV a half", "collapsed", "one fp8", "bf16"],
+)
+def test_embed_combiner_reads_the_table_rows_the_combiner_would_read(streams, max_rows, fmt, w8a8, monkeypatch):
+    """The fold_embed_into_combiner op: its kernels read e's rows from the table at the tokens
+    (note "rows from the table"), so the output is bit for bit the fused combiner's on the gathered
+    rows, in every path the combiner takes; and its torch op is the combiner's on them."""
+    monkeypatch.setattr(K["combiner"], "COMBINER_MAX_ROWS", max_rows)
+    inputs, attrs = combiner_case(gen(343), batch=3, streams=streams)
+    attrs = {**attrs, **W8A8} if w8a8 else attrs
+    if fmt != "bf16":
+        inputs = native("combiner", inputs)
+    if fmt == "one fp8":
+        inputs[5] = inputs[5].dequantize()
+    table = torch.randn(50, inputs[0].shape[1], generator=gen(344), dtype=torch.float64).bfloat16()
+    token = torch.tensor([7, 49, 7], dtype=torch.int64)
+    inputs, table, token = to_device(inputs), table.to(DEVICE), token.to(DEVICE)
+    gathered = [table.index_select(0, token), *inputs[1:]]
+    folded = [token, table, *inputs[1:]]
+    fallbacks = no_torch_fallback(monkeypatch)
+    want, _ = run("combiner", K["combiner"].combiner_impl, gathered, attrs)
+    got, _ = run("embed_combiner", K["combiner"].embed_combiner_impl, folded, attrs)
+    assert fallbacks == [] and torch.equal(got, want)
+    monkeypatch.undo()
+    assert torch.equal(run("embed_combiner", get_op("embed_combiner").impl, folded, attrs)[0],
+                       run("combiner", get_op("combiner").impl, gathered, attrs)[0])
+
+
 def test_moe_rows_sharing_experts_on_native_weights():
     """Batch 8 over 16 experts, expert-major: each MXFP4 expert read once for all the rows that chose it."""
     hashed, attrs = moe_hash_case(gen(342), batch=8)
@@ -411,6 +443,10 @@ def test_selection_takes_the_fused_impl_where_its_kernels_read_the_format(on_fak
             ],
             True,
         ),
+        *[("embed_combiner", [TensorSpec((1,), torch.int64), TensorSpec((1000, 128), torch.bfloat16), x,
+                               TensorSpec((128,), torch.bfloat16), TensorSpec((128,), torch.bfloat16),
+                               _spec(fmt, (128, 128)), _spec("fp8", (128, 128))], fmt != "mxfp4")
+          for fmt in ("fp8", "mxfp4")],  # the combiner's rule, on the specs after the token and table
         ("moe", _moe_specs("mxfp4", "fp8"), True),
         ("moe", _moe_specs("fp8", "fp8"), False),  # the "fp8" checkpoint format: no FP8 expert kernel
         ("moe", _moe_specs("mxfp4", None), False),
@@ -476,7 +512,7 @@ def test_native_chain_runs_the_fused_impls_and_drafts_as_the_torch_ops(tmp_path,
     # COMBINER_MAX_ROWS), the attention's four, one MXFP4 MoE.
     assert batch * 4 <= K["combiner"].COMBINER_MAX_ROWS
     assert (len(fp8_calls), len(mx_calls)) == (2 * 5, 2), (len(fp8_calls), len(mx_calls))
-    assert {"combiner", "swa_attention"} <= set(chosen) and {"moe", "moe_hash"} & set(chosen), chosen
+    assert {"embed_combiner", "swa_attention"} <= set(chosen) and {"moe", "moe_hash"} & set(chosen), chosen
     assert rel_err(hidden, want_hidden) < 2e-2
     assert got == want, (got, want)
 
@@ -500,7 +536,7 @@ def test_bench_draft_cpu_dry_run_builds_both_formats_and_binds_the_fused_impls()
     native = re.search(r"B=1 K=1 native: floor ([\d.]+) MB .* on CUDA (.*)", out)
     bf16 = re.search(r"B=1 K=1 +bf16: floor ([\d.]+) MB .* on CUDA (.*)", out)
     assert native and bf16, out
-    assert native.group(2) == "combiner:fused moe:fused swa_attention:fused", out
+    assert native.group(2) == "embed_combiner:fused moe:fused swa_attention:fused", out
     assert bf16.group(2) == "no block-scaled node", out
     assert float(native.group(1)) < 0.7 * float(bf16.group(1)), out  # FP8 + MXFP4 bytes against bf16
     # native-w8a8: the native weight set with the reference's W8A8 numerics, the same fused impls

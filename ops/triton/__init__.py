@@ -19,7 +19,8 @@ hc_pre, hc_pre_norm,      draftgraph.ops.triton.mhc    (split mix + Sinkhorn fin
 hc_head, hc_post                             normed in it; post)
 swa_attention             draftgraph.ops.triton.attention
 linear, rms_norm          draftgraph.ops.triton.gemv
-combiner                  draftgraph.ops.triton.combiner (FP8: both norms, one GEMV over both Ks)
+combiner, embed_combiner  draftgraph.ops.triton.combiner (FP8: both norms, one GEMV over both Ks;
+                                             embed_combiner: e's rows read from the table)
 draft_gate, cut_drafts    draftgraph.ops.triton.gate   (one program each: a few dozen ints)
 drop_nonfinite,           draftgraph.ops.triton.nonfinite (the batch's hiddens checked in wide
 mark_dropped                                 tiles: one program, from 4 rows a program a tile and
@@ -61,6 +62,7 @@ def _impls() -> dict:
         "swa_attention": attention.swa_attention_impl,
         "linear": gemv.linear_impl,
         "combiner": combiner.combiner_impl,
+        "embed_combiner": combiner.embed_combiner_impl,
         "rms_norm": gemv.rms_norm_impl,
     }
 
@@ -99,6 +101,7 @@ def workspace_rules() -> dict:
     return {
         "drop_nonfinite": nonfinite.drop_nonfinite_workspace,
         "combiner": combiner.combiner_workspace,
+        "embed_combiner": combiner.embed_combiner_workspace,
         "lm_head": head.lm_head_workspace,
         "draft_argmax": head.draft_argmax_workspace,
         "moe": moe.moe_workspace,

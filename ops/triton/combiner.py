@@ -47,6 +47,7 @@ COMBINER_MAX_ROWS = 16
 @triton.jit
 def _two_norms_kernel(
     e_ptr,
+    e_idx_ptr,
     h_ptr,
     ew_ptr,
     hw_ptr,
@@ -64,6 +65,7 @@ def _two_norms_kernel(
     BLOCK_D: tl.constexpr,
     CNT_BLOCK: tl.constexpr,
     ROUND_FP8: tl.constexpr,
+    E_GATHER: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
@@ -71,7 +73,8 @@ def _two_norms_kernel(
     if CNT_BLOCK > 0:  # this program's share of the GEMV's arrival counts
         zero_share(cnt_ptr, n_cnt, r, CNT_BLOCK)
     if r < B:
-        src = e_ptr + r.to(tl.int64) * stride_e
+        e_row = tl.load(e_idx_ptr + r).to(tl.int64) if E_GATHER else r.to(tl.int64)  # note "rows from the table"
+        src = e_ptr + e_row * stride_e
         w_ptr = ew_ptr
         dst = en_ptr + r.to(tl.int64) * stride_en
     else:
@@ -97,46 +100,88 @@ def combiner_workspace(specs, attrs, batch: int) -> int:
     return scratch_bytes(_fp8_parts(batch, rows, e.shape[-1], h_proj.shape[0], e.dtype))
 
 
+def embed_combiner_workspace(specs, attrs, batch: int) -> int:
+    """combiner_workspace of the folded op: the table [V, D] in e's place gives D and the dtype."""
+    return combiner_workspace(specs[1:], attrs, batch)
+
+
 def combiner_impl(inputs, outputs, attrs, workspace):
     """The fused combiner (see the module docstring); the torch op where the kernels do not apply."""
     from draftgraph.ops.combiner import _combiner_impl
 
-    e, h, e_norm, h_norm, e_proj, h_proj = inputs
-    (out,) = outputs
+    if not _combine(inputs[0], None, *inputs[1:], outputs[0], attrs, workspace):
+        _combiner_impl(inputs, outputs, attrs, workspace)
+
+
+def embed_combiner_impl(inputs, outputs, attrs, workspace):
+    """The fused combiner whose e rows are the embedding table's rows at the tokens (note "rows from the table")."""
+    from draftgraph.ops.combiner import _embed_combiner_impl
+
+    token, table, *rest = inputs
+    gathers = token.dtype == torch.int64 and token.dim() == 1
+    if not (gathers and _combine(table, token, *rest, outputs[0], attrs, workspace)):
+        _embed_combiner_impl(inputs, outputs, attrs, workspace)
+
+
+def _combine(e, e_index, h, e_norm, h_norm, e_proj, h_proj, out, attrs, workspace) -> bool:
+    """The kernels' combiner, e's rows ``e[e_index]`` where an index is given (else e's rows);
+    False (nothing run) for inputs they do not cover."""
     h2 = rows_view(h)
     if (e.dtype not in _HALF or e.dim() != 2 or h2 is None or e.stride(-1) != 1 or e.shape[-1] > 16384
             or any(w.dtype != e.dtype or not w.is_contiguous() for w in (e_norm, h_norm))
             or not all(_readable(w, e.dtype) for w in (e_proj, h_proj))):  # fmt: skip
-        return _combiner_impl(inputs, outputs, attrs, workspace)
+        return False
     eps = float(attrs["eps"])
+    rows = EmbedRows(e, e_index)
     out2 = rows_view(out)
     two = is_quantised(e_proj) and is_quantised(h_proj) and out2 is not None and COMBINER_SPLIT % 2 == 0
     if two and h2.shape[0] <= COMBINER_MAX_ROWS:
-        return _combine_two_launches(e, h2, e_norm, h_norm, e_proj, h_proj, out2, eps, attrs, workspace)
-    if is_quantised(e_proj) or is_quantised(h_proj):
-        return _combine_fp8(e, h, h2, e_norm, h_norm, e_proj, h_proj, out, eps, attrs)
-    parts = []
-    for x, norm_w, proj_w in ((e, e_norm, e_proj), (h2, h_norm, h_proj)):
-        normed = torch.empty_like(x)
-        rms_norm_rows(x, norm_w, eps, normed)
-        parts.append(torch.empty_like(x))
-        gemv(normed, proj_w, parts[-1], config=LINEAR_CONFIG)
-    e_part, h_part = parts
-    torch.add(h_part.view(h.shape), e_part.unsqueeze(1) if h.dim() == 3 else e_part, out=out)
+        _combine_two_launches(rows, h2, e_norm, h_norm, e_proj, h_proj, out2, eps, attrs, workspace)
+    elif is_quantised(e_proj) or is_quantised(h_proj):
+        _combine_fp8(rows, h, h2, e_norm, h_norm, e_proj, h_proj, out, eps, attrs)
+    else:
+        parts = []
+        for x, norm_w, proj_w in ((rows, e_norm, e_proj), (EmbedRows(h2, None), h_norm, h_proj)):
+            normed = x.empty()
+            x.norm_into(norm_w, eps, normed)
+            parts.append(x.empty())
+            gemv(normed, proj_w, parts[-1], config=LINEAR_CONFIG)
+        e_part, h_part = parts
+        torch.add(h_part.view(h.shape), e_part.unsqueeze(1) if h.dim() == 3 else e_part, out=out)
+    return True
 
 
-def _combine_two_launches(e, h2, e_norm, h_norm, e_proj, h_proj, out2, eps, attrs, workspace) -> None:
+class EmbedRows:
+    """The combiner's e rows: ``source``'s rows, or with ``index`` its rows at the index (the
+    embedding table's rows at the tokens: note "rows from the table"), read where the norm reads them."""
+
+    __slots__ = ("source", "index", "batch")
+
+    def __init__(self, source: torch.Tensor, index: torch.Tensor | None):
+        self.source, self.index = source, index
+        self.batch = source.shape[0] if index is None else index.shape[0]
+
+    def empty(self) -> torch.Tensor:
+        """A new [batch, D] tensor of the rows' dtype."""
+        return torch.empty((self.batch, self.source.shape[1]), dtype=self.source.dtype, device=self.source.device)
+
+    def norm_into(self, weight: torch.Tensor, eps: float, out: torch.Tensor, round_fp8: bool = False) -> None:
+        rms_norm_rows(self.source, weight, eps, out, round_fp8=round_fp8, index=self.index)
+
+
+def _combine_two_launches(e: EmbedRows, h2, e_norm, h_norm, e_proj, h_proj, out2, eps, attrs, workspace) -> None:
     """FP8 e_proj and h_proj: the norms, then one GEMV over both Ks (note "two launches")."""
-    b, d = e.shape
+    b, d = e.batch, e.source.shape[1]
     rows, n = h2.shape[0], h_proj.logical_shape[0]
-    en, hn, partials, arrivals = carve(workspace, e.device, _fp8_parts(b, rows, d, n, e.dtype))
+    en, hn, partials, arrivals = carve(workspace, e.source.device, _fp8_parts(b, rows, d, n, e.source.dtype))
     share = triton.cdiv(arrivals.numel(), b + rows)
     w8a8 = w8a8_rounds(h_proj, attrs)  # both halves FP8 here: the norms write them rounded
+    gather = e.index is not None
     _two_norms_kernel[(b + rows,)](
-        e, h2, e_norm, h_norm, en, hn, arrivals,
-        b, d, arrivals.numel(), e.stride(0), h2.stride(0), en.stride(0), hn.stride(0), eps,
-        BLOCK_D=norm_block(d, w8a8), CNT_BLOCK=next_pow2(share), ROUND_FP8=w8a8, num_warps=4 if d <= 4096 else 8,
-        **pdl_args(e.device),
+        e.source, e.index if gather else e.source, h2, e_norm, h_norm, en, hn, arrivals,
+        b, d, arrivals.numel(), e.source.stride(0), h2.stride(0), en.stride(0), hn.stride(0), eps,
+        BLOCK_D=norm_block(d, w8a8), CNT_BLOCK=next_pow2(share), ROUND_FP8=w8a8, E_GATHER=gather,
+        num_warps=4 if d <= 4096 else 8, **pdl_args(e.source.device),
     )  # fmt: skip
     fp8 = _fp8()
     fp8.fp8_gemv(
@@ -146,7 +191,7 @@ def _combine_two_launches(e, h2, e_norm, h_norm, e_proj, h_proj, out2, eps, attr
     )  # fmt: skip
 
 
-def _combine_fp8(e, h, h2, e_norm, h_norm, e_proj, h_proj, out, eps, attrs) -> None:
+def _combine_fp8(e: EmbedRows, h, h2, e_norm, h_norm, e_proj, h_proj, out, eps, attrs) -> None:
     """One FP8 projection and one bf16 (or an output that is no rows view): norm, W8A8 rounding, GEMV.
 
     Collapsed (h [B, D]) with an FP8 e_proj, the e half accumulates onto the h half in ``out``
@@ -154,16 +199,15 @@ def _combine_fp8(e, h, h2, e_norm, h_norm, e_proj, h_proj, out, eps, attrs) -> N
     is one [B, D] part added to every stream, as the torch op does.
     """
     project = _fp8().project
-    normed = [torch.empty_like(x) for x in (e, h2)]
-    for x, norm_w, proj_w, dst in ((e, e_norm, e_proj, normed[0]), (h2, h_norm, h_proj, normed[1])):
-        rms_norm_rows(x, norm_w, eps, dst, round_fp8=w8a8_rounds(proj_w, attrs))  # W8A8: rounded by the norm
-    e_in, h_in = normed
+    e_in, h_in = e.empty(), torch.empty_like(h2)
+    e.norm_into(e_norm, eps, e_in, round_fp8=w8a8_rounds(e_proj, attrs))  # W8A8: rounded by the norm
+    rms_norm_rows(h2, h_norm, eps, h_in, round_fp8=w8a8_rounds(h_proj, attrs))
     out2 = rows_view(out)
     if h.dim() == 2 and is_quantised(e_proj) and out2 is not None:
         project(h_in, h_proj, out2, config=LINEAR_CONFIG)
         project(e_in, e_proj, out2, config=LINEAR_CONFIG, accumulate=True)
         return
-    e_part, h_part = torch.empty_like(e), torch.empty_like(h2)
+    e_part, h_part = e.empty(), torch.empty_like(h2)
     project(e_in, e_proj, e_part, config=LINEAR_CONFIG)
     project(h_in, h_proj, h_part, config=LINEAR_CONFIG)
     torch.add(h_part.view(h.shape), e_part.unsqueeze(1) if h.dim() == 3 else e_part, out=out)
@@ -175,6 +219,13 @@ def _combiner_block_scaled(specs) -> str | None:
 
 
 combiner_impl.unsupported_block_scaled = _combiner_block_scaled
+
+
+def _embed_combiner_block_scaled(specs) -> str | None:
+    return _combiner_block_scaled(specs[1:])  # the table where the combiner's e is: the same positions after it
+
+
+embed_combiner_impl.unsupported_block_scaled = _embed_combiner_block_scaled
 
 
 def _readable(w, dtype: torch.dtype) -> bool:

@@ -251,11 +251,12 @@ def gemv(
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, BLOCK_D: tl.constexpr,
-                     ROUND_FP8: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, idx_ptr, D, stride_x, stride_o, eps, BLOCK_D: tl.constexpr,
+                     ROUND_FP8: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     pdl_wait(PDL)
-    norm_row(x_ptr + row * stride_x, w_ptr, out_ptr + row * stride_o, D, eps, BLOCK_D, ROUND_FP8)
+    src = tl.load(idx_ptr + row) if GATHER else row  # GATHER: out row r norms x[idx[r]] (an embedding row)
+    norm_row(x_ptr + src * stride_x, w_ptr, out_ptr + row * stride_o, D, eps, BLOCK_D, ROUND_FP8)
 
 
 @triton.jit
@@ -278,21 +279,25 @@ def norm_block(d: int, round_fp8: bool) -> int:
     return max(next_pow2(d), 128) if round_fp8 else next_pow2(d)
 
 
-def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, round_fp8: bool = False):
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, round_fp8: bool = False,
+                  index: torch.Tensor | None = None):
     """out = weight * x / rms(x) over the last dim, row by row (x, out: [R, D], unit last stride);
-    ``round_fp8``: then rounded through FP8 per run of 128 (W8A8's GEMV input, fp8_round's rounding)."""
-    rows, d = x.shape
+    ``round_fp8``: then rounded through FP8 per run of 128 (W8A8's GEMV input, fp8_round's rounding).
+    ``index`` (int64 [R'] on x's device, each in [0, R)): out row r norms x[index[r]] (out: [R', D])."""
+    rows, d = x.shape if index is None else (index.shape[0], x.shape[1])
     block = norm_block(d, round_fp8)
     _rms_norm_kernel[(rows,)](
         x,
         weight,
         out,
+        x if index is None else index,
         d,
         x.stride(0),
         out.stride(0),
         float(eps),
         BLOCK_D=block,
         ROUND_FP8=round_fp8,
+        GATHER=index is not None,
         num_warps=4 if block <= 4096 else 8,
         **pdl_args(x.device),
     )

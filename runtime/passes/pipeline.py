@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from draftgraph.runtime.errors import GraphError, describe
 from draftgraph.runtime.ir.graph import Graph
 from draftgraph.runtime.ir.validate import validate
+from draftgraph.runtime.passes.fold_embed_into_combiner import fold_embed_into_combiner
 from draftgraph.runtime.passes.fold_hc_expand import fold_hc_expand
 from draftgraph.runtime.passes.fold_norm_into_hc_pre import fold_norm_into_hc_pre
 from draftgraph.runtime.passes.inline_subgraphs import inline_subgraphs
@@ -48,6 +49,7 @@ class Lowered:
 DEFAULT_PASSES: tuple[Pass, ...] = (
     Pass("inline_subgraphs", inline_subgraphs),
     Pass("fold_hc_expand", fold_hc_expand),
+    Pass("fold_embed_into_combiner", fold_embed_into_combiner),
     Pass("fold_norm_into_hc_pre", fold_norm_into_hc_pre),
     Pass("view_single_stacks", view_single_stacks),
     Pass("reuse_dying_inputs", reuse_dying_inputs),
