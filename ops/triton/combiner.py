@@ -40,7 +40,9 @@ from draftgraph.ops.triton.gemv import (
 COMBINER_SPLIT = 4  # parts of the two Ks of the FP8 combiner's GEMV ("two launches"); even (odd: five launches)
 # Up to this many h rows (B x C streams): past it the split's fp32 partials cost more than the
 # launches saved (H100, the chain: B=1's 4 rows 0.546 -> 0.534 ms, B=8's 32 0.672 -> 0.675, B=32's
-# 128 0.914 -> 0.953; benchmarks/h200/README.md, "thirteenth session").
+# 128 0.914 -> 0.953; benchmarks/h200/README.md, "thirteenth session"). Again at 27f1d21 (H100, one
+# process each): past it with split 4 B=8 +7 us, B=32 +18; with split 2 +5 / +8, for three nodes fewer
+# (benchmarks/h200/combiner_two_launch_rows_27f1d21_h100_log.txt).
 COMBINER_MAX_ROWS = 16
 
 
