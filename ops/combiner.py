@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 from draftgraph.ops.basic import rms_norm
-from draftgraph.ops.embed import EMBED as EMBED_OP
+from draftgraph.ops.embed import EMBED
 from draftgraph.ops.overlap import join_side_stream, side_stream
 from draftgraph.ops.quantised import expect_weight, linear_t
 from draftgraph.ops.v4_shapes import ACTIVATIONS, batch_of, expect_spec, require_attrs
@@ -87,7 +87,7 @@ COMBINER = register(
 def _embed_combiner_infer(specs, attrs):
     expect_count(specs, 7, "embed_combiner")
     token, table, *rest = specs
-    (e,) = EMBED_OP.infer([token, table], {})
+    (e,) = EMBED.infer([token, table], {})
     return _combiner_infer([e, *rest], attrs)
 
 

@@ -134,7 +134,7 @@ def _combine(e, e_index, h, e_norm, h_norm, e_proj, h_proj, out, attrs, workspac
             or not all(_readable(w, e.dtype) for w in (e_proj, h_proj))):  # fmt: skip
         return False
     eps = float(attrs["eps"])
-    rows = EmbedRows(e, e_index)
+    rows = NormRows(e, e_index)
     out2 = rows_view(out)
     two = is_quantised(e_proj) and is_quantised(h_proj) and out2 is not None and COMBINER_SPLIT % 2 == 0
     if two and h2.shape[0] <= COMBINER_MAX_ROWS:
@@ -143,7 +143,7 @@ def _combine(e, e_index, h, e_norm, h_norm, e_proj, h_proj, out, attrs, workspac
         _combine_fp8(rows, h, h2, e_norm, h_norm, e_proj, h_proj, out, eps, attrs)
     else:
         parts = []
-        for x, norm_w, proj_w in ((rows, e_norm, e_proj), (EmbedRows(h2, None), h_norm, h_proj)):
+        for x, norm_w, proj_w in ((rows, e_norm, e_proj), (NormRows(h2, None), h_norm, h_proj)):
             normed = x.empty()
             x.norm_into(norm_w, eps, normed)
             parts.append(x.empty())
@@ -153,9 +153,9 @@ def _combine(e, e_index, h, e_norm, h_norm, e_proj, h_proj, out, attrs, workspac
     return True
 
 
-class EmbedRows:
-    """The combiner's e rows: ``source``'s rows, or with ``index`` its rows at the index (the
-    embedding table's rows at the tokens: note "rows from the table"), read where the norm reads them."""
+class NormRows:
+    """The rows a combiner's norm reads: ``source``'s rows, or with ``index`` its rows at the index
+    (e's rows as the embedding table's rows at the tokens: note "rows from the table")."""
 
     __slots__ = ("source", "index", "batch")
 
@@ -171,7 +171,7 @@ class EmbedRows:
         rms_norm_rows(self.source, weight, eps, out, round_fp8=round_fp8, index=self.index)
 
 
-def _combine_two_launches(e: EmbedRows, h2, e_norm, h_norm, e_proj, h_proj, out2, eps, attrs, workspace) -> None:
+def _combine_two_launches(e: NormRows, h2, e_norm, h_norm, e_proj, h_proj, out2, eps, attrs, workspace) -> None:
     """FP8 e_proj and h_proj: the norms, then one GEMV over both Ks (note "two launches")."""
     b, d = e.batch, e.source.shape[1]
     rows, n = h2.shape[0], h_proj.logical_shape[0]
@@ -193,7 +193,7 @@ def _combine_two_launches(e: EmbedRows, h2, e_norm, h_norm, e_proj, h_proj, out2
     )  # fmt: skip
 
 
-def _combine_fp8(e: EmbedRows, h, h2, e_norm, h_norm, e_proj, h_proj, out, eps, attrs) -> None:
+def _combine_fp8(e: NormRows, h, h2, e_norm, h_norm, e_proj, h_proj, out, eps, attrs) -> None:
     """One FP8 projection and one bf16 (or an output that is no rows view): norm, W8A8 rounding, GEMV.
 
     Collapsed (h [B, D]) with an FP8 e_proj, the e half accumulates onto the h half in ``out``
