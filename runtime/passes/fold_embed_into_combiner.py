@@ -12,6 +12,7 @@ and the torch path runs the two ops as before (ops/combiner.py, ``embed_combiner
 from __future__ import annotations
 
 from draftgraph.runtime.ir.graph import Graph
+from draftgraph.runtime.passes.sole_producer import sole_producer
 
 
 def fold_embed_into_combiner(graph: Graph) -> tuple[Graph, str]:
@@ -22,9 +23,8 @@ def fold_embed_into_combiner(graph: Graph) -> tuple[Graph, str]:
         if node.op != "combiner":
             continue
         rows = node.inputs[0]
-        embed = graph.producer_of(rows)
-        if (embed is None or embed.op != "embed" or readers[rows] != [node.name] or rows in graph.outputs
-                or embed.guard != node.guard):  # fmt: skip
+        embed = sole_producer(graph, readers, node, rows, "embed")
+        if embed is None:
             continue
         node.op = "embed_combiner"
         node.inputs = (*embed.inputs, *node.inputs[1:])

@@ -10,6 +10,7 @@ values, no [B, C, D] copy, and C times fewer embedding-half rows.
 from __future__ import annotations
 
 from draftgraph.runtime.ir.graph import Graph
+from draftgraph.runtime.passes.sole_producer import sole_producer
 
 
 def fold_hc_expand(graph: Graph) -> tuple[Graph, str]:
@@ -19,10 +20,9 @@ def fold_hc_expand(graph: Graph) -> tuple[Graph, str]:
     for node in list(graph.nodes.values()):
         if node.op != "combiner":
             continue
-        expand = graph.producer_of(node.inputs[0])
         expanded = node.inputs[0]
-        if (expand is None or expand.op != "hc_expand" or readers[expanded] != [node.name]
-                or expanded in graph.outputs or expand.guard != node.guard):
+        expand = sole_producer(graph, readers, node, expanded, "hc_expand")
+        if expand is None:
             continue
         node.inputs = (expand.inputs[0], *node.inputs[1:])
         del graph.nodes[expand.name]
