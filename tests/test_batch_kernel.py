@@ -81,6 +81,13 @@ def batch(rng: random.Random, seqs, n: int, k: int):
 POOL = ("tables", "num_trimmed", "block_state", "free_stack", "free_top")
 
 
+def bind(kernel, arrays: dict[str, np.ndarray]):
+    """The kernel's bound state over ``arrays`` (the rows' and the pool's, by name) and the test's sizes."""
+    names = ("key", "seq_len", "kv_start", "max_positions", "last_drafted", "verify_due", "tables", "num_trimmed",
+             "block_state", "free_stack", "free_top")
+    return kernel.bind(*(arrays[name] for name in names), VOCAB, MAX_SEQ, BS, WINDOW)
+
+
 def run_place(kernel, seqs, keys, tokens, pos, k, room: int | None = None):
     """place on copies of the pool's arrays: (answer, kv, mapped pairs, the arrays after).
 
@@ -89,9 +96,7 @@ def run_place(kernel, seqs, keys, tokens, pos, k, room: int | None = None):
     spans = np.array([k] if np.ndim(k) == 0 else k, dtype=np.int64)
     kv = np.full(len(pos), -7, dtype=np.int64)
     mapped = np.full(4 * len(pos) if room is None else 2 * room, -7, dtype=np.int64)
-    status, index, m = kernel.place(keys, tokens, pos, spans, VOCAB, MAX_SEQ, seqs["key"], seqs["seq_len"],
-                                    seqs["kv_start"], seqs["max_positions"], after["tables"], BS, after["num_trimmed"],
-                                    after["block_state"], after["free_stack"], after["free_top"], kv, mapped)
+    status, index, m = kernel.place(bind(kernel, {**seqs, **after}), keys, tokens, pos, spans, kv, mapped)
     return (status, index, m), kv, mapped[: 2 * m], after
 
 
@@ -138,9 +143,7 @@ def test_place_write_and_commit_equal_the_twin(native, seed):
         for kernel in (native, twin):
             state = {name: seqs[name].copy() for name in ("seq_len", "kv_start", "last_drafted", "verify_due", *POOL)}
             kept = np.zeros(len(pos), dtype=np.int64)
-            freed = kernel.commit(keys, pos, kv, drafts, k, gated, state["seq_len"], state["kv_start"],
-                                  state["last_drafted"], state["verify_due"], state["tables"], state["num_trimmed"],
-                                  WINDOW, BS, state["block_state"], state["free_stack"], state["free_top"], kept)
+            freed = kernel.commit(bind(kernel, {**seqs, **state}), keys, pos, kv, drafts, k, gated, kept)
             results.append((freed, kept, state))
         (f0, kept0, s0), (f1, kept1, s1) = results
         assert f0 == f1 and np.array_equal(kept0, kept1)
@@ -157,9 +160,7 @@ def test_place_write_and_commit_equal_the_twin(native, seed):
         results = []
         for kernel in (native, twin):
             state = {name: seqs[name].copy() for name in ("seq_len", "verify_due", *POOL)}
-            answer = kernel.verify(vkeys, accepted, seqs["key"], state["seq_len"], seqs["kv_start"],
-                                   seqs["last_drafted"], state["verify_due"], state["tables"], BS,
-                                   state["block_state"], state["free_stack"], state["free_top"])
+            answer = kernel.verify(bind(kernel, {**seqs, **state}), vkeys, accepted)
             results.append((answer, state))
         (a0, s0), (a1, s1) = results
         assert a0 == a1
@@ -188,6 +189,7 @@ def test_every_refusal_names_its_first_bad_row():
     seqs = {"key": np.array([key(5, 0), key(6, 1), 0], dtype=np.int64), "seq_len": np.zeros(3, dtype=np.int64),
             "kv_start": np.zeros(3, dtype=np.int64), "max_positions": np.full(3, 100, dtype=np.int64),
             "tables": np.full((3, M), -1, dtype=np.int32), "num_trimmed": np.zeros(3, dtype=np.int64),
+            "last_drafted": np.zeros(3, dtype=np.int64), "verify_due": np.zeros(3, dtype=bool),
             "block_state": np.zeros(P, dtype=np.int8), "free_stack": np.arange(P, dtype=np.int32),
             "free_top": np.array([1], dtype=np.int64)}
     good = np.array([key(5, 0), key(6, 1)], dtype=np.int64)
@@ -218,6 +220,7 @@ def test_long_spans_map_every_block_and_need_room_for_them():
     seqs = {"key": np.array([key(5, 0), key(6, 1)], dtype=np.int64), "seq_len": np.zeros(2, dtype=np.int64),
             "kv_start": np.zeros(2, dtype=np.int64), "max_positions": np.full(2, MAX_SEQ, dtype=np.int64),
             "tables": np.full((2, M), -1, dtype=np.int32), "num_trimmed": np.zeros(2, dtype=np.int64),
+            "last_drafted": np.zeros(2, dtype=np.int64), "verify_due": np.zeros(2, dtype=bool),
             "block_state": np.zeros(P, dtype=np.int8), "free_stack": np.arange(P, dtype=np.int32),
             "free_top": np.array([P], dtype=np.int64)}
     seqs["tables"][1, 1] = P - 1  # row 1 holds its second block already

@@ -9,6 +9,11 @@ read and write only flat buffers (numpy arrays, through the buffer protocol in C
 same arguments and give the same results; ``tests/test_batch_kernel.py`` holds them equal on
 random batches. Where the C cannot be built (no compiler, ``DRAFTGRAPH_NATIVE=0``), these run.
 
+- :func:`bind` holds the state every call below reads: the rows' arrays (proposer/sequences.py),
+  the pool's (block_state, free_stack, free_top: cache/paged_cache.py) and the sizes (vocab,
+  max_seq_len, block_size, window), in :class:`Bound`'s order. The C twin keeps their buffers
+  from the bind on, so a call parses only its batch's arrays; the caller binds again when an
+  array is replaced (the rows grow).
 - :func:`place` checks a batch (live keys, distinct, token and position ranges, budgets),
   writes each row's kv_start after the propose into ``kv_out``, and maps a block from the pool
   to every entry of positions pos .. pos + span - 1 that has none (all or nothing: when the pool
@@ -37,6 +42,7 @@ holds the cache's lock around place and commit.
 from __future__ import annotations
 
 import sys
+from typing import NamedTuple
 
 import numpy as np
 
@@ -73,9 +79,37 @@ def check_keys(keys, rows, seq_key) -> tuple[int, int]:
     return OK, 0
 
 
-def place(keys, tokens, pos, spans, vocab, max_seq_len, seq_key, seq_len, kv_start, max_positions, tables,
-          block_size, num_trimmed, block_state, free_stack, free_top, kv_out, mapped_out) -> tuple[int, int, int]:
+class Bound(NamedTuple):
+    """The rows' and the pool's arrays and sizes every place / commit / verify reads (:func:`bind`)."""
+
+    seq_key: np.ndarray
+    seq_len: np.ndarray
+    kv_start: np.ndarray
+    max_positions: np.ndarray
+    last_drafted: np.ndarray
+    verify_due: np.ndarray
+    tables: np.ndarray
+    num_trimmed: np.ndarray
+    block_state: np.ndarray
+    free_stack: np.ndarray
+    free_top: np.ndarray
+    vocab: int
+    max_seq_len: int
+    block_size: int
+    window: int
+
+
+def bind(*args) -> Bound:
+    """The state the calls below share, in :class:`Bound`'s order (the C twin holds their buffers)."""
+    return Bound(*args)
+
+
+def place(bound: Bound, keys, tokens, pos, spans, kv_out, mapped_out) -> tuple[int, int, int]:
     """``keys`` int64 [n]: the batch's states. See the module docstring."""
+    seq_key, seq_len, kv_start, max_positions = bound.seq_key, bound.seq_len, bound.kv_start, bound.max_positions
+    tables, num_trimmed, block_state = bound.tables, bound.num_trimmed, bound.block_state
+    free_stack, free_top = bound.free_stack, bound.free_top
+    vocab, max_seq_len, block_size = bound.vocab, bound.max_seq_len, bound.block_size
     n = len(pos)
     if len(spans) not in (1, n):
         raise ValueError(f"spans: 1 or {n} entries, got {len(spans)}")
@@ -135,9 +169,11 @@ def write(meta, row_bytes, max_blocks, columns, window, block_size, tables, rows
     return n
 
 
-def commit(keys, pos, kv, drafts, k, gated, seq_len, kv_start, last_drafted, verify_due, tables, num_trimmed,
-           window, block_size, block_state, free_stack, free_top, kept_out) -> int:
+def commit(bound: Bound, keys, pos, kv, drafts, k, gated, kept_out) -> int:
     """A propose's rows written back; see the module docstring."""
+    seq_len, kv_start, last_drafted, verify_due = bound.seq_len, bound.kv_start, bound.last_drafted, bound.verify_due
+    tables, num_trimmed, window, block_size = bound.tables, bound.num_trimmed, bound.window, bound.block_size
+    block_state, free_stack, free_top = bound.block_state, bound.free_stack, bound.free_top
     n, rows = len(pos), keys & ROW_MASK
     kept = (drafts != CUT).sum(axis=1) if gated else np.full(n, k)
     kept_out[:n] = kept
@@ -159,9 +195,11 @@ def commit(keys, pos, kv, drafts, k, gated, seq_len, kv_start, last_drafted, ver
     return freed
 
 
-def verify(keys, accepted, seq_key, seq_len, kv_start, last_drafted, verify_due, tables, block_size, block_state,
-           free_stack, free_top) -> tuple[int, int, int]:
+def verify(bound: Bound, keys, accepted) -> tuple[int, int, int]:
     """``keys``, ``accepted`` int64 [n]: the batch's states and accepted counts. See the module docstring."""
+    seq_key, seq_len, kv_start, last_drafted = bound.seq_key, bound.seq_len, bound.kv_start, bound.last_drafted
+    verify_due, tables, block_size = bound.verify_due, bound.tables, bound.block_size
+    block_state, free_stack, free_top = bound.block_state, bound.free_stack, bound.free_top
     rows = keys & ROW_MASK
     status, index = check_keys(keys, rows, seq_key)
     if status != OK:

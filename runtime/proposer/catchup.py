@@ -219,8 +219,8 @@ def place_rows(prop, rows: CatchupRows) -> PlacedCatchup:
     mapped_out = prop._mapped if room <= len(prop._mapped) else np.zeros(room, dtype=np.int64)
     no_tokens = np.zeros(m, dtype=np.int64)  # the kernel checks a token a row; the rows' own are checked
     with prop.cache.lock:
-        status, needed, count = prop._kernel.place(rows.keys, no_tokens, rows.starts, rows.count,
-                                                   *prop._kernel_arrays()[1], kv, mapped_out)
+        status, needed, count = prop._kernel.place(prop._bound(), rows.keys, no_tokens, rows.starts, rows.count, kv,
+                                                   mapped_out)
     if status == batch_kernel.POOL:
         cache = prop.cache
         raise CacheError(describe(f"MTP cache blocks for {m} sequences", f"{needed} free block(s)",

@@ -202,12 +202,11 @@ def after_verify_device(prop, handle: DeviceDrafts, num_accepted, dropped: bool 
                 handle.catchup.undo(prop)
             raise NonFiniteError(describe("target_hiddens", "finite values", "a NaN or an infinity",
                                           "the propose is refused: no state or cache row changed"))
-        _, _, commit_arrays, verify_arrays = prop._kernel_arrays()
-        kept = np.zeros(n, dtype=np.int64)
+        bound, kept = prop._bound(), np.zeros(n, dtype=np.int64)
         with prop.cache.lock:
-            prop._kernel.commit(handle.keys, handle.positions, handle.kv_start, np.zeros((n, k), dtype=np.int64), k,
-                                False, *commit_arrays, kept)
-            status, index, _ = prop._kernel.verify(handle.keys, accepted, *verify_arrays)
+            prop._kernel.commit(bound, handle.keys, handle.positions, handle.kv_start, np.zeros((n, k), dtype=np.int64),
+                                k, False, kept)
+            status, index, _ = prop._kernel.verify(bound, handle.keys, accepted)
         if status != batch_kernel.OK:  # every check above holds, so this cannot be refused
             raise AssertionError(f"the batch kernel's verify refused (status {status}, row {index}) a checked batch")
 

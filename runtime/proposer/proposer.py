@@ -195,7 +195,7 @@ class DeepseekV4MtpProposer:
         self._plans: dict[tuple[int, int, bool], LaunchPlan] = {}  # (n, K, masked) -> what a propose looks up
         self._kernel = batch_kernel.load()  # design note "flat kernel": the compiled twin where it builds
         self._size_batch_buffers()
-        self._arrays = None  # _kernel_arrays
+        self._kernel_state = None  # _bound: (the rows' key array it was bound with, the bound state)
         self._hidden_shape = tuple(hidden_spec(config, opts.mode).shape[1:])
         self._mask_words = mask_words(config, opts.mtp_vocab_size)
         self._last_confidence: float | None = None
@@ -352,7 +352,7 @@ class DeepseekV4MtpProposer:
         _, staging, executor, _, copy_in, gated = self._plan(n, k, mask is not None)
         kv, cache = self._kv[:n], self.cache
         mapped = self._place(keys, tokens, pos, k, states, kv)
-        commit_arrays = self._kernel_arrays()[2]
+        bound = self._bound()
         try:
             staging.stage(seqs.tables, keys, pos, kv, tokens, hiddens, self._vocab_limit(),
                           [mask] * n if mask is not None else None, copy_in=copy_in)
@@ -373,7 +373,7 @@ class DeepseekV4MtpProposer:
             raise
         kept = self._kept[:n]
         with cache.lock:
-            kernel.commit(keys, pos, kv, drafts, k, gated, *commit_arrays, kept)
+            kernel.commit(bound, keys, pos, kv, drafts, k, gated, kept)
         drafted = drafts.tolist()
         if gated and kept.min() < k:  # the blocks mapped for drafts the chain did not make go back
             drafted = [d[:c] for d, c in zip(drafted, kept.tolist())]
@@ -399,8 +399,7 @@ class DeepseekV4MtpProposer:
         cache, n, span = self.cache, len(keys), self._span
         span[0] = k  # every row's
         with cache.lock:
-            status, index, m = self._kernel.place(keys, tokens, pos, span, *self._kernel_arrays()[1], kv_out,
-                                                  self._mapped)
+            status, index, m = self._kernel.place(self._bound(), keys, tokens, pos, span, kv_out, self._mapped)
         if status != batch_kernel.OK:
             self._refuse(status, index, states, tokens, pos, k, n)
         if not m:
@@ -410,21 +409,18 @@ class DeepseekV4MtpProposer:
             self.rows.table_of[row].cache_id = cache.cache_id
         return mapped
 
-    def _kernel_arrays(self) -> tuple[np.ndarray, tuple, tuple, tuple]:
-        """The batch kernel's fixed arguments: the rows' and the pool's arrays and sizes, for
-        ``place``, ``commit`` and ``verify``; made again when the rows grow (new arrays)."""
-        arrays, seqs, cache = self._arrays, self.rows, self.cache
-        if arrays is None or arrays[0] is not seqs.key:
-            place = (self.config.vocab_size, self.max_seq_len, seqs.key, seqs.seq_len, seqs.kv_start,
-                     seqs.max_positions, seqs.tables, cache.block_size, seqs.num_trimmed, cache.block_state,
-                     cache.free_stack, cache.free_top)
-            commit = (seqs.seq_len, seqs.kv_start, seqs.last_drafted, seqs.verify_due, seqs.tables,
-                      seqs.num_trimmed, self.config.sliding_window, cache.block_size, cache.block_state,
-                      cache.free_stack, cache.free_top)
-            verify = (seqs.key, seqs.seq_len, seqs.kv_start, seqs.last_drafted, seqs.verify_due, seqs.tables,
-                      cache.block_size, cache.block_state, cache.free_stack, cache.free_top)
-            arrays = self._arrays = (seqs.key, place, commit, verify)
-        return arrays
+    def _bound(self):
+        """The batch kernel's bound state (``batch_kernel.bind``: the rows' and the pool's arrays and
+        sizes) for ``place``, ``commit`` and ``verify``; bound again when the rows grow (new arrays)."""
+        bound, seqs = self._kernel_state, self.rows
+        if bound is None or bound[0] is not seqs.key:
+            cache = self.cache
+            state = self._kernel.bind(seqs.key, seqs.seq_len, seqs.kv_start, seqs.max_positions, seqs.last_drafted,
+                                      seqs.verify_due, seqs.tables, seqs.num_trimmed, cache.block_state,
+                                      cache.free_stack, cache.free_top, self.config.vocab_size, self.max_seq_len,
+                                      cache.block_size, self.config.sliding_window)
+            bound = self._kernel_state = (seqs.key, state)
+        return bound[1]
 
     def _batch_arrays(self, states, tokens, positions, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The batch as the kernel's arrays: the states' keys, tokens, positions (int64 [n]).
@@ -694,7 +690,7 @@ class DeepseekV4MtpProposer:
         keys, accepted = self._verify_arrays(counts, states, n)
         rows = self.rows
         with self.cache.lock:
-            status, index, _ = self._kernel.verify(keys, accepted, *self._kernel_arrays()[3])
+            status, index, _ = self._kernel.verify(self._bound(), keys, accepted)
         if status == batch_kernel.OK:
             return
         if status in (batch_kernel.STALE, batch_kernel.TWICE):
