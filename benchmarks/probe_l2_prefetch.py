@@ -1,0 +1,249 @@
+"""(GPU) Weights asked of the L2 ahead of the GEMV that reads them: does a side-branch prefetch pay?
+
+    python benchmarks/probe_l2_prefetch.py micro        # one FP8 GEMV, cold and after a prefetch, by lead time
+    python benchmarks/probe_l2_prefetch.py tiles        # batch-1 GEMV tiles, cold and with the weights in the L2
+    python benchmarks/probe_l2_prefetch.py chain PLAN [bulk|line] -- BENCH_DRAFT_ARGS
+    python benchmarks/probe_l2_prefetch.py chain off -- BENCH_DRAFT_ARGS
+
+Why: at B=1 the chain spends ~60 us in latency-bound kernels (the hc mixes, the Sinkhorn, the
+attention core, the routing) while the DRAM idles, and its FP8 GEMVs run at about half the copy
+rate. If the GEMVs were bound by DRAM, the bytes of the next GEMV could be fetched into the L2
+during those kernels by a kernel on a side branch of the captured graph, off the chain's path.
+
+- ``micro``: fp8_gemv on a 33.6 MB weight (wo_a's and wq_b's shapes) after a 512 MB write has
+  flushed the L2, with and without a prefetch launched ``lead`` us (a GPU sleep) before it. A GPU
+  sleep is queued ahead of every round so that the events time the GPU, not the host's launches.
+- ``tiles``: the batch-1 FMA tiles (and the dot tiles at 4, 8, 32 rows) cold and warm (the weight
+  prefetched 40 us ahead), with the e4m3 codes converted by the hardware and by integer ops: a tile
+  that is no faster warm is not waiting on DRAM.
+- ``chain``: bench_draft with the captured chain's steps forking a prefetch at the latency-bound
+  steps named in ``PLANS`` (each: the step to fork at, the step whose weights to fetch, a byte
+  budget taken in its inputs' order; stacked routed experts skipped: their ids are not known yet).
+  Processes alternated on / off give the A/B.
+
+The prefetch kernel gives each thread one chunk: ``cp.async.bulk.prefetch.L2`` (sm90) of 16 or
+64 KB, or ``prefetch.global.L2`` of one 128-byte line. Both are hints: no value changes.
+Results: benchmarks/h200/l2_prefetch_side_branch_42cb8f9_h100_log.txt, docs/KERNELS.md
+("Twenty-third device runs").
+"""
+
+from __future__ import annotations
+
+import runpy
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+BULK_PTX = "{\n.reg .pred p;\nsetp.gt.s32 p, $2, 0;\n@p cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.u32 $0, 0;\n}"
+LINE_PTX = "{\n.reg .pred p;\nsetp.gt.s32 p, $2, 0;\n@p prefetch.global.L2 [$1];\nmov.u32 $0, 0;\n}"
+CYCLES_PER_US = 1800  # torch.cuda._sleep's unit; measured 20 us -> 21.2-21.6 on an H100 at 1980 MHz
+
+# fork at step -> (the step whose weights to fetch, MB of them)
+PLANS = {
+    "a": {"rows_at": ("d0.combiner", 40), "d0.body.hc_pre_attn": ("d0.body.attn", 40),
+          "d0.body.hc_post_attn": ("d0.body.moe", 40), "d0.body.hc_post_ffn": ("d0.lm_head", 40)},
+    "attn": {"d0.body.hc_pre_attn": ("d0.body.attn", 40)},
+    "head": {"d0.body.hc_post_ffn": ("d0.lm_head", 40)},
+    "moe": {"d0.body.hc_post_attn": ("d0.body.moe", 40)},
+}
+
+
+@triton.jit
+def _prefetch_kernel(base, nbytes, CHUNK: tl.constexpr, T: tl.constexpr, PTX: tl.constexpr):
+    """Thread i of program p asks the L2 for chunk p * T + i (its size rounded down to 16)."""
+    offs = (tl.program_id(0) * T + tl.arange(0, T)).to(tl.int64) * CHUNK
+    size = tl.minimum(nbytes - offs, CHUNK)
+    size = (tl.where(size > 0, size, 0) // 16 * 16).to(tl.int32)
+    tl.inline_asm_elementwise(PTX, "=r,l,r", [base + offs, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def prefetch(t: torch.Tensor, nbytes: int | None = None, mode: str = "bulk", chunk: int = 16384,
+             warps: int = 1) -> None:
+    """Ask the L2 for the first ``nbytes`` of ``t`` (all of it by default)."""
+    data = t.reshape(-1).view(torch.uint8)
+    n = data.numel() if nbytes is None else min(nbytes, data.numel())
+    lanes, ptx = 32 * warps, BULK_PTX
+    if mode == "line":
+        chunk, ptx = 128, LINE_PTX
+    _prefetch_kernel[(triton.cdiv(n, lanes * chunk),)](data, n, CHUNK=chunk, T=lanes, PTX=ptx, num_warps=warps)
+
+
+def _weight(n: int, k: int):
+    from draftgraph.runtime.model.quant import quantize_fp8
+
+    return quantize_fp8(torch.randn(n, k, device="cuda") * 0.02)
+
+
+def _timed(events, flush: torch.Tensor, launch, before=None) -> float:
+    """Median us of ``launch`` over 15 rounds, each after an L2 flush and ``before`` (the prefetch)."""
+    times = []
+    for _ in range(15):
+        flush.zero_()
+        torch.cuda._sleep(300_000)  # the host queues the round while the GPU waits here
+        if before is not None:
+            before()
+        events[0].record()
+        launch()
+        events[1].record()
+        torch.cuda.synchronize()
+        times.append(events[0].elapsed_time(events[1]) * 1e3)
+    return statistics.median(times)
+
+
+def micro() -> None:
+    from draftgraph.ops.triton import fp8_linear
+
+    flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    print(torch.cuda.get_device_name(), flush=True)
+    for n, k in [(8192, 4096), (32768, 1024)]:
+        w, s = _weight(n, k)
+        x = torch.randn(1, k, device="cuda").bfloat16()
+        out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+
+        def gemv(x=x, w=w, s=s, out=out, n=n):
+            fp8_linear.fp8_gemv(x, w, s, out, config=fp8_linear.config_for(1, n))
+
+        print(f"W [{n}, {k}] fp8 {w.numel() / 1e6:.1f} MB: GEMV us cold, then after a prefetch launched lead us ahead")
+        print(f"  cold {_timed(events, flush, gemv):6.1f}")
+        for mode, chunk in [("bulk", 16384), ("bulk", 65536), ("line", 128)]:
+            for lead in (0, 10, 20, 40):
+                def ahead(w=w, mode=mode, chunk=chunk, lead=lead):
+                    prefetch(w, mode=mode, chunk=chunk)
+                    if lead:
+                        torch.cuda._sleep(lead * CYCLES_PER_US)
+
+                print(f"  {mode} {chunk:>6} B lead {lead:>2} {_timed(events, flush, gemv, ahead):6.1f}", flush=True)
+
+
+def tiles() -> None:
+    from draftgraph.ops.triton import fp8_linear
+    from draftgraph.ops.triton.gemv import GemvConfig
+
+    flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    print(torch.cuda.get_device_name(), flush=True)
+    fma = [(4, 1024, 1, 4), (4, 1024, 1, 6), (4, 512, 1, 6), (8, 512, 1, 4), (2, 1024, 1, 4), (4, 2048, 2, 3),
+           (16, 256, 4, 4), (8, 1024, 2, 3)]
+    for n, k in [(8192, 4096), (32768, 1024)]:
+        w, s = _weight(n, k)
+        cases = [(1, fp8_linear.BATCH1_CONFIG)] + [(1, GemvConfig(*c, use_dot=False)) for c in fma]
+        cases += [(b, fp8_linear.config_for(b, n)) for b in (4, 8, 32)]
+        print(f"W [{n}, {k}] fp8 {w.numel() / 1e6:.1f} MB: us cold / warm (prefetched 40 us ahead)", flush=True)
+        for b, cfg in cases:
+            x = torch.randn(b, k, device="cuda").bfloat16()
+            out = torch.empty(b, n, device="cuda", dtype=torch.bfloat16)
+            cells = []
+            for native in (True, False):
+                def gemv(x=x, out=out, cfg=cfg, native=native, w=w, s=s):
+                    fp8_linear.fp8_gemv(x, w, s, out, config=cfg, native_fp8=native)
+
+                try:
+                    gemv()
+                except Exception as exc:  # noqa: BLE001 - a tile the kernel refuses: named in the row
+                    cells.append(type(exc).__name__)
+                    continue
+
+                def ahead(w=w):
+                    prefetch(w, mode="bulk", chunk=65536)
+                    torch.cuda._sleep(40 * CYCLES_PER_US)
+
+                cells.append(f"{_timed(events, flush, gemv):6.1f} / {_timed(events, flush, gemv, ahead):6.1f}")
+            kind = "dot" if cfg.use_dot else "fma"
+            print(f"  B={b:<2} {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {kind}: "
+                  f"hardware cvt {cells[0]}   integer decode {cells[1]}", flush=True)
+
+
+def _weight_parts(x) -> list[torch.Tensor]:
+    from draftgraph.runtime.model.quant import QuantWeight
+
+    if isinstance(x, QuantWeight):
+        return [x.data, x.scale]
+    return [x] if isinstance(x, torch.Tensor) and x.is_cuda else []
+
+
+def install(plan_name: str, mode: str = "bulk") -> None:
+    """Make every eager run (and so every capture) fork the plan's prefetches on a side stream."""
+    from draftgraph.runtime.execution import eager
+
+    plan, streams = PLANS[plan_name], {}
+
+    def targets(executor) -> dict[str, list[tuple[torch.Tensor, int]]]:
+        found = executor.__dict__.get("_probe_targets")
+        if found is not None:
+            return found
+        steps = {s.node.name: s for _, seg in executor.segments for s in seg}
+        found = {}
+        for at, (target, mb) in plan.items():
+            if at not in steps or target not in steps:
+                continue
+            budget, parts = mb << 20, []
+            for name, x in zip(steps[target].node.inputs, steps[target].inputs):
+                if not name.startswith(("mtp.", "head.")) or "kv_cache" in name:
+                    continue
+                for t in _weight_parts(x):
+                    if t.dim() == 3 and t.nbytes > (256 << 20):
+                        continue  # stacked routed experts
+                    take = min(t.nbytes, budget)
+                    if take >= 4096 and budget > 0:
+                        parts.append((t, take))
+                        budget -= take
+            found[at] = parts
+            print(f"  plan: at {at} -> {target}: "
+                  + ", ".join(f"{list(t.shape)} {n / 2**20:.1f} MB" for t, n in parts), flush=True)
+        executor._probe_targets = found
+        return found
+
+    original = eager.EagerExecutor._run_steps
+
+    def run_steps(self, steps, inputs, overlap=True):
+        if self.device.type != "cuda" or not overlap:
+            return original(self, steps, inputs, overlap)
+        forks = targets(self)
+        side = streams.setdefault(self.device, torch.cuda.Stream(self.device))
+        main, forked = torch.cuda.current_stream(self.device), False
+        try:
+            for step in steps:
+                parts = forks.get(step.node.name)
+                if parts:
+                    side.wait_stream(main)
+                    with torch.cuda.stream(side):
+                        for t, n in parts:
+                            prefetch(t, n, mode=mode)
+                    forked = True
+                self._run_step(step, inputs, self.side)
+        finally:
+            for event in self._pending.values():
+                self.side.wait(event)
+            self._pending.clear()
+            if forked:
+                main.wait_stream(side)  # a capture must rejoin its forks
+
+    eager.EagerExecutor._run_steps = run_steps
+
+
+def main() -> None:
+    what = sys.argv[1] if len(sys.argv) > 1 else ""
+    if what == "micro":
+        return micro()
+    if what == "tiles":
+        return tiles()
+    if what != "chain" or "--" not in sys.argv:
+        raise SystemExit(__doc__.split("\n\n")[1])
+    sep = sys.argv.index("--")
+    choice, rest = sys.argv[2:sep], sys.argv[sep + 1:]
+    if choice and choice[0] != "off":
+        install(choice[0], choice[1] if len(choice) > 1 else "bulk")
+    print("prefetch plan:", " ".join(choice) or "off", flush=True)
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here))
+    sys.argv = [str(here / "bench_draft.py"), *rest]
+    runpy.run_path(str(here / "bench_draft.py"), run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
