@@ -2,6 +2,7 @@
 
     python benchmarks/probe_l2_prefetch.py micro        # one FP8 GEMV, cold and after a prefetch, by lead time
     python benchmarks/probe_l2_prefetch.py tiles        # batch-1 GEMV tiles, cold and with the weights in the L2
+    python benchmarks/probe_l2_prefetch.py floor        # the same bytes read by a plain kernel, a copy, the bf16 GEMV
     python benchmarks/probe_l2_prefetch.py chain PLAN [bulk|line] -- BENCH_DRAFT_ARGS
     python benchmarks/probe_l2_prefetch.py chain off -- BENCH_DRAFT_ARGS
 
@@ -16,6 +17,8 @@ during those kernels by a kernel on a side branch of the captured graph, off the
 - ``tiles``: the batch-1 FMA tiles (and the dot tiles at 4, 8, 32 rows) cold and warm (the weight
   prefetched 40 us ahead), with the e4m3 codes converted by the hardware and by integer ops: a tile
   that is no faster warm is not waiting on DRAM.
+- ``floor``: the same 33.6 MB read by a kernel that only folds its words, by torch's copy, and by
+  the bf16 GEMV on the head's tiles: what a launch of this size can reach, cold and warm.
 - ``chain``: bench_draft with the captured chain's steps forking a prefetch at the latency-bound
   steps named in ``PLANS`` (each: the step to fork at, the step whose weights to fetch, a byte
   budget taken in its inputs' order; stacked routed experts skipped: their ids are not known yet).
@@ -158,6 +161,62 @@ def tiles() -> None:
                   f"hardware cvt {cells[0]}   integer decode {cells[1]}", flush=True)
 
 
+@triton.jit
+def _read_kernel(src, out, n_words, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    """Read STEPS blocks of BLOCK int32 words (XOR-folded, one store a program): the read floor."""
+    base = tl.program_id(0).to(tl.int64) * BLOCK * STEPS
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in tl.static_range(STEPS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        acc ^= tl.load(src + offs, mask=offs < n_words, other=0)
+    tl.store(out + tl.program_id(0), tl.reduce(acc, 0, _xor))
+
+
+@triton.jit
+def _xor(a, b):
+    return a ^ b
+
+
+def floor() -> None:
+    """What reading 33.6 MB costs without a GEMV's work: a plain read kernel, torch's copy, the bf16 GEMV."""
+    from draftgraph.ops.triton import gemv as gemv_mod
+
+    flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    print(torch.cuda.get_device_name(), flush=True)
+    data = torch.randint(0, 255, (8192 * 4096,), dtype=torch.uint8, device="cuda")
+    words = data.view(torch.int32)
+    out = torch.empty(1 << 20, dtype=torch.int32, device="cuda")
+
+    def ahead():
+        prefetch(data, mode="bulk", chunk=65536)
+        torch.cuda._sleep(40 * CYCLES_PER_US)
+
+    print(f"{data.numel() / 1e6:.1f} MB: us cold / warm (prefetched 40 us ahead)")
+    for block, steps, warps in [(1024, 1, 4), (1024, 4, 4), (2048, 4, 8), (4096, 2, 8), (1024, 16, 4)]:
+        grid = triton.cdiv(words.numel(), block * steps)
+
+        def read(block=block, steps=steps, warps=warps, grid=grid):
+            _read_kernel[(grid,)](words, out, words.numel(), BLOCK=block, STEPS=steps, num_warps=warps)
+
+        read()
+        print(f"  read kernel {block} x {steps} words a program, {warps} warps, {grid} programs: "
+              f"{_timed(events, flush, read):6.1f} / {_timed(events, flush, read, ahead):6.1f}", flush=True)
+    half = data[: data.numel() // 2]
+    dst = torch.empty_like(half)
+    print(f"  torch copy of 16.8 MB (33.6 MB moved): {_timed(events, flush, lambda: dst.copy_(half)):6.1f}")
+    w = data.view(torch.bfloat16).view(4096, 4096)
+    x = torch.randn(1, 4096, device="cuda").bfloat16()
+    y = torch.empty(1, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def bf16_gemv():
+        gemv_mod.gemv(x, w, y, config=gemv_mod.LM_HEAD_CONFIG)
+
+    bf16_gemv()
+    print(f"  bf16 gemv [4096, 4096] (33.6 MB, the head's tiles): {_timed(events, flush, bf16_gemv):6.1f} / "
+          f"{_timed(events, flush, bf16_gemv, ahead):6.1f}", flush=True)
+
+
 def _weight_parts(x) -> list[torch.Tensor]:
     from draftgraph.runtime.model.quant import QuantWeight
 
@@ -232,6 +291,8 @@ def main() -> None:
         return micro()
     if what == "tiles":
         return tiles()
+    if what == "floor":
+        return floor()
     if what != "chain" or "--" not in sys.argv:
         raise SystemExit(__doc__.split("\n\n")[1])
     sep = sys.argv.index("--")
@@ -239,8 +300,7 @@ def main() -> None:
     if choice and choice[0] != "off":
         install(choice[0], choice[1] if len(choice) > 1 else "bulk")
     print("prefetch plan:", " ".join(choice) or "off", flush=True)
-    here = Path(__file__).resolve().parent
-    sys.path.insert(0, str(here))
+    here = Path(__file__).resolve().parent  # on sys.path already: bench_draft imports its siblings by name
     sys.argv = [str(here / "bench_draft.py"), *rest]
     runpy.run_path(str(here / "bench_draft.py"), run_name="__main__")
 
