@@ -229,7 +229,7 @@ def install(plan_name: str, mode: str = "bulk") -> None:
     """Make every eager run (and so every capture) fork the plan's prefetches on a side stream."""
     from draftgraph.runtime.execution import eager
 
-    plan, streams = PLANS[plan_name], {}
+    plan, streams = PLANS[plan_name], {}  # device -> the probe's side stream
 
     def targets(executor) -> dict[str, list[tuple[torch.Tensor, int]]]:
         found = executor.__dict__.get("_probe_targets")
@@ -257,32 +257,29 @@ def install(plan_name: str, mode: str = "bulk") -> None:
         executor._probe_targets = found
         return found
 
-    original = eager.EagerExecutor._run_steps
+    run_steps, run_step = eager.EagerExecutor._run_steps, eager.EagerExecutor._run_step
 
-    def run_steps(self, steps, inputs, overlap=True):
-        if self.device.type != "cuda" or not overlap:
-            return original(self, steps, inputs, overlap)
-        forks = targets(self)
-        side = streams.setdefault(self.device, torch.cuda.Stream(self.device))
-        main, forked = torch.cuda.current_stream(self.device), False
+    def forking_step(self, step, inputs, side=None):
+        """The step, after forking its prefetches onto the probe's stream (no fork where the executor
+        runs without side lanes: the CPU, a gated region)."""
+        parts = targets(self).get(step.node.name) if side is not None else None
+        if parts:
+            lane = streams.setdefault(self.device, torch.cuda.Stream(self.device))
+            lane.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(lane):
+                for t, n in parts:
+                    prefetch(t, n, mode=mode)
+            self._probe_forked = True
+        return run_step(self, step, inputs, side)
+
+    def joining_steps(self, steps, inputs, overlap=True):
         try:
-            for step in steps:
-                parts = forks.get(step.node.name)
-                if parts:
-                    side.wait_stream(main)
-                    with torch.cuda.stream(side):
-                        for t, n in parts:
-                            prefetch(t, n, mode=mode)
-                    forked = True
-                self._run_step(step, inputs, self.side)
+            return run_steps(self, steps, inputs, overlap)
         finally:
-            for event in self._pending.values():
-                self.side.wait(event)
-            self._pending.clear()
-            if forked:
-                main.wait_stream(side)  # a capture must rejoin its forks
+            if self.__dict__.pop("_probe_forked", False):  # a capture must rejoin its forks
+                torch.cuda.current_stream(self.device).wait_stream(streams[self.device])
 
-    eager.EagerExecutor._run_steps = run_steps
+    eager.EagerExecutor._run_step, eager.EagerExecutor._run_steps = forking_step, joining_steps
 
 
 def main() -> None:
