@@ -81,6 +81,13 @@ def _weight(n: int, k: int):
     return quantize_fp8(torch.randn(n, k, device="cuda") * 0.02)
 
 
+def _timing_setup() -> tuple[torch.Tensor, list[torch.cuda.Event]]:
+    """A 512 MB buffer whose write flushes the L2, two events, and the device's name printed."""
+    print(torch.cuda.get_device_name(), flush=True)
+    flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    return flush, [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+
+
 def _timed(events, flush: torch.Tensor, launch, before=None) -> float:
     """Median us of ``launch`` over 15 rounds, each after an L2 flush and ``before`` (the prefetch)."""
     times = []
@@ -100,9 +107,7 @@ def _timed(events, flush: torch.Tensor, launch, before=None) -> float:
 def micro() -> None:
     from draftgraph.ops.triton import fp8_linear
 
-    flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    print(torch.cuda.get_device_name(), flush=True)
+    flush, events = _timing_setup()
     for n, k in [(8192, 4096), (32768, 1024)]:
         w, s = _weight(n, k)
         x = torch.randn(1, k, device="cuda").bfloat16()
@@ -127,9 +132,7 @@ def tiles() -> None:
     from draftgraph.ops.triton import fp8_linear
     from draftgraph.ops.triton.gemv import GemvConfig
 
-    flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    print(torch.cuda.get_device_name(), flush=True)
+    flush, events = _timing_setup()
     fma = [(4, 1024, 1, 4), (4, 1024, 1, 6), (4, 512, 1, 6), (8, 512, 1, 4), (2, 1024, 1, 4), (4, 2048, 2, 3),
            (16, 256, 4, 4), (8, 1024, 2, 3)]
     for n, k in [(8192, 4096), (32768, 1024)]:
@@ -181,9 +184,7 @@ def floor() -> None:
     """What reading 33.6 MB costs without a GEMV's work: a plain read kernel, torch's copy, the bf16 GEMV."""
     from draftgraph.ops.triton import gemv as gemv_mod
 
-    flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    print(torch.cuda.get_device_name(), flush=True)
+    flush, events = _timing_setup()
     data = torch.randint(0, 255, (8192 * 4096,), dtype=torch.uint8, device="cuda")
     words = data.view(torch.int32)
     out = torch.empty(1 << 20, dtype=torch.int32, device="cuda")
