@@ -1,0 +1,56 @@
+"""benchmarks/bench_knobs.py: knobs parsed to their constants' types, set before bench_draft runs;
+bad knobs refused in one line with exit code 2 before any work."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from bench_knobs import parse_knobs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_knobs_take_their_constants_types():
+    (fp8, name, config), (head, flag_name, flag), (moe, split_name, split) = parse_knobs(
+        ["fp8_linear.BATCH1_CONFIG=4,512,1,6,fma", "head.LM_HEAD_PROLOGUE=true", "moe_mxfp4.W13_SPLIT_LARGE_BATCH=32"])
+    assert (fp8.__name__, name) == ("draftgraph.ops.triton.fp8_linear", "BATCH1_CONFIG")
+    shape = (config.block_n, config.block_k, config.num_warps, config.num_stages, config.use_dot)
+    assert shape == (4, 512, 1, 6, False)
+    assert (head.__name__, flag_name, flag) == ("draftgraph.ops.triton.head", "LM_HEAD_PROLOGUE", True)
+    assert (moe.__name__, split_name, split) == ("draftgraph.ops.triton.moe_mxfp4", "W13_SPLIT_LARGE_BATCH", 32)
+    (_, _, dot), = parse_knobs(["fp8_linear.LARGE_BATCH_CONFIG=64,128,4,3"])
+    assert dot.use_dot and (dot.block_n, dot.num_stages) == (64, 3)
+
+
+def test_a_knob_is_set_before_bench_draft_runs():
+    done = subprocess.run([sys.executable, "benchmarks/bench_knobs.py", "combiner.COMBINER_MAX_ROWS=8", "--", "--help"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "knob combiner.COMBINER_MAX_ROWS = 8" in done.stdout
+    assert "usage: bench_draft.py" in done.stdout  # bench_draft's own --help, after the knob
+
+
+@pytest.mark.parametrize("knobs,expected", [
+    (["nosuch.X=1"], "no module draftgraph.ops.triton.nosuch"),
+    (["fp8_linear.NOPE=1"], "fp8_linear has no constant NOPE"),
+    (["fp8_linear.BATCH1_CONFIG"], "expected MODULE.NAME=VALUE"),
+    (["fp8_linear.BATCH1_CONFIG=4,512"], "expected block_n,block_k,num_warps,num_stages[,fma|dot]"),
+    (["fp8_linear.BATCH1_CONFIG=4,0,1,6,fma"], "(positive ints)"),
+    (["head.LM_HEAD_PROLOGUE=maybe"], "expected a bool (1, 0, true, false), got 'maybe'"),
+    (["combiner.COMBINER_MAX_ROWS=1.5"], "expected an int, got '1.5'"),
+])
+def test_bad_knobs_are_one_line_and_exit_2(knobs, expected):
+    done = subprocess.run([sys.executable, "benchmarks/bench_knobs.py", *knobs, "--", "--cpu-dry-run"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and expected in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert "floor" not in done.stdout  # refused before bench_draft started
+
+
+def test_no_separator_is_exit_2():
+    done = subprocess.run([sys.executable, "benchmarks/bench_knobs.py", "head.LM_HEAD_PROLOGUE=1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "MODULE.NAME=VALUE" in done.stderr
