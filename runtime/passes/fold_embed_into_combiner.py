@@ -11,26 +11,17 @@ and the torch path runs the two ops as before (ops/combiner.py, ``embed_combiner
 
 from __future__ import annotations
 
-from draftgraph.runtime.ir.graph import Graph
-from draftgraph.runtime.passes.sole_producer import sole_producer
+from draftgraph.runtime.ir.graph import Graph, Node
+from draftgraph.runtime.passes.sole_producer import fold_into_readers
+
+
+def _read_rows_from_the_table(combiner: Node, embed: Node) -> None:
+    combiner.op = "embed_combiner"
+    combiner.inputs = (*embed.inputs, *combiner.inputs[1:])
 
 
 def fold_embed_into_combiner(graph: Graph) -> tuple[Graph, str]:
-    graph = graph.copy()
-    readers = graph.consumers()
-    folded = 0
-    for node in list(graph.nodes.values()):
-        if node.op != "combiner":
-            continue
-        rows = node.inputs[0]
-        embed = sole_producer(graph, readers, node, rows, "embed")
-        if embed is None:
-            continue
-        node.op = "embed_combiner"
-        node.inputs = (*embed.inputs, *node.inputs[1:])
-        del graph.nodes[embed.name]
-        del graph.values[rows]
-        folded += 1
+    graph, folded = fold_into_readers(graph, "combiner", "embed", _read_rows_from_the_table)
     if not folded:
         return graph, "no embed feeds only a combiner"
     return graph, f"{folded} embed folded into the combiner after {'it' if folded == 1 else 'each'}"

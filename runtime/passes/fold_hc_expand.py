@@ -9,25 +9,16 @@ values, no [B, C, D] copy, and C times fewer embedding-half rows.
 
 from __future__ import annotations
 
-from draftgraph.runtime.ir.graph import Graph
-from draftgraph.runtime.passes.sole_producer import sole_producer
+from draftgraph.runtime.ir.graph import Graph, Node
+from draftgraph.runtime.passes.sole_producer import fold_into_readers
+
+
+def _read_the_embedding_once(combiner: Node, expand: Node) -> None:
+    combiner.inputs = (expand.inputs[0], *combiner.inputs[1:])
 
 
 def fold_hc_expand(graph: Graph) -> tuple[Graph, str]:
-    graph = graph.copy()
-    readers = graph.consumers()
-    folded = 0
-    for node in list(graph.nodes.values()):
-        if node.op != "combiner":
-            continue
-        expanded = node.inputs[0]
-        expand = sole_producer(graph, readers, node, expanded, "hc_expand")
-        if expand is None:
-            continue
-        node.inputs = (expand.inputs[0], *node.inputs[1:])
-        del graph.nodes[expand.name]
-        del graph.values[expanded]
-        folded += 1
+    graph, folded = fold_into_readers(graph, "combiner", "hc_expand", _read_the_embedding_once)
     if not folded:
         return graph, "no hc_expand feeds a combiner"
     return graph, f"{folded} hc_expand folded into the combiner's broadcast"
