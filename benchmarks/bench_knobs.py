@@ -85,9 +85,14 @@ def main(argv: list[str] | None = None) -> None:
     for module, name, value in knobs:
         setattr(module, name, value)
         print(f"knob {module.__name__.rsplit('.', 1)[1]}.{name} = {value}", flush=True)
-    here = Path(__file__).resolve().parent  # on sys.path already: bench_draft imports its siblings by name
-    sys.argv = [str(here / "bench_draft.py"), *argv[sep + 1:]]
-    runpy.run_path(str(here / "bench_draft.py"), run_name="__main__")
+    run_bench_draft(argv[sep + 1:])
+
+
+def run_bench_draft(args: list[str]) -> None:
+    """bench_draft.py as its own script with ``args``, in this process (what was set here stays set)."""
+    script = Path(__file__).resolve().parent / "bench_draft.py"  # its folder is on sys.path: it imports siblings
+    sys.argv = [str(script), *args]
+    runpy.run_path(str(script), run_name="__main__")
 
 
 if __name__ == "__main__":

@@ -32,14 +32,13 @@ Results: benchmarks/h200/l2_prefetch_side_branch_42cb8f9_h100_log.txt, docs/KERN
 
 from __future__ import annotations
 
-import runpy
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+from bench_knobs import run_bench_draft
 
 BULK_PTX = "{\n.reg .pred p;\nsetp.gt.s32 p, $2, 0;\n@p cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.u32 $0, 0;\n}"
 LINE_PTX = "{\n.reg .pred p;\nsetp.gt.s32 p, $2, 0;\n@p prefetch.global.L2 [$1];\nmov.u32 $0, 0;\n}"
@@ -298,9 +297,7 @@ def main() -> None:
     if choice and choice[0] != "off":
         install(choice[0], choice[1] if len(choice) > 1 else "bulk")
     print("prefetch plan:", " ".join(choice) or "off", flush=True)
-    here = Path(__file__).resolve().parent  # on sys.path already: bench_draft imports its siblings by name
-    sys.argv = [str(here / "bench_draft.py"), *rest]
-    runpy.run_path(str(here / "bench_draft.py"), run_name="__main__")
+    run_bench_draft(rest)
 
 
 if __name__ == "__main__":
