@@ -54,3 +54,27 @@ def test_no_separator_is_exit_2():
     done = subprocess.run([sys.executable, "benchmarks/bench_knobs.py", "head.LM_HEAD_PROLOGUE=1"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "MODULE.NAME=VALUE" in done.stderr
+
+
+def test_ab_chain_settings_parse_to_knobs():
+    from ab_chain import parse_settings
+
+    both = "f2:fp8_linear.BATCH1_FORM=2+fp8_linear.BATCH1_TILE_AHEAD=1"
+    (base, none), (form, knobs) = parse_settings(["base:", both])
+    assert (base, none, form) == ("base", [], "f2")
+    assert [(name, value) for _, name, value in knobs] == [("BATCH1_FORM", 2), ("BATCH1_TILE_AHEAD", True)]
+    (_, [(_, _, tile)]), = parse_settings(["t:fp8_linear.BATCH1_CONFIG=4,512,1,6,fma"])  # commas stay in the value
+    assert (tile.block_n, tile.block_k, tile.use_dot) == (4, 512, False)
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["nocolon"], "expected NAME:KNOB[+KNOB...]"),
+    (["a:", "a:fp8_linear.BATCH1_FORM=1"], "names must differ"),
+    (["a:fp8_linear.BATCH1_FORM=x"], "expected an int, got 'x'"),
+    (["--cases", "1y1", "a:"], "expected BxK pairs"),
+])
+def test_ab_chain_refuses_bad_settings_before_any_work(args, expected):
+    done = subprocess.run([sys.executable, "benchmarks/ab_chain.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2 and expected in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1

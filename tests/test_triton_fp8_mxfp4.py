@@ -276,6 +276,65 @@ def test_fp8_gemv_two_ks(device, rows, div):
                      split_reduce=(partials, arrivals))  # fmt: skip
 
 
+def _batch1_calls(g, device):
+    """(name, thunk returning the fp32 output, float64 reference) for each batch-1 path of fp8_gemv:
+    ragged N and K, one tile over several scale blocks, two weights (the second mid scale block),
+    grouped columns, the prologue norm, split K, two Ks."""
+    qa, sa, wa = fp8_weight(g, 200, 320, device)
+    qb, sb, wb = fp8_weight(g, 72, 320, device)
+    qg, sg, wg = fp8_weight(g, 2 * 64, 160, device)
+    x, xg, x2 = act(g, 1, 320, scale=3.0).to(device), act(g, 1, 2 * 160).to(device), act(g, 1, 320).to(device)
+    nw = (1 + 0.1 * torch.randn(320, generator=g)).to(BF16).to(device)
+    xd = x.cpu().double()
+    normed = (xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + 1e-6) * nw.cpu().double()).to(BF16).double()
+    xgd = xg.cpu().double()
+    grouped = torch.cat([xgd[:, i * 160 : (i + 1) * 160] @ wg[i * 64 : (i + 1) * 64].T for i in (0, 1)], 1)
+
+    def call(n, x=x, w=qa, s=sa, reduced=False, **kw):
+        def run():
+            out = poisoned((1, n), torch.float32, device)
+            if reduced:
+                tiles = FP8.split_tiles(1, n, n, 640, kw["config"], split_k=2)
+                kw["split_reduce"] = (poisoned((2 * n,), torch.float32, device),
+                                      torch.zeros(tiles, dtype=torch.int32, device=device))  # fmt: skip
+            FP8.fp8_gemv(x, w, s, out, **kw)
+            return out.cpu()
+
+        return run
+
+    return [
+        ("fma", call(200, config=FMA), xd @ wa.T),
+        ("wide", call(200, config=WIDE), xd @ wa.T),
+        ("two weights", call(272, w2=qb, w2_scale=sb, config=WIDE), xd @ torch.cat([wa, wb]).T),
+        ("grouped", call(128, x=xg, w=qg, s=sg, group_rows=64, config=WIDE), grouped),
+        ("normed", call(200, norm_w=nw, eps=1e-6, config=WIDE), normed @ wa.T),
+        ("two Ks", call(200, w2=qa, w2_scale=sa, x2=x2, split_k=2, config=FMA, reduced=True),
+         xd @ wa.T + x2.cpu().double() @ wa.T),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form,ahead", [(1, False), (2, False), (2, True)])
+def test_fp8_gemv_batch1_forms(device, form, ahead, monkeypatch):
+    """Note "batch 1 forms": the block scales on the activation columns (one scale row a tile) give
+    form 0's sums bit for bit (form 1) or within fp32 summation order (form 2; with its next tile's
+    codes loaded ahead, the same sums); a scale row read for the wrong rows or blocks, or a tile's
+    codes paired with another tile's columns, is an O(1) error against the float64 reference."""
+    for what, run, ref in _batch1_calls(gen(1106), device):
+        monkeypatch.setattr(FP8, "BATCH1_FORM", 0)
+        monkeypatch.setattr(FP8, "BATCH1_TILE_AHEAD", False)
+        before = run()
+        monkeypatch.setattr(FP8, "BATCH1_FORM", form)
+        got = run()
+        if ahead:
+            monkeypatch.setattr(FP8, "BATCH1_TILE_AHEAD", True)
+            ahead_got = run()
+            assert torch.equal(ahead_got, got), f"{what}: the tile loaded ahead changes the sums"
+        check(got, ref, f"fp8_gemv batch-1 form {form}, {what}")
+        if form == 1:
+            assert torch.equal(got, before), f"{what}: form 1 differs from form 0 by {(got - before).abs().max()}"
+
+
 def test_fp8_gemv_rejects_bad_inputs():
     g = gen(1103)
     q, s, _ = fp8_weight(g, 128, 128, "cpu")
