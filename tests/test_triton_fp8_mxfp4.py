@@ -467,6 +467,9 @@ MOE_WIDE = (K["gemv"].GemvConfig(8, 256, 4, 2, use_dot=False), K["gemv"].GemvCon
     [
         (1, False, "fma"),
         (1, False, "wide"),
+        (1, False, "wide form 1"),  # the shared expert's FP8 rows in fp8_linear's batch-1 forms
+        (1, False, "fma form 2"),
+        (1, False, "wide form 2"),
         (1, False, "dot"),
         (4, True, "dot"),
         (4, False, "dot"),
@@ -492,6 +495,9 @@ def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
         monkeypatch.setattr(MX, "W13_CONFIG_MMA", tile)
         monkeypatch.setattr(MX, "W2_CONFIG_MMA", tile)
         monkeypatch.setattr(MX, "W13_SPLIT_MMA", 1 if variant == "mma_whole" else 2)
+    if " form " in variant:
+        variant, form = variant.split(" form ")
+        monkeypatch.setattr(FP8, "BATCH1_FORM", int(form))
     if variant in ("dot", "wide"):
         configs = MOE_DOT if variant == "dot" else MOE_WIDE
         monkeypatch.setattr(MX, "W13_CONFIG", configs[0])

@@ -306,8 +306,8 @@ def _accumulate3(acc3, v, s, x_row, nw_ptr, inv, cols, K, PRO_NORM: tl.constexpr
 
 
 @triton.jit
-def _scaled_x3(x_row, s_row, nw_ptr, inv, k0, cols, K, NBK: tl.constexpr, SUB_K: tl.constexpr, PRO_NORM: tl.constexpr,
-               EVEN_K: tl.constexpr):  # fmt: skip
+def scaled_x_runs(x_row, s_row, nw_ptr, inv, k0, cols, K, NBK: tl.constexpr, SUB_K: tl.constexpr,
+                  PRO_NORM: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
     """The activation columns k0 + ``cols`` [NBK, SUB_K] in fp32 as [1, NBK, SUB_K], each times its
     weight block's scale (note "batch 1 forms"; normed first under PRO_NORM). s_row: the tile's one
     scale-grid row."""
@@ -326,12 +326,12 @@ def _scaled_x3(x_row, s_row, nw_ptr, inv, k0, cols, K, NBK: tl.constexpr, SUB_K:
 
 
 @triton.jit
-def _form_step(acc, v, x_row, s_row, nw_ptr, inv, k0, rcols, K, RUNS: tl.constexpr, RUN: tl.constexpr,
+def form_step(acc, v, x_row, s_row, nw_ptr, inv, k0, rcols, K, RUNS: tl.constexpr, RUN: tl.constexpr,
                PRO_NORM: tl.constexpr, B1_FORM: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
     """One K tile of forms 1 and 2 (note "batch 1 forms"): the codes v [BLOCK_N, RUNS, RUN] times the
     scaled activation columns, into a column's accumulator (form 1) or, summed over each run in
     the lane that holds it, a run's (form 2)."""
-    xs = _scaled_x3(x_row, s_row, nw_ptr, inv, k0, rcols, K, RUNS, RUN, PRO_NORM, EVEN_K)
+    xs = scaled_x_runs(x_row, s_row, nw_ptr, inv, k0, rcols, K, RUNS, RUN, PRO_NORM, EVEN_K)
     if B1_FORM == 1:
         return acc + v * xs
     else:
@@ -488,17 +488,17 @@ def _fp8_gemv_kernel(
                 v = v_first
                 for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
                     v_next = fp8_codes3(w_base, k0, n_mask, K, RUNS, RUN, EVEN_W, NATIVE, ALIGNED_W)
-                    acc = _form_step(acc, v, x_row, s_row, nw_ptr, inv, k0 - BLOCK_K, rcols, K, RUNS, RUN, PRO_NORM,
+                    acc = form_step(acc, v, x_row, s_row, nw_ptr, inv, k0 - BLOCK_K, rcols, K, RUNS, RUN, PRO_NORM,
                                      B1_FORM, EVEN_K)  # fmt: skip
                     v = v_next
-                acc = _form_step(acc, v, x_row, s_row, nw_ptr, inv, k_end - BLOCK_K, rcols, K, RUNS, RUN, PRO_NORM,
+                acc = form_step(acc, v, x_row, s_row, nw_ptr, inv, k_end - BLOCK_K, rcols, K, RUNS, RUN, PRO_NORM,
                                  B1_FORM, EVEN_K)  # fmt: skip
             else:
-                acc = _form_step(acc, v_first, x_row, s_row, nw_ptr, inv, k_begin, rcols, K, RUNS, RUN, PRO_NORM,
+                acc = form_step(acc, v_first, x_row, s_row, nw_ptr, inv, k_begin, rcols, K, RUNS, RUN, PRO_NORM,
                                  B1_FORM, EVEN_K)  # fmt: skip
                 for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
                     v = fp8_codes3(w_base, k0, n_mask, K, RUNS, RUN, EVEN_W, NATIVE, ALIGNED_W)
-                    acc = _form_step(acc, v, x_row, s_row, nw_ptr, inv, k0, rcols, K, RUNS, RUN, PRO_NORM, B1_FORM,
+                    acc = form_step(acc, v, x_row, s_row, nw_ptr, inv, k0, rcols, K, RUNS, RUN, PRO_NORM, B1_FORM,
                                      EVEN_K)  # fmt: skip
             if B1_FORM == 1:
                 total = tl.sum(tl.sum(acc, 2), 1)[:, None]
