@@ -24,8 +24,14 @@ multiple of BLOCK_N) lie in one 128-row scale block, so they share one row of th
 registers on the 4 x 1024 tile); form 1 puts the scales on the activation columns instead, once a
 tile for all its rows: x * s and q * s are both exact (powers of two, no overflow or subnormal at
 these magnitudes), so ``q * (x * s)`` rounds as ``(q * s) * x`` does, bit for bit form 0's sums.
-Form 2 also sums the tile's products each K step into one accumulator a row (in-lane adds, then
-lane shuffles): far fewer registers, its own (deterministic) order of fp32 additions.
+Form 2 reads the tile as runs of 16 columns (one 16-byte load a lane) and sums each run's
+products in the lane that holds it into one accumulator a run: an accumulator for 16 columns, not
+one a column (135 registers on the 4 x 1024 tile against 254, sm_90), lane shuffles only after
+the K loop; its own (deterministic) order of fp32 additions. ``BATCH1_TILE_AHEAD`` (forms 1, 2)
+loads tile i + 1's codes before tile i's arithmetic: the FMA loop's loads are plain ``LDG``s that
+Triton does not pipeline, so without it each tile's DRAM latency is paid in turn (form 2 has the
+registers for it: 168 on 4 x 1024). The knobs stay off until a GPU has timed them
+(benchmarks/h200/README.md, "Runs still owed").
 
 Note "decode": the CPU interpreter has no float8 loads, so the weight is passed as uint8 and
 decoded with integer ops (:func:`e4m3_to_f32`); scales always are (:func:`ue8m0_to_f32`: the
@@ -130,8 +136,9 @@ LARGE_BATCH_CONFIG = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages
 WIDE_GRID_CONFIG = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)
 WIDE_GRID_PROGRAMS = 128
 # The batch-1 tiles' arithmetic (note "batch 1 forms"): 0 each code times its block scale, an
-# accumulator a column; 1 the scales on the activation columns instead; 2 that, and the tile's
-# products summed into one accumulator a row each K step.
+# accumulator a column; 1 the scales on the activation columns instead; 2 that, and an accumulator
+# a run of 16 columns. Local sm_90 SASS of the 4 x 1024 tile's K loop: 677 / 612 / 564 instructions,
+# 254 / 232 / 135 registers. Not yet timed on a GPU: 0 stays.
 BATCH1_FORM = 0
 BATCH1_TILE_AHEAD = False  # forms 1, 2: the next tile's codes loaded before this tile's arithmetic
 
