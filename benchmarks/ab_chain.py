@@ -1,6 +1,6 @@
 """(GPU) Knob settings A/B on the captured native chain, in one process, alternated round by round.
 
-    python benchmarks/ab_chain.py [--cases 1x1,1x3] [--rounds 2] NAME:KNOB[+KNOB...] [...]
+    python benchmarks/ab_chain.py [--cases 1x1,1x3] [--rounds 2] [--cpu-dry-run] NAME:KNOB[+KNOB...] [...]
     python benchmarks/ab_chain.py --cases 1x1 base: f2:fp8_linear.BATCH1_FORM=2 \\
         "f2 4x512:fp8_linear.BATCH1_FORM=2+fp8_linear.BATCH1_CONFIG=4,512,1,6,fma"
 
@@ -11,6 +11,8 @@ capture: each proposer captures its own graphs), drafts once, and times its repl
 does (``time_replays``). One process and alternated rounds cancel most of what separate processes
 differ by (the card's clock and the host's slow spells). The summary gives each setting's mean
 replay, its distance from the first setting, and whether its drafts equal the first's.
+``--cpu-dry-run`` runs the same rounds on the CPU (small config, eager torch ops; the times mean
+nothing): the script's logic, tested in CI, so a device call is not spent on its bugs.
 """
 
 from __future__ import annotations
@@ -41,24 +43,32 @@ def parse_settings(items: list[str]) -> list[tuple[str, list]]:
 
 
 def run_case(cfg, weights, device, batch: int, k: int) -> tuple[float, float, list]:
-    """(replay ms, spread, drafts) of one proposer captured with the knobs as they are now."""
-    prop = make_proposer(cfg, weights, device, batch, "captured", "fused", "native")
+    """(replay ms, spread, drafts) of one proposer captured with the knobs as they are now; on the
+    CPU (--cpu-dry-run) an eager proposer on the torch ops, its one propose's wall ms, spread 0."""
+    dry = device.type == "cpu"
+    prop = make_proposer(cfg, weights, device, batch, "eager" if dry else "captured", "torch" if dry else "fused",
+                         "native")  # fmt: skip
     gen = torch.Generator(device=device).manual_seed(batch)
     hiddens = [torch.randn(cfg.hc_mult, cfg.hidden_size, device=device, generator=gen).bfloat16()
                for _ in range(batch)]
     states = [prop.alloc_state() for _ in range(batch)]
     try:
+        start = time.perf_counter()
         if batch == 1:
             drafts = [prop.propose(1, hiddens[0], 200, k, states[0])]
         else:
             drafts = prop.propose_batch(list(range(1, batch + 1)), hiddens, [200] * batch, k, states)
-        ms, spread = time_replays(next(iter(prop._executors.values())).replay)
+        if dry:
+            ms, spread = (time.perf_counter() - start) * 1e3, 0.0
+        else:
+            ms, spread = time_replays(next(iter(prop._executors.values())).replay)
     finally:
         for s in states:
             prop.free_state(s)
     del prop
     gc.collect()
-    torch.cuda.empty_cache()
+    if not dry:
+        torch.cuda.empty_cache()
     return ms, spread, drafts
 
 
@@ -66,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="1x1", help="BxK cases, comma-separated")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--cpu-dry-run", action="store_true",
+                        help="the same rounds on the CPU at the small config (eager, torch ops): the script's "
+                             "logic, no timing")
     parser.add_argument("settings", nargs="+", help="NAME:KNOB[+KNOB...]")
     args = parser.parse_args(argv)
     try:
@@ -77,14 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"ab_chain: {exc}", file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
-        print("ab_chain: needs a CUDA device", file=sys.stderr)
+    if not args.cpu_dry_run and not torch.cuda.is_available():
+        print("ab_chain: needs a CUDA device (or --cpu-dry-run)", file=sys.stderr)
         return 2
     from draftgraph.runtime.model.config import V4Config
 
-    device = torch.device("cuda")
-    print(f"{torch.cuda.get_device_name()} copy {measure_copy_bandwidth(device) / 1e12:.2f} TB/s", flush=True)
-    cfg = V4Config.flash()
+    if args.cpu_dry_run:
+        device, cfg = torch.device("cpu"), V4Config.small().replace(max_position_embeddings=4096)
+        print(f"CPU dry run: V4Config.small(), eager, torch ops, torch {torch.__version__}", flush=True)
+    else:
+        device, cfg = torch.device("cuda"), V4Config.flash()
+        print(f"{torch.cuda.get_device_name()} copy {measure_copy_bandwidth(device) / 1e12:.2f} TB/s", flush=True)
     weights = make_weight_sets(cfg, device, ["native"])["native"]
     defaults = {(m, n): getattr(m, n) for _, knobs in settings for m, n, _ in knobs}
     t0 = time.perf_counter()

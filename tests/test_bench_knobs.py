@@ -78,3 +78,20 @@ def test_ab_chain_refuses_bad_settings_before_any_work(args, expected):
                           timeout=300)
     assert done.returncode == 2 and expected in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_ab_chain_cpu_dry_run_alternates_settings_and_restores_the_knobs(capsys):
+    """The rounds as on a GPU (a proposer a setting and case, built after its knobs are set), on the
+    CPU's eager torch ops: every setting's row and summary, drafts compared, the defaults back after."""
+    from ab_chain import main
+    from draftgraph.ops.triton import fp8_linear
+
+    before = (fp8_linear.BATCH1_FORM, fp8_linear.BATCH1_TILE_AHEAD)
+    assert main(["--cpu-dry-run", "--cases", "1x1,2x1", "--rounds", "2", "base:",
+                 "f2:fp8_linear.BATCH1_FORM=2+fp8_linear.BATCH1_TILE_AHEAD=1"]) == 0
+    assert (fp8_linear.BATCH1_FORM, fp8_linear.BATCH1_TILE_AHEAD) == before
+    lines = capsys.readouterr().out.splitlines()
+    for case in ("B=1 K=1", "B=2 K=1"):
+        assert sum(line.startswith(f"{case} f2 ") and " replay " in line for line in lines) == 2
+        summary = [line for line in lines if line.startswith(case) and " mean " in line]
+        assert len(summary) == 2 and all("drafts equal True" in line for line in summary), summary
