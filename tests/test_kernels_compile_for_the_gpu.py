@@ -9,6 +9,7 @@ integer ``other`` that failed 26 GPU tests on 2026-12-05 and ran under the inter
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -241,3 +242,22 @@ def test_the_w8a8_wq_b_tiles_and_the_rounding_kernel_compile_as_their_notes_say(
     counts = dict(line.split() for line in done.stdout.splitlines())
     assert int(counts["wq_b"]) > 0, done.stdout
     assert int(counts["round"]) >= 1, done.stdout
+
+
+def test_the_batch1_forms_hold_fewer_registers_and_multiply_fewer_scales(tmp_path):
+    """benchmarks/sass_mix.py on sm_90 (fp8_linear's note "batch 1 forms"): form 1 drops the
+    per-code scale multiply from the K loop (its FMULs are x's columns only), form 2's accumulator
+    a run of 16 columns holds far fewer registers than form 0's one a column, and every variant
+    has a K loop and no stack. Fails if a form falls back to form 0's arithmetic."""
+    done = _python(["benchmarks/sass_mix.py", "--batches", "1"], tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    row = re.compile(r"B=1 (form \d(?: ahead)?) +(\S+) .*regs +(\d+) stack +(\d+) kernel +\d+ loop +(\d+): (.*)")
+    rows = {}
+    for m in map(row.match, done.stdout.splitlines()):
+        if m:
+            ops = dict(item.split("=") for item in m.group(6).split())
+            rows[m.group(1), m.group(2)] = (int(m.group(3)), int(m.group(4)), int(m.group(5)), ops)
+    assert len(rows) == 12 and all(stack == 0 and loop > 100 for _, stack, loop, _ in rows.values()), rows
+    form0, form1, form2 = (rows[f"form {f}", "4x1024"] for f in (0, 1, 2))
+    assert int(form1[3].get("FMUL", 0)) * 2 <= int(form0[3]["FMUL"]), (form0, form1)
+    assert form2[0] * 3 <= form0[0] * 2, (form0, form2)  # 135 against 254 registers here
