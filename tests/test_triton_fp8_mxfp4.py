@@ -283,6 +283,7 @@ def _batch1_calls(g, device):
     qa, sa, wa = fp8_weight(g, 200, 320, device)
     qb, sb, wb = fp8_weight(g, 72, 320, device)
     qg, sg, wg = fp8_weight(g, 2 * 64, 160, device)
+    qc, sc, wc = fp8_weight(g, 200, 320, device)  # the two Ks' second matrix, with its own scale grid
     x, xg, x2 = act(g, 1, 320, scale=3.0).to(device), act(g, 1, 2 * 160).to(device), act(g, 1, 320).to(device)
     nw = (1 + 0.1 * torch.randn(320, generator=g)).to(BF16).to(device)
     xd = x.cpu().double()
@@ -308,8 +309,8 @@ def _batch1_calls(g, device):
         ("two weights", call(272, w2=qb, w2_scale=sb, config=WIDE), xd @ torch.cat([wa, wb]).T),
         ("grouped", call(128, x=xg, w=qg, s=sg, group_rows=64, config=WIDE), grouped),
         ("normed", call(200, norm_w=nw, eps=1e-6, config=WIDE), normed @ wa.T),
-        ("two Ks", call(200, w2=qa, w2_scale=sa, x2=x2, split_k=2, config=FMA, reduced=True),
-         xd @ wa.T + x2.cpu().double() @ wa.T),
+        ("two Ks", call(200, w2=qc, w2_scale=sc, x2=x2, split_k=2, config=FMA, reduced=True),
+         xd @ wa.T + x2.cpu().double() @ wc.T),
     ]  # fmt: skip
 
 
