@@ -84,6 +84,9 @@ def table(weights, batch: int, rows, flush, events) -> None:
 
 def main() -> None:
     what = sys.argv[1:] or ["batch1", "dot"]
+    if set(what) - {"batch1", "dot"}:
+        print(f"probe_fp8_gemv: expected batch1 and / or dot, got {what}", file=sys.stderr)
+        raise SystemExit(2)
     flush, events = _timing_setup()
     weights = {shape: _weight(*shape) for shape in SHAPES}
     if "batch1" in what:

@@ -95,3 +95,10 @@ def test_ab_chain_cpu_dry_run_alternates_settings_and_restores_the_knobs(capsys)
         assert sum(line.startswith(f"{case} f2 ") and " replay " in line for line in lines) == 2
         summary = [line for line in lines if line.startswith(case) and " mean " in line]
         assert len(summary) == 2 and all("drafts equal True" in line for line in summary), summary
+
+
+def test_probe_fp8_gemv_refuses_an_unknown_table_before_any_work():
+    done = subprocess.run([sys.executable, "benchmarks/probe_fp8_gemv.py", "batch1", "dots"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "expected batch1 and / or dot" in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1

@@ -346,6 +346,24 @@ def form_step(acc, v, x_row, s_row, nw_ptr, inv, k0, rcols, K, RUNS: tl.constexp
 
 
 @triton.jit
+def form_acc(BLOCK_N: tl.constexpr, RUNS: tl.constexpr, RUN: tl.constexpr, B1_FORM: tl.constexpr):
+    """The zeroed accumulator of forms 1 and 2: one a column [BLOCK_N, RUNS, RUN], or one a run [BLOCK_N, RUNS]."""
+    if B1_FORM == 1:
+        return tl.zeros([BLOCK_N, RUNS, RUN], dtype=tl.float32)
+    else:
+        return tl.zeros([BLOCK_N, RUNS], dtype=tl.float32)
+
+
+@triton.jit
+def form_total(acc, B1_FORM: tl.constexpr):
+    """Forms 1 and 2: the accumulator summed to the rows' outputs [BLOCK_N, 1]."""
+    if B1_FORM == 1:
+        return tl.sum(tl.sum(acc, 2), 1)[:, None]
+    else:
+        return tl.sum(acc, 1)[:, None]
+
+
+@triton.jit
 def _fp8_gemv_kernel(
     x_ptr,
     w_ptr,
@@ -487,10 +505,7 @@ def _fp8_gemv_kernel(
                 acc3 = _accumulate3(acc3, v, s, x_row, nw_ptr, inv, k0 + cols, K, PRO_NORM)
             total = tl.sum(tl.sum(acc3, 2), 1)[:, None]
         else:
-            if B1_FORM == 1:
-                acc = tl.zeros([BLOCK_N, RUNS, RUN], dtype=tl.float32)
-            else:
-                acc = tl.zeros([BLOCK_N, RUNS], dtype=tl.float32)
+            acc = form_acc(BLOCK_N, RUNS, RUN, B1_FORM)
             if TILE_AHEAD:  # the next tile's codes loaded before this tile's arithmetic
                 v = v_first
                 for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
@@ -507,10 +522,7 @@ def _fp8_gemv_kernel(
                     v = fp8_codes3(w_base, k0, n_mask, K, RUNS, RUN, EVEN_W, NATIVE, ALIGNED_W)
                     acc = form_step(acc, v, x_row, s_row, nw_ptr, inv, k0, rcols, K, RUNS, RUN, PRO_NORM, B1_FORM,
                                      EVEN_K)  # fmt: skip
-            if B1_FORM == 1:
-                total = tl.sum(tl.sum(acc, 2), 1)[:, None]
-            else:
-                total = tl.sum(acc, 1)[:, None]
+            total = form_total(acc, B1_FORM)
 
     mask = n_mask[:, None] & row_mask[None, :]
     if REDUCE > 1:

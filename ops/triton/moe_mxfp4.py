@@ -71,7 +71,9 @@ from draftgraph.ops.triton._common import (
     splat,
 )
 from draftgraph.ops.triton.fp8_linear import (
+    form_acc,
     form_step,
+    form_total,
     fp8_codes3,
     fp8_tile,
     fp8_tile3,
@@ -428,17 +430,11 @@ def _fp8_rows_fma(
         RUN: tl.constexpr = SUB_K if FORM == 1 else 16
         RUNS: tl.constexpr = BLOCK_K // RUN
         rcols = tl.arange(0, RUNS)[:, None] * RUN + tl.arange(0, RUN)[None, :]
-        if FORM == 1:
-            acc = tl.zeros([BLOCK_N, RUNS, RUN], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_N, RUNS], dtype=tl.float32)
+        acc = form_acc(BLOCK_N, RUNS, RUN, FORM)
         for k0 in range(0, k_end, BLOCK_K):
             v = fp8_codes3(w_rows, k0, n_mask, K, RUNS, RUN, EVEN, NATIVE)
             acc = form_step(acc, v, a_row, s_row, a_row, 0.0, k0, rcols, K, RUNS, RUN, False, FORM, EVEN)
-        if FORM == 1:
-            return tl.sum(tl.sum(acc, 2), 1)[:, None]
-        else:
-            return tl.sum(acc, 1)[:, None]
+        return form_total(acc, FORM)
 
 
 @triton.jit
