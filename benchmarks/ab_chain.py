@@ -104,27 +104,29 @@ def main(argv: list[str] | None = None) -> int:
     weights = make_weight_sets(cfg, device, ["native"])["native"]
     defaults = {(m, n): getattr(m, n) for _, knobs in settings for m, n, _ in knobs}
     t0 = time.perf_counter()
-    for batch, k in cases:
-        results = {name: [] for name, _ in settings}
-        for _ in range(args.rounds):
-            for name, knobs in settings:
-                for (module, const), value in defaults.items():
-                    setattr(module, const, value)
-                for module, const, value in knobs:
-                    setattr(module, const, value)
-                ms, spread, drafts = run_case(cfg, weights, device, batch, k)
-                results[name].append((ms, drafts))
-                print(f"B={batch} K={k} {name:<24} replay {ms:.4f} ms (spread {spread:.3f})  drafts {drafts}",
-                      flush=True)
-        first = settings[0][0]
-        base = statistics.mean(ms for ms, _ in results[first])
-        for name, rows in results.items():
-            mean = statistics.mean(ms for ms, _ in rows)
-            same = all(d == results[first][0][1] for _, d in rows)
-            print(f"B={batch} K={k} {name:<24} mean {mean:.4f} ms  {(mean - base) * 1e3:+6.1f} us against {first}"
-                  f"  drafts equal {same}  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    for (module, const), value in defaults.items():
-        setattr(module, const, value)
+    try:
+        for batch, k in cases:
+            results = {name: [] for name, _ in settings}
+            for _ in range(args.rounds):
+                for name, knobs in settings:
+                    for (module, const), value in defaults.items():
+                        setattr(module, const, value)
+                    for module, const, value in knobs:
+                        setattr(module, const, value)
+                    ms, spread, drafts = run_case(cfg, weights, device, batch, k)
+                    results[name].append((ms, drafts))
+                    print(f"B={batch} K={k} {name:<24} replay {ms:.4f} ms (spread {spread:.3f})  drafts {drafts}",
+                          flush=True)
+            first = settings[0][0]
+            base = statistics.mean(ms for ms, _ in results[first])
+            for name, rows in results.items():
+                mean = statistics.mean(ms for ms, _ in rows)
+                same = all(d == results[first][0][1] for _, d in rows)
+                print(f"B={batch} K={k} {name:<24} mean {mean:.4f} ms  {(mean - base) * 1e3:+6.1f} us against {first}"
+                      f"  drafts equal {same}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    finally:  # the defaults back, whatever a round raised (a caller in this process keeps them)
+        for (module, const), value in defaults.items():
+            setattr(module, const, value)
     return 0
 
 

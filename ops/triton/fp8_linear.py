@@ -143,6 +143,12 @@ BATCH1_FORM = 0
 BATCH1_TILE_AHEAD = False  # forms 1, 2: the next tile's codes loaded before this tile's arithmetic
 
 
+def batch1_form(block_n: int) -> int:
+    """The batch-1 form a tile of ``block_n`` rows takes (read at call time): ``BATCH1_FORM`` where
+    the tile's rows share one scale-grid row (at most 128 rows; note "batch 1 forms"), else 0."""
+    return BATCH1_FORM if block_n <= FP8_BLOCK else 0
+
+
 def config_for(rows: int, n: int = 0, split_k: int = 1) -> GemvConfig:
     """The tile config of a GEMV over ``rows`` activation rows into ``n`` outputs (0: unknown) in
     ``split_k`` K parts (read at call time: tuners set the knobs)."""
@@ -754,7 +760,7 @@ def fp8_gemv(
         x = fp8_round_rows(x.reshape(b, -1, k)).reshape(b, -1) if group_rows else fp8_round_rows(x)
         x2 = None if x2 is None else fp8_round_rows(x2)
     k_per = k_all // split_k if split_k > 1 else triton.cdiv(k, block_k) * block_k
-    form = BATCH1_FORM if block_n <= FP8_BLOCK else 0  # note "batch 1 forms": one scale row a tile
+    form = batch1_form(block_n)
     run = sub_k if form == 1 else 16
     grid = (triton.cdiv(n, block_n), triton.cdiv(b, block_b), split_k)
     wk = w if native else w.view(torch.uint8)

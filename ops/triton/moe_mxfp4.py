@@ -57,7 +57,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from draftgraph.ops.triton import fp8_linear
 from draftgraph.ops.triton._common import (
     batch_block,
     carve,
@@ -71,6 +70,7 @@ from draftgraph.ops.triton._common import (
     splat,
 )
 from draftgraph.ops.triton.fp8_linear import (
+    batch1_form,
     form_acc,
     form_step,
     form_total,
@@ -851,9 +851,6 @@ def moe_mxfp4_launches(
     s2 = ss2b.stride(0)
     limit = float(swiglu_limit)
 
-    def fp8_form(bn: int) -> int:  # the shared expert's rows at batch 1: fp8_linear's form, one scale row a tile
-        return fp8_linear.BATCH1_FORM if bn <= FP8_BLOCK else 0
-
     def w13():
         bn = min(c13.block_n, max(16 if dot13 else 1, next_pow2(inter)))
         bn = max(bn, 16) if dot13 else bn
@@ -863,7 +860,7 @@ def moe_mxfp4_launches(
             x, idx, wts, w1b, s1b, w3b, s3b, sw1b, ss1b, sw3b, ss3b, act, b, d, inter, x.stride(0), s13, limit,
             TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_N=bn, BLOCK_K=bk, BLOCK_B=block_b if dot13 else 1,
             SUB_K=min(bk, FP8_BLOCK), EVEN=d % bk == 0 and inter % bn == 0, GROUPED=grouped, USE_DOT=dot13,
-            NATIVE=native, INTERP=interp, FP8_FORM=fp8_form(bn),
+            NATIVE=native, INTERP=interp, FP8_FORM=batch1_form(bn),
             num_warps=c13.num_warps, num_stages=c13.num_stages, **pdl,
         )  # fmt: skip
 
@@ -876,7 +873,7 @@ def moe_mxfp4_launches(
             act, idx, w2b, s2b, sw2b, ss2b, out, b, d, inter, out.stride(0), s2,
             TOPK=top_k, BLOCK_N=bn, BLOCK_K=bk, BLOCK_B=block_b if dot2 else 1, SUB_K=min(bk, FP8_BLOCK),
             EVEN=d % bn == 0, HAS_SHARED=has_shared, ACCUMULATE=accumulate, USE_DOT=dot2, NATIVE=native,
-            INTERP=interp, FP8_FORM=fp8_form(bn),
+            INTERP=interp, FP8_FORM=batch1_form(bn),
             num_warps=c2.num_warps, num_stages=c2.num_stages, **pdl,
         )  # fmt: skip
 
