@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from probe_l2_prefetch import _timed, _timing_setup, _weight
+from probe_l2_prefetch import fp8_weight, timed_cold, timing_setup
 
 SHAPES = [(4096, 4096), (1536, 4096), (32768, 1024), (8192, 4096), (4096, 8192)]
 
@@ -76,7 +76,7 @@ def table(weights, batch: int, rows, flush, events) -> None:
             if not err < 1e-5:
                 cells.append(f"WRONG {err:.1e}")
                 continue
-            us = _timed(events, flush, gemv)
+            us = timed_cold(events, flush, gemv)
             cells.append(f"{us:6.1f} us {w.numel() / us / 1e6:4.2f}")
         print(label.ljust(28) + "".join(c.rjust(20) for c in cells), flush=True)
     fp8_linear.BATCH1_FORM, fp8_linear.BATCH1_TILE_AHEAD = 0, False
@@ -87,8 +87,8 @@ def main() -> None:
     if set(what) - {"batch1", "dot"}:
         print(f"probe_fp8_gemv: expected batch1 and / or dot, got {what}", file=sys.stderr)
         raise SystemExit(2)
-    flush, events = _timing_setup()
-    weights = {shape: _weight(*shape) for shape in SHAPES}
+    flush, events = timing_setup()
+    weights = {shape: fp8_weight(*shape) for shape in SHAPES}
     if "batch1" in what:
         table(weights, 1, variants(), flush, events)
     if "dot" in what:

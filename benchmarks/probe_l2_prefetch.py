@@ -74,20 +74,21 @@ def prefetch(t: torch.Tensor, nbytes: int | None = None, mode: str = "bulk", chu
     _prefetch_kernel[(triton.cdiv(n, lanes * chunk),)](data, n, CHUNK=chunk, T=lanes, PTX=ptx, num_warps=warps)
 
 
-def _weight(n: int, k: int):
+def fp8_weight(n: int, k: int):
+    """A random [n, k] weight in FP8 with its block scales, on the GPU."""
     from draftgraph.runtime.model.quant import quantize_fp8
 
     return quantize_fp8(torch.randn(n, k, device="cuda") * 0.02)
 
 
-def _timing_setup() -> tuple[torch.Tensor, list[torch.cuda.Event]]:
+def timing_setup() -> tuple[torch.Tensor, list[torch.cuda.Event]]:
     """A 512 MB buffer whose write flushes the L2, two events, and the device's name printed."""
     print(torch.cuda.get_device_name(), flush=True)
     flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     return flush, [torch.cuda.Event(enable_timing=True) for _ in range(2)]
 
 
-def _timed(events, flush: torch.Tensor, launch, before=None) -> float:
+def timed_cold(events, flush: torch.Tensor, launch, before=None) -> float:
     """Median us of ``launch`` over 15 rounds, each after an L2 flush and ``before`` (the prefetch)."""
     times = []
     for _ in range(15):
@@ -106,9 +107,9 @@ def _timed(events, flush: torch.Tensor, launch, before=None) -> float:
 def micro() -> None:
     from draftgraph.ops.triton import fp8_linear
 
-    flush, events = _timing_setup()
+    flush, events = timing_setup()
     for n, k in [(8192, 4096), (32768, 1024)]:
-        w, s = _weight(n, k)
+        w, s = fp8_weight(n, k)
         x = torch.randn(1, k, device="cuda").bfloat16()
         out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
 
@@ -116,7 +117,7 @@ def micro() -> None:
             fp8_linear.fp8_gemv(x, w, s, out, config=fp8_linear.config_for(1, n))
 
         print(f"W [{n}, {k}] fp8 {w.numel() / 1e6:.1f} MB: GEMV us cold, then after a prefetch launched lead us ahead")
-        print(f"  cold {_timed(events, flush, gemv):6.1f}")
+        print(f"  cold {timed_cold(events, flush, gemv):6.1f}")
         for mode, chunk in [("bulk", 16384), ("bulk", 65536), ("line", 128)]:
             for lead in (0, 10, 20, 40):
                 def ahead(w=w, mode=mode, chunk=chunk, lead=lead):
@@ -124,18 +125,18 @@ def micro() -> None:
                     if lead:
                         torch.cuda._sleep(lead * CYCLES_PER_US)
 
-                print(f"  {mode} {chunk:>6} B lead {lead:>2} {_timed(events, flush, gemv, ahead):6.1f}", flush=True)
+                print(f"  {mode} {chunk:>6} B lead {lead:>2} {timed_cold(events, flush, gemv, ahead):6.1f}", flush=True)
 
 
 def tiles() -> None:
     from draftgraph.ops.triton import fp8_linear
     from draftgraph.ops.triton.gemv import GemvConfig
 
-    flush, events = _timing_setup()
+    flush, events = timing_setup()
     fma = [(4, 1024, 1, 4), (4, 1024, 1, 6), (4, 512, 1, 6), (8, 512, 1, 4), (2, 1024, 1, 4), (4, 2048, 2, 3),
            (16, 256, 4, 4), (8, 1024, 2, 3)]
     for n, k in [(8192, 4096), (32768, 1024)]:
-        w, s = _weight(n, k)
+        w, s = fp8_weight(n, k)
         cases = [(1, fp8_linear.BATCH1_CONFIG)] + [(1, GemvConfig(*c, use_dot=False)) for c in fma]
         cases += [(b, fp8_linear.config_for(b, n)) for b in (4, 8, 32)]
         print(f"W [{n}, {k}] fp8 {w.numel() / 1e6:.1f} MB: us cold / warm (prefetched 40 us ahead)", flush=True)
@@ -157,7 +158,7 @@ def tiles() -> None:
                     prefetch(w, mode="bulk", chunk=65536)
                     torch.cuda._sleep(40 * CYCLES_PER_US)
 
-                cells.append(f"{_timed(events, flush, gemv):6.1f} / {_timed(events, flush, gemv, ahead):6.1f}")
+                cells.append(f"{timed_cold(events, flush, gemv):6.1f} / {timed_cold(events, flush, gemv, ahead):6.1f}")
             kind = "dot" if cfg.use_dot else "fma"
             print(f"  B={b:<2} {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {kind}: "
                   f"hardware cvt {cells[0]}   integer decode {cells[1]}", flush=True)
@@ -183,7 +184,7 @@ def floor() -> None:
     """What reading 33.6 MB costs without a GEMV's work: a plain read kernel, torch's copy, the bf16 GEMV."""
     from draftgraph.ops.triton import gemv as gemv_mod
 
-    flush, events = _timing_setup()
+    flush, events = timing_setup()
     data = torch.randint(0, 255, (8192 * 4096,), dtype=torch.uint8, device="cuda")
     words = data.view(torch.int32)
     out = torch.empty(1 << 20, dtype=torch.int32, device="cuda")
@@ -201,10 +202,10 @@ def floor() -> None:
 
         read()
         print(f"  read kernel {block} x {steps} words a program, {warps} warps, {grid} programs: "
-              f"{_timed(events, flush, read):6.1f} / {_timed(events, flush, read, ahead):6.1f}", flush=True)
+              f"{timed_cold(events, flush, read):6.1f} / {timed_cold(events, flush, read, ahead):6.1f}", flush=True)
     half = data[: data.numel() // 2]
     dst = torch.empty_like(half)
-    print(f"  torch copy of 16.8 MB (33.6 MB moved): {_timed(events, flush, lambda: dst.copy_(half)):6.1f}")
+    print(f"  torch copy of 16.8 MB (33.6 MB moved): {timed_cold(events, flush, lambda: dst.copy_(half)):6.1f}")
     w = data.view(torch.bfloat16).view(4096, 4096)
     x = torch.randn(1, 4096, device="cuda").bfloat16()
     y = torch.empty(1, 4096, device="cuda", dtype=torch.bfloat16)
@@ -213,8 +214,8 @@ def floor() -> None:
         gemv_mod.gemv(x, w, y, config=gemv_mod.LM_HEAD_CONFIG)
 
     bf16_gemv()
-    print(f"  bf16 gemv [4096, 4096] (33.6 MB, the head's tiles): {_timed(events, flush, bf16_gemv):6.1f} / "
-          f"{_timed(events, flush, bf16_gemv, ahead):6.1f}", flush=True)
+    print(f"  bf16 gemv [4096, 4096] (33.6 MB, the head's tiles): {timed_cold(events, flush, bf16_gemv):6.1f} / "
+          f"{timed_cold(events, flush, bf16_gemv, ahead):6.1f}", flush=True)
 
 
 def _weight_parts(x) -> list[torch.Tensor]:
