@@ -1,8 +1,8 @@
 """(GPU) Knob settings A/B on the captured native chain, in one process, alternated round by round.
 
     python benchmarks/ab_chain.py [--cases 1x1,1x3] [--rounds 2] [--cpu-dry-run] NAME:KNOB[+KNOB...] [...]
-    python benchmarks/ab_chain.py --cases 1x1 base: f2:fp8_linear.BATCH1_FORM=2 \\
-        "f2 4x512:fp8_linear.BATCH1_FORM=2+fp8_linear.BATCH1_CONFIG=4,512,1,6,fma"
+    python benchmarks/ab_chain.py --cases 8x1,32x1 base: "dot w2:fp8_linear.DEFAULT=32,128,2,6" \\
+        "w13 2 parts:moe_mxfp4.W13_SPLIT_MMA=2+moe_mxfp4.W13_SPLIT_MMA_LARGE=2"
 
 Each setting is a name and the fused-kernel constants it sets (``bench_knobs.py``'s MODULE.NAME=VALUE,
 joined by ``+``; none: the defaults). The weights (V4-Flash shapes, native formats, random) are made

@@ -97,38 +97,6 @@ def edge_tiles(b: int) -> None:
     gemv(x, w, torch.empty(b, 200, dtype=torch.bfloat16))
 
 
-BATCH1_ONLY = {"batch1 forms"}  # cases whose kernels exist at batch 1 only (not listed at other batches)
-
-
-def batch1_forms(b: int) -> None:
-    """fp8_linear's batch-1 forms (note "batch 1 forms": BATCH1_FORM 1 and 2, form 2 with the next
-    tile ahead; off by default, so no op case compiles them) on an even and a ragged K, two weights
-    and the prologue norm, and the MoE's shared rows in them; batch 1 only (the forms are its)."""
-    from draftgraph.ops.triton import fp8_linear as F
-    from draftgraph.runtime.model.quant import quantize_fp8
-
-    bk = _load_sibling("bench_kernels")
-    from draftgraph.ops.triton import _impls
-    from draftgraph.runtime.model.config import V4Config
-
-    bk.DEV, bk.DRY, bk.WEIGHTS = "cpu", True, "native"
-    moe_inputs, moe_attrs = bk.make_case("moe", V4Config.small(), 1)
-    saved = F.BATCH1_FORM, F.BATCH1_TILE_AHEAD
-    try:
-        for form, ahead in ((1, False), (2, False), (2, True)):
-            F.BATCH1_FORM, F.BATCH1_TILE_AHEAD = form, ahead
-            for k in (4096, 320):
-                x = torch.randn(1, k, dtype=torch.bfloat16)
-                q, s = quantize_fp8(torch.randn(256, k, dtype=torch.bfloat16))
-                F.fp8_gemv(x, q, s, torch.empty(1, 256, dtype=torch.bfloat16), config=F.BATCH1_CONFIG)
-                F.fp8_gemv(x, q, s, torch.empty(1, 512, dtype=torch.bfloat16), w2=q, w2_scale=s, config=F.BATCH1_CONFIG)
-                F.fp8_gemv(x, q, s, torch.empty(1, 256, dtype=torch.bfloat16), norm_w=x[0], eps=1e-6,
-                           config=F.BATCH1_CONFIG)
-            bk.run_once("moe", _impls()["moe"], moe_inputs, moe_attrs, bk.workspace_for("moe", moe_inputs, moe_attrs))
-    finally:
-        F.BATCH1_FORM, F.BATCH1_TILE_AHEAD = saved
-
-
 def native_combiner(b: int) -> None:
     """The combiner on FP8 e_proj / h_proj (bench_kernels has no such case): the two-launch path
     (its norms kernel and the two-Ks GEMV) and the per-half one (more rows than COMBINER_MAX_ROWS),
@@ -203,16 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     for w in weights:
         bk.WEIGHTS = w
         names = [n for n in bk.CASES if w == "bf16" or n in bk.NATIVE]
-        native_extra = ["edge tiles", "batch1 forms", "combiner", *W8A8_CASES]
+        native_extra = ["edge tiles", "combiner", *W8A8_CASES]
         extra = native_extra if w == "native" else ["nonfinite", "acceptance"]
         for name in names + extra:
-            for b in batches if name not in BATCH1_ONLY else [b for b in batches if b == 1]:
+            for b in batches:
                 before, t0 = len(COMPILED), time.time()
                 try:
                     if name == "edge tiles":
                         edge_tiles(b)
-                    elif name == "batch1 forms":
-                        batch1_forms(b)
                     elif name == "combiner" and w == "native":
                         native_combiner(b)
                     elif name == "nonfinite":

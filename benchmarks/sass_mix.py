@@ -2,13 +2,14 @@
 
     python benchmarks/sass_mix.py [--arch 90] [--batches 1,8] [--k 4096]
 
-Each variant (batch 1: ``BATCH1_FORM`` 0 / 1 / 2, form 2 with ``BATCH1_TILE_AHEAD``, on three FMA
-tiles; more rows: the dot tiles ``config_for`` picks and others) is compiled for ``--arch`` through
+Each variant (batch 1: three FMA tiles, ``BATCH1_CONFIG`` first; more rows: the dot tiles
+``config_for`` picks and others) is compiled for ``--arch`` through
 ``compile_kernels.py``'s compile-only driver, disassembled with Triton's bundled ``nvdisasm`` and
 ``cuobjdump``, and printed as one line: registers, stack bytes, the whole kernel's instruction
 count, and the K loop's (the longest span from a label to the backward branch to it) with its most
 frequent opcodes. What a variant costs a code, before a GPU times it (docs/KERNELS.md, "The batch-1
-forms, by the SASS"); the counts are of the compiler here, not necessarily the device's.
+forms, by the SASS", and what the GPU said of them); the counts are of the compiler here, not
+necessarily the device's.
 """
 
 from __future__ import annotations
@@ -61,10 +62,9 @@ def variants(batch: int):
 
     if batch == 1:
         tiles = [F.BATCH1_CONFIG, GemvConfig(4, 512, 1, 6, use_dot=False), GemvConfig(8, 1024, 2, 3, use_dot=False)]
-        forms = [(0, False), (1, False), (2, False), (2, True)]
-        return [(f"form {f}{' ahead' if a else ''}", f, a, t) for t in tiles for f, a in forms]
+        return [("fma", t) for t in tiles]
     tiles = [F.config_for(batch, 4096), GemvConfig(32, 128, 2, 6), GemvConfig(64, 128, 4, 3), GemvConfig(16, 128, 1, 6)]
-    return [("dot", 0, False, t) for t in tiles]
+    return [("dot", t) for t in tiles]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,12 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     n = k = args.k
     w = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
     s = torch.zeros(n // 128, k // 128, dtype=torch.uint8)
-    saved = F.BATCH1_FORM, F.BATCH1_TILE_AHEAD
     try:
         for batch in batches:
             x = torch.zeros(batch, k, dtype=torch.bfloat16)
-            for label, form, ahead, cfg in variants(batch):
-                F.BATCH1_FORM, F.BATCH1_TILE_AHEAD = form, ahead
+            for label, cfg in variants(batch):
                 compiled.clear()
                 F.fp8_gemv(x, w, s, torch.zeros(batch, n, dtype=torch.bfloat16), config=cfg)
                 sass, usage = disassemble(compiled[-1])
@@ -105,10 +103,9 @@ def main(argv: list[str] | None = None) -> int:
                 body = loop_body(sass)
                 top = " ".join(f"{op}={c}" for op, c in collections.Counter(body).most_common(8))
                 tile = f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-                print(f"B={batch} {label:<12} {tile:<16} regs {regs:>3} stack {stack:>3} kernel {total:>5} "
+                print(f"B={batch} {label:<4} {tile:<16} regs {regs:>3} stack {stack:>3} kernel {total:>5} "
                       f"loop {len(body):>4}: {top}", flush=True)
     finally:
-        F.BATCH1_FORM, F.BATCH1_TILE_AHEAD = saved
         JITFunction.run = run
     return 0
 

@@ -59,18 +59,18 @@ def test_no_separator_is_exit_2():
 def test_ab_chain_settings_parse_to_knobs():
     from ab_chain import parse_settings
 
-    both = "f2:fp8_linear.BATCH1_FORM=2+fp8_linear.BATCH1_TILE_AHEAD=1"
-    (base, none), (form, knobs) = parse_settings(["base:", both])
-    assert (base, none, form) == ("base", [], "f2")
-    assert [(name, value) for _, name, value in knobs] == [("BATCH1_FORM", 2), ("BATCH1_TILE_AHEAD", True)]
+    both = "s2:moe_mxfp4.W13_SPLIT_MMA=2+head.LM_HEAD_PROLOGUE=1"
+    (base, none), (split, knobs) = parse_settings(["base:", both])
+    assert (base, none, split) == ("base", [], "s2")
+    assert [(name, value) for _, name, value in knobs] == [("W13_SPLIT_MMA", 2), ("LM_HEAD_PROLOGUE", True)]
     (_, [(_, _, tile)]), = parse_settings(["t:fp8_linear.BATCH1_CONFIG=4,512,1,6,fma"])  # commas stay in the value
     assert (tile.block_n, tile.block_k, tile.use_dot) == (4, 512, False)
 
 
 @pytest.mark.parametrize("args,expected", [
     (["nocolon"], "expected NAME:KNOB[+KNOB...]"),
-    (["a:", "a:fp8_linear.BATCH1_FORM=1"], "names must differ"),
-    (["a:fp8_linear.BATCH1_FORM=x"], "expected an int, got 'x'"),
+    (["a:", "a:moe_mxfp4.W13_SPLIT_MMA=1"], "names must differ"),
+    (["a:moe_mxfp4.W13_SPLIT_MMA=x"], "expected an int, got 'x'"),
     (["--cases", "1y1", "a:"], "expected BxK pairs"),
 ])
 def test_ab_chain_refuses_bad_settings_before_any_work(args, expected):
@@ -84,12 +84,12 @@ def test_ab_chain_cpu_dry_run_alternates_settings_and_restores_the_knobs(capsys)
     """The rounds as on a GPU (a proposer a setting and case, built after its knobs are set), on the
     CPU's eager torch ops: every setting's row and summary, drafts compared, the defaults back after."""
     from ab_chain import main
-    from draftgraph.ops.triton import fp8_linear
+    from draftgraph.ops.triton import head, moe_mxfp4
 
-    before = (fp8_linear.BATCH1_FORM, fp8_linear.BATCH1_TILE_AHEAD)
+    before = (moe_mxfp4.W13_SPLIT_MMA, head.LM_HEAD_PROLOGUE)
     assert main(["--cpu-dry-run", "--cases", "1x1,2x1", "--rounds", "2", "base:",
-                 "f2:fp8_linear.BATCH1_FORM=2+fp8_linear.BATCH1_TILE_AHEAD=1"]) == 0
-    assert (fp8_linear.BATCH1_FORM, fp8_linear.BATCH1_TILE_AHEAD) == before
+                 "f2:moe_mxfp4.W13_SPLIT_MMA=2+head.LM_HEAD_PROLOGUE=1"]) == 0
+    assert (moe_mxfp4.W13_SPLIT_MMA, head.LM_HEAD_PROLOGUE) == before
     lines = capsys.readouterr().out.splitlines()
     for case in ("B=1 K=1", "B=2 K=1"):
         assert sum(line.startswith(f"{case} f2 ") and " replay " in line for line in lines) == 2

@@ -315,25 +315,12 @@ def _batch1_calls(g, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("form,ahead", [(1, False), (2, False), (2, True)])
-def test_fp8_gemv_batch1_forms(device, form, ahead, monkeypatch):
-    """Note "batch 1 forms": the block scales on the activation columns (one scale row a tile) give
-    form 0's sums bit for bit (form 1) or within fp32 summation order (form 2; with its next tile's
-    codes loaded ahead, the same sums); a scale row read for the wrong rows or blocks, or a tile's
-    codes paired with another tile's columns, is an O(1) error against the float64 reference."""
+def test_fp8_gemv_batch1_paths(device):
+    """Each batch-1 path of fp8_gemv (FMA and wide tiles, two weights, grouped, normed, two Ks)
+    against float64: a scale row read for the wrong rows or blocks, or a tile's codes paired with
+    another tile's columns, is an O(1) error."""
     for what, run, ref in _batch1_calls(gen(1106), device):
-        monkeypatch.setattr(FP8, "BATCH1_FORM", 0)
-        monkeypatch.setattr(FP8, "BATCH1_TILE_AHEAD", False)
-        before = run()
-        monkeypatch.setattr(FP8, "BATCH1_FORM", form)
-        got = run()
-        if ahead:
-            monkeypatch.setattr(FP8, "BATCH1_TILE_AHEAD", True)
-            ahead_got = run()
-            assert torch.equal(ahead_got, got), f"{what}: the tile loaded ahead changes the sums"
-        check(got, ref, f"fp8_gemv batch-1 form {form}, {what}")
-        if form == 1:
-            assert torch.equal(got, before), f"{what}: form 1 differs from form 0 by {(got - before).abs().max()}"
+        check(run(), ref, f"fp8_gemv batch 1, {what}")
 
 
 def test_fp8_gemv_rejects_bad_inputs():
@@ -468,9 +455,6 @@ MOE_WIDE = (K["gemv"].GemvConfig(8, 256, 4, 2, use_dot=False), K["gemv"].GemvCon
     [
         (1, False, "fma"),
         (1, False, "wide"),
-        (1, False, "wide form 1"),  # the shared expert's FP8 rows in fp8_linear's batch-1 forms
-        (1, False, "fma form 2"),
-        (1, False, "wide form 2"),
         (1, False, "dot"),
         (4, True, "dot"),
         (4, False, "dot"),
@@ -496,9 +480,6 @@ def test_moe_mxfp4(device, small_experts, batch, grouped, variant, monkeypatch):
         monkeypatch.setattr(MX, "W13_CONFIG_MMA", tile)
         monkeypatch.setattr(MX, "W2_CONFIG_MMA", tile)
         monkeypatch.setattr(MX, "W13_SPLIT_MMA", 1 if variant == "mma_whole" else 2)
-    if " form " in variant:
-        variant, form = variant.split(" form ")
-        monkeypatch.setattr(FP8, "BATCH1_FORM", int(form))
     if variant in ("dot", "wide"):
         configs = MOE_DOT if variant == "dot" else MOE_WIDE
         monkeypatch.setattr(MX, "W13_CONFIG", configs[0])

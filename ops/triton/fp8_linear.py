@@ -18,21 +18,6 @@ one tile, issued together, and a 64 x 128 tile (8 KB) on 64 programs kept a 4096
 linear at 18% of copy bandwidth on an H200. The bf16 GEMV's winners are narrow and long
 (8 x 1024, ``gemv.LINEAR_CONFIG``); wide tiles give the FP8 one the same shape.
 
-Note "batch 1 forms" (``BATCH1_FORM``): a wide tile's BLOCK_N rows (a power of two <= 128, from a
-multiple of BLOCK_N) lie in one 128-row scale block, so they share one row of the scale grid. Form
-0 multiplies each code by its block's scale (a multiply a code, an accumulator a column: 254
-registers on the 4 x 1024 tile); form 1 puts the scales on the activation columns instead, once a
-tile for all its rows: x * s and q * s are both exact (powers of two, no overflow or subnormal at
-these magnitudes), so ``q * (x * s)`` rounds as ``(q * s) * x`` does, bit for bit form 0's sums.
-Form 2 reads the tile as runs of 16 columns (one 16-byte load a lane) and sums each run's
-products in the lane that holds it into one accumulator a run: an accumulator for 16 columns, not
-one a column (135 registers on the 4 x 1024 tile against 254, sm_90), lane shuffles only after
-the K loop; its own (deterministic) order of fp32 additions. ``BATCH1_TILE_AHEAD`` (forms 1, 2)
-loads tile i + 1's codes before tile i's arithmetic: the FMA loop's loads are plain ``LDG``s that
-Triton does not pipeline, so without it each tile's DRAM latency is paid in turn (form 2 has the
-registers for it: 168 on 4 x 1024). The knobs stay off until a GPU has timed them
-(benchmarks/h200/README.md, "Runs still owed").
-
 Note "decode": the CPU interpreter has no float8 loads, so the weight is passed as uint8 and
 decoded with integer ops (:func:`e4m3_to_f32`); scales always are (:func:`ue8m0_to_f32`: the
 byte shifted into an fp32 exponent, so 2^(byte-127) exactly with no exp2). On a GPU with
@@ -135,18 +120,6 @@ LARGE_BATCH_CONFIG = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages
 # config_for_wide_ab_4798eb7_h100_log.txt.
 WIDE_GRID_CONFIG = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)
 WIDE_GRID_PROGRAMS = 128
-# The batch-1 tiles' arithmetic (note "batch 1 forms"): 0 each code times its block scale, an
-# accumulator a column; 1 the scales on the activation columns instead; 2 that, and an accumulator
-# a run of 16 columns. Local sm_90 SASS of the 4 x 1024 tile's K loop: 677 / 612 / 564 instructions,
-# 254 / 232 / 135 registers. Not yet timed on a GPU: 0 stays.
-BATCH1_FORM = 0
-BATCH1_TILE_AHEAD = False  # forms 1, 2: the next tile's codes loaded before this tile's arithmetic
-
-
-def batch1_form(block_n: int) -> int:
-    """The batch-1 form a tile of ``block_n`` rows takes (read at call time): ``BATCH1_FORM`` where
-    the tile's rows share one scale-grid row (at most 128 rows; note "batch 1 forms"), else 0."""
-    return BATCH1_FORM if block_n <= FP8_BLOCK else 0
 
 
 def config_for(rows: int, n: int = 0, split_k: int = 1) -> GemvConfig:
@@ -219,25 +192,6 @@ def fp8_tile(w_rows, s_rows, kk, k0, n_mask, K, EVEN: tl.constexpr, NATIVE: tl.c
 
 
 @triton.jit
-def fp8_codes3(w_rows, k0, n_mask, K, NBK: tl.constexpr, SUB_K: tl.constexpr, EVEN: tl.constexpr,
-               NATIVE: tl.constexpr, ALIGNED: tl.constexpr = False):  # fmt: skip
-    """The codes [BLOCK_N, NBK, SUB_K] in fp32 of the K tile at k0 (see "wide tiles"; masked codes 0).
-
-    w_rows: [BLOCK_N] pointers to the rows' first byte. SUB_K divides 128 (NBK 1) or is 128.
-    """
-    cols = k0 + tl.arange(0, NBK)[:, None] * SUB_K + tl.arange(0, SUB_K)[None, :]  # [NBK, SUB_K]
-    ptrs = w_rows[:, None, None] + cols[None, :, :]
-    if ALIGNED:  # note "aligned rows"
-        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [16, 16, 16]), [1, 1, 16])
-    if EVEN:
-        return codes_f32(tl.load(ptrs), NATIVE)
-    else:
-        live = n_mask[:, None, None] & (cols < K)[None, :, :]
-        q = tl.load(ptrs, mask=live)  # no `other`: see fp8_tile
-        return tl.where(live, codes_f32(q, NATIVE), 0.0)
-
-
-@triton.jit
 def fp8_tile3(w_rows, s_rows, k0, n_mask, K, NBK: tl.constexpr, SUB_K: tl.constexpr, EVEN: tl.constexpr,
               NATIVE: tl.constexpr, ALIGNED: tl.constexpr = False):  # fmt: skip
     """(codes [BLOCK_N, NBK, SUB_K] in fp32, their scales [BLOCK_N, NBK]) of the K tile at k0 (see "wide tiles").
@@ -245,12 +199,22 @@ def fp8_tile3(w_rows, s_rows, k0, n_mask, K, NBK: tl.constexpr, SUB_K: tl.conste
     w_rows: [BLOCK_N] pointers to the rows' first byte; s_rows: [BLOCK_N] pointers to the rows'
     scale-grid rows. SUB_K divides 128 (NBK 1) or is 128.
     """
+    cols = k0 + tl.arange(0, NBK)[:, None] * SUB_K + tl.arange(0, SUB_K)[None, :]  # [NBK, SUB_K]
     blocks = (k0 + tl.arange(0, NBK) * SUB_K) // 128
+    ptrs = w_rows[:, None, None] + cols[None, :, :]
+    if ALIGNED:  # note "aligned rows"
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [16, 16, 16]), [1, 1, 16])
     if EVEN:
+        q = tl.load(ptrs)
         s = tl.load(s_rows[:, None] + blocks[None, :])
     else:
+        live = n_mask[:, None, None] & (cols < K)[None, :, :]
+        q = tl.load(ptrs, mask=live)  # no `other`: see fp8_tile
         s = tl.load(s_rows[:, None] + blocks[None, :], mask=n_mask[:, None] & (blocks * 128 < K)[None, :], other=127)
-    return fp8_codes3(w_rows, k0, n_mask, K, NBK, SUB_K, EVEN, NATIVE, ALIGNED), ue8m0_to_f32(s)
+    v = codes_f32(q, NATIVE)
+    if not EVEN:
+        v = tl.where(live, v, 0.0)
+    return v, ue8m0_to_f32(s)
 
 
 @triton.jit
@@ -319,57 +283,6 @@ def _accumulate3(acc3, v, s, x_row, nw_ptr, inv, cols, K, PRO_NORM: tl.constexpr
 
 
 @triton.jit
-def scaled_x_runs(x_row, s_row, nw_ptr, inv, k0, cols, K, NBK: tl.constexpr, SUB_K: tl.constexpr,
-                  PRO_NORM: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
-    """The activation columns k0 + ``cols`` [NBK, SUB_K] in fp32 as [1, NBK, SUB_K], each times its
-    weight block's scale (note "batch 1 forms"; normed first under PRO_NORM). s_row: the tile's one
-    scale-grid row."""
-    kk = k0 + cols[None, :, :]
-    blocks = (k0 + tl.arange(0, NBK) * SUB_K)[None, :, None] // 128
-    if EVEN_K:  # K a multiple of the tile: no masks (a masked load is a load and a select)
-        xv = tl.load(x_row + kk)
-        s = tl.load(s_row + blocks)
-    else:
-        xv = tl.load(x_row + kk, mask=kk < K, other=0.0)
-        s = tl.load(s_row + blocks, mask=blocks * 128 < K, other=127)
-    if PRO_NORM:
-        nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-        xv = (xv.to(tl.float32) * inv * nw).to(xv.dtype)  # rounded as the bf16 norm is
-    return xv.to(tl.float32) * ue8m0_to_f32(s)
-
-
-@triton.jit
-def form_step(acc, v, x_row, s_row, nw_ptr, inv, k0, rcols, K, RUNS: tl.constexpr, RUN: tl.constexpr,
-               PRO_NORM: tl.constexpr, B1_FORM: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
-    """One K tile of forms 1 and 2 (note "batch 1 forms"): the codes v [BLOCK_N, RUNS, RUN] times the
-    scaled activation columns, into a column's accumulator (form 1) or, summed over each run in
-    the lane that holds it, a run's (form 2)."""
-    xs = scaled_x_runs(x_row, s_row, nw_ptr, inv, k0, rcols, K, RUNS, RUN, PRO_NORM, EVEN_K)
-    if B1_FORM == 1:
-        return acc + v * xs
-    else:
-        return acc + tl.sum(v * xs, 2)
-
-
-@triton.jit
-def form_acc(BLOCK_N: tl.constexpr, RUNS: tl.constexpr, RUN: tl.constexpr, B1_FORM: tl.constexpr):
-    """The zeroed accumulator of forms 1 and 2: one a column [BLOCK_N, RUNS, RUN], or one a run [BLOCK_N, RUNS]."""
-    if B1_FORM == 1:
-        return tl.zeros([BLOCK_N, RUNS, RUN], dtype=tl.float32)
-    else:
-        return tl.zeros([BLOCK_N, RUNS], dtype=tl.float32)
-
-
-@triton.jit
-def form_total(acc, B1_FORM: tl.constexpr):
-    """Forms 1 and 2: the accumulator summed to the rows' outputs [BLOCK_N, 1]."""
-    if B1_FORM == 1:
-        return tl.sum(tl.sum(acc, 2), 1)[:, None]
-    else:
-        return tl.sum(acc, 1)[:, None]
-
-
-@triton.jit
 def _fp8_gemv_kernel(
     x_ptr,
     w_ptr,
@@ -416,11 +329,6 @@ def _fp8_gemv_kernel(
     CAT_K: tl.constexpr = False,
     ALIGNED_W: tl.constexpr = False,
     ACT_FP8: tl.constexpr = False,
-    B1_FORM: tl.constexpr = 0,
-    RUNS: tl.constexpr = 1,
-    RUN: tl.constexpr = 16,
-    TILE_AHEAD: tl.constexpr = False,
-    EVEN_K: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -436,15 +344,12 @@ def _fp8_gemv_kernel(
             local = offs_n - N_A
             w_base = w2_ptr + local.to(tl.int64) * stride_w2n
             s_rows = s2_ptr + (local // 128) * stride_s2n
-            s_row = s2_ptr + ((n0 - N_A) // 128) * stride_s2n  # the tile's rows share it ("batch 1 forms")
         else:
             w_base = w_ptr + offs_n.to(tl.int64) * stride_wn
             s_rows = s_ptr + (offs_n // 128) * stride_sn
-            s_row = s_ptr + (n0 // 128) * stride_sn
     else:
         w_base = w_ptr + offs_n.to(tl.int64) * stride_wn
         s_rows = s_ptr + (offs_n // 128) * stride_sn
-        s_row = s_ptr + (n0 // 128) * stride_sn
     x_col0 = 0
     if GROUPED:
         x_col0 = (n0 // group_rows) * K
@@ -456,7 +361,6 @@ def _fp8_gemv_kernel(
             k_begin -= K
             w_base = w2_ptr + offs_n.to(tl.int64) * stride_w2n
             s_rows = s2_ptr + (offs_n // 128) * stride_s2n
-            s_row = s2_ptr + (n0 // 128) * stride_s2n
             x_rows = x2_ptr + (rows // x2_div).to(tl.int64)[:, None] * stride_x2b
             x_row = x2_ptr + (pid_b // x2_div).to(tl.int64) * stride_x2b
 
@@ -488,12 +392,7 @@ def _fp8_gemv_kernel(
     else:
         # Batch 1, wide tiles [BLOCK_N, NBK, SUB_K] (see "wide tiles"): one activation row.
         cols = tl.arange(0, NBK)[:, None] * SUB_K + tl.arange(0, SUB_K)[None, :]
-        # Forms 1 and 2 read the tile as RUNS runs of RUN columns (a run in one scale block).
-        rcols = tl.arange(0, RUNS)[:, None] * RUN + tl.arange(0, RUN)[None, :]
-        if B1_FORM == 0:
-            v_first, s_first = fp8_tile3(w_base, s_rows, k_begin, n_mask, K, NBK, SUB_K, EVEN_W, NATIVE, ALIGNED_W)
-        else:  # the scales go on x, read after pdl_wait with it
-            v_first = fp8_codes3(w_base, k_begin, n_mask, K, RUNS, RUN, EVEN_W, NATIVE, ALIGNED_W)
+        v_first, s_first = fp8_tile3(w_base, s_rows, k_begin, n_mask, K, NBK, SUB_K, EVEN_W, NATIVE, ALIGNED_W)
         pdl_wait(PDL)
         inv = 0.0
         if PRO_NORM:
@@ -502,33 +401,12 @@ def _fp8_gemv_kernel(
                 xv = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
                 ss += xv * xv
             inv = 1.0 / tl.sqrt(tl.sum(tl.sum(ss, 1), 0) / K + eps)
-        k_end = k_begin + K_PER_SPLIT
-        if B1_FORM == 0:
-            acc3 = _accumulate3(tl.zeros([BLOCK_N, NBK, SUB_K], dtype=tl.float32), v_first, s_first, x_row, nw_ptr,
-                                inv, k_begin + cols, K, PRO_NORM)  # fmt: skip
-            for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
-                v, s = fp8_tile3(w_base, s_rows, k0, n_mask, K, NBK, SUB_K, EVEN_W, NATIVE, ALIGNED_W)
-                acc3 = _accumulate3(acc3, v, s, x_row, nw_ptr, inv, k0 + cols, K, PRO_NORM)
-            total = tl.sum(tl.sum(acc3, 2), 1)[:, None]
-        else:
-            acc = form_acc(BLOCK_N, RUNS, RUN, B1_FORM)
-            if TILE_AHEAD:  # the next tile's codes loaded before this tile's arithmetic
-                v = v_first
-                for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
-                    v_next = fp8_codes3(w_base, k0, n_mask, K, RUNS, RUN, EVEN_W, NATIVE, ALIGNED_W)
-                    acc = form_step(acc, v, x_row, s_row, nw_ptr, inv, k0 - BLOCK_K, rcols, K, RUNS, RUN, PRO_NORM,
-                                     B1_FORM, EVEN_K)  # fmt: skip
-                    v = v_next
-                acc = form_step(acc, v, x_row, s_row, nw_ptr, inv, k_end - BLOCK_K, rcols, K, RUNS, RUN, PRO_NORM,
-                                 B1_FORM, EVEN_K)  # fmt: skip
-            else:
-                acc = form_step(acc, v_first, x_row, s_row, nw_ptr, inv, k_begin, rcols, K, RUNS, RUN, PRO_NORM,
-                                 B1_FORM, EVEN_K)  # fmt: skip
-                for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
-                    v = fp8_codes3(w_base, k0, n_mask, K, RUNS, RUN, EVEN_W, NATIVE, ALIGNED_W)
-                    acc = form_step(acc, v, x_row, s_row, nw_ptr, inv, k0, rcols, K, RUNS, RUN, PRO_NORM, B1_FORM,
-                                     EVEN_K)  # fmt: skip
-            total = form_total(acc, B1_FORM)
+        acc3 = _accumulate3(tl.zeros([BLOCK_N, NBK, SUB_K], dtype=tl.float32), v_first, s_first, x_row, nw_ptr, inv,
+                            k_begin + cols, K, PRO_NORM)  # fmt: skip
+        for k0 in range(k_begin + BLOCK_K, k_begin + K_PER_SPLIT, BLOCK_K):
+            v, s = fp8_tile3(w_base, s_rows, k0, n_mask, K, NBK, SUB_K, EVEN_W, NATIVE, ALIGNED_W)
+            acc3 = _accumulate3(acc3, v, s, x_row, nw_ptr, inv, k0 + cols, K, PRO_NORM)
+        total = tl.sum(tl.sum(acc3, 2), 1)[:, None]
 
     mask = n_mask[:, None] & row_mask[None, :]
     if REDUCE > 1:
@@ -760,8 +638,6 @@ def fp8_gemv(
         x = fp8_round_rows(x.reshape(b, -1, k)).reshape(b, -1) if group_rows else fp8_round_rows(x)
         x2 = None if x2 is None else fp8_round_rows(x2)
     k_per = k_all // split_k if split_k > 1 else triton.cdiv(k, block_k) * block_k
-    form = batch1_form(block_n)
-    run = sub_k if form == 1 else 16
     grid = (triton.cdiv(n, block_n), triton.cdiv(b, block_b), split_k)
     wk = w if native else w.view(torch.uint8)
     w2k = (w2 if native else w2.view(torch.uint8)) if w2 is not None else wk
@@ -784,7 +660,6 @@ def fp8_gemv(
         USE_DOT=cfg.use_dot, NATIVE=native, INTERP=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ALIGNED_W=k % 16 == 0 and rows_aligned(wk, w2k),
-        B1_FORM=form, RUNS=block_k // run, RUN=run, TILE_AHEAD=BATCH1_TILE_AHEAD, EVEN_K=k % block_k == 0,
         **extra, **pdl_args(x.device),
     )  # fmt: skip
 

@@ -69,17 +69,7 @@ from draftgraph.ops.triton._common import (
     scratch_bytes,
     splat,
 )
-from draftgraph.ops.triton.fp8_linear import (
-    batch1_form,
-    form_acc,
-    form_step,
-    form_total,
-    fp8_codes3,
-    fp8_tile,
-    fp8_tile3,
-    native_fp8_supported,
-    ue8m0_to_f32,
-)
+from draftgraph.ops.triton.fp8_linear import fp8_tile, fp8_tile3, native_fp8_supported, ue8m0_to_f32
 from draftgraph.ops.triton.gemv import GemvConfig
 from draftgraph.ops.triton.lanes import bf16_hi, bf16_lo, ld_u8, ld_v4
 from draftgraph.ops.triton.moe_grouped import _moe_reduce_kernel, _owned_rows
@@ -401,7 +391,6 @@ def _fp8_rows_fma(
     a_row,
     w_rows,
     s_rows,
-    s_row,
     n_mask,
     K,
     k_end,
@@ -410,31 +399,19 @@ def _fp8_rows_fma(
     SUB_K: tl.constexpr,
     EVEN: tl.constexpr,
     NATIVE: tl.constexpr,
-    FORM: tl.constexpr = 0,
 ):
     """W[rows] @ a over K (up to k_end: 0 reads nothing) -> fp32 [BLOCK_N, 1], one activation row, W FP8
     (the shared expert; fp8_linear's wide tiles: w_rows [BLOCK_N] row pointers, s_rows [BLOCK_N]
-    scale-grid rows, s_row the tile's one scale-grid row). a_row: the row's pointer (bf16). EVEN: no
-    masks (BLOCK_N and BLOCK_K divide W). FORM: fp8_linear's batch-1 form (note "batch 1 forms").
+    scale-grid rows). a_row: the row's pointer (bf16). EVEN: no masks (BLOCK_N and BLOCK_K divide W).
     """
-    if FORM == 0:
-        NBK: tl.constexpr = BLOCK_K // SUB_K
-        cols = tl.arange(0, NBK)[:, None] * SUB_K + tl.arange(0, SUB_K)[None, :]
-        acc3 = tl.zeros([BLOCK_N, NBK, SUB_K], dtype=tl.float32)
-        for k0 in range(0, k_end, BLOCK_K):
-            v, s = fp8_tile3(w_rows, s_rows, k0, n_mask, K, NBK, SUB_K, EVEN, NATIVE)
-            av = tl.load(a_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-            acc3 += (v * s[:, :, None]) * av[None, :, :]
-        return tl.sum(tl.sum(acc3, 2), 1)[:, None]
-    else:
-        RUN: tl.constexpr = SUB_K if FORM == 1 else 16
-        RUNS: tl.constexpr = BLOCK_K // RUN
-        rcols = tl.arange(0, RUNS)[:, None] * RUN + tl.arange(0, RUN)[None, :]
-        acc = form_acc(BLOCK_N, RUNS, RUN, FORM)
-        for k0 in range(0, k_end, BLOCK_K):
-            v = fp8_codes3(w_rows, k0, n_mask, K, RUNS, RUN, EVEN, NATIVE)
-            acc = form_step(acc, v, a_row, s_row, a_row, 0.0, k0, rcols, K, RUNS, RUN, False, FORM, EVEN)
-        return form_total(acc, FORM)
+    NBK: tl.constexpr = BLOCK_K // SUB_K
+    cols = tl.arange(0, NBK)[:, None] * SUB_K + tl.arange(0, SUB_K)[None, :]
+    acc3 = tl.zeros([BLOCK_N, NBK, SUB_K], dtype=tl.float32)
+    for k0 in range(0, k_end, BLOCK_K):
+        v, s = fp8_tile3(w_rows, s_rows, k0, n_mask, K, NBK, SUB_K, EVEN, NATIVE)
+        av = tl.load(a_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+        acc3 += (v * s[:, :, None]) * av[None, :, :]
+    return tl.sum(tl.sum(acc3, 2), 1)[:, None]
 
 
 @triton.jit
@@ -469,7 +446,6 @@ def _w13_kernel(
     NATIVE: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
-    FP8_FORM: tl.constexpr = 0,
 ):
     pdl_wait(PDL)
     pid_n = tl.program_id(0)
@@ -503,11 +479,10 @@ def _w13_kernel(
             u = _expert_tiles(x_rows, serves, sw3_rows, ss3_ptr + s_rows, n_mask, D, k_end,
                               True, BLOCK_N, BLOCK_K, BLOCK_B, NATIVE, INTERP)  # fmt: skip
         else:
-            s_row = (pid_n * BLOCK_N // 128) * stride_ssn  # the tile's one scale row (FP8_FORM > 0)
-            g = _fp8_rows_fma(x_ptr, sw1_rows, ss1_ptr + s_rows, ss1_ptr + s_row, n_mask, D, k_end,
-                              BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE, FP8_FORM)  # fmt: skip
-            u = _fp8_rows_fma(x_ptr, sw3_rows, ss3_ptr + s_rows, ss3_ptr + s_row, n_mask, D, k_end,
-                              BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE, FP8_FORM)  # fmt: skip
+            g = _fp8_rows_fma(x_ptr, sw1_rows, ss1_ptr + s_rows, n_mask, D, k_end,
+                              BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE)  # fmt: skip
+            u = _fp8_rows_fma(x_ptr, sw3_rows, ss3_ptr + s_rows, n_mask, D, k_end,
+                              BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE)  # fmt: skip
     else:
         if USE_DOT:
             s_off = e * INTER * (D // 32) + n64 * (D // 32)
@@ -555,7 +530,6 @@ def _w2_kernel(
     NATIVE: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
-    FP8_FORM: tl.constexpr = 0,
 ):
     pdl_wait(PDL)
     # Slot-major: one flat (slot, k) loop over the routed slots (INTER % BLOCK_K == 0), so the
@@ -612,9 +586,8 @@ def _w2_kernel(
         total = tl.sum(tl.sum(acc, 2), 0)[:, None]
         if HAS_SHARED:
             total += _fp8_rows_fma(act_ptr + routed * INTER, sw2_ptr + n64 * INTER,
-                                   ss2_ptr + (offs_n // 128) * stride_ssn,
-                                   ss2_ptr + (pid_n * BLOCK_N // 128) * stride_ssn, n_mask, INTER, INTER,
-                                   BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE, FP8_FORM)  # fmt: skip
+                                   ss2_ptr + (offs_n // 128) * stride_ssn, n_mask, INTER, INTER,
+                                   BLOCK_N, BLOCK_K, SUB_K, EVEN, NATIVE)  # fmt: skip
     ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_ob + offs_n[:, None]
     mask = n_mask[:, None] & (rows < B)[None, :]
     if ACCUMULATE:
@@ -860,7 +833,7 @@ def moe_mxfp4_launches(
             x, idx, wts, w1b, s1b, w3b, s3b, sw1b, ss1b, sw3b, ss3b, act, b, d, inter, x.stride(0), s13, limit,
             TOPK=top_k, TOPK_PAD=topk_pad, BLOCK_N=bn, BLOCK_K=bk, BLOCK_B=block_b if dot13 else 1,
             SUB_K=min(bk, FP8_BLOCK), EVEN=d % bk == 0 and inter % bn == 0, GROUPED=grouped, USE_DOT=dot13,
-            NATIVE=native, INTERP=interp, FP8_FORM=batch1_form(bn),
+            NATIVE=native, INTERP=interp,
             num_warps=c13.num_warps, num_stages=c13.num_stages, **pdl,
         )  # fmt: skip
 
@@ -873,7 +846,7 @@ def moe_mxfp4_launches(
             act, idx, w2b, s2b, sw2b, ss2b, out, b, d, inter, out.stride(0), s2,
             TOPK=top_k, BLOCK_N=bn, BLOCK_K=bk, BLOCK_B=block_b if dot2 else 1, SUB_K=min(bk, FP8_BLOCK),
             EVEN=d % bn == 0, HAS_SHARED=has_shared, ACCUMULATE=accumulate, USE_DOT=dot2, NATIVE=native,
-            INTERP=interp, FP8_FORM=batch1_form(bn),
+            INTERP=interp,
             num_warps=c2.num_warps, num_stages=c2.num_stages, **pdl,
         )  # fmt: skip
 
