@@ -247,12 +247,12 @@ def test_the_w8a8_wq_b_tiles_and_the_rounding_kernel_compile_as_their_notes_say(
 def test_sass_mix_reads_each_variants_registers_and_k_loop(tmp_path):
     """benchmarks/sass_mix.py on sm_90: a row a variant at batch 1 and 8 with its registers and a K
     loop found in the disassembly (fails if the compile-only driver, the disassembly or the loop's
-    parse breaks), no stack, and the FMA tiles' loops free of tensor-core instructions."""
+    parse breaks), no stack, the FP8 decode (F2FP) in every loop and the FMA tiles' loops built on FFMA."""
     done = _python(["benchmarks/sass_mix.py", "--batches", "1,8"], tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     row = re.compile(r"B=(\d+) (fma|dot) +(\S+) .*regs +(\d+) stack +(\d+) kernel +\d+ loop +(\d+): (.*)")
     rows = [m.groups() for m in map(row.match, done.stdout.splitlines()) if m]
     assert [(b, kind) for b, kind, *_ in rows] == [("1", "fma")] * 3 + [("8", "dot")] * 4, done.stdout
     assert all(int(regs) > 0 and stack == "0" and int(loop) > 50 for *_, regs, stack, loop, _ in rows), rows
-    assert not [r for r in rows if r[1] == "fma" and ("HMMA" in r[6] or "HGMMA" in r[6])], rows
+    assert all("F2FP=" in r[6] and ("FFMA=" in r[6] or r[1] == "dot") for r in rows), rows
 
