@@ -8,8 +8,8 @@ Each variant (batch 1: three FMA tiles, ``BATCH1_CONFIG`` first; more rows: the 
 ``cuobjdump``, and printed as one line: registers, stack bytes, the whole kernel's instruction
 count, and the K loop's (the longest span from a label to the backward branch to it) with its most
 frequent opcodes. What a variant costs a code, before a GPU times it (docs/KERNELS.md, "The batch-1
-forms, by the SASS", and what the GPU said of them); the counts are of the compiler here, not
-necessarily the device's.
+forms, by the SASS, then by the GPU": fewer instructions did not mean less time); the counts are
+of the compiler here, not necessarily the device's.
 """
 
 from __future__ import annotations
