@@ -171,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     for w in weights:
         bk.WEIGHTS = w
         names = [n for n in bk.CASES if w == "bf16" or n in bk.NATIVE]
-        native_extra = ["edge tiles", "combiner", *W8A8_CASES]
-        extra = native_extra if w == "native" else ["nonfinite", "acceptance"]
+        extra = ["edge tiles", "combiner", *W8A8_CASES] if w == "native" else ["nonfinite", "acceptance"]
         for name in names + extra:
             for b in batches:
                 before, t0 = len(COMPILED), time.time()

@@ -255,4 +255,3 @@ def test_sass_mix_reads_each_variants_registers_and_k_loop(tmp_path):
     assert [(b, kind) for b, kind, *_ in rows] == [("1", "fma")] * 3 + [("8", "dot")] * 4, done.stdout
     assert all(int(regs) > 0 and stack == "0" and int(loop) > 50 for *_, regs, stack, loop, _ in rows), rows
     assert all("F2FP=" in r[6] and ("FFMA=" in r[6] or r[1] == "dot") for r in rows), rows
-

@@ -276,8 +276,8 @@ def test_fp8_gemv_two_ks(device, rows, div):
                      split_reduce=(partials, arrivals))  # fmt: skip
 
 
-def _batch1_calls(g, device):
-    """(name, thunk returning the fp32 output, float64 reference) for each batch-1 path of fp8_gemv:
+def _batch1_outputs(g, device):
+    """(name, fp32 output, float64 reference) for each batch-1 path of fp8_gemv:
     ragged N and K, one tile over several scale blocks, two weights (the second mid scale block),
     grouped columns, the prologue norm, split K, two Ks."""
     qa, sa, wa = fp8_weight(g, 200, 320, device)
@@ -292,16 +292,13 @@ def _batch1_calls(g, device):
     grouped = torch.cat([xgd[:, i * 160 : (i + 1) * 160] @ wg[i * 64 : (i + 1) * 64].T for i in (0, 1)], 1)
 
     def call(n, x=x, w=qa, s=sa, reduced=False, **kw):
-        def run():
-            out = poisoned((1, n), torch.float32, device)
-            if reduced:
-                tiles = FP8.split_tiles(1, n, n, 640, kw["config"], split_k=2)
-                kw["split_reduce"] = (poisoned((2 * n,), torch.float32, device),
-                                      torch.zeros(tiles, dtype=torch.int32, device=device))  # fmt: skip
-            FP8.fp8_gemv(x, w, s, out, **kw)
-            return out.cpu()
-
-        return run
+        out = poisoned((1, n), torch.float32, device)
+        if reduced:
+            tiles = FP8.split_tiles(1, n, n, 640, kw["config"], split_k=2)
+            kw["split_reduce"] = (poisoned((2 * n,), torch.float32, device),
+                                  torch.zeros(tiles, dtype=torch.int32, device=device))  # fmt: skip
+        FP8.fp8_gemv(x, w, s, out, **kw)
+        return out.cpu()
 
     return [
         ("fma", call(200, config=FMA), xd @ wa.T),
@@ -319,8 +316,8 @@ def test_fp8_gemv_batch1_paths(device):
     """Each batch-1 path of fp8_gemv (FMA and wide tiles, two weights, grouped, normed, two Ks)
     against float64: a scale row read for the wrong rows or blocks, or a tile's codes paired with
     another tile's columns, is an O(1) error."""
-    for what, run, ref in _batch1_calls(gen(1106), device):
-        check(run(), ref, f"fp8_gemv batch 1, {what}")
+    for what, got, ref in _batch1_outputs(gen(1106), device):
+        check(got, ref, f"fp8_gemv batch 1, {what}")
 
 
 def test_fp8_gemv_rejects_bad_inputs():
