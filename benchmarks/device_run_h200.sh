@@ -1,23 +1,47 @@
 #!/usr/bin/env bash
-# One device call (an H200, under 10 minutes): what issues 26 and 28 still owe the README's card.
+# The device calls (an H200) that issues 26 and 28 still owe the README's card.
 #
-#   bash benchmarks/device_run_h200.sh OUT
+#   bash benchmarks/device_run_h200.sh OUT [BASE_DIR]
 #
-# 1. bench_draft: native and bf16 weights side by side, the four cases (issue 28's table; the
-#    propose split, host µs and the [B, C, D] call: issue 26's table);
-# 2. bench_draft --profile, native, B = 1, 8, 32: the chain's kernels by name and each step alone;
-# 3. the whole cuda suite (two workers; 170-230 s on a fresh machine lately, so last: the limit of
-#    a call cuts it, not the tables).
-# Each step's output is OUT/<step>.txt; the summary lines are printed. On another card the numbers
-# are that card's: say which in the results' file names.
+# Steps (STEPS, a comma list, picks some; default all that apply, in this order):
+# before   : BASE_DIR's own bench_draft, bf16 weights, fused kernels, the four cases: issue 26's
+#            "before" in the same session as the "after" (BASE_DIR: an older tree carried with the
+#            call, e.g. `git archive 046b506 | tar -x -C .base`, the tree before issue 26);
+# table    : bench_draft, native and bf16 weights side by side, the four cases (issue 28's table;
+#            the propose split, host µs and the [B, C, D] call: issue 26's "after");
+# profile  : bench_draft --profile, native, B = 1, 8, 32: the chain's kernels by name, each step alone;
+# suite    : the whole cuda suite (two workers; 170-230 s on a fresh machine, so last).
+# All four take ~690 s, past one call's 600: on one warm machine, call
+# `STEPS=before,table,profile ... OUT .base` and then `STEPS=suite ... OUT` (the machine idles out
+# 30 s after a call). Each step's output is OUT/<step>.txt; the summary lines are printed. On
+# another card the numbers are that card's: say which in the results' file names.
 set -uo pipefail
-out=${1:?usage: device_run_h200.sh OUT}
+out=${1:?usage: device_run_h200.sh OUT [BASE_DIR]}
+base=${2:-}
+steps=,${STEPS:-before,table,profile,suite},
 source "$(dirname "$0")/device_steps.sh" "$out"
-step bench_draft 170 python3 benchmarks/bench_draft.py --weights native,bf16 --kernels fused \
-    --cases 1x1,1x3,8x1,32x1 --no-compile --no-plain --out "$out/draft"
-grep -A12 "^floor = " "$out/bench_draft.txt"
-step profile 150 python3 benchmarks/bench_draft.py --weights native --kernels fused --cases 1x1,8x1,32x1 \
-    --no-compile --no-plain --profile
-grep -E "kernels=fused: kernels" "$out/profile.txt"
-step pytest_cuda 250 python3 -m pytest -q -m cuda -n 2 -p no:cacheprovider -p no:warnings tests
-tail -3 "$out/pytest_cuda.txt"
+out=$(cd "$out" && pwd)  # the before step runs in BASE_DIR
+cases=1x1,1x3,8x1,32x1
+if [[ $steps == *,before,* && -n $base ]]; then
+    # The older tree imports its own package: a folder holding only a link named draftgraph to it,
+    # first on the path (this tree is installed, and would be found otherwise).
+    link=$(mktemp -d) && ln -s "$(cd "$base" && pwd)" "$link/draftgraph"
+    mkdir -p "$out/before"
+    (cd "$base" && export PYTHONPATH="$link" && step before 150 python3 benchmarks/bench_draft.py --kernels fused \
+        --cases "$cases" --no-compile --no-plain --out "$out/before")
+    grep -A12 "^floor = " "$out/before.txt"
+fi
+if [[ $steps == *,table,* ]]; then
+    step table 170 python3 benchmarks/bench_draft.py --weights native,bf16 --kernels fused --cases "$cases" \
+        --no-compile --no-plain --out "$out/draft"
+    grep -A12 "^floor = " "$out/table.txt"
+fi
+if [[ $steps == *,profile,* ]]; then
+    step profile 150 python3 benchmarks/bench_draft.py --weights native --kernels fused --cases 1x1,8x1,32x1 \
+        --no-compile --no-plain --profile
+    grep -E "kernels=fused: kernels" "$out/profile.txt"
+fi
+if [[ $steps == *,suite,* ]]; then
+    step pytest_cuda 250 python3 -m pytest -q -m cuda -n 2 -p no:cacheprovider -p no:warnings tests
+    tail -3 "$out/pytest_cuda.txt"
+fi
