@@ -11,9 +11,9 @@
 #            the propose split, host µs and the [B, C, D] call: issue 26's "after");
 # profile  : bench_draft --profile, native, B = 1, 8, 32: the chain's kernels by name, each step alone;
 # suite    : the whole cuda suite (two workers; 170-230 s on a fresh machine, so last).
-# All four take ~690 s, past one call's 600: on one warm machine, call
-# `STEPS=before,table,profile ... OUT .base` and then `STEPS=suite ... OUT` (the machine idles out
-# 30 s after a call). Each step's output is OUT/<step>.txt; the summary lines are printed. On
+# At 2109df7 on a fresh H100 the first three took 223 s and the suite 202 s; the steps' limits add
+# up to 720 s, past one call's 600, so the safe form is two calls on one warm machine (it idles
+# out 30 s after a call): `STEPS=before,table,profile ... OUT .base`, then `STEPS=suite ... OUT`. Each step's output is OUT/<step>.txt; the summary lines are printed. On
 # another card the numbers are that card's: say which in the results' file names.
 set -uo pipefail
 out=${1:?usage: device_run_h200.sh OUT [BASE_DIR]}
