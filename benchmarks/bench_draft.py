@@ -523,18 +523,22 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
         print("(verify: the round's after_verify before the call; event: the host cost of recording a CUDA event,\n"
               " which propose ms holds once; all from the same rounds: propose - replay ~ call - replay + verify"
               " + event;\n by clock: verify and the call by the host's clock, what the caller waits without the"
-              " events)")
-        print(f"{'B':>3} {'K':>2}  {'variant':<36} {'replay ms':>9} {'call ms':>8} {'call-replay us':>14} "
-              f"{'host us':>7} {'wait us':>7} {'read us':>7} {'commit us':>9} {'[B,C,D] call-replay us':>22} "
-              f"{'host us':>7} {'verify us':>9} {'event us':>8} {'by clock - replay us':>20}")
+              " events;\n launch: the graph's launch alone, the same driver call in every row: a row whose launch took"
+              " 2-4x the run's\n quickest ran in a slow spell of the host, every host phase with it)")
+        print(f"{'B':>3} {'K':>2}{fmt_head}  {'variant':<36} {'replay ms':>9} {'call ms':>8} {'call-replay us':>14} "
+              f"{'host us':>7} {'launch us':>9} {'wait us':>7} {'read us':>7} {'commit us':>9} "
+              f"{'[B,C,D] call-replay us':>22} {'host us':>7} {'verify us':>9} {'event us':>8} "
+              f"{'by clock - replay us':>20}")
         for r in timed:
             stacked = r.get("call_stacked_ms")
             stacked_us = None if stacked is None else (stacked - r["replay_ms"]) * 1e3
             clock = r.get("propose_clock_ms")
             clock_us = None if clock is None else (clock - r["replay_ms"]) * 1e3
-            print(f"{r['batch']:>3} {r['k']:>2}  {r['variant']:<36} {r['replay_ms']:>9.3f} {r['call_ms']:>8.3f} "
+            launch_us = (r.get("host_phases_us") or {}).get("run")
+            fmt = f" {r.get('weights', 'bf16'):>7}" if has_fmt else ""
+            print(f"{r['batch']:>3} {r['k']:>2}{fmt}  {r['variant']:<36} {r['replay_ms']:>9.3f} {r['call_ms']:>8.3f} "
                   f"{(r['call_ms'] - r['replay_ms']) * 1e3:>14.0f} {r['host_us']:>7.0f} "
-                  f"{num(r.get('wait_us'), '.0f'):>7} {num(r.get('read_us'), '.0f'):>7} "
+                  f"{num(launch_us, '.1f'):>9} {num(r.get('wait_us'), '.0f'):>7} {num(r.get('read_us'), '.0f'):>7} "
                   f"{num(r.get('commit_us'), '.0f'):>9} {num(stacked_us, '.0f'):>22} "
                   f"{num(r.get('host_stacked_us'), '.0f'):>7} {num(r.get('verify_us'), '.0f'):>9} "
                   f"{num(r.get('event_us'), '.1f'):>8} {num(clock_us, '.0f'):>20}")
