@@ -10,15 +10,18 @@
 # table    : bench_draft, native and bf16 weights side by side, the four cases (issue 28's table;
 #            the propose split, host µs and the [B, C, D] call: issue 26's "after");
 # profile  : bench_draft --profile, native, B = 1, 8, 32: the chain's kernels by name, each step alone;
+# barrier  : probe_grid_barrier.py: a grid barrier against a launch, a persistent GEMV chain against
+#            a kernel a phase (whether the B=1 body as one kernel is worth building; ~1 min);
 # suite    : the whole cuda suite (two workers; 170-230 s on a fresh machine, so last).
 # At 2109df7 on a fresh H100 the first three took 223 s and the suite 202 s; the steps' limits add
-# up to 720 s, past one call's 600, so the safe form is two calls on one warm machine (it idles
-# out 30 s after a call): `STEPS=before,table,profile ... OUT .base`, then `STEPS=suite ... OUT`. Each step's output is OUT/<step>.txt; the summary lines are printed. On
+# up to 840 s, past one call's 600, so the safe form is two calls on one warm machine (it idles
+# out 30 s after a call): `STEPS=before,table,profile,barrier ... OUT .base`, then
+# `STEPS=suite ... OUT`. Each step's output is OUT/<step>.txt; the summary lines are printed. On
 # another card the numbers are that card's: say which in the results' file names.
 set -uo pipefail
 out=${1:?usage: device_run_h200.sh OUT [BASE_DIR]}
 base=${2:-}
-steps=,${STEPS:-before,table,profile,suite},
+steps=,${STEPS:-before,table,profile,barrier,suite},
 source "$(dirname "$0")/device_steps.sh" "$out"
 out=$(cd "$out" && pwd)  # the before step runs in BASE_DIR
 cases=1x1,1x3,8x1,32x1
@@ -40,6 +43,10 @@ if [[ $steps == *,profile,* ]]; then
     step profile 150 python3 benchmarks/bench_draft.py --weights native --kernels fused --cases 1x1,8x1,32x1 \
         --no-compile --no-plain --profile
     grep -E "kernels=fused: kernels" "$out/profile.txt"
+fi
+if [[ $steps == *,barrier,* ]]; then
+    step barrier 120 python3 benchmarks/probe_grid_barrier.py
+    cat "$out/barrier.txt"
 fi
 if [[ $steps == *,suite,* ]]; then
     step pytest_cuda 250 python3 -m pytest -q -m cuda -n 2 -p no:cacheprovider -p no:warnings tests
