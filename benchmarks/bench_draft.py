@@ -492,6 +492,9 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
     # The weights column from the runs that had one (2026-12-05 on: native and bf16 side by side).
     has_fmt = any("weights" in r for r in rows)
     fmt_head = f" {'weights':>7}" if has_fmt else ""
+
+    def fmt_cell(r: dict) -> str:  # the row's weight format, in both tables
+        return f" {r.get('weights', 'bf16'):>7}" if has_fmt else ""
     print(f"{'B':>3} {'K':>2} {'exp':>4}{fmt_head} {'floor ms':>8}  {'variant':<36} {'replay ms':>9} "
           f"{'x floor':>7} "
           f"{'propose ms':>10} {'host us':>7} {'capture s':>9} {'mem MB':>7} {'nodes/step':>10} {'=torch':>6}")
@@ -501,8 +504,7 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
 
     for r in rows:
         x = None if r["replay_ms"] is None else r["replay_ms"] / r["floor_ms"]
-        fmt = f" {r.get('weights', 'bf16'):>7}" if has_fmt else ""
-        print(f"{r['batch']:>3} {r['k']:>2} {r['experts']:>4}{fmt} {r['floor_ms']:>8.3f}  {r['variant']:<36} "
+        print(f"{r['batch']:>3} {r['k']:>2} {r['experts']:>4}{fmt_cell(r)} {r['floor_ms']:>8.3f}  {r['variant']:<36} "
               f"{num(r['replay_ms'], '.3f'):>9} {num(x, '.2f'):>7} {num(r.get('propose_ms'), '.3f'):>10} "
               f"{num(r.get('host_us'), '.0f'):>7} {num(r.get('capture_s'), '.2f'):>9} "
               f"{num(r.get('mem_mb'), '.0f'):>7} {num(r.get('nodes_per_step'), '.1f'):>10} "
@@ -535,9 +537,8 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
             clock = r.get("propose_clock_ms")
             clock_us = None if clock is None else (clock - r["replay_ms"]) * 1e3
             launch_us = (r.get("host_phases_us") or {}).get("run")
-            fmt = f" {r.get('weights', 'bf16'):>7}" if has_fmt else ""
-            print(f"{r['batch']:>3} {r['k']:>2}{fmt}  {r['variant']:<36} {r['replay_ms']:>9.3f} {r['call_ms']:>8.3f} "
-                  f"{(r['call_ms'] - r['replay_ms']) * 1e3:>14.0f} {r['host_us']:>7.0f} "
+            print(f"{r['batch']:>3} {r['k']:>2}{fmt_cell(r)}  {r['variant']:<36} {r['replay_ms']:>9.3f} "
+                  f"{r['call_ms']:>8.3f} {(r['call_ms'] - r['replay_ms']) * 1e3:>14.0f} {r['host_us']:>7.0f} "
                   f"{num(launch_us, '.1f'):>9} {num(r.get('wait_us'), '.0f'):>7} {num(r.get('read_us'), '.0f'):>7} "
                   f"{num(r.get('commit_us'), '.0f'):>9} {num(stacked_us, '.0f'):>22} "
                   f"{num(r.get('host_stacked_us'), '.0f'):>7} {num(r.get('verify_us'), '.0f'):>9} "
