@@ -49,6 +49,6 @@ if [[ $steps == *,barrier,* ]]; then
     cat "$out/barrier.txt"
 fi
 if [[ $steps == *,suite,* ]]; then
-    step pytest_cuda 250 python3 -m pytest -q -m cuda -n 2 -p no:cacheprovider -p no:warnings tests
+    step pytest_cuda 250 python3 -m pytest -q -rs -m cuda -n 2 -p no:cacheprovider -p no:warnings tests
     tail -3 "$out/pytest_cuda.txt"
 fi

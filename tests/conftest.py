@@ -1,5 +1,8 @@
 import os
 
+import pytest
+from gpu_memory_lock import gpu_heavy_lock
+
 # Without a GPU, Triton kernels run in its interpreter (set before anything imports triton).
 try:
     import torch
@@ -33,3 +36,18 @@ HEAVY_FIRST = (
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(HEAVY_FIRST)))  # stable: the rest as collected
+
+
+@pytest.fixture(autouse=True)
+def _one_gpu_heavy_test_at_a_time(request):
+    """A ``gpu_heavy`` test runs holding the machine's lock (gpu_memory_lock.py), and gives its memory
+    back to the driver before it lets go. Autouse, so set up before the test's own fixtures of the
+    same scope: a heavy fixture is function-scoped, so it allocates inside the lock and is torn down
+    (its tensors dropped) before the lock's teardown empties the cache."""
+    if request.node.get_closest_marker("gpu_heavy") is None:
+        yield
+        return
+    with gpu_heavy_lock():
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

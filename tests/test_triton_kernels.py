@@ -411,9 +411,11 @@ def test_flash_lm_head_and_argmax():
     torch.testing.assert_close(fused[1], ref[1], rtol=1e-5, atol=1e-7)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def flash_experts():
-    """The V4-Flash routed experts (256 x [2048, 4096], bf16: 13 GB) and the shared expert."""
+    """The V4-Flash routed experts (256 x [2048, 4096], bf16: 13 GB) and the shared expert, made
+    for each test (~0.1 s on a GPU) inside the gpu_heavy lock (conftest.py) and dropped after it:
+    module-scoped, they outlived the lock and sat beside another worker's heavy test."""
     d, e, i = FLASH.hidden_size, FLASH.n_routed_experts, FLASH.moe_intermediate_size
     torch.manual_seed(7)
     weights = [
@@ -425,14 +427,14 @@ def flash_experts():
         _randn(i, d, scale=1 / math.sqrt(d)),
     ]
     yield weights
-    del weights
-    torch.cuda.empty_cache()
+    weights.clear()  # pytest keeps the fixture's value until after this teardown: drop the tensors now
 
 
 def _flash_moe_attrs():
     return {"routed_scaling_factor": FLASH.routed_scaling_factor, "swiglu_limit": FLASH.swiglu_limit}
 
 
+@pytest.mark.gpu_heavy
 @cuda
 @needs_cuda
 @pytest.mark.parametrize("batch", [1, 8, 32])  # 1: slot-major; 8 and 32: expert-major, shared experts
@@ -444,6 +446,7 @@ def test_flash_moe(flash_experts, batch):
     compare("moe", [x, gate_w, bias, *flash_experts], attrs)
 
 
+@pytest.mark.gpu_heavy
 @cuda
 @needs_cuda
 @pytest.mark.parametrize("batch", [1, 8])

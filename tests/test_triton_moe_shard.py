@@ -371,6 +371,7 @@ def _mxfp4_stack(stack: torch.Tensor) -> QuantWeight:
     return QuantWeight(data, torch.stack([p.scale for p in parts]), "mxfp4")
 
 
+@pytest.mark.gpu_heavy
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("batch", [1, 8])
