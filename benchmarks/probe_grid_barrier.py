@@ -13,7 +13,8 @@ measures both on one GPU, a line each:
   programmatic dependent launch (PDL, as the chain launches): us a launch in a graph;
 - ``chain``: ``phases`` dependent GEMVs y[p+1] = W[p] y[p] (bf16 [n, n], distinct weights: 8 MB
   each at n = 2048, as the body's GEMVs) as that many kernels in a graph, without and with PDL,
-  and as one persistent kernel, without and with an L2 prefetch of each program's next-phase tiles
+  and as one persistent kernel of one and of two programs an SM (the latter a program a tile, as
+  the separate kernels' grid), without and with an L2 prefetch of each program's next-phase tiles
   before it waits at a barrier: us a chain against the bytes' floor at the copy rate, and the
   outputs equal to the separate kernels' (the same tile function does the math in both forms).
 
@@ -133,7 +134,8 @@ def run_separate(w: torch.Tensor, ys: torch.Tensor, block_n: int = 8, block_k: i
 
 def run_persistent(w: torch.Tensor, ys: torch.Tensor, counter: torch.Tensor, failed: torch.Tensor, grid: int,
                    block_n: int = 8, block_k: int = 256, prefetch: bool = False, max_spin: int = MAX_SPIN):
-    """The chain as one launch of ``grid`` programs (at most one per SM, or the barrier cannot pass)."""
+    """The chain as one launch of ``grid`` programs (all resident at once, or the barrier cannot pass: the
+    bounded spin flags it)."""
     phases, n = w.shape[0], w.shape[1]
     lanes = triton.next_power_of_2(triton.cdiv(block_n * n * 2, PREFETCH_CHUNK))
     counter.zero_()
@@ -190,13 +192,16 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    print(f"{torch.cuda.get_device_name()}, {sms} SMs; one program per SM", flush=True)
+    print(f"{torch.cuda.get_device_name()}, {sms} SMs", flush=True)
     counter, failed = (torch.zeros(1, dtype=torch.int32, device=device) for _ in range(2))
 
-    none = _replay_us(_graph_of(lambda: run_barriers(counter, failed, sms, 0)), args.rounds)
-    many = _replay_us(_graph_of(lambda: run_barriers(counter, failed, sms, 64)), args.rounds)
-    print(f"barrier: {(many - none) / 64:.2f} us a barrier (64 in {many:.1f} us, none {none:.1f})"
-          + ("  FAILED: a spin ran past its bound" if failed.item() else ""))
+    for per_sm in (1, 2):
+        failed.zero_()
+        grid = per_sm * sms
+        none = _replay_us(_graph_of(lambda grid=grid: run_barriers(counter, failed, grid, 0)), args.rounds)
+        many = _replay_us(_graph_of(lambda grid=grid: run_barriers(counter, failed, grid, 64)), args.rounds)
+        print(f"barrier, {per_sm} an SM: {(many - none) / 64:.2f} us a barrier (64 in {many:.1f} us, none {none:.1f})"
+              + ("  FAILED: a spin ran past its bound" if failed.item() else ""))
 
     out = torch.zeros(sms, dtype=torch.int32, device=device)
     for pdl in (False, True):
@@ -219,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         "kernels (PDL)": lambda: run_separate(w, ys, pdl=True),
         "persistent": lambda: run_persistent(w, ys, counter, failed, sms),
         "persistent, next phase to L2": lambda: run_persistent(w, ys, counter, failed, sms, prefetch=True),
+        # Two programs an SM (co-resident: 4 warps each): a program a tile at n = 2048, the bytes in
+        # flight of the separate kernels' 256 programs, where one an SM runs two tiles in turn.
+        "persistent, 2 an SM": lambda: run_persistent(w, ys, counter, failed, 2 * sms),
+        "persistent, 2 an SM, next to L2": lambda: run_persistent(w, ys, counter, failed, 2 * sms, prefetch=True),
     }
     reference = None
     for name, launch in variants.items():
