@@ -7,7 +7,7 @@ docs/KERNELS.md ("What is left", item 0): at B=1 the chain's ~27 launches before
 with a grid-wide barrier between them) has no launches to ramp but pays a barrier a phase. This
 measures both on one GPU, a line each:
 
-- ``barrier``: one program per SM passing 64 barriers (a global counter, release / acquire
+- ``barrier``: one, then two programs an SM passing 64 barriers (a global counter, release / acquire
   atomics, a bounded spin) against none: us a barrier;
 - ``launch``: ``phases`` tiny kernels in one CUDA graph against one, without and with
   programmatic dependent launch (PDL, as the chain launches): us a launch in a graph;
