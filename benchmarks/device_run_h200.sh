@@ -13,6 +13,11 @@
 # barrier  : probe_grid_barrier.py: a grid barrier against a launch, a persistent GEMV chain against
 #            a kernel a phase (whether the B=1 body as one kernel is worth building; ~1 min);
 # suite    : the whole cuda suite (two workers; 170-230 s on a fresh machine, so last).
+# RUN=N (default 1) names a repeat of before and table (OUT/before_N, OUT/draft_N): the lent hosts
+# have slow spells that double a case's host time, so issue 26's table alternates the two trees
+# over calls on one warm machine and compares the quietest run of each: OUT is new each call, so
+# run `python benchmarks/compare_host.py --before .../before*/ --after .../draft*/` on the fetched
+# folders of all the calls.
 # At 2109df7 on a fresh H100 the first three took 223 s and the suite 202 s; the steps' limits add
 # up to 840 s, past one call's 600, so the safe form is two calls on one warm machine (it idles
 # out 30 s after a call): `STEPS=before,table,profile,barrier ... OUT .base`, then
@@ -25,19 +30,24 @@ steps=,${STEPS:-before,table,profile,barrier,suite},
 source "$(dirname "$0")/device_steps.sh" "$out"
 out=$(cd "$out" && pwd)  # the before step runs in BASE_DIR
 cases=1x1,1x3,8x1,32x1
+run=${RUN:-1}
+sfx=$([[ $run == 1 ]] || echo "_$run")
 if [[ $steps == *,before,* && -n $base ]]; then
     # The older tree imports its own package: a folder holding only a link named draftgraph to it,
     # first on the path (this tree is installed, and would be found otherwise).
     link=$(mktemp -d) && ln -s "$(cd "$base" && pwd)" "$link/draftgraph"
-    mkdir -p "$out/before"
-    (cd "$base" && export PYTHONPATH="$link" && step before 150 python3 benchmarks/bench_draft.py --kernels fused \
-        --cases "$cases" --no-compile --no-plain --out "$out/before")
-    grep -A12 "^floor = " "$out/before.txt"
+    mkdir -p "$out/before$sfx"
+    (cd "$base" && export PYTHONPATH="$link" && step "before$sfx" 150 python3 benchmarks/bench_draft.py --kernels fused \
+        --cases "$cases" --no-compile --no-plain --out "$out/before$sfx")
+    grep -A12 "^floor = " "$out/before$sfx.txt"
 fi
 if [[ $steps == *,table,* ]]; then
-    step table 170 python3 benchmarks/bench_draft.py --weights native,bf16 --kernels fused --cases "$cases" \
-        --no-compile --no-plain --out "$out/draft"
-    grep -A12 "^floor = " "$out/table.txt"
+    step "table$sfx" 170 python3 benchmarks/bench_draft.py --weights native,bf16 --kernels fused --cases "$cases" \
+        --no-compile --no-plain --out "$out/draft$sfx"
+    grep -A12 "^floor = " "$out/table$sfx.txt"
+fi
+if [[ -d $out/before$sfx && -d $out/draft$sfx ]]; then  # issue 26's table from this call's runs
+    python3 benchmarks/compare_host.py --before "$out"/before*/ --after "$out"/draft*/ | tee "$out/compare_host.txt"
 fi
 if [[ $steps == *,profile,* ]]; then
     step profile 150 python3 benchmarks/bench_draft.py --weights native --kernels fused --cases 1x1,8x1,32x1 \
