@@ -8,7 +8,7 @@ wo_b): median us over 15 launches, each after a 512 MB write has flushed the L2 
 sleep (so the events time the GPU, not the host's launch), and the rate in TB/s of the weight's
 bytes. The outputs of every variant are checked against the first row's (to fp32 summation order)
 before timing. (The batch-1 forms this table first compared lost on an H100 and were removed:
-docs/KERNELS.md, "The batch-1 forms, by the SASS, then by the GPU".)
+benchmarks/h200/KERNEL_RUNS.md, "The batch-1 forms, by the SASS, then by the GPU".)
 
 dot: the dot tiles at 8 and 32 activation rows (``config_for``'s choice first): on 4 warps a 32-row
 tile puts two warps on each weight row's mma operand, and each decodes it (the sm_90 SASS of the K

@@ -2,7 +2,7 @@
 
     python benchmarks/probe_grid_barrier.py [--phases 20] [--n 2048] [--rounds 50]
 
-docs/KERNELS.md ("What is left", item 0): at B=1 the chain's ~27 launches before the head cost
+docs/KERNELS.md ("What is left", item 3): at B=1 the chain's ~27 launches before the head cost
 ~3.5 us each beyond their bytes. A persistent kernel (one program per SM, the steps as phases
 with a grid-wide barrier between them) has no launches to ramp but pays a barrier a phase. This
 measures both on one GPU, a line each:

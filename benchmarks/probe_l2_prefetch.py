@@ -26,7 +26,7 @@ during those kernels by a kernel on a side branch of the captured graph, off the
 
 The prefetch kernel gives each thread one chunk: ``cp.async.bulk.prefetch.L2`` (sm90) of 16 or
 64 KB, or ``prefetch.global.L2`` of one 128-byte line. Both are hints: no value changes.
-Results: benchmarks/h200/l2_prefetch_side_branch_42cb8f9_h100_log.txt, docs/KERNELS.md
+Results: benchmarks/h200/l2_prefetch_side_branch_42cb8f9_h100_log.txt, benchmarks/h200/KERNEL_RUNS.md
 ("Twenty-third device runs").
 """
 

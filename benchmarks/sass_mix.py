@@ -7,7 +7,7 @@ Each variant (batch 1: three FMA tiles, ``BATCH1_CONFIG`` first; more rows: the 
 ``compile_kernels.py``'s compile-only driver, disassembled with Triton's bundled ``nvdisasm`` and
 ``cuobjdump``, and printed as one line: registers, stack bytes, the whole kernel's instruction
 count, and the K loop's (the longest span from a label to the backward branch to it) with its most
-frequent opcodes. What a variant costs a code, before a GPU times it (docs/KERNELS.md, "The batch-1
+frequent opcodes. What a variant costs a code, before a GPU times it (benchmarks/h200/KERNEL_RUNS.md, "The batch-1
 forms, by the SASS, then by the GPU": fewer instructions did not mean less time); the counts are
 of the compiler here, not necessarily the device's.
 """

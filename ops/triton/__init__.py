@@ -6,7 +6,7 @@ inputs it does not cover (odd dtypes or strides, batch over moe's MAX_BATCH). Im
 this package needs no triton; ``register_all()`` registers nothing when triton is
 missing and returns the names it registered.
 
-Kernels (docs/KERNELS.md has the byte counts, predictions and measurements):
+Kernels (docs/KERNELS.md has the byte counts and where they stand; benchmarks/h200/KERNEL_RUNS.md every run):
 
 ========================  =========================================================
 op                        module

@@ -80,7 +80,8 @@ from draftgraph.ops.triton.fp8_linear import project, split_tiles
 from draftgraph.ops.triton.fp8_round import fp8_round_rows, round_row
 from draftgraph.ops.triton.gemv import GemvConfig, norm_block
 
-# Tuned on an H200 at V4-Flash shapes, batch 1 (docs/KERNELS.md); batch > 1 uses gemv.BATCHED.
+# Tuned on an H200 at V4-Flash shapes, batch 1 (benchmarks/h200/KERNEL_RUNS.md, "Device run 2");
+# batch > 1 uses gemv.BATCHED.
 PROJ_CONFIG = GemvConfig(8, 1024, 4, 3, use_dot=False)  # wq_a + wkv: 1536 x 4096
 Q_CONFIG = GemvConfig(16, 1024, 4, 2, use_dot=False)  # wq_b: 32768 x 1024, q_norm prologue
 # W8A8 from 8 rows: wq_b with its activations rounded in the kernel and multiplied on the FP8

@@ -60,7 +60,7 @@ sum over blocks is fp32 in registers, as DeepSeek's own FP8 GEMM promotes its pa
 128 columns. The decode the bf16 dot tiles spend most of their instructions on (a third of the
 loop's PTX is the e4m3 -> fp32 -> bf16 conversion) is gone; an activation tile of B rows is
 rounded in each program that reads it (B x 128 values a K step). Measured alone on an H100
-(benchmarks/bench_w8a8_gemv.py, docs/KERNELS.md "Seventeenth device runs") it pays only where N
+(benchmarks/bench_w8a8_gemv.py, benchmarks/h200/KERNEL_RUNS.md, "Seventeenth device runs") it pays only where N
 is large: wq_b (32768 x 1024) on 128-row tiles, 14.4 us at 32 rows against 26.6 for the bf16 tiles
 on rounded activations, which the attention's W8A8 path takes from 8 rows; the N <= 4096 linears
 are slower this way (too few tiles), and the 32-row default tiles (mma.sync on converted codes,

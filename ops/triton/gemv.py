@@ -43,7 +43,8 @@ class GemvConfig:
 
 DEFAULT = GemvConfig()
 BATCHED = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)  # any FMA config at batch > 1
-# Tuned on an H200 at V4-Flash shapes, batch 1 (benchmarks/bench_kernels.py --tune; docs/KERNELS.md):
+# Tuned on an H200 at V4-Flash shapes, batch 1 (benchmarks/bench_kernels.py --tune;
+# benchmarks/h200/KERNEL_RUNS.md, "Device run 2"):
 # narrow FMA row blocks over long K runs won at batch 1 (more programs, 16-byte loads, no
 # padding to 16 activation rows); the dot variant at n64 k128 is within 1% on the LM head.
 LM_HEAD_CONFIG = GemvConfig(block_n=4, block_k=2048, num_warps=4, num_stages=3, use_dot=False)

@@ -9,7 +9,7 @@ The interpreter runs no PTX: there they are plain loads. The price: Triton's sof
 (``num_stages``, ``cp.async`` into shared memory) does not take inline-PTX loads, so a loop of them
 pays each tile's latency in turn. That pays where the decode binds (the MXFP4 words) and did not
 for FP8, whose decode is one conversion (words and an mma GEMV measured slower than the pipelined
-tiles and removed, fc9e251: docs/KERNELS.md, "Fifth device runs").
+tiles and removed, fc9e251: benchmarks/h200/KERNEL_RUNS.md, "Fifth device runs").
 
 The activations are read as int32 bf16 pairs (column 2j in the low half): ``bf16_lo`` / ``bf16_hi``
 give the two values as fp32 by shifts, no conversion instruction. ``lane_store`` stores by the lane

@@ -67,8 +67,8 @@ GROUPED_MIN_BATCH = 2
 GATE_SPLIT = 8
 GATE_CONFIG = GemvConfig(block_n=16, block_k=128, num_warps=4, num_stages=3)
 # Batch 1 (FMA allowed) and batched (dot) configs of the two expert kernels, tuned on an H200
-# at V4-Flash shapes (docs/KERNELS.md): at batch 1 FMA beat the best dot tiles by 14 us (w13)
-# and 23 us (w2).
+# at V4-Flash shapes (benchmarks/h200/KERNEL_RUNS.md, "Device run 2"): at batch 1 FMA beat the best
+# dot tiles by 14 us (w13) and 23 us (w2).
 W13_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=3, use_dot=False)
 W2_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=3, use_dot=False)
 W13_CONFIG_BATCHED = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)

@@ -41,7 +41,7 @@ an expert 20 rows chose took three passes' time in one program at the end of the
 
 Note "chunks of 16": a chunk's program decodes every word of its expert's rows (two matrices of
 2048 x 4096 codes for w13), whatever its rows; a chunk costs ~5 us of its program's chain of loads,
-decodes and mmas, whether its words come from L2 or HBM (docs/KERNELS.md, "Eleventh device runs"),
+decodes and mmas, whether its words come from L2 or HBM (benchmarks/h200/KERNEL_RUNS.md, "Eleventh device runs"),
 so at B=32 (~23 experts, ~36 chunks of 8) w13 and w2 paid ~36 decodes of an expert for ~23 distinct
 ones. Past 8 rows a batch (``mma_chunk_rows``) the table cuts chunks of 16, and a program whose chunk
 has more than 8 rows runs its pass on two batch tiles (``_mma_pass2``): each word is decoded once
@@ -67,7 +67,7 @@ in part order (the same sums whichever comes last: deterministic) and stores the
 unsplit program does. The counters are zeroed by the expert-row table's launch, which runs
 before w13 in the same op; the partials live in the op's scratch. Four parts (the default) took
 w13 at B=8 from 208 to 186 us (random routing) and 120 to 98 (23 experts) on an H100; eight
-lost at B=32 (docs/KERNELS.md, "Eighth device runs").
+lost at B=32 (benchmarks/h200/KERNEL_RUNS.md, "Eighth device runs").
 
 Note "rebiased scale": a code's bits placed as a bf16 (``_decode_lines``) are its value times
 2^-126, so the decode multiplies each pair by 2^126 and then by the block scale 2^(byte - 127): two
@@ -78,7 +78,7 @@ exact code; the product is the one rounding either way). The fused op asks its b
 (``QuantWeight.max_scale_byte``: one device read, kept on the weight; a direct ``moe_mxfp4`` call
 reads the scales, ``rebias_fits``) and passes REBIASED; a matrix with a larger scale keeps the two
 multiplies, as does a capture that finds a weight not yet read. Under the interpreter both are the
-twin. Measured: the MoE is not bound by its decode (B=32 -6 us; docs/KERNELS.md, "Tenth device runs").
+twin. Measured: the MoE is not bound by its decode (B=32 -6 us; benchmarks/h200/KERNEL_RUNS.md, "Tenth device runs").
 
 The shared expert (FP8, every row) takes the dot tiles (``_shared_w13_dot``, ``_shared_w2_dot``).
 Scratch, partials and the reduce are ``moe_mxfp4``'s expert-major ones. Under the interpreter,
