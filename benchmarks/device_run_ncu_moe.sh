@@ -9,7 +9,9 @@
 # For each case, two ncu runs (the MoE's first w13 and w2 launches; the first six FP8 GEMV
 # launches: one step's), then OUT/ncu_bB.txt (speed of light, occupancy, warp states, and
 # ncu_sass.py's summary: samples by stall reason, the hottest instructions, the opcode mix) and
-# OUT/sass_bB.csv.gz (the SASS source page, for a second look here). ~2 min a case on an H100.
+# OUT/sass_bB.csv.gz (the SASS source page, for a second look here). Not yet run: expected ~1 min an
+# ncu run (the weights are made each time), 4 runs in all; each is cut at 200 s, so if a case runs
+# long, give one case a call (`... OUT 32x1`, then `... OUT 8x1`).
 set -uo pipefail
 out=${1:?usage: device_run_ncu_moe.sh OUT [CASES]}
 cases=${2:-32x1,8x1}
@@ -26,7 +28,7 @@ for case in ${cases//,/ }; do
     for kernels in "_w13_mma_kernel|_w2_mma_kernel:2" "_fp8_gemv_kernel:6"; do
         name=${kernels%:*} count=${kernels##*:} tag=$(echo "${name%%|*}" | tr -dc 'a-z0-9')
         echo "== B=$b $name (first $count launches)"
-        timeout 280 "$ncu" --graph-profiling node --clock-control none --kernel-name "regex:$name" \
+        timeout 200 "$ncu" --graph-profiling node --clock-control none --kernel-name "regex:$name" \
             --launch-count "$count" --section SpeedOfLight --section Occupancy --section WarpStateStats \
             --section SourceCounters -f -o "$scratch/b${b}_$tag" \
             python3 benchmarks/ab_chain.py --cases "$case" --rounds 1 base: >"$scratch/b${b}_$tag.log" 2>&1
