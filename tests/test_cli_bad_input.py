@@ -57,6 +57,7 @@ def root(tmp_path_factory) -> Path:
     _edit_config(root / "wider", hidden_size=512)  # every tensor misshapen: 67 problems
     (root / "read_only").mkdir()
     (root / "header_only.csv").write_text("id,lower,upper,size\n")
+    (root / "binary.csv").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))  # a picture named .csv
     (root / "huge.csv").write_text("id,lower,upper,size\nb1,0,3,100000000000000000000000\n")
     (root / "huge_total.csv").write_text("id,lower,upper,size\n" + "".join(f"b{i},0,3,{2**61}\n" for i in range(2)))
     (root / "ok.csv").write_text("id,lower,upper,size\nb1,0,3,4\n")
@@ -167,6 +168,10 @@ CASES = [
     ("plan_csv_size_1e23", ["plan-csv", "{root}/huge.csv"], ["size", "100000000000000000000000"]),
     ("plan_csv_total_size_overflows", ["plan-csv", "{root}/huge_total.csv"], ["sizes", "a total below 2**62"]),
     ("plan_csv_header_only", ["plan-csv", "{root}/header_only.csv"], ["at least one buffer row"]),
+    ("plan_csv_not_utf8", ["plan-csv", "{root}/binary.csv"],
+     ["binary.csv", "a UTF-8 MiniMalloc CSV file", "at byte 0"]),
+    ("arena_csv_not_utf8", ["arena", "--format", "text", "--csv", "{root}/binary.csv"],
+     ["PlanError", "a UTF-8 MiniMalloc CSV file", "at byte 0"]),
     ("plan_csv_time_limit_nan", ["plan-csv", "{root}/ok.csv", "--time-limit", "nan"], ["--time-limit", "nan"]),
     ("plan_csv_time_limit_0", ["plan-csv", "{root}/ok.csv", "--time-limit", "0"], ["--time-limit", "got 0"]),
 ]

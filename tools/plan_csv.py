@@ -69,9 +69,6 @@ def run(args: argparse.Namespace) -> int:
         return _fail(describe("file", "a MiniMalloc CSV file", f"{str(args.file)!r} (no such file)"))
     except OSError as err:  # a folder, no permission, a name the system cannot look up
         return _fail(describe("file", "a readable MiniMalloc CSV file", f"{str(args.file)!r} ({err.strerror or err})"))
-    except UnicodeDecodeError as err:
-        return _fail(describe("file", "a UTF-8 MiniMalloc CSV file", f"{str(args.file)!r} ({err.reason} at byte "
-                              f"{err.start})", "save it as UTF-8 text"))
     except (DraftGraphError, ValueError) as err:
         return _fail(str(err).splitlines()[0])
 

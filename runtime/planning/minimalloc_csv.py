@@ -126,9 +126,16 @@ def parse_minimalloc_csv(text: str, source: str = "<csv>") -> MiniMallocCsv:
 
 
 def read_minimalloc_csv(path: str | Path) -> MiniMallocCsv:
-    """Read a MiniMalloc CSV file (problem or solution); raises FileNotFoundError or PlanError."""
+    """Read a MiniMalloc CSV file (problem or solution); raises OSError (FileNotFoundError: none
+    there) or PlanError (bytes that are not UTF-8 text among them)."""
     path = Path(path)
-    return parse_minimalloc_csv(path.read_text(), source=path.name)
+    data = path.read_bytes()
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as err:  # a binary file, a Latin-1 export: one typed line, not a traceback
+        raise PlanError(describe(path.name, "a UTF-8 MiniMalloc CSV file", f"{err.reason} at byte {err.start}",
+                                 "save it as UTF-8 text")) from None
+    return parse_minimalloc_csv(text, source=path.name)
 
 
 def load_minimalloc_csv(path: str | Path) -> list[Buffer]:
