@@ -58,6 +58,8 @@ def root(tmp_path_factory) -> Path:
     (root / "read_only").mkdir()
     (root / "header_only.csv").write_text("id,lower,upper,size\n")
     (root / "binary.csv").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))  # a picture named .csv
+    (root / "zero_config").mkdir()
+    (root / "zero_config" / "config.json").symlink_to("/dev/zero")  # endless: must not be read to the end
     (root / "huge.csv").write_text("id,lower,upper,size\nb1,0,3,100000000000000000000000\n")
     (root / "huge_total.csv").write_text("id,lower,upper,size\n" + "".join(f"b{i},0,3,{2**61}\n" for i in range(2)))
     (root / "ok.csv").write_text("id,lower,upper,size\nb1,0,3,4\n")
@@ -172,6 +174,10 @@ CASES = [
      ["binary.csv", "a UTF-8 MiniMalloc CSV file", "at byte 0"]),
     ("arena_csv_not_utf8", ["arena", "--format", "text", "--csv", "{root}/binary.csv"],
      ["PlanError", "a UTF-8 MiniMalloc CSV file", "at byte 0"]),
+    ("plan_csv_endless", ["plan-csv", "/dev/zero"], ["zero", "at most 67108864 bytes", "an endless stream"]),
+    ("arena_csv_endless", ["arena", "--format", "text", "--csv", "/dev/zero"], ["PlanError", "an endless stream"]),
+    ("dump_config_endless", ["dump", "--checkpoint", "{root}/zero_config"],
+     ["WeightError", "more than 16777216 bytes"]),
     ("plan_csv_time_limit_nan", ["plan-csv", "{root}/ok.csv", "--time-limit", "nan"], ["--time-limit", "nan"]),
     ("plan_csv_time_limit_0", ["plan-csv", "{root}/ok.csv", "--time-limit", "0"], ["--time-limit", "got 0"]),
 ]

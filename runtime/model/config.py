@@ -19,6 +19,9 @@ from draftgraph.runtime.model.checkpoint_path import as_path, path_kind
 # dozens of misshapen-tensor errors (or, with a matching checkpoint, a silently different model).
 # Every other field is an architecture constant of V4 (mHC streams, norms' eps, RoPE, routing) or a
 # runtime bound, and defaults to V4-Flash's value.
+# A Hugging Face config.json is a few KB (DeepSeek-V4-Flash's ~3 KB); more is not a config.
+MAX_CONFIG_BYTES = 16 << 20
+
 REQUIRED_FIELDS = (
     "hidden_size",
     "num_hidden_layers",
@@ -209,8 +212,12 @@ class V4Config:
                 "(hint: point --checkpoint at the folder that holds config.json)"
             )
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
+            with path.open("rb") as file:  # bounded: a config.json that is a device or a pipe is not read to the end
+                raw = file.read(MAX_CONFIG_BYTES + 1)
+            if len(raw) > MAX_CONFIG_BYTES:
+                raise ValueError(f"more than {MAX_CONFIG_BYTES} bytes (a device or an endless stream?)")
+            data = json.loads(raw)
+        except (OSError, ValueError) as exc:  # unreadable, too long, not UTF-8, not JSON
             raise WeightError(
                 describe(f"config {path}", "a JSON object", repr(exc), "write it with V4Config.save")
             ) from exc

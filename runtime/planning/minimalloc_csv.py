@@ -125,11 +125,20 @@ def parse_minimalloc_csv(text: str, source: str = "<csv>") -> MiniMallocCsv:
     return MiniMallocCsv(tuple(buffers), offsets if "offset" in position else None)
 
 
+# 64 MiB: about two million buffer rows, far past what the planner is for (the benchmarks' largest
+# file is 11 KB); it bounds what a device or an endless pipe given as the file would make us read.
+MAX_CSV_BYTES = 64 << 20
+
+
 def read_minimalloc_csv(path: str | Path) -> MiniMallocCsv:
     """Read a MiniMalloc CSV file (problem or solution); raises OSError (FileNotFoundError: none
-    there) or PlanError (bytes that are not UTF-8 text among them)."""
+    there) or PlanError (past MAX_CSV_BYTES, bytes that are not UTF-8 text, rows that do not parse)."""
     path = Path(path)
-    data = path.read_bytes()
+    with path.open("rb") as file:  # bounded: a device or an endless pipe (/dev/zero) is refused, not read
+        data = file.read(MAX_CSV_BYTES + 1)
+    if len(data) > MAX_CSV_BYTES:
+        raise PlanError(describe(path.name, f"a MiniMalloc CSV file of at most {MAX_CSV_BYTES} bytes",
+                                 "more (a device or an endless stream?)", "give it a CSV file"))
     try:
         text = data.decode()
     except UnicodeDecodeError as err:  # a binary file, a Latin-1 export: one typed line, not a traceback
