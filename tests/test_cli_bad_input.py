@@ -161,6 +161,9 @@ CASES = [
     ("draw_dpi_0", ["draw", "--out", "{root}/chain.png", "--engine", "matplotlib", "--dpi", "0"], ["--dpi", "0"]),
     ("draw_runner_nosuch", ["draw", "--out", "{root}/chain.png", "--runner", "nosuch"], ["RunnerError", "'nosuch'"]),
     ("draw_out_missing_folder", ["draw", "--out", "{root}/nowhere/chain.png"], ["--out", "does not exist"]),
+    ("draw_out_gif", ["draw", "--out", "{root}/chain.gif"], ["--out", "a .svg or .png file", "chain.gif"]),
+    # refused before planning: matplotlib would take the suffix only when saving, after the work
+    ("arena_out_csv_suffix", ["arena", "--out", "{root}/arena.csv"], ["--out", "a .svg or .png file", "arena.csv"]),
     ("arena_runner_nosuch", ["arena", "--format", "text", "--runner", "nosuch"], ["RunnerError", "'nosuch'"]),
     ("arena_out_read_only", ["arena", "--out", "{root}/read_only/a.png"], ["--out", "not writable"]),
     ("arena_csv_header_only", ["arena", "--format", "text", "--csv", "{root}/header_only.csv"],

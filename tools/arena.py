@@ -188,7 +188,13 @@ def format_table(view: ArenaView) -> str:
 
 
 def run(args) -> int:
-    from draftgraph.tools.arg_checks import check_output_file, check_output_folder, check_seconds, lookup_errors
+    from draftgraph.tools.arg_checks import (
+        check_output_file,
+        check_output_folder,
+        check_seconds,
+        lookup_errors,
+        picture_format,
+    )
     from draftgraph.tools.cli import UsageError
 
     if args.format == "png" and args.out is None:
@@ -202,6 +208,8 @@ def run(args) -> int:
     if csv_folder and args.format == "png":
         check_output_folder("--out", args.out, what="a folder for the pictures (made if need be)", create=True)
     else:
+        if args.format == "png":
+            picture_format("--out", args.out)
         check_output_file("--out", args.out)
     if csv_folder:
         return _run_folder(args)

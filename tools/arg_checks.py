@@ -52,6 +52,14 @@ def check_seconds(flag: str, value: float) -> None:
         raise UsageError(describe(flag, "a finite number of seconds > 0", value))
 
 
+def picture_format(flag: str, path: Path) -> str:
+    """``"svg"`` or ``"png"``, from ``path``'s suffix: the pictures the tools draw; any other is a UsageError."""
+    suffix = path.suffix.lower().lstrip(".")
+    if suffix not in ("svg", "png"):
+        raise UsageError(describe(flag, "a .svg or .png file", repr(str(path)), "name the picture .png or .svg"))
+    return suffix
+
+
 def check_output_file(flag: str, path: str | Path | None) -> None:
     """``path`` can be written: not a folder, and its folder exists and is writable. None passes."""
     if path is None:

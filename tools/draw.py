@@ -51,23 +51,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def picture_format(path: Path) -> str:
-    from draftgraph.tools.cli import UsageError
-
-    suffix = path.suffix.lower().lstrip(".")
-    if suffix not in ("svg", "png"):
-        raise UsageError(f"--out: expected a .svg or .png file, got {str(path)!r}")
-    return suffix
-
-
 def run(args) -> int:
     from draftgraph.runtime.errors import describe
     from draftgraph.runtime.ir.schedule import flatten
-    from draftgraph.tools.arg_checks import check_output_file
+    from draftgraph.tools.arg_checks import check_output_file, picture_format
     from draftgraph.tools.chain_select import selected_graph
     from draftgraph.tools.cli import UsageError
 
-    fmt = picture_format(args.out)
+    fmt = picture_format("--out", args.out)
     check_output_file("--out", args.out)
     if args.dpi < 1:
         raise UsageError(describe("--dpi", "a resolution >= 1 dots per inch", args.dpi, "the default is 110"))
