@@ -23,6 +23,10 @@ def check_device(device: object, what: str = "device") -> torch.device:
         parsed = None
     if parsed is None or parsed.type not in ("cpu", "cuda"):
         raise InputError(describe(what, RUNS_ON, repr(device), "the runtime runs on the CPU and on CUDA GPUs"))
+    if parsed.type == "cpu":  # one CPU device: cpu:0 is cpu (tensors report plain cpu), cpu:1 is nothing
+        if parsed.index not in (None, 0):
+            raise InputError(describe(what, RUNS_ON, repr(device), "the CPU is one device: cpu (or cpu:0)"))
+        return torch.device("cpu")
     if parsed.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:

@@ -54,3 +54,15 @@ def describe(what: str, expected: object, got: object, hint: str | None = None) 
     if hint:
         text += f" (hint: {hint})"
     return text
+
+
+MAX_LISTED_PROBLEMS = 8  # on an error's first line (the one line the CLI prints); all of them follow
+
+
+def first_problems(problems: list[str]) -> str:
+    """The first ``MAX_LISTED_PROBLEMS`` of ``problems`` on one line, and how many more: for the
+    first line of an error that lists them all below it, one a line."""
+    shown = "; ".join(problems[:MAX_LISTED_PROBLEMS])
+    if len(problems) > MAX_LISTED_PROBLEMS:
+        shown += f"; ... and {len(problems) - MAX_LISTED_PROBLEMS} more"
+    return shown

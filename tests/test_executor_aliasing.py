@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from draftgraph.runtime.errors import ExecutionError, PlanError
+from draftgraph.runtime.errors import ExecutionError, InputError, PlanError
 from draftgraph.runtime.execution.eager import EagerExecutor
 from draftgraph.runtime.passes import run_passes
 from draftgraph.runtime.planning.graph_plan import plan_graph
@@ -119,3 +119,26 @@ def test_execution_errors_name_the_node():
     with pytest.raises(ExecutionError, match=rf"while executing %{first.node.name}.*kaboom"):
         ex.run(random_inputs(graph, 2, 5))
     first.impl = original
+
+
+def test_a_bind_error_names_its_first_problems_on_its_first_line():
+    """The CLI prints an error's first line only: it must say what is wrong, not just "cannot bind"."""
+    from draftgraph.runtime.ir.builder import GraphBuilder
+    from draftgraph.runtime.ir.tensor_spec import B, TensorSpec
+
+    b = GraphBuilder("bind")
+    x = b.input("x", TensorSpec((B, 4), torch.float32))
+    ws = [b.weight(f"w{i}", TensorSpec((4, 4), torch.float32)) for i in range(10)]
+    y = x
+    for w in ws:
+        y = b.op("linear", [y, w])
+    b.output(y)
+    weights = {f"w{i}": torch.zeros(4, 4) for i in range(10)}
+    weights["w0"] = torch.zeros(4, 5)
+    del weights["w1"]
+    with pytest.raises(InputError) as info:
+        EagerExecutor(b.build(), 2, weights)
+    first, *rest = str(info.value).splitlines()
+    assert first == ("cannot bind graph tensors: 2 problem(s): @w0: expected f32[4,4], got f32[4,5]; "
+                     "@w1: missing (expected f32[4,4])")
+    assert len(rest) == 2

@@ -245,3 +245,12 @@ def test_accept_greedy_refuses_a_window_of_the_wrong_length(drafts, target_token
     with pytest.raises(InputError, match=match):
         accept_greedy(drafts, target_tokens)
     assert accept_greedy([5, 7, 9], [5, 7, 2, 4]) == (2, 2)
+
+
+def test_the_cpu_is_one_device():
+    """cpu:0 is the cpu; cpu:1 was accepted and then every weight failed to bind at the first propose."""
+    from draftgraph.runtime.device import check_device
+
+    assert check_device("cpu:0") == torch.device("cpu") == check_device(torch.device("cpu", 0))
+    with pytest.raises(InputError, match=r"^device: expected cpu, cuda or cuda:N, got 'cpu:1' \(hint: the CPU is one"):
+        check_device("cpu:1")

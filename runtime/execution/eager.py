@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from draftgraph.ops.overlap import SideStream
 from draftgraph.runtime.device import concrete_device
-from draftgraph.runtime.errors import ExecutionError, InputError, describe
+from draftgraph.runtime.errors import ExecutionError, InputError, describe, first_problems
 from draftgraph.runtime.execution.kernel_choice import (
     NOT_COMPILED,
     check_kernels,
@@ -155,7 +155,8 @@ class EagerExecutor:
             else:
                 self.bound[value.name] = tensor
         if problems:
-            raise InputError("cannot bind graph tensors:\n  " + "\n  ".join(problems))
+            raise InputError(f"cannot bind graph tensors: {len(problems)} problem(s): {first_problems(problems)}"
+                             + "\n  " + "\n  ".join(problems))
 
     def _bind_arena(self) -> None:
         plan, groups = self.plan, self.plan.groups

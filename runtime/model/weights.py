@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from draftgraph.runtime.device import check_device
-from draftgraph.runtime.errors import InputError, WeightError, describe
+from draftgraph.runtime.errors import InputError, WeightError, describe, first_problems
 from draftgraph.runtime.model.checkpoint_path import as_path, path_kind
 from draftgraph.runtime.model.checkpoint_writer import INDEX_FILE, make_synthetic_checkpoint, write_checkpoint
 from draftgraph.runtime.model.config import V4Config
@@ -69,7 +69,6 @@ SCALE_DTYPES = ("F8_E8M0", "U8", "F32")  # UE8M0 bytes, or plain fp32 factors (V
 WEIGHT_MODES = ("bf16", "native")  # load_checkpoint's weights=: dequantise at load, or keep as stored
 MXFP4_DTYPES = ("I8", "U8", "F4")
 ACCEPTED = {"bf16": ("BF16", "F16", "F32"), "fp32": ("F32",), "int32": ("I32", "I64")}
-MAX_LISTED_PROBLEMS = 8  # on the error's first line (the one line the CLI prints); all of them follow
 DAMAGED_HINT = "the file is truncated or not a safetensors file: copy or write it again"
 CHECKPOINT_PATH = "a folder or a .safetensors file"  # what load_checkpoint takes, in its errors
 
@@ -347,10 +346,8 @@ def _read_header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 
 def _problems_message(path, problems: list[str]) -> str:
-    """The first ``MAX_LISTED_PROBLEMS`` problems and the hint on the first line, then all, one a line."""
-    shown = "; ".join(problems[:MAX_LISTED_PROBLEMS])
-    if len(problems) > MAX_LISTED_PROBLEMS:
-        shown += f"; ... and {len(problems) - MAX_LISTED_PROBLEMS} more"
+    """The first problems (``first_problems``) and the hint on the first line, then all, one a line."""
+    shown = first_problems(problems)
     first = describe(
         f"checkpoint {path}",
         "the tensors config.json describes",
