@@ -100,6 +100,8 @@ CASES = [
     ("draft_checkpoint_is_config_json", [*DRAFT, "--checkpoint", "{root}/good/config.json"],
      ["checkpoint path", "a .safetensors file", "the file", "give the folder"]),
     ("device_tpu", [*DRAFT, "--checkpoint", "{root}/good", "--device", "tpu"], ["--device", "'tpu'"]),
+    ("draft_hidden_missing", [*DRAFT[:4], "{root}/nowhere.safetensors", *DRAFT[5:], "--checkpoint", "{root}/good"],
+     ["--hidden", "a tensor named 'hidden'", "no file at", "save_file"]),
     ("device_cpu_1", [*DRAFT, "--checkpoint", "{root}/good", "--device", "cpu:1"],
      ["--device", "'cpu:1'", "one device"]),
     ("device_cuda_without_cuda", [*DRAFT, "--checkpoint", "{root}/good", "--device", "cuda"], ["--device", "cuda"]),

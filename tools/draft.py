@@ -48,7 +48,8 @@ def load_hidden(path: Path) -> torch.Tensor:
     with lookup_errors("--hidden", "a safetensors file", path):
         missing = not path.exists()
     if missing:
-        raise UsageError(f"--hidden: no file at {path}")
+        raise UsageError(f"--hidden: expected a safetensors file holding a tensor named 'hidden', got no file at "
+                         f"{path} (hint: save it with safetensors.torch.save_file({{'hidden': tensor}}, path))")
     try:
         with safe_open(str(path), framework="pt") as f:
             if "hidden" not in f.keys():
