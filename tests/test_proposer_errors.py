@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from draftgraph.runtime.errors import CacheError, InputError
@@ -148,6 +149,8 @@ def test_pool_exhaustion_is_a_cache_error_and_changes_nothing():
     ({"mtp_vocab_size": False}, "mtp_vocab_size: expected an int in [0, 100]"),  # False had passed as 0
     ({"draft_conf_tau": "0.5"}, "draft_conf_tau: expected a number in [0, 1]"),  # was a TypeError
     ({"draft_conf_tau": float("nan")}, "got nan"),
+    ({"buckets": None}, "buckets: expected a sequence of ints >= 1 (batch sizes), got None"),  # was a TypeError
+    ({"buckets": (1, True)}, "got (1, True)"),
 ], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
 def test_bad_options_are_typed_before_any_allocation(options, fragment):
     with pytest.raises(InputError) as e:
@@ -254,3 +257,14 @@ def test_the_cpu_is_one_device():
     assert check_device("cpu:0") == torch.device("cpu") == check_device(torch.device("cpu", 0))
     with pytest.raises(InputError, match=r"^device: expected cpu, cuda or cuda:N, got 'cpu:1' \(hint: the CPU is one"):
         check_device("cpu:1")
+
+
+@pytest.mark.parametrize("buckets", [None, 8, "12", (), (0, 2), (1.5,), (np.True_,)])
+def test_set_buckets_refuses_what_the_options_refuse_and_keeps_its_own(buckets):
+    prop = make_proposer(TINY, buckets=(1, 4))
+    with pytest.raises(InputError, match=r"^buckets: expected a sequence of ints >= 1 \(batch sizes\), got "):
+        prop.set_buckets(buckets)
+    assert prop.buckets == (1, 4)
+    prop.set_buckets([np.int64(2), 1, 2])  # numpy ints taken as ints, sorted, once each
+    assert prop.buckets == (1, 2)
+

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from draftgraph.runtime.errors import InputError, describe
 from draftgraph.runtime.execution.kernel_choice import check_kernels
@@ -118,14 +121,27 @@ class ProposerOptions:
         if not _int_in(self.max_num_drafts, 1, block_size):
             raise InputError(describe("max_num_drafts", f"an int in [1, {block_size}] (the cache's block size)",
                                       repr(self.max_num_drafts)))
-        buckets = tuple(self.buckets)
-        if not buckets or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets):
-            raise InputError(describe("buckets", "ints >= 1", list(buckets)))
+        check_buckets(self.buckets)
 
     def check_on(self, device) -> None:
         """The checks that need the device (the weights option resolves by device)."""
         if self.activations == "fp8" and self.weights_on(device) == "bf16":
             raise InputError(_W8A8_NEEDS_NATIVE)
+
+
+def check_buckets(buckets: object) -> tuple[int, ...]:
+    """The batch buckets as a sorted tuple of distinct ints >= 1, from a sequence of at least one
+    (numpy integers taken as ints, bools refused, as everywhere in the API)."""
+    try:
+        if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Sequence) or any(
+                isinstance(b, (bool, np.bool_)) for b in buckets):
+            raise TypeError
+        sizes = tuple(sorted({operator.index(b) for b in buckets}))
+    except TypeError:
+        sizes = ()
+    if not sizes or sizes[0] < 1:
+        raise InputError(describe("buckets", "a sequence of ints >= 1 (batch sizes)", repr(buckets)))
+    return sizes
 
 
 def _int_in(value: object, low: int, high: int) -> bool:

@@ -72,7 +72,7 @@ from draftgraph.runtime.proposer.checks import (
     check_state,
     check_states,
 )
-from draftgraph.runtime.proposer.options import DEFAULT_BUCKETS, ProposerOptions
+from draftgraph.runtime.proposer.options import DEFAULT_BUCKETS, ProposerOptions, check_buckets
 from draftgraph.runtime.proposer.runners.base import RunnerNode, load_runner, runner_name
 from draftgraph.runtime.proposer.sequences import SequenceRows
 from draftgraph.runtime.proposer.sharding import runners_for, shard_setup
@@ -176,7 +176,7 @@ class DeepseekV4MtpProposer:
         self.device = concrete_device(device) if device is not None else torch.device("cpu")
         self.id = next(_ids)
         self.max_seq_len = opts.max_seq_len or config.max_position_embeddings
-        self.buckets = tuple(sorted(set(opts.buckets)))
+        self.buckets = check_buckets(opts.buckets)
         blocks = opts.num_cache_blocks or self.buckets[-1] * (_window_blocks(config, opts) + 2)
         self.cache = PagedLatentCache(config, blocks, max_seq_len=self.max_seq_len, device=self.device)
         self.geometry = CacheGeometry(self.cache.kv.shape[0], self.cache.max_blocks_per_seq, self.cache.block_size)
@@ -644,12 +644,11 @@ class DeepseekV4MtpProposer:
     @_serialized
     def set_buckets(self, buckets: Sequence[int]) -> None:
         """A new bucket set: every captured graph is dropped."""
-        if not buckets or any((not isinstance(b, int)) or isinstance(b, bool) or b < 1 for b in buckets):
-            raise InputError(describe("buckets", "ints >= 1", list(buckets)))
-        if max(buckets) * (_window_blocks(self.config, self.options) + 1) > self.cache.num_blocks:
+        buckets = check_buckets(buckets)
+        if buckets[-1] * (_window_blocks(self.config, self.options) + 1) > self.cache.num_blocks:
             raise InputError(describe("largest bucket", f"one the cache pool ({self.cache.num_blocks} blocks) can "
-                                      "serve", max(buckets)))
-        self.buckets = tuple(sorted(set(buckets)))
+                                      "serve", buckets[-1]))
+        self.buckets = buckets
         self._size_batch_buffers()
         self._staging.clear()
         self._continuation_staging.clear()
