@@ -268,3 +268,59 @@ def test_set_buckets_refuses_what_the_options_refuse_and_keeps_its_own(buckets):
     prop.set_buckets([np.int64(2), 1, 2])  # numpy ints taken as ints, sorted, once each
     assert prop.buckets == (1, 2)
 
+
+
+def _prefilled(prop, gen):
+    state = prop.alloc_state()
+    prop.prefill_drafter([1, 2, 3], hidden(TINY, gen, n=3), state)
+    return state
+
+
+# Calls with arguments of the wrong kind that ended in a TypeError, IndexError, AttributeError or
+# ValueError from inside (found by a random fuzz of every public method); each must be an InputError
+# and leave the state, the pool and the cache as they were.
+MISUSE = {
+    "after_verify_batch with no counts": lambda p, s, h: p.after_verify_batch([], [s]),  # was an IndexError
+    "after_verify_batch with a float": lambda p, s, h: p.after_verify_batch(1.5, [s]),
+    "after_verify_batch with a dict": lambda p, s, h: p.after_verify_batch({}, [s]),
+    "catchup_batch with a 0-d token tensor": lambda p, s, h: p.catchup_batch(torch.tensor(1), [h[None]], [0], [s]),
+    "catchup_batch with 0-d states": lambda p, s, h: p.catchup_batch([[1]], [h[None]], [0], torch.tensor(1)),
+    "prefill_drafter with an int prompt": lambda p, s, h: p.prefill_drafter(5, h[None], s),
+    "free_drafter_kv of an int": lambda p, s, h: p.free_drafter_kv(3),
+    "free_drafter_kv of strings": lambda p, s, h: p.free_drafter_kv(["a"]),
+    "prefill_hidden_rows of a str": lambda p, s, h: p.prefill_hidden_rows("8"),
+    "capture of K 1000": lambda p, s, h: p.capture(1000),  # built a graph of 1000 steps first
+    "capture of a str": lambda p, s, h: p.capture("x"),
+    "chain_graph of K 2**63": lambda p, s, h: p.chain_graph(2**63),  # a hang
+    "chain_graph masked by an array": lambda p, s, h: p.chain_graph(1, masked=np.zeros(2)),
+    "warm_up of a bucket int": lambda p, s, h: p.warm_up(1, 4, [1]),
+    "warm_up of an unknown bucket": lambda p, s, h: p.warm_up(1, [3], [1]),
+    "set_circuit_draft of an array": lambda p, s, h: p.set_circuit_draft(np.zeros(2)),
+    "load_weights of one tensor": lambda p, s, h: p.load_weights({"embed.weight": h}),  # replaced them all
+    "load_weights of a str value": lambda p, s, h: p.load_weights({"embed.weight": "x"}),
+    "load_weights of a list": lambda p, s, h: p.load_weights([h]),
+}
+
+
+@pytest.mark.parametrize("call", MISUSE.values(), ids=MISUSE.keys())
+def test_misuse_is_typed_and_harmless(call):
+    from draftgraph.runtime.errors import DraftGraphError, RunnerError
+
+    gen = torch.Generator().manual_seed(11)
+    prop = make_proposer(TINY, buckets=(1, 4))
+    state = _prefilled(prop, gen)
+    weights = dict(prop.weights)
+    before = (state.snapshot(), prop.cache.num_free_blocks, prop.cache.kv.clone())
+    h = hidden(TINY, gen)
+    with pytest.raises(DraftGraphError) as info:
+        call(prop, state, h)
+    assert isinstance(info.value, (InputError, CacheError, RunnerError)), info.value
+    assert_unchanged(prop, state, before)
+    assert prop.weights.keys() == weights.keys() and all(prop.weights[k] is v for k, v in weights.items())
+    assert len(prop.propose(1, h, state.seq_len, 2, state)) == 2  # and the proposer still drafts
+
+
+def test_a_proposer_without_its_weights_is_refused_when_built():
+    """Was accepted, and every propose then failed to bind."""
+    with pytest.raises(InputError, match=r"^cannot bind graph tensors: \d+ problem\(s\): @embed.weight: missing"):
+        DeepseekV4MtpProposer(TINY, {})

@@ -3,6 +3,8 @@ bit-identical, a user runner loads from 'module:callable', a misbehaving runner 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from draftgraph.runtime.errors import ExecutionError, RunnerError
@@ -151,8 +153,11 @@ def test_a_callable_that_cannot_take_the_body_is_refused_when_set(prop):
 
 
 def test_chain_graph_names_a_k_that_is_not_an_int(prop):
-    from draftgraph.runtime.errors import GraphError
+    """K past max_num_drafts too: 2**63 built a graph of that many steps before (a hang)."""
+    from draftgraph.runtime.errors import InputError
 
-    for bad in ("a", 1.5, True, 0):
-        with pytest.raises(GraphError, match=f"num_drafts: expected an int >= 1, got {bad!r}"):
+    for bad in ("a", 1.5, True, 0, 9, 2**63):
+        with pytest.raises(InputError, match=re.escape(f"num_drafts: expected an int in [1, 8], got {bad!r}")):
             prop.circuit_draft(bad)
+        with pytest.raises(InputError, match=re.escape(f"num_drafts: expected an int in [1, 8], got {bad!r}")):
+            prop.chain_graph(bad)

@@ -47,6 +47,31 @@ class Step:
     poisonable: list[torch.Tensor]  # float outputs not aliasing an input: debug write check
 
 
+def bind_tensors(graph, weights: Mapping, state: Mapping, batch: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The graph's weight and state tensors by value name, each of its spec at ``batch`` and on
+    ``device``; an InputError listing every problem otherwise (its first line names the first ones)."""
+    problems, bound = [], {}
+    for value in graph.values.values():
+        if value.kind not in (ValueKind.WEIGHT, ValueKind.STATE):
+            continue
+        source = weights if value.kind == ValueKind.WEIGHT else state
+        tensor = source.get(value.name)
+        want = value.spec.concrete(batch)
+        if tensor is None:
+            problems.append(f"{value.ref}: missing (expected {value.spec})")
+        elif tuple(tensor.shape) != want or tensor.dtype != value.spec.dtype or \
+                TensorSpec.of(tensor).scale != value.spec.scale:  # a block-scaled weight's scales too
+            problems.append(describe(value.ref, value.spec.short(), TensorSpec.of(tensor).short()))
+        elif tensor.device != device:
+            problems.append(describe(f"{value.ref} device", device, tensor.device))
+        else:
+            bound[value.name] = tensor
+    if problems:
+        raise InputError(f"cannot bind graph tensors: {len(problems)} problem(s): {first_problems(problems)}"
+                         + "\n  " + "\n  ".join(problems))
+    return bound
+
+
 class EagerExecutor:
     """Run ``graph`` eagerly at one batch size.
 
@@ -138,25 +163,7 @@ class EagerExecutor:
 
     # ---- binding -------------------------------------------------------------
     def _bind_persistent(self, weights: dict, state: dict) -> None:
-        problems = []
-        for value in self.graph.values.values():
-            if value.kind not in (ValueKind.WEIGHT, ValueKind.STATE):
-                continue
-            source = weights if value.kind == ValueKind.WEIGHT else state
-            tensor = source.get(value.name)
-            want = value.spec.concrete(self.batch)
-            if tensor is None:
-                problems.append(f"{value.ref}: missing (expected {value.spec})")
-            elif tuple(tensor.shape) != want or tensor.dtype != value.spec.dtype or \
-                    TensorSpec.of(tensor).scale != value.spec.scale:  # a block-scaled weight's scales too
-                problems.append(describe(value.ref, value.spec.short(), TensorSpec.of(tensor).short()))
-            elif tensor.device != self.device:
-                problems.append(describe(f"{value.ref} device", self.device, tensor.device))
-            else:
-                self.bound[value.name] = tensor
-        if problems:
-            raise InputError(f"cannot bind graph tensors: {len(problems)} problem(s): {first_problems(problems)}"
-                             + "\n  " + "\n  ".join(problems))
+        self.bound.update(bind_tensors(self.graph, weights, state, self.batch, self.device))
 
     def _bind_arena(self) -> None:
         plan, groups = self.plan, self.plan.groups

@@ -48,6 +48,7 @@ from draftgraph.runtime.proposer.checks import (
     check_states,
     hidden_rows_ok,
     is_on,
+    sequence_length,
 )
 
 _FEW = 16  # sequences: below this, per-row work in Python lists beats numpy's per-call cost
@@ -112,9 +113,9 @@ def check_rows(prop, tokens: Sequence[Sequence[int]], hiddens, first_pos: Sequen
     hidden (one host sync; none with ``assume_finite``). None when no sequence has a row.
     ``keys``: the states' keys, as a propose of the same states made them (not yet checked).
     """
-    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
+    n = sequence_length(tokens)
+    if n is None:
         raise InputError(describe("tokens", "one sequence of token ids per state", type(tokens).__name__))
-    n = len(tokens)
     as_rows = isinstance(hiddens, HiddenRows)
     if not as_rows:
         check_batch("hiddens", hiddens, n)
@@ -129,8 +130,9 @@ def check_rows(prop, tokens: Sequence[Sequence[int]], hiddens, first_pos: Sequen
     else:  # item by item: the typed error of the first bad item, or rows of other types converted
         counts, toks, blocks = [], [], []
         for i in range(n):
-            check_batch(f"tokens[{i}]", tokens[i], len(tokens[i]) if hasattr(tokens[i], "__len__") else -1)
-            tok = check_ints(tokens[i], "catch-up tokens", 0, prop.config.vocab_size, len(tokens[i]))
+            length = sequence_length(tokens[i])
+            check_batch(f"tokens[{i}]", tokens[i], -1 if length is None else length)
+            tok = check_ints(tokens[i], "catch-up tokens", 0, prop.config.vocab_size, length)
             counts.append(len(tok))
             toks.append(tok)
             if as_rows:

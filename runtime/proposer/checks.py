@@ -73,7 +73,7 @@ def check_ints(values: Sequence | np.ndarray, what: str, low: int, high: int, n:
     if isinstance(values, np.ndarray) and values.dtype.kind in "iu" and values.ndim == 1:
         array = values.astype(np.int64, copy=False)
         items = array.tolist() if len(array) <= _SMALL else None
-    elif not isinstance(values, (str, bytes, torch.Tensor, np.ndarray)) and set(map(type, values)) <= PLAIN_INT_TYPES:
+    elif type(values) in (list, tuple) and set(map(type, values)) <= PLAIN_INT_TYPES:
         try:
             array = np.array(values, dtype=np.int64)
         except OverflowError:  # an int past int64: out of any range taken here
@@ -111,8 +111,9 @@ def check_state(state: object, owner: int, rows: SequenceRows, what: str = "stat
 
 def check_states(states: Sequence, owner: int, rows: SequenceRows, n: int) -> np.ndarray:
     """The batch's keys (sequences.py), int64 [n]: live states of this proposer, all distinct."""
-    if len(states) != n:
-        raise InputError(describe("states length", n, len(states), "one entry per sequence"))
+    length = states_length(states)
+    if length != n:
+        raise InputError(describe("states length", n, length, "one entry per sequence"))
     for i, state in enumerate(states):
         check_state(state, owner, rows, f"states[{i}]" if n > 1 else "state")
     keys = np.array([s.key for s in states], dtype=np.int64)
@@ -131,7 +132,7 @@ def check_hiddens(hiddens: Sequence | torch.Tensor | HiddenRows, shape: tuple[in
         return hiddens if hidden_rows_ok(hiddens, shape, device, n) else check_hidden_rows(hiddens, shape, device, n)
     if type(hiddens) is list and len(hiddens) == n and _are_ready(hiddens, shape, device):
         return hiddens
-    if isinstance(hiddens, (str, bytes)) or not hasattr(hiddens, "__len__"):
+    if sequence_length(hiddens) is None:
         raise InputError(describe("target_hiddens", f"a tensor [{n}, {', '.join(map(str, shape))}] or {n} tensors",
                                   type(hiddens).__name__))
     if len(hiddens) != n:
@@ -265,8 +266,28 @@ def check_bitmask(mask: object, words: int) -> torch.Tensor | None:
     return tensor.to(torch.int64).bitwise_and(0xFFFFFFFF).to(torch.int32) if tensor.dtype == torch.int64 else tensor
 
 
+def sequence_length(items: object) -> int | None:
+    """``len(items)`` of a sequence the API takes; None for a str or bytes and for what has no length
+    (a number, one state; a 0-d tensor or array, whose ``__len__`` raises)."""
+    if isinstance(items, (str, bytes, MtpProposerState)):
+        return None
+    try:
+        return len(items)
+    except TypeError:
+        return None
+
+
+def states_length(states: object) -> int:
+    """The number of states of a batch call; anything but a sequence of them is an InputError."""
+    n = sequence_length(states)
+    if n is None:
+        raise InputError(describe("states", "a sequence of states", type(states).__name__))
+    return n
+
+
 def check_batch(name: str, items: object, n: int) -> None:
-    if isinstance(items, (str, bytes)) or not hasattr(items, "__len__"):
+    length = sequence_length(items)
+    if length is None:
         raise InputError(describe(name, f"a sequence of {n}" if n >= 0 else "a sequence", type(items).__name__))
-    if len(items) != n:
-        raise InputError(describe(f"{name} length", n, len(items), "one entry per sequence"))
+    if length != n:
+        raise InputError(describe(f"{name} length", n, length, "one entry per sequence"))

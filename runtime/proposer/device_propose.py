@@ -57,13 +57,15 @@ from draftgraph.runtime.proposer.catchup import (
 )
 from draftgraph.runtime.proposer.checks import (
     any_set,
+    as_int,
     check_count,
     check_hiddens,
     check_ints,
     check_states,
     same_ints,
+    sequence_length,
+    states_length,
 )
-from draftgraph.runtime.proposer.state import MtpProposerState
 
 
 @dataclass(eq=False)
@@ -115,9 +117,7 @@ def propose_device(prop, last_tokens, target_hiddens, positions, num_drafts, sta
     largest bucket are written in prefill runs first and checked on the host (one sync), unless
     ``assume_finite`` (the caller checked them on the device).
     """
-    if isinstance(states, (str, bytes, MtpProposerState)) or not hasattr(states, "__len__"):
-        raise InputError(describe("states", "a sequence of states", type(states).__name__))
-    n = len(states)
+    n = states_length(states)
     if not 1 <= n <= prop.propose_batch_max():
         raise InputError(describe("batch size", f"1..{prop.propose_batch_max()} (propose_batch_max)", n))
     with prop._lock:
@@ -223,22 +223,32 @@ def warm_up(prop, num_drafts: int, chain_buckets: Sequence[int], prefill_buckets
     cache row. Buckets not in the proposer's set are refused before any work.
     """
     k = check_count(num_drafts, "num_drafts", 1, prop.options.max_num_drafts)
-    for what, buckets in (("chain buckets", chain_buckets), ("prefill buckets", prefill_buckets),
-                          ("first-step buckets", first_step_buckets)):
-        unknown = sorted(set(buckets) - set(prop.buckets))
-        if unknown:
-            raise InputError(describe(what, f"buckets of the proposer {prop.buckets}", unknown))
+    chain = _known_buckets(prop, "chain buckets", chain_buckets)
+    prefill = _known_buckets(prop, "prefill buckets", prefill_buckets)
+    first = _known_buckets(prop, "first-step buckets", first_step_buckets)
     with prop._lock:
-        for bucket in sorted(set(chain_buckets), reverse=True):
+        for bucket in chain:
             _run_dead(prop, bucket, prop._executor(bucket, k, False))
-        for bucket in sorted(set(prefill_buckets), reverse=True):
+        for bucket in prefill:
             _run_dead(prop, bucket, prop._prefill_executor(bucket))
-        for bucket in sorted(set(first_step_buckets), reverse=True):
+        for bucket in first:
             _run_dead(prop, bucket, prop._executor(bucket, 1, False))
-        if first_step_buckets and k > 1:
-            for bucket in sorted(set(chain_buckets), reverse=True):
+        if first and k > 1:
+            for bucket in chain:
                 staging, executor = _continuation(prop, bucket, k - 1)
                 _run_dead(prop, bucket, executor, staging)
+
+
+def _known_buckets(prop, what: str, buckets: object) -> list[int]:
+    """``buckets`` as distinct ints, largest first, each one of the proposer's; else an InputError."""
+    expected = f"buckets of the proposer {prop.buckets}"
+    if sequence_length(buckets) is None:
+        raise InputError(describe(what, f"a sequence of {expected}", type(buckets).__name__))
+    sizes = {as_int(b, what, expected) for b in buckets}
+    unknown = sorted(sizes - set(prop.buckets))
+    if unknown:
+        raise InputError(describe(what, expected, unknown))
+    return sorted(sizes, reverse=True)
 
 
 def _run_dead(prop, bucket: int, executor, staging=None) -> None:

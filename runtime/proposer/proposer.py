@@ -55,7 +55,7 @@ from draftgraph.runtime.cache.paged_cache import BLOCK_SIZE, PagedLatentCache, T
 from draftgraph.runtime.cache.staging import ChainStaging
 from draftgraph.runtime.device import concrete_device
 from draftgraph.runtime.errors import CacheError, CaptureError, InputError, NonFiniteError, describe
-from draftgraph.runtime.execution.eager import EagerExecutor
+from draftgraph.runtime.execution.eager import EagerExecutor, bind_tensors
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
 from draftgraph.runtime.model.config import V4Config
 from draftgraph.runtime.native import batch_kernel
@@ -71,6 +71,8 @@ from draftgraph.runtime.proposer.checks import (
     check_ints,
     check_state,
     check_states,
+    sequence_length,
+    states_length,
 )
 from draftgraph.runtime.proposer.options import DEFAULT_BUCKETS, ProposerOptions, check_buckets
 from draftgraph.runtime.proposer.runners.base import RunnerNode, load_runner, runner_name
@@ -130,6 +132,13 @@ def _nonfinite_rows(hiddens) -> list[int]:
     return torch.nonzero(~torch.isfinite(rows.reshape(rows.shape[0], -1)).all(dim=1)).flatten().tolist()
 
 
+def _check_tensors(tensors: object) -> None:
+    """The weights given to the constructor or load_weights: a mapping of checkpoint names to tensors."""
+    if not isinstance(tensors, Mapping):
+        raise InputError(describe("tensors", "a mapping of checkpoint names to tensors", type(tensors).__name__,
+                                  "load_checkpoint(path).tensors, or from_checkpoint(path)"))
+
+
 def _serialized(method):
     """Run ``method`` under the proposer's lock (design note "threads")."""
 
@@ -162,9 +171,7 @@ class DeepseekV4MtpProposer:
         if not isinstance(config, V4Config):
             raise InputError(describe("config", "a V4Config", type(config).__name__,
                                       "DeepseekV4MtpProposer.from_checkpoint(path) reads a checkpoint folder"))
-        if not isinstance(tensors, Mapping):
-            raise InputError(describe("tensors", "a mapping of checkpoint names to tensors", type(tensors).__name__,
-                                      "load_checkpoint(path).tensors, or from_checkpoint(path)"))
+        _check_tensors(tensors)
         if options is not None and kw:
             raise InputError(describe("options", "options= or keyword options, not both", f"options= and {sorted(kw)}",
                                       "dataclasses.replace(options, ...) sets fields of an options object"))
@@ -209,6 +216,7 @@ class DeepseekV4MtpProposer:
         self.generation = 0  # bumped whenever executors are dropped; a stale executor never runs
         self._pool = None  # one CUDA graph memory pool shared by every capture
         self.use_captured = opts.executor == "captured" or (opts.executor == "auto" and self.device.type == "cuda")
+        self._check_weights(self.weights)  # a missing or misshapen weight: refused here, not at the first propose
 
     @staticmethod
     def from_checkpoint(path: str | Path, device=None, **kw) -> DeepseekV4MtpProposer:
@@ -291,9 +299,7 @@ class DeepseekV4MtpProposer:
         -------
         >>> prop.propose_batch([5, 17], torch.stack([h0, h1]), [40, 9], 3, [s0, s1])  # doctest: +SKIP
         """
-        if isinstance(states, (str, bytes, MtpProposerState)) or not hasattr(states, "__len__"):
-            raise InputError(describe("states", "a sequence of states", type(states).__name__))
-        n = len(states)
+        n = states_length(states)
         if not 1 <= n <= self.propose_batch_max():
             raise InputError(describe("batch size", f"1..{self.propose_batch_max()} (propose_batch_max)", n))
         with self._lock:
@@ -561,17 +567,27 @@ class DeepseekV4MtpProposer:
         return plan
 
     def chain_spec(self, num_drafts: int, masked: bool = False) -> ChainSpec:
+        """The K-draft chain's spec; K in 1..max_num_drafts (a larger one built a graph of K steps first)."""
+        num_drafts = check_count(num_drafts, "num_drafts", 1, self.options.max_num_drafts)
+        if not isinstance(masked, (bool, np.bool_)):
+            raise InputError(describe("masked", "True or False", repr(masked)))
         ws = self.runner.workspace_bytes(self.buckets[-1]) if self.runner is not None else 0
         return ChainSpec(num_drafts=num_drafts, mode=self.options.mode, mtp_vocab_size=self.options.mtp_vocab_size,
-                         masked=masked, runner=runner_name(self.runner), runner_workspace_bytes=ws,
+                         masked=bool(masked), runner=runner_name(self.runner), runner_workspace_bytes=ws,
                          conf_tau=self.options.draft_conf_tau, numerics=self.numerics(), shard=self.shard)
 
-    def numerics(self) -> Numerics:
-        """The graphs' weight formats (from the bound weights), KV rounding and activations (options)."""
-        formats = weight_formats(self.weights)
+    def numerics(self, weights: Mapping | None = None) -> Numerics:
+        """The graphs' weight formats (from the bound weights, or ``weights``), KV rounding and activations."""
+        formats = weight_formats(self.weights if weights is None else weights)
         checkpoint_scaled = any(name != "head.weight" for name, _ in formats)  # an FP8 draft head: not the KV's cue
         return numerics_for(formats, self.options.kv_fp8_round_on(self.device, checkpoint_scaled),
                             self.options.activations)
+
+    def _check_weights(self, weights: Mapping) -> None:
+        """Prepared weights hold every tensor the one-draft chain binds, of its spec, on the device: an
+        InputError naming the first problems now, not at the first propose (nothing is replaced)."""
+        spec = dataclasses.replace(self.chain_spec(1), numerics=self.numerics(weights))
+        bind_tensors(build_draft_chain(self.config, self.geometry, spec), weights, self.state_tensors, 1, self.device)
 
     def chain_graph(self, num_drafts: int, masked: bool = False):
         """The K-draft chain as declared (the executors run it after runtime/passes)."""
@@ -620,9 +636,14 @@ class DeepseekV4MtpProposer:
 
     @_serialized
     def capture(self, num_drafts: Sequence[int] = (1,), masked: bool = False) -> None:
-        """Build (and on CUDA capture) the chain for every bucket, largest bucket first."""
+        """Build (and on CUDA capture) the chain for every bucket, largest bucket first; ``num_drafts``
+        is one K or several."""
+        counts = [num_drafts] if isinstance(num_drafts, (int, np.integer)) else num_drafts
+        if sequence_length(counts) is None:
+            raise InputError(describe("num_drafts", "a K or a sequence of them", type(num_drafts).__name__))
+        counts = [self.chain_spec(k, masked).num_drafts for k in counts]  # every K checked before any capture
         for bucket in sorted(self.buckets, reverse=True):
-            for k in num_drafts:
+            for k in counts:
                 executor = self._executor(bucket, k, masked)
                 if hasattr(executor, "capture") and executor.cuda_graph is None:
                     executor.capture()
@@ -656,9 +677,13 @@ class DeepseekV4MtpProposer:
 
     @_serialized
     def load_weights(self, tensors) -> None:
-        """Replace the weights (same config): every captured graph is dropped."""
-        self.weights = prepare_weights(self.config, tensors, self.device, weights=self.options.weights_on(self.device),
-                                       shard=self.shard, head_dtype=self.options.head_dtype)
+        """Replace the weights (same config): every captured graph is dropped. Weights the chain cannot
+        bind are refused, and the ones it has stay."""
+        _check_tensors(tensors)
+        weights = prepare_weights(self.config, tensors, self.device, weights=self.options.weights_on(self.device),
+                                  shard=self.shard, head_dtype=self.options.head_dtype)
+        self._check_weights(weights)
+        self.weights = weights
         if self.runner is not None and hasattr(self.runner, "bind"):
             self.runner.bind(self.config, self.weights, self.device)
         self.drop_executors()
@@ -680,9 +705,7 @@ class DeepseekV4MtpProposer:
         proposed since its last verify. All or nothing: any bad entry raises the error
         ``after_verify`` would give for it, and no row changes.
         """
-        if isinstance(states, (str, bytes, MtpProposerState)) or not hasattr(states, "__len__"):
-            raise InputError(describe("states", "a sequence of states", type(states).__name__))
-        self._verify(num_accepted, states, len(states))
+        self._verify(num_accepted, states, states_length(states))
 
     def _verify(self, counts, states, n: int) -> None:
         """The one path of after_verify: the batch kernel's verify (checks, roll-back, blocks given back)."""
@@ -707,7 +730,7 @@ class DeepseekV4MtpProposer:
 
     def _verify_arrays(self, counts, states, n: int) -> tuple[np.ndarray, np.ndarray]:
         """The kernel's keys and counts (int64 [n]); anything unusual through the item-by-item checks."""
-        if n == 1 and type(counts) is list and type(counts[0]) is int:
+        if n == 1 and type(counts) is list and len(counts) == 1 and type(counts[0]) is int:
             keys, accepted = self._verify_one
             try:
                 keys[0], accepted[0] = states[0].key, counts[0]
@@ -732,7 +755,7 @@ class DeepseekV4MtpProposer:
         hidden for prompt_tokens[i]. Returns the rows written (P - 1); the first propose then comes
         at position P - 1 with the token the target sampled after the prompt.
         """
-        tokens = list(prompt_tokens) if not isinstance(prompt_tokens, (str, bytes)) else None
+        tokens = list(prompt_tokens) if sequence_length(prompt_tokens) else None
         if not tokens:
             raise InputError(describe("prefill_drafter prompt_tokens", "a non-empty sequence of token ids",
                                       repr(prompt_tokens)))
@@ -847,8 +870,12 @@ class DeepseekV4MtpProposer:
             blocks = blocks.taken if blocks.taken is not None else blocks[0]
         if isinstance(blocks, TakenBlocks):
             self.cache.free_blocks(blocks)
-        else:
-            self.cache.free_blocks([int(b) for b in blocks if b >= 0])
+            return
+        if sequence_length(blocks) is None:
+            raise InputError(describe("free_drafter_kv blocks", "what take_drafter_kv returned, or block ids",
+                                      type(blocks).__name__))
+        ids = [as_int(b, "free_drafter_kv blocks", "block ids (ints; -1: none)") for b in blocks]
+        self.cache.free_blocks([b for b in ids if b >= 0])
 
     # ---- small queries (the seed's trait) -------------------------------------------------------
     def last_confidence(self) -> float | None:
@@ -867,7 +894,8 @@ class DeepseekV4MtpProposer:
         return False
 
     def prefill_hidden_rows(self, max_seq_len: int) -> int:
-        return min(max_seq_len, self.max_seq_len)
+        """The hidden rows a prefill of up to ``max_seq_len`` tokens hands this proposer (the seed's query)."""
+        return min(check_count(max_seq_len, "max_seq_len", 0, 1 << 62), self.max_seq_len)
 
     def _leave_embedding(self, token: torch.Tensor, target: torch.Tensor) -> None:
         table = self.weights["embed.weight"]

@@ -63,7 +63,7 @@ class RunnerNode:
 
 def load_runner(spec: str | DraftRunner | None) -> DraftRunner | None:
     """``None``/"builtin" -> None (the op subgraph); a name of a shipped runner; or ``pkg.mod:callable``."""
-    if spec is None or spec == "builtin":
+    if spec is None or (isinstance(spec, str) and spec == "builtin"):
         return None
     if not isinstance(spec, str):
         if not callable(spec):
