@@ -157,6 +157,19 @@ def test_bad_input_changes_nothing():
         target.verify(state, [5], 3)  # one state, not a list of them: a TypeError from len() before
     with pytest.raises(InputError, match="forward token_lists: expected a sequence .* got str"):
         target.verify([state], "5", [3])
+    # from a fuzz of the public methods: each was an AttributeError or TypeError from inside
+    with pytest.raises(InputError, match="target state: expected a TargetSeqState"):
+        target.prefill(3, [1])
+    with pytest.raises(InputError, match="sequence 0 tokens: expected a sequence of token ids, got int"):
+        target.prefill(state, 7)
+    with pytest.raises(InputError, match="forward token_lists: expected a sequence .* got Tensor"):
+        target.verify([state], torch.tensor(5), [3])  # a 0-d tensor: len() raised
+    with pytest.raises(InputError, match=r"warm-up buckets: expected buckets of the target .* got \[3\]"):
+        target.warm_up([3])
+    with pytest.raises(InputError, match="capture buckets: expected a sequence of buckets"):
+        target.capture(8)
+    with pytest.raises(InputError, match="num_drafts: expected an int >= 1, got \\[2\\]"):
+        target.device_verifier([2])
     other = target.alloc_state()
     with pytest.raises(CacheError, match="free block"):  # 1 block held, 2 free; 33 rows need 3
         target.forward([other], [list(range(33))], [0])

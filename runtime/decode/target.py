@@ -47,6 +47,7 @@ from draftgraph.runtime.ir.tensor_spec import B, TensorSpec
 from draftgraph.runtime.model.config import V4Config
 from draftgraph.runtime.native import batch_kernel
 from draftgraph.runtime.proposer.binding import prepare_weights
+from draftgraph.runtime.proposer.checks import known_buckets, sequence_length
 
 DEFAULT_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 _ids = iter(range(1, 1 << 62))
@@ -180,7 +181,7 @@ class TargetModel:
     # ---- forward -----------------------------------------------------------------------------
     def prefill(self, state: TargetSeqState, tokens: Sequence[int]) -> TargetOutput:
         """Run a prompt from position ``state.length`` (0 for a new sequence); rows are final."""
-        return self.forward([state], [tokens], [state.length], final=True)[0]
+        return self.forward([state], [tokens], [self._check_state(state).length], final=True)[0]
 
     def verify(
         self,
@@ -210,7 +211,7 @@ class TargetModel:
         On any error the sequences keep their committed rows only (blocks past them go back).
         """
         for what, value in (("states", states), ("token_lists", token_lists), ("start_positions", start_positions)):
-            if isinstance(value, (str, bytes, TargetSeqState)) or not hasattr(value, "__len__"):
+            if isinstance(value, TargetSeqState) or sequence_length(value) is None:
                 raise InputError(describe(f"forward {what}", "a sequence with one entry per sequence",
                                           type(value).__name__, "prefill(state, tokens) takes one sequence"))
         n = len(states)
@@ -228,6 +229,8 @@ class TargetModel:
         rows: list[tuple[int, int, int]] = []  # (sequence, position, token), sequence-major
         for i, (state, tokens, start) in enumerate(zip(states, token_lists, start_positions)):
             self._check_state(state)
+            if sequence_length(tokens) is None:
+                raise InputError(describe(f"sequence {i} tokens", "a sequence of token ids", type(tokens).__name__))
             tokens = [self._check_token(t, i) for t in tokens]
             if not tokens:
                 raise InputError(describe(f"sequence {i} tokens", "at least one token", "none"))
@@ -332,6 +335,8 @@ class TargetModel:
 
     def graph_pool(self):
         """The one CUDA graph memory pool every capture of this target shares."""
+        if self.device.type != "cuda":
+            raise InputError(describe("graph_pool", "a target on a CUDA device (a pool of CUDA graphs)", self.device))
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
@@ -361,6 +366,7 @@ class TargetModel:
 
     def mark_dead(self, bucket: int):
         """Stage a run of no rows on the bucket's buffers (every row dead: it writes no cache row)."""
+        (bucket,) = known_buckets("mark_dead bucket", [bucket], self.buckets, "target")
         empty = np.zeros(0, dtype=np.int64)
         no_table = np.full((1, self.cache.max_blocks_per_seq), -1, dtype=np.int32)
         return self._staging_for(bucket).stage(no_table, empty, empty, empty, empty, [], 1)
@@ -368,10 +374,7 @@ class TargetModel:
     def warm_up(self, buckets: Sequence[int]) -> None:
         """Build every bucket's executor and run it once on dead rows (captured: capture it), so that
         no run of these buckets builds, captures or compiles anything later. Unknown buckets: InputError."""
-        unknown = sorted(set(buckets) - set(self.buckets))
-        if unknown:
-            raise InputError(describe("warm-up buckets", f"row buckets of the target {self.buckets}", unknown))
-        for bucket in sorted(set(buckets), reverse=True):
+        for bucket in known_buckets("warm-up buckets", buckets, self.buckets, "target"):
             staged = self.mark_dead(bucket)
             self._executor(bucket).warm({name: staged[name] for name in self.graph.inputs})
 
@@ -379,13 +382,15 @@ class TargetModel:
         """The :class:`~draftgraph.runtime.decode.device_verify.DeviceVerifier` for K drafts (one per K, kept)."""
         from draftgraph.runtime.decode.device_verify import DeviceVerifier
 
-        if num_drafts not in self._verifiers:
-            self._verifiers[num_drafts] = DeviceVerifier(self, num_drafts)
-        return self._verifiers[num_drafts]
+        verifier = self._verifiers.get(num_drafts) if type(num_drafts) is int else None
+        if verifier is None:  # DeviceVerifier checks K: nothing is kept for a bad one
+            verifier = self._verifiers[num_drafts] = DeviceVerifier(self, num_drafts)
+        return verifier
 
     def capture(self, buckets: Sequence[int] | None = None) -> None:
-        """Build (and on CUDA capture) the executor of every bucket, largest first."""
-        for bucket in sorted(buckets or self.buckets, reverse=True):
+        """Build (and on CUDA capture) the executor of every bucket (None: all), largest first."""
+        for bucket in known_buckets("capture buckets", self.buckets if buckets is None else buckets, self.buckets,
+                                    "target"):
             executor = self._executor(bucket)
             if hasattr(executor, "capture") and executor.cuda_graph is None:
                 executor.capture()

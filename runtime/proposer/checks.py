@@ -285,6 +285,18 @@ def states_length(states: object) -> int:
     return n
 
 
+def known_buckets(what: str, buckets: object, allowed: Sequence[int], owner: str) -> list[int]:
+    """``buckets`` as distinct ints, largest first, each one of ``allowed`` (the ``owner``'s); else an InputError."""
+    expected = f"buckets of the {owner} {tuple(allowed)}"
+    if sequence_length(buckets) is None:
+        raise InputError(describe(what, f"a sequence of {expected}", type(buckets).__name__))
+    sizes = {as_int(b, what, expected) for b in buckets}
+    unknown = sorted(sizes - set(allowed))
+    if unknown:
+        raise InputError(describe(what, expected, unknown))
+    return sorted(sizes, reverse=True)
+
+
 def check_batch(name: str, items: object, n: int) -> None:
     length = sequence_length(items)
     if length is None:

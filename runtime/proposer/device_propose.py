@@ -57,13 +57,12 @@ from draftgraph.runtime.proposer.catchup import (
 )
 from draftgraph.runtime.proposer.checks import (
     any_set,
-    as_int,
     check_count,
     check_hiddens,
     check_ints,
     check_states,
+    known_buckets,
     same_ints,
-    sequence_length,
     states_length,
 )
 
@@ -223,9 +222,9 @@ def warm_up(prop, num_drafts: int, chain_buckets: Sequence[int], prefill_buckets
     cache row. Buckets not in the proposer's set are refused before any work.
     """
     k = check_count(num_drafts, "num_drafts", 1, prop.options.max_num_drafts)
-    chain = _known_buckets(prop, "chain buckets", chain_buckets)
-    prefill = _known_buckets(prop, "prefill buckets", prefill_buckets)
-    first = _known_buckets(prop, "first-step buckets", first_step_buckets)
+    chain = known_buckets("chain buckets", chain_buckets, prop.buckets, "proposer")
+    prefill = known_buckets("prefill buckets", prefill_buckets, prop.buckets, "proposer")
+    first = known_buckets("first-step buckets", first_step_buckets, prop.buckets, "proposer")
     with prop._lock:
         for bucket in chain:
             _run_dead(prop, bucket, prop._executor(bucket, k, False))
@@ -237,18 +236,6 @@ def warm_up(prop, num_drafts: int, chain_buckets: Sequence[int], prefill_buckets
             for bucket in chain:
                 staging, executor = _continuation(prop, bucket, k - 1)
                 _run_dead(prop, bucket, executor, staging)
-
-
-def _known_buckets(prop, what: str, buckets: object) -> list[int]:
-    """``buckets`` as distinct ints, largest first, each one of the proposer's; else an InputError."""
-    expected = f"buckets of the proposer {prop.buckets}"
-    if sequence_length(buckets) is None:
-        raise InputError(describe(what, f"a sequence of {expected}", type(buckets).__name__))
-    sizes = {as_int(b, what, expected) for b in buckets}
-    unknown = sorted(sizes - set(prop.buckets))
-    if unknown:
-        raise InputError(describe(what, expected, unknown))
-    return sorted(sizes, reverse=True)
 
 
 def _run_dead(prop, bucket: int, executor, staging=None) -> None:
