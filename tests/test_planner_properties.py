@@ -208,3 +208,10 @@ def test_summary_json_and_byte_formats():
         "2M",
         "1.2M",
     ]
+
+
+@pytest.mark.parametrize("buffers", [None, 3, 1.5], ids=repr)
+def test_plan_arena_of_no_sequence_is_a_plan_error(buffers):
+    """Was a TypeError from tuple() (a random fuzz of the planner's arguments)."""
+    with pytest.raises(PlanError, match=r"plan_arena input: expected a sequence of Buffer objects, got "):
+        plan_arena(buffers)

@@ -328,7 +328,10 @@ def plan_arena(
     (768, 768)
     """
     began = time.perf_counter()
-    buffers = tuple(buffers)  # once: an iterator would be spent by the checks
+    try:
+        buffers = tuple(buffers)  # once: an iterator would be spent by the checks
+    except TypeError:
+        raise PlanError(describe("plan_arena input", "a sequence of Buffer objects", type(buffers).__name__)) from None
     _check_input(buffers, alignment, time_limit_s, seed, max_attempts)
     units = np.array([aligned(b.size, alignment) // alignment for b in buffers], dtype=np.int64)
     bound_units = lower_bound(buffers, alignment) // alignment
