@@ -144,3 +144,24 @@ def test_the_eager_executor_refuses_no_graph_and_no_batch(graph_ok, batch, match
     import numpy as np
 
     assert EagerExecutor(chain(), np.int64(2), weights, device="cpu").batch == 2  # numpy ints count as ints
+
+
+@pytest.mark.parametrize("build, fragment", [
+    (lambda b, x, w: GraphBuilder(3), "graph name: expected a non-empty str, got 3"),
+    (lambda b, x, w: b.input("", TensorSpec((B, 8), F32)), "input name: expected a non-empty str, got ''"),
+    (lambda b, x, w: b.input("y", (B, 8)), "input 'y' spec: expected a TensorSpec, got tuple"),
+    (lambda b, x, w: b.op("linear", [x, "w"]), "linear inputs: expected values the builder made"),
+    (lambda b, x, w: b.op("linear", x), "linear inputs: expected a sequence of values the builder made, got Value"),
+    (lambda b, x, w: b.op(None, [x, w]), "op name: expected a non-empty str, got None"),
+    (lambda b, x, w: b.output(None), "outputs: expected values the builder made"),
+    (lambda b, x, w: b.subgraph("s", None, [x]), "subgraph 's': expected a Graph"),
+], ids=["graph name", "empty name", "spec a tuple", "input a str", "inputs one value", "op None", "output None",
+        "subgraph None"])
+def test_builder_misuse_is_a_graph_error(build, fragment):
+    """Each was an AttributeError or TypeError from inside the builder (a fuzz of its calls)."""
+    b = GraphBuilder("misuse")
+    x = b.input("x", TensorSpec((B, 8), F32))
+    w = b.weight("w", TensorSpec((4, 8), F32))
+    with pytest.raises(GraphError) as info:
+        build(b, x, w)
+    assert fragment in str(info.value)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from draftgraph.runtime.errors import GraphError
+from draftgraph.runtime.errors import GraphError, describe
 from draftgraph.runtime.ir.graph import Graph, Node, Value, ValueKind
 from draftgraph.runtime.ir.op_registry import ShapeRuleError, get_op
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
@@ -35,9 +35,26 @@ def normalize_attrs(attrs: Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: norm(v) for k, v in sorted((attrs or {}).items())}
 
 
+def _name(what: str, name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise GraphError(describe(what, "a non-empty str", repr(name)))
+    return name
+
+
+def _values(what: str, values: object) -> tuple[Value, ...]:
+    """``values`` as a tuple of Values (the builder's own results); anything else is a GraphError."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, set, frozenset)):
+        raise GraphError(describe(what, "a sequence of values the builder made", type(values).__name__))
+    bad = [type(v).__name__ for v in values if not isinstance(v, Value)]
+    if bad:
+        raise GraphError(describe(what, "values the builder made (b.input, b.weight, b.op ...)", bad,
+                                  "pass what those calls returned"))
+    return tuple(values)
+
+
 class GraphBuilder:
     def __init__(self, name: str = "graph") -> None:
-        self.graph = Graph(name)
+        self.graph = Graph(_name("graph name", name))
         self._prefix: list[str] = []
         self._guard: str | None = None
 
@@ -63,6 +80,9 @@ class GraphBuilder:
 
     # ---- values ------------------------------------------------------------
     def _add_value(self, name: str, spec: TensorSpec, kind: ValueKind, producer=None) -> Value:
+        _name(f"{kind.value} name", name)
+        if not isinstance(spec, TensorSpec):
+            raise GraphError(describe(f"{kind.value} {name!r} spec", "a TensorSpec", type(spec).__name__))
         if name in self.graph.values:
             raise GraphError(f"value {name!r} is defined twice (hint: names must be unique)")
         value = Value(name, spec, kind, producer)
@@ -107,7 +127,10 @@ class GraphBuilder:
         ``subgraph``: the node's implementation as a graph (inlined by ``flatten``); its inputs
         are the node's first inputs, in order, and its outputs the node's.
         """
-        opdef = get_op(op_name)
+        opdef = get_op(_name("op name", op_name))
+        inputs = _values(f"{op_name} inputs", inputs)
+        if name is not None:
+            _name(f"{op_name} node name", name)
         attrs = normalize_attrs(attrs)
         node_name = self._unique(self._qualify(name or op_name))
         try:
@@ -127,6 +150,10 @@ class GraphBuilder:
         self, name: str, graph: Graph, inputs: Sequence[Value], attrs: Mapping[str, Any] | None = None
     ) -> Value | tuple[Value, ...]:
         """Call ``graph`` as one node. Its weights and state join this graph by name."""
+        _name("subgraph name", name)
+        if not isinstance(graph, Graph):
+            raise GraphError(describe(f"subgraph {name!r}", "a Graph (GraphBuilder.build())", type(graph).__name__))
+        inputs = _values(f"subgraph {name!r} inputs", inputs)
         if len(inputs) != len(graph.inputs):
             raise GraphError(
                 f"subgraph {name!r} inputs: expected {len(graph.inputs)} ({', '.join(graph.inputs)}), "
@@ -162,14 +189,14 @@ class GraphBuilder:
 
     # ---- outputs -------------------------------------------------------------
     def output(self, *values: Value) -> None:
-        for v in values:
+        for v in _values("outputs", values):
             if v.name in self.graph.outputs:
                 raise GraphError(f"output {v.ref} is declared twice")
             self.graph.outputs.append(v.name)
 
     def discard(self, *values: Value) -> None:
         """Mark outputs of a multi-output op as deliberately unused."""
-        self.graph.discarded.update(v.name for v in values)
+        self.graph.discarded.update(v.name for v in _values("discarded", values))
 
     def build(self, validate: bool = True) -> Graph:
         if validate:
