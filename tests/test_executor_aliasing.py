@@ -142,3 +142,24 @@ def test_a_bind_error_names_its_first_problems_on_its_first_line():
     assert first == ("cannot bind graph tensors: 2 problem(s): @w0: expected f32[4,4], got f32[4,5]; "
                      "@w1: missing (expected f32[4,4])")
     assert len(rest) == 2
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda g, w: EagerExecutor(g, 2, [w]), "weights: expected a mapping of value names to tensors, got list"),
+    (lambda g, w: EagerExecutor(g, 2, {"w": "q"}), "weights: 1 problem(s): 'w': expected a tensor, got str"),
+    (lambda g, w: EagerExecutor(g, 2, {"w": w}, state=3), "state: expected a mapping"),
+    (lambda g, w: EagerExecutor(g, 2, {"w": w}).run(None), "graph inputs: expected a mapping of ['x'] to tensors"),
+    (lambda g, w: EagerExecutor(g, 2, {"w": w}).run({"x": "a"}), "input %x: expected a tensor f32[B,4], got str"),
+], ids=["weights a list", "a weight a str", "state an int", "inputs None", "an input a str"])
+def test_executor_arguments_of_the_wrong_kind_are_input_errors(make, fragment):
+    """Each was an AttributeError or TypeError from inside (a fuzz of the executor's arguments)."""
+    from draftgraph.runtime.ir.builder import GraphBuilder
+    from draftgraph.runtime.ir.tensor_spec import B, TensorSpec
+
+    b = GraphBuilder("kinds")
+    x = b.input("x", TensorSpec((B, 4), torch.float32))
+    w = b.weight("w", TensorSpec((4, 4), torch.float32))
+    b.output(b.op("linear", [x, w]))
+    with pytest.raises(InputError) as info:
+        make(b.build(), torch.randn(4, 4))
+    assert fragment in str(info.value)

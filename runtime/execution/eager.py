@@ -31,6 +31,7 @@ from draftgraph.runtime.ir.printer import format_node
 from draftgraph.runtime.ir.schedule import flatten
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
 from draftgraph.runtime.ir.validate import validate
+from draftgraph.runtime.model.quant import QuantWeight
 from draftgraph.runtime.passes import DEFAULT_PASSES, Pass, run_passes
 from draftgraph.runtime.planning.graph_plan import DEFAULT_ALIGNMENT, GraphPlan, plan_graph
 
@@ -137,6 +138,8 @@ class EagerExecutor:
         if count is None or count < 1:  # the plan sizes every B-shaped buffer by it
             raise InputError(describe("batch", "an int >= 1", repr(batch)))
         batch = count
+        for what, tensors in (("weights", weights), ("state", state or {})):
+            _check_tensor_map(what, tensors)
         EagerExecutor.num_built += 1
         self.graph = flatten(run_passes(graph, passes).graph)
         validate(self.graph)
@@ -234,11 +237,16 @@ class EagerExecutor:
 
     # ---- running ----------------------------------------------------------------
     def check_inputs(self, inputs: Mapping[str, torch.Tensor]) -> None:
+        if not isinstance(inputs, Mapping):
+            raise InputError(describe("graph inputs", f"a mapping of {self.graph.inputs} to tensors",
+                                      type(inputs).__name__))
         missing = [n for n in self.graph.inputs if n not in inputs]
         if missing:
             raise InputError(describe("graph inputs", self.graph.inputs, sorted(inputs), f"missing {missing}"))
         for name in self.graph.inputs:
             spec, tensor = self.graph.values[name].spec, inputs[name]
+            if not isinstance(tensor, torch.Tensor):
+                raise InputError(describe(f"input %{name}", f"a tensor {spec.short()}", type(tensor).__name__))
             want = spec.concrete(self.batch)
             if tuple(tensor.shape) != want or tensor.dtype != spec.dtype:
                 raise InputError(describe(f"input %{name}", f"{spec.short()} with B={self.batch}",
@@ -358,6 +366,16 @@ def run_if_flag_set(flag: torch.Tensor, body: Callable[[], None]) -> None:
     """The eager gate: read the flag (a host sync) and run the body when it is nonzero."""
     if int(flag.item()):
         body()
+
+
+def _check_tensor_map(what: str, tensors: object) -> None:
+    """The executor's weights or state: a mapping of names to tensors (block-scaled weights too)."""
+    if not isinstance(tensors, Mapping):
+        raise InputError(describe(what, "a mapping of value names to tensors", type(tensors).__name__))
+    bad = [describe(repr(name), "a tensor", type(t).__name__) for name, t in tensors.items()
+           if not isinstance(t, (torch.Tensor, QuantWeight))]
+    if bad:
+        raise InputError(f"{what}: {len(bad)} problem(s): {first_problems(bad)}")
 
 
 def _guess_device(weights: Mapping[str, torch.Tensor]) -> torch.device:
