@@ -299,6 +299,8 @@ MISUSE = {
     "load_weights of one tensor": lambda p, s, h: p.load_weights({"embed.weight": h}),  # replaced them all
     "load_weights of a str value": lambda p, s, h: p.load_weights({"embed.weight": "x"}),
     "load_weights of a list": lambda p, s, h: p.load_weights([h]),
+    # out_conf was filled after the run: a dict made an AttributeError with the propose already committed
+    "propose_batch out_conf a dict": lambda p, s, h: p.propose_batch([1], [h], [s.seq_len], 1, [s], out_conf={}),
 }
 
 

@@ -302,6 +302,9 @@ class DeepseekV4MtpProposer:
         n = states_length(states)
         if not 1 <= n <= self.propose_batch_max():
             raise InputError(describe("batch size", f"1..{self.propose_batch_max()} (propose_batch_max)", n))
+        if out_conf is not None and not isinstance(out_conf, list):  # before the run: a failing call changes nothing
+            raise InputError(describe("out_conf", "a list (it receives each row's probabilities) or None",
+                                      type(out_conf).__name__))
         with self._lock:
             drafts = self._propose(last_tokens, target_hiddens, positions, num_drafts, states, None)
             if out_conf is not None:
