@@ -301,6 +301,11 @@ MISUSE = {
     "load_weights of a list": lambda p, s, h: p.load_weights([h]),
     # out_conf was filled after the run: a dict made an AttributeError with the propose already committed
     "propose_batch out_conf a dict": lambda p, s, h: p.propose_batch([1], [h], [s.seq_len], 1, [s], out_conf={}),
+    # checked after the run until now: the propose had committed its drafts when the error came
+    "propose with a float embed target": lambda p, s, h: p.propose(1, h, s.seq_len, 2, s,
+                                                                   draft_embed_target=torch.zeros(TINY.hidden_size)),
+    "propose with a two-row embed target": lambda p, s, h: p.propose(
+        1, h, s.seq_len, 2, s, draft_embed_target=torch.zeros(2, TINY.hidden_size, dtype=torch.bfloat16)),
 }
 
 

@@ -71,6 +71,7 @@ from draftgraph.runtime.proposer.checks import (
     check_ints,
     check_state,
     check_states,
+    is_on,
     sequence_length,
     states_length,
 )
@@ -280,6 +281,8 @@ class DeepseekV4MtpProposer:
         returns its id. A hidden holding a NaN or an infinity raises NonFiniteError.
         """
         with self._lock:
+            if draft_embed_target is not None:
+                self._check_embed_target(draft_embed_target)
             drafted = self._propose([last_token], [target_hidden], [position], num_drafts, [state],
                                     grammar_bitmask)
             if draft_embed_target is not None:  # the last draft kept (fewer than K when confidence gated)
@@ -900,13 +903,18 @@ class DeepseekV4MtpProposer:
         """The hidden rows a prefill of up to ``max_seq_len`` tokens hands this proposer (the seed's query)."""
         return min(check_count(max_seq_len, "max_seq_len", 0, 1 << 62), self.max_seq_len)
 
-    def _leave_embedding(self, token: torch.Tensor, target: torch.Tensor) -> None:
+    def _check_embed_target(self, target: object) -> None:
+        """``draft_embed_target``: one contiguous embedding row (bf16, D values) on the device; checked
+        before the run, so that a bad one changes no state."""
         table = self.weights["embed.weight"]
-        if not isinstance(target, torch.Tensor) or target.shape[-1] != table.shape[1] or target.dtype != table.dtype:
-            raise InputError(describe("draft_embed_target", f"bf16 [..., {table.shape[1]}]",
-                                      f"{getattr(target, 'dtype', type(target).__name__)} "
+        if not isinstance(target, torch.Tensor) or target.numel() != table.shape[1] or target.dtype != table.dtype \
+                or not target.is_contiguous() or not is_on(target, self.device):
+            raise InputError(describe("draft_embed_target", f"one contiguous {table.dtype} row of {table.shape[1]} "
+                                      f"values on {self.device}", f"{getattr(target, 'dtype', type(target).__name__)} "
                                       f"{list(getattr(target, 'shape', []))}"))
-        torch.index_select(table, 0, token.to(self.device), out=target.view(1, -1))
+
+    def _leave_embedding(self, token: torch.Tensor, target: torch.Tensor) -> None:
+        torch.index_select(self.weights["embed.weight"], 0, token.to(self.device), out=target.view(1, -1))
         self._deferred_token = token
 
     def read_deferred_draft_token(self) -> int:
