@@ -582,9 +582,12 @@ class DeepseekV4MtpProposer:
                          masked=bool(masked), runner=runner_name(self.runner), runner_workspace_bytes=ws,
                          conf_tau=self.options.draft_conf_tau, numerics=self.numerics(), shard=self.shard)
 
-    def numerics(self, weights: Mapping | None = None) -> Numerics:
-        """The graphs' weight formats (from the bound weights, or ``weights``), KV rounding and activations."""
-        formats = weight_formats(self.weights if weights is None else weights)
+    def numerics(self) -> Numerics:
+        """The graphs' weight formats (from the bound weights), KV rounding and activations (options)."""
+        return self._numerics_of(self.weights)
+
+    def _numerics_of(self, weights: Mapping) -> Numerics:
+        formats = weight_formats(weights)
         checkpoint_scaled = any(name != "head.weight" for name, _ in formats)  # an FP8 draft head: not the KV's cue
         return numerics_for(formats, self.options.kv_fp8_round_on(self.device, checkpoint_scaled),
                             self.options.activations)
@@ -592,7 +595,7 @@ class DeepseekV4MtpProposer:
     def _check_weights(self, weights: Mapping) -> None:
         """Prepared weights hold every tensor the one-draft chain binds, of its spec, on the device: an
         InputError naming the first problems now, not at the first propose (nothing is replaced)."""
-        spec = dataclasses.replace(self.chain_spec(1), numerics=self.numerics(weights))
+        spec = dataclasses.replace(self.chain_spec(1), numerics=self._numerics_of(weights))
         bind_tensors(build_draft_chain(self.config, self.geometry, spec), weights, self.state_tensors, 1, self.device)
 
     def chain_graph(self, num_drafts: int, masked: bool = False):
