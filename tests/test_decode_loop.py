@@ -203,6 +203,12 @@ def test_bad_requests_are_refused_before_any_allocation(target):
         speculative_decode(target, proposer, [[1] * 500], 20, K)
     with pytest.raises(InputError, match="num_drafts"):
         speculative_decode(target, proposer, [[1]], 4, 0)
+    with pytest.raises(InputError, match="target: expected a TargetModel"):  # an AttributeError before
+        speculative_decode(proposer, proposer, [[1]], 4, K)
+    with pytest.raises(InputError, match="proposer: expected a DeepseekV4MtpProposer, got TargetModel"):
+        speculative_decode(target, target, [[1]], 4, K)
+    with pytest.raises(InputError, match="on_step: expected None or a callable"):
+        speculative_decode(target, proposer, [[1]], 4, K, on_step=3)
     assert speculative_decode(target, proposer, [[1]], 0, K).tokens == [[]]
     assert pools_full(target, proposer)
 
@@ -214,7 +220,10 @@ def test_bad_requests_are_refused_before_any_allocation(target):
     ([[1, 10**6]], {}, ["prompt 0 tokens[1]: expected an int in [0, ", "got 1000000"]),
     ([[1]], {"eos_id": -1}, ["eos_id: expected None or a token id", "got -1"]),  # never emitted: taken before
     ([[1]], {"eos_id": "2"}, ["eos_id: expected None or a token id", "got '2'"]),
-], ids=["str", "float", "nested", "out_of_vocab", "eos_negative", "eos_str"])
+    # from a fuzz of the loop's arguments: each was a TypeError or RuntimeError from inside
+    (np.int64(3), {}, ["prompts: expected at least one prompt", "got np.int64(3)"]),
+    ([np.int64(3)], {}, ["prompt 0: expected a sequence of token ids, got int64"]),
+], ids=["str", "float", "nested", "out_of_vocab", "eos_negative", "eos_str", "int_prompts", "int_prompt"])
 def test_prompts_and_eos_are_checked_as_ids(target, prompts, kw, fragments):
     proposer = make_proposer()
     for decode in (lambda: speculative_decode(target, proposer, prompts, 4, K, **kw),
@@ -230,6 +239,8 @@ def test_integer_prompts_of_every_kind_decode_alike(target):
     want = speculative_decode(target, proposer, [[1, 2, 3]], 4, K, warmup=False).tokens
     for ids in (np.array([1, 2, 3], dtype=np.int32), torch.tensor([1, 2, 3]), (np.int64(1), 2, 3)):
         assert speculative_decode(target, proposer, [ids], 4, K, warmup=False).tokens == want
+    # the prompts as one 2-D tensor: its truth value was a RuntimeError before
+    assert speculative_decode(target, proposer, torch.tensor([[1, 2, 3]]), 4, K, warmup=False).tokens == want
 
 
 def test_accept_greedy():

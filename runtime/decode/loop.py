@@ -62,8 +62,10 @@ from draftgraph.ops.acceptance import ACCEPTED, DROPPED, NONFINITE_HIDDEN, TOKEN
 from draftgraph.runtime.cache.hidden_rows import HiddenRows
 from draftgraph.runtime.decode import warmup as warmups
 from draftgraph.runtime.decode.stats import DecodeProgress, DecodeStats
+from draftgraph.runtime.decode.target import TargetModel
 from draftgraph.runtime.errors import InputError, NonFiniteError, describe
-from draftgraph.runtime.proposer.checks import check_ints
+from draftgraph.runtime.proposer.checks import check_ints, sequence_length
+from draftgraph.runtime.proposer.proposer import DeepseekV4MtpProposer
 
 LIVE, EOS, LENGTH, CANCELLED, FAILED = "live", "eos", "length", "cancelled", "error"
 
@@ -156,8 +158,12 @@ class DecodeSession:
         sync_phases: bool = False,
     ) -> None:
         prompts = _check_request(target, prompts, max_new_tokens, eos_id)
+        if not isinstance(proposer, DeepseekV4MtpProposer):
+            raise InputError(describe("proposer", "a DeepseekV4MtpProposer", type(proposer).__name__))
         if not isinstance(num_drafts, int) or isinstance(num_drafts, bool) or num_drafts < 1:
             raise InputError(describe("num_drafts", "an int >= 1", repr(num_drafts)))
+        if on_step is not None and not callable(on_step):
+            raise InputError(describe("on_step", "None or a callable on_step(session, event)", type(on_step).__name__))
         if proposer.options.mode != target.mode:
             raise InputError(
                 describe(
@@ -686,7 +692,9 @@ def _check_request(target, prompts, max_new_tokens, eos_id=None) -> list[list[in
     """The prompts as lists of ints, each id checked by the proposer's ``check_ints`` (ints, numpy or
     torch integers; a float or a str was truncated or failed in ``int()``), or InputError;
     max_new_tokens and eos_id too."""
-    if isinstance(prompts, (str, bytes)) or not prompts:
+    if not isinstance(target, TargetModel):
+        raise InputError(describe("target", "a TargetModel (TargetModel.from_checkpoint)", type(target).__name__))
+    if not sequence_length(prompts):  # a str, a number, a 0-d or 2-D tensor's truth value, none at all
         raise InputError(describe("prompts", "at least one prompt (a sequence of token-id sequences)",
                                   repr(prompts)[:40] if prompts is not None else "none"))
     vocab = target.config.vocab_size
@@ -704,7 +712,7 @@ def _prompt_ids(i: int, prompt, vocab: int) -> list[int]:
     if isinstance(prompt, (str, bytes)):
         raise InputError(describe(f"prompt {i}", "a sequence of token ids", type(prompt).__name__,
                                   "encode text first, e.g. ByteTokenizer().encode(text, add_bos=True)"))
-    if not hasattr(prompt, "__len__"):
+    if sequence_length(prompt) is None:
         raise InputError(describe(f"prompt {i}", "a sequence of token ids", type(prompt).__name__))
     if len(prompt) == 0:
         raise InputError(describe(f"prompt {i}", "at least one token", "an empty prompt"))
