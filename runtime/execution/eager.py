@@ -139,7 +139,7 @@ class EagerExecutor:
             raise InputError(describe("batch", "an int >= 1", repr(batch)))
         batch = count
         for what, tensors in (("weights", weights), ("state", state or {})):
-            _check_tensor_map(what, tensors)
+            check_tensor_map(what, tensors)
         EagerExecutor.num_built += 1
         self.graph = flatten(run_passes(graph, passes).graph)
         validate(self.graph)
@@ -368,10 +368,11 @@ def run_if_flag_set(flag: torch.Tensor, body: Callable[[], None]) -> None:
         body()
 
 
-def _check_tensor_map(what: str, tensors: object) -> None:
-    """The executor's weights or state: a mapping of names to tensors (block-scaled weights too)."""
+def check_tensor_map(what: str, tensors: object, names: str = "value names", hint: str | None = None) -> None:
+    """Weights or state: a mapping of ``names`` to tensors (block-scaled QuantWeights too); else an
+    InputError naming the first values that are not."""
     if not isinstance(tensors, Mapping):
-        raise InputError(describe(what, "a mapping of value names to tensors", type(tensors).__name__))
+        raise InputError(describe(what, f"a mapping of {names} to tensors", type(tensors).__name__, hint))
     bad = [describe(repr(name), "a tensor", type(t).__name__) for name, t in tensors.items()
            if not isinstance(t, (torch.Tensor, QuantWeight))]
     if bad:

@@ -23,7 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from draftgraph.runtime.errors import InputError, describe, first_problems
+from draftgraph.runtime.errors import InputError, describe
+from draftgraph.runtime.execution.eager import check_tensor_map
 from draftgraph.runtime.ir.graph import Graph
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
 from draftgraph.runtime.model.config import V4Config
@@ -33,6 +34,9 @@ from draftgraph.runtime.model.sharding import ShardPlan
 WEIGHT_MODES = ("native", "bf16")
 HEAD_DTYPES = ("bf16", "fp8")
 _ONE_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+TENSORS_HINT = "load_checkpoint(path).tensors, or from_checkpoint(path)"
 
 
 def prepare_weights(
@@ -51,10 +55,7 @@ def prepare_weights(
         raise InputError(describe("weights", " or ".join(map(repr, WEIGHT_MODES)), repr(weights)))
     if head_dtype not in HEAD_DTYPES:
         raise InputError(describe("head_dtype", " or ".join(map(repr, HEAD_DTYPES)), repr(head_dtype)))
-    not_tensors = [describe(repr(name), "a torch.Tensor or QuantWeight", type(t).__name__)
-                   for name, t in tensors.items() if not isinstance(t, (torch.Tensor, QuantWeight))]
-    if not_tensors:
-        raise InputError(f"tensors: {len(not_tensors)} problem(s): {first_problems(not_tensors)}")
+    check_tensor_map("tensors", tensors, "checkpoint names", TENSORS_HINT)
     experts = range(config.n_routed_experts)
     if shard is not None and shard.is_sharded:
         tensors = _shard_of(config, tensors, shard, prefix)

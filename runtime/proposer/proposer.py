@@ -55,12 +55,12 @@ from draftgraph.runtime.cache.paged_cache import BLOCK_SIZE, PagedLatentCache, T
 from draftgraph.runtime.cache.staging import ChainStaging
 from draftgraph.runtime.device import concrete_device
 from draftgraph.runtime.errors import CacheError, CaptureError, InputError, NonFiniteError, describe
-from draftgraph.runtime.execution.eager import EagerExecutor, bind_tensors
+from draftgraph.runtime.execution.eager import EagerExecutor, bind_tensors, check_tensor_map
 from draftgraph.runtime.ir.tensor_spec import TensorSpec
 from draftgraph.runtime.model.config import V4Config
 from draftgraph.runtime.native import batch_kernel
 from draftgraph.runtime.proposer import device_propose
-from draftgraph.runtime.proposer.binding import DraftBinding, prepare_weights, weight_formats
+from draftgraph.runtime.proposer.binding import TENSORS_HINT, DraftBinding, prepare_weights, weight_formats
 from draftgraph.runtime.proposer.call_lock import CallLock
 from draftgraph.runtime.proposer.catchup import check_rows, place_rows, write_in_prefill_runs
 from draftgraph.runtime.proposer.checks import (
@@ -133,13 +133,6 @@ def _nonfinite_rows(hiddens) -> list[int]:
     return torch.nonzero(~torch.isfinite(rows.reshape(rows.shape[0], -1)).all(dim=1)).flatten().tolist()
 
 
-def _check_tensors(tensors: object) -> None:
-    """The weights given to the constructor or load_weights: a mapping of checkpoint names to tensors."""
-    if not isinstance(tensors, Mapping):
-        raise InputError(describe("tensors", "a mapping of checkpoint names to tensors", type(tensors).__name__,
-                                  "load_checkpoint(path).tensors, or from_checkpoint(path)"))
-
-
 def _serialized(method):
     """Run ``method`` under the proposer's lock (design note "threads")."""
 
@@ -172,7 +165,7 @@ class DeepseekV4MtpProposer:
         if not isinstance(config, V4Config):
             raise InputError(describe("config", "a V4Config", type(config).__name__,
                                       "DeepseekV4MtpProposer.from_checkpoint(path) reads a checkpoint folder"))
-        _check_tensors(tensors)
+        check_tensor_map("tensors", tensors, "checkpoint names", TENSORS_HINT)  # before anything is allocated
         if options is not None and kw:
             raise InputError(describe("options", "options= or keyword options, not both", f"options= and {sorted(kw)}",
                                       "dataclasses.replace(options, ...) sets fields of an options object"))
@@ -688,7 +681,6 @@ class DeepseekV4MtpProposer:
     def load_weights(self, tensors) -> None:
         """Replace the weights (same config): every captured graph is dropped. Weights the chain cannot
         bind are refused, and the ones it has stay."""
-        _check_tensors(tensors)
         weights = prepare_weights(self.config, tensors, self.device, weights=self.options.weights_on(self.device),
                                   shard=self.shard, head_dtype=self.options.head_dtype)
         self._check_weights(weights)
