@@ -47,6 +47,7 @@ import torch
 from draftgraph.ops import acceptance as acceptance_ops
 from draftgraph.ops.acceptance import TOKENS
 from draftgraph.runtime.errors import InputError, describe
+from draftgraph.runtime.proposer.checks import known_buckets
 
 
 class DeviceVerifier:
@@ -163,7 +164,7 @@ class DeviceVerifier:
     def warm_up(self, buckets: Sequence[int]) -> None:
         """Build every bucket's verify run and run it once on dead rows (captured: capture it)."""
         target = self.target
-        for bucket in sorted(set(buckets), reverse=True):
+        for bucket in known_buckets("verify warm-up buckets", buckets, target.buckets, "target"):
             staged = target.mark_dead(bucket)
             self.executor(bucket).warm({name: staged[name] for name in target.graph.inputs})
 
